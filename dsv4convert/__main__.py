@@ -1,0 +1,3 @@
+from dsv4convert.cli import main
+
+raise SystemExit(main())

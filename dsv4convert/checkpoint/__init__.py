@@ -1,0 +1,31 @@
+"""Checkpoint I/O: validated lazy reading and atomic streaming writing of safetensors."""
+
+from dsv4convert.checkpoint.reader import INDEX_NAME, Checkpoint, read_small_json, resolve_source
+from dsv4convert.checkpoint.safetensors_io import (
+    PlannedTensor,
+    ShardWriter,
+    TensorEntry,
+    atomic_write_bytes,
+    atomic_write_json,
+    partial_path,
+    read_header,
+    read_tensor,
+)
+from dsv4convert.checkpoint.writer import copy_small_files, write_index
+
+__all__ = [
+    "INDEX_NAME",
+    "Checkpoint",
+    "PlannedTensor",
+    "ShardWriter",
+    "TensorEntry",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "copy_small_files",
+    "partial_path",
+    "read_header",
+    "read_small_json",
+    "read_tensor",
+    "resolve_source",
+    "write_index",
+]

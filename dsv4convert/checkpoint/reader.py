@@ -1,0 +1,197 @@
+"""Opening a checkpoint: a local directory or a Hugging Face repo id.
+
+``Checkpoint.open`` reads the index and every shard *header* (never the data) and checks
+them against each other before any work starts, so a missing shard, a tensor the index
+names but no shard holds, a duplicate, or a shard name that escapes the directory is
+reported up front, naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dsv4convert.checkpoint.safetensors_io import ShardHeader, TensorEntry, read_header, read_tensor
+from dsv4convert.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+MAX_SMALL_FILE_BYTES = 64 * 1024 * 1024
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def safe_shard_path(root: Path, shard: str, *, index_file: Path, tensor: str | None = None) -> Path:
+    """Resolve a shard name from an index, refusing anything that leaves ``root``."""
+    if (
+        not isinstance(shard, str)
+        or not shard
+        or shard in (".", "..")
+        or "/" in shard
+        or "\\" in shard
+        or "\x00" in shard
+        or os.path.isabs(shard)
+    ):
+        raise CheckpointError(f"shard name {shard!r} is not a plain file name in the checkpoint directory",
+                              file=index_file, tensor=tensor)
+    if not shard.endswith(".safetensors"):
+        raise CheckpointError(f"shard name {shard!r} is not a .safetensors file", file=index_file, tensor=tensor)
+    path = root / shard
+    resolved = path.resolve()
+    if resolved.parent != root.resolve() and root.resolve() not in resolved.parents:
+        raise CheckpointError(f"shard {shard!r} resolves outside the checkpoint directory (to {resolved})",
+                              file=index_file, tensor=tensor)
+    return path
+
+
+def read_small_json(path: Path) -> dict:
+    try:
+        if path.stat().st_size > MAX_SMALL_FILE_BYTES:
+            raise CheckpointError(f"file is larger than {MAX_SMALL_FILE_BYTES} bytes", file=path)
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError("file not found", file=path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"not valid JSON ({exc})", file=path) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=path) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError("not a JSON object", file=path)
+    return obj
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint: tensors by name (index order), shards in order, config."""
+
+    root: Path
+    tensors: dict[str, TensorEntry]
+    shards: list[Path]
+    headers: dict[Path, ShardHeader]
+    config: dict
+    index_file: Path | None
+    index_total_size: int | None
+    problems: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, src: str | Path, *, revision: str | None = None) -> "Checkpoint":
+        root = resolve_source(src, revision=revision)
+        index_file = root / INDEX_NAME
+        config_path = root / "config.json"
+        config = read_small_json(config_path) if config_path.exists() else {}
+        if index_file.exists():
+            return cls._open_indexed(root, index_file, config)
+        single = root / SINGLE_NAME
+        if single.exists():
+            header = read_header(single)
+            return cls(root, dict(header.entries), [single], {single: header}, config, None, None)
+        raise CheckpointError(f"no {INDEX_NAME} and no {SINGLE_NAME}: not a safetensors checkpoint", file=root)
+
+    @classmethod
+    def _open_indexed(cls, root: Path, index_file: Path, config: dict) -> "Checkpoint":
+        if index_file.stat().st_size > MAX_INDEX_BYTES:
+            raise CheckpointError(f"index is larger than {MAX_INDEX_BYTES} bytes", file=index_file)
+        index = read_small_json(index_file)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError("index has no 'weight_map' object", file=index_file)
+        total = (index.get("metadata") or {}).get("total_size") if isinstance(index.get("metadata"), dict) else None
+
+        shard_order: dict[str, Path] = {}
+        for name, shard in weight_map.items():
+            if shard not in shard_order:
+                path = safe_shard_path(root, shard, index_file=index_file, tensor=name)
+                if not path.is_file():
+                    raise CheckpointError(f"shard '{shard}' named by the index is missing", file=path, tensor=name)
+                shard_order[shard] = path
+        headers = {path: read_header(path) for path in shard_order.values()}
+
+        tensors: dict[str, TensorEntry] = {}
+        for name, shard in weight_map.items():
+            path = shard_order[shard]
+            entry = headers[path].entries.get(name)
+            if entry is None:
+                raise CheckpointError(f"the index puts this tensor in '{shard}' but that shard does not hold it",
+                                      file=path, tensor=name)
+            tensors[name] = entry
+        owner: dict[str, Path] = {}
+        for path, header in headers.items():
+            for name in header.entries:
+                if name in owner:
+                    raise CheckpointError(f"tensor is stored in two shards ('{owner[name].name}' and '{path.name}')",
+                                          file=path, tensor=name)
+                owner[name] = path
+                if name not in tensors:
+                    raise CheckpointError("shard holds a tensor the index does not name", file=path, tensor=name)
+
+        problems = []
+        data_bytes = sum(e.nbytes for e in tensors.values())
+        if isinstance(total, int) and total != data_bytes:
+            problems.append(f"{index_file}: metadata.total_size is {total} but the tensors hold {data_bytes} bytes")
+        return cls(root, tensors, list(shard_order.values()), headers, config, index_file,
+                   total if isinstance(total, int) else None, problems)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError("tensor not in checkpoint", file=self.root, tensor=name) from None
+
+    def read(self, name: str) -> torch.Tensor:
+        return read_tensor(self.entry(name))
+
+    def tensors_in(self, shard: Path) -> list[TensorEntry]:
+        """Tensors of one shard in file order (the order that streams best)."""
+        return sorted((e for e in self.tensors.values() if e.path == shard), key=lambda e: e.start)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, one at a time, shard by shard in file order."""
+        for shard in self.shards:
+            for entry in self.tensors_in(shard):
+                yield entry.name, read_tensor(entry)
+
+    def small_files(self) -> list[Path]:
+        """Files a converted checkpoint carries over: everything but weights, the index and hidden files."""
+        out = []
+        for path in sorted(self.root.iterdir()):
+            if path.name.startswith(".") or not path.is_file():
+                continue
+            if path.suffix == ".safetensors" or path.name == INDEX_NAME:
+                continue
+            if path.stat().st_size > MAX_SMALL_FILE_BYTES:
+                continue
+            out.append(path)
+        return out
+
+
+def resolve_source(src: str | Path, *, revision: str | None = None) -> Path:
+    """A local directory as is; a Hugging Face repo id through the local cache first, then the Hub."""
+    path = Path(src)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError("source is a file, not a checkpoint directory", file=path)
+    text = str(src)
+    if not _REPO_ID.match(text) or ".." in text:
+        raise CheckpointError("no such directory (and not a Hugging Face repo id 'org/name')", file=path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        local = snapshot_download(text, revision=revision, local_files_only=True)
+    except LocalEntryNotFoundError:
+        try:
+            local = snapshot_download(text, revision=revision)
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+            raise CheckpointError(f"cannot resolve Hugging Face repo: {exc}", file=text) from None
+    return Path(local)

@@ -1,0 +1,282 @@
+"""safetensors shards, one tensor at a time.
+
+We parse headers ourselves instead of trusting a library to do it because a converter
+reads files it did not write: the header length is bounded, every entry's dtype, shape
+and byte range is checked against the file before any tensor is touched, and every
+error names the file and the tensor. Tensors are read with positioned reads into a
+fresh buffer (no mmap), so resident memory stays at one tensor however large the shard.
+Writing is streaming too: the header is laid out from the planned tensor list, tensors
+are appended one by one, and the file only gets its final name once it is complete and
+fsynced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from dsv4convert import dtypes
+from dsv4convert.errors import CheckpointError
+
+# Real DeepSeek-V4 layer shards have ~170 KB headers; 64 MiB is far above any real one
+# and far below what would hurt to allocate.
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+_ALIGN = 8
+_WRITE_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: its shard, dtype, safetensors shape and absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: Path
+    start: int  # absolute file offset of the first byte
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtypes.BY_NAME[self.dtype].torch
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    path: Path
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    file_size: int
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Parse and fully validate one shard's header; raises CheckpointError naming the file/tensor."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", file=path)
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"header length field says {header_len} bytes (limit {MAX_HEADER_BYTES}): corrupt or hostile file",
+                    file=path,
+                )
+            if header_len > size - 8:
+                raise CheckpointError(
+                    f"header length field says {header_len} bytes but the file has only {size - 8} after it "
+                    "(truncated or corrupt)",
+                    file=path,
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=path) from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"header is not valid JSON ({exc})", file=path) from None
+    if not isinstance(header, dict):
+        raise CheckpointError("header is not a JSON object", file=path)
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError("__metadata__ must map strings to strings", file=path)
+    data_start = 8 + header_len
+    data_size = size - data_start
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        entries[name] = _parse_entry(path, name, info, data_start, data_size)
+    _check_no_overlap(path, entries.values())
+    return ShardHeader(path=path, entries=entries, metadata=metadata, file_size=size)
+
+
+def _parse_entry(path: Path, name: str, info: object, data_start: int, data_size: int) -> TensorEntry:
+    if not isinstance(info, dict):
+        raise CheckpointError("header entry is not an object", file=path, tensor=name)
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtypes.lookup(dtype) is None:
+        raise CheckpointError(f"unknown dtype {dtype!r}", file=path, tensor=name)
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise CheckpointError(f"bad shape {shape!r}", file=path, tensor=name)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise CheckpointError(f"bad data_offsets {offsets!r}", file=path, tensor=name)
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise CheckpointError(f"data_offsets {offsets} are negative or reversed", file=path, tensor=name)
+    if end > data_size:
+        raise CheckpointError(
+            f"data_offsets {offsets} run past the end of the data ({data_size} bytes): truncated shard",
+            file=path,
+            tensor=name,
+        )
+    if dtype == "F4" and shape and shape[-1] % 2:
+        raise CheckpointError(f"F4 tensor needs an even last dim, got {shape}", file=path, tensor=name)
+    expected = dtypes.nbytes(dtype, shape)
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{dtype} {shape} needs {expected} bytes but data_offsets {offsets} hold {end - begin}",
+            file=path,
+            tensor=name,
+        )
+    return TensorEntry(name, dtype, tuple(shape), path, data_start + begin, end - begin)
+
+
+def _check_no_overlap(path: Path, entries: Iterable[TensorEntry]) -> None:
+    ordered = sorted((e for e in entries if e.nbytes), key=lambda e: e.start)
+    for prev, cur in zip(ordered, ordered[1:]):
+        if cur.start < prev.start + prev.nbytes:
+            raise CheckpointError(f"byte range overlaps tensor '{prev.name}'", file=path, tensor=cur.name)
+
+
+def read_tensor(entry: TensorEntry) -> torch.Tensor:
+    """Read one tensor into a fresh CPU tensor of its on-disk dtype (F4 as float4_e2m1fn_x2)."""
+    buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+    try:
+        with open(entry.path, "rb", buffering=0) as f:
+            f.seek(entry.start)
+            view = memoryview(buf.numpy())
+            got = 0
+            while got < entry.nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CheckpointError(
+                        f"file ends after {got} of {entry.nbytes} bytes of this tensor (truncated shard)",
+                        file=entry.path,
+                        tensor=entry.name,
+                    )
+                got += n
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+    return buf.view(entry.torch_dtype).reshape(dtypes.torch_shape(entry.dtype, entry.shape))
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor a shard will hold, known before its data exists."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return dtypes.nbytes(self.dtype, self.shape)
+
+
+def partial_path(path: Path) -> Path:
+    """Temporary name of a shard being written: hidden, and never matched as a shard."""
+    return path.with_name(f".{path.name}.partial")
+
+
+class ShardWriter:
+    """Streams tensors into one safetensors file in a planned order, atomically.
+
+    The header is written first from the plan; ``write`` appends each tensor and checks it
+    against the plan; ``commit`` fsyncs and renames the temporary file to its final name.
+    Leaving the ``with`` block by an exception removes the temporary file.
+    """
+
+    def __init__(self, path: Path, planned: list[PlannedTensor], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.tmp = partial_path(self.path)
+        self.planned = planned
+        self._next = 0
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for p in planned:
+            header[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
+            offset += p.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % _ALIGN)
+        self.size = 8 + len(raw) + offset
+        self._file = open(self.tmp, "wb")
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self.planned):
+            raise CheckpointError("more tensors written than planned", file=self.path, tensor=name)
+        want = self.planned[self._next]
+        if name != want.name:
+            raise CheckpointError(f"written out of order (expected '{want.name}')", file=self.path, tensor=name)
+        got_dtype = dtypes.of_tensor(tensor).name
+        got_shape = dtypes.safetensors_shape(tensor)
+        # F8_E8M0 scales may be planned as U8 views and vice versa only by explicit conversion.
+        if got_dtype != want.dtype or got_shape != want.shape:
+            raise CheckpointError(
+                f"planned {want.dtype} {list(want.shape)} but got {got_dtype} {list(got_shape)}",
+                file=self.path,
+                tensor=name,
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        mv = memoryview(data)
+        for i in range(0, len(mv), _WRITE_CHUNK):
+            self._file.write(mv[i : i + _WRITE_CHUNK])
+        self._next += 1
+
+    def commit(self) -> None:
+        if self._next != len(self.planned):
+            missing = self.planned[self._next].name
+            self.abort()
+            raise CheckpointError(f"shard closed with tensor '{missing}' unwritten", file=self.path)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._file.closed:
+            self.commit()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a small file so that it is either absent, or complete under its final name."""
+    path = Path(path)
+    tmp = partial_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: object) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))

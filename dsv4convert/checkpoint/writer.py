@@ -1,0 +1,69 @@
+"""Writing a whole checkpoint: bounded shards, the index, and the small files beside them.
+
+Shards themselves are streamed by :class:`ShardWriter`; this module decides how tensors
+are grouped into shards and writes the files that make the directory a checkpoint. The
+index is written last, so a directory without one is visibly unfinished.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+from dsv4convert.checkpoint.reader import INDEX_NAME
+from dsv4convert.checkpoint.safetensors_io import PlannedTensor, atomic_write_json, fsync_dir, partial_path
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def group_into_shards(groups: Iterable[list[PlannedTensor]], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Pack groups of tensors (kept together, e.g. one layer or one source shard) into shards.
+
+    A group larger than ``max_shard_bytes`` is split at tensor boundaries; a shard never
+    exceeds the bound unless a single tensor does.
+    """
+    shards: list[list[PlannedTensor]] = []
+    current: list[PlannedTensor] = []
+    size = 0
+    for group in groups:
+        group_bytes = sum(t.nbytes for t in group)
+        if current and size + group_bytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        for t in group:
+            if current and size + t.nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = [], 0
+            current.append(t)
+            size += t.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_index(dst: Path, weight_map: dict[str, str], total_size: int, metadata: dict | None = None) -> None:
+    """Write ``model.safetensors.index.json`` atomically; ``total_size`` is the exact tensor byte count."""
+    meta = {"total_size": int(total_size)}
+    if metadata:
+        meta.update(metadata)
+    atomic_write_json(Path(dst) / INDEX_NAME, {"metadata": meta, "weight_map": dict(weight_map)})
+
+
+def copy_small_files(files: Iterable[Path], dst: Path, *, skip: set[str] = frozenset()) -> list[str]:
+    """Copy config, tokenizer and other small files (atomically each); returns the names copied."""
+    copied = []
+    for src in files:
+        if src.name in skip:
+            continue
+        target = Path(dst) / src.name
+        tmp = partial_path(target)
+        shutil.copyfile(src, tmp)
+        tmp.replace(target)
+        copied.append(src.name)
+    fsync_dir(Path(dst))
+    return copied

@@ -1,0 +1,49 @@
+"""The ``dsv4convert`` command line.
+
+Each command lives beside the code it drives and registers itself through an
+``add_parser(subparsers)`` function that sets ``func``; this module only dispatches and
+turns :class:`DSV4Error` into one ``error:`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dsv4convert import __version__
+from dsv4convert.errors import DSV4Error
+
+# Modules that define ``add_parser(subparsers)``, in the order ``--help`` lists them.
+COMMAND_MODULES = [
+    "dsv4convert.synth",
+    "dsv4convert.inspection",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsv4convert",
+        description=(
+            "Convert the native DeepSeek-V4-Flash checkpoint (FP8 + MXFP4 experts) into the "
+            "quantized variants SGLang serves, prove each one's error, and serve it."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"dsv4convert {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DSV4Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,330 @@
+"""The DeepSeek-V4 checkpoint layout: what every tensor is.
+
+From ``config.json`` alone this module knows every tensor the native checkpoint holds
+(name, safetensors dtype, shape) and, for any tensor name of any variant, its role,
+block, layer, expert and projection. It is the one place the rest of the code asks
+"what is this tensor?". The tables follow the reference code's names (``attn``/``ffn``,
+``w1/w2/w3``, ``.scale``), which the released checkpoint uses as is.
+
+Roles (``Role``) are what recipes select on; ``LINEAR_ROLES`` are the ones whose weight is
+a matrix a quantization format can apply to.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterator
+
+from dsv4convert.errors import CheckpointError
+
+FP8_BLOCK = 128
+MXFP4_GROUP = 32
+
+
+class Role(str, Enum):
+    EMBED = "embed"
+    HEAD = "head"
+    NORM = "norm"                        # every RMSNorm weight, final norm and MTP enorm/hnorm/norm included
+    HYPER_CONNECTION = "hyper_connection"  # hc_{attn,ffn,head}_{fn,base,scale}
+    ATTENTION = "attention"              # wq_a, wq_b, wkv, wo_a, wo_b
+    ATTN_SINK = "attn_sink"
+    COMPRESSOR = "compressor"            # attn.compressor.{wkv,wgate,ape,norm}
+    INDEXER = "indexer"                  # attn.indexer.wq_b (FP8 linear)
+    INDEXER_WEIGHTS_PROJ = "indexer_weights_proj"
+    INDEXER_COMPRESSOR = "indexer_compressor"  # attn.indexer.compressor.*
+    ROUTER = "router"                    # ffn.gate.weight / .bias / .tid2eid
+    SHARED_EXPERT = "shared_expert"
+    ROUTED_EXPERT = "routed_expert"
+    MTP_PROJECTION = "mtp_projection"    # mtp.N.{e_proj,h_proj}
+
+
+# Roles whose `.weight` is a 2-D matrix a format can target (when the module is a linear).
+LINEAR_ROLES = frozenset(
+    {Role.ATTENTION, Role.INDEXER, Role.SHARED_EXPERT, Role.ROUTED_EXPERT, Role.MTP_PROJECTION,
+     Role.COMPRESSOR, Role.INDEXER_WEIGHTS_PROJ, Role.INDEXER_COMPRESSOR, Role.ROUTER, Role.EMBED, Role.HEAD}
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The config fields the layout depends on, checked to be a DeepSeek-V4 config."""
+
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    num_hash_layers: int
+    num_attention_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    index_n_heads: int
+    index_head_dim: int
+    hc_mult: int
+    compress_ratios: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, config: dict, *, source: str = "config.json") -> "ModelConfig":
+        if not isinstance(config, dict):
+            raise CheckpointError("config is not a JSON object", file=source)
+        archs = config.get("architectures") or []
+        if config.get("model_type") != "deepseek_v4" and "DeepseekV4ForCausalLM" not in archs:
+            raise CheckpointError(
+                f"not a DeepSeek-V4 config (model_type={config.get('model_type')!r}, architectures={archs!r})",
+                file=source,
+            )
+        values = {}
+        for name in cls.__dataclass_fields__:
+            if name == "compress_ratios":
+                continue
+            value = config.get(name)
+            if name == "num_nextn_predict_layers" and value is None:
+                value = 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CheckpointError(f"field '{name}' must be a non-negative integer, got {value!r}", file=source)
+            values[name] = value
+        ratios = config.get("compress_ratios")
+        n_blocks = values["num_hidden_layers"] + values["num_nextn_predict_layers"]
+        if not isinstance(ratios, list) or len(ratios) < n_blocks or any(r not in (0, 4, 128) for r in ratios):
+            raise CheckpointError(
+                f"'compress_ratios' must list 0/4/128 for each of the {n_blocks} layers and MTP blocks, got {ratios!r}",
+                file=source,
+            )
+        for name in ("hidden_size", "moe_intermediate_size", "q_lora_rank", "head_dim"):
+            if values[name] % MXFP4_GROUP:
+                raise CheckpointError(f"field '{name}' must be a multiple of {MXFP4_GROUP}", file=source)
+        if (values["num_attention_heads"] * values["head_dim"]) % values["o_groups"]:
+            raise CheckpointError("num_attention_heads * head_dim must divide by o_groups", file=source)
+        return cls(**values, compress_ratios=tuple(ratios[:n_blocks]))
+
+    def block_prefixes(self) -> list[str]:
+        return [f"layers.{i}" for i in range(self.num_hidden_layers)] + [
+            f"mtp.{i}" for i in range(self.num_nextn_predict_layers)
+        ]
+
+    def ratio(self, block: str) -> int:
+        kind, idx = block.split(".")
+        i = int(idx) if kind == "layers" else self.num_hidden_layers + int(idx)
+        return self.compress_ratios[i]
+
+    def is_hash_block(self, block: str) -> bool:
+        kind, idx = block.split(".")
+        return kind == "layers" and int(idx) < self.num_hash_layers
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the native checkpoint."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def info(self) -> "TensorInfo":
+        return classify(self.name)
+
+    @property
+    def nbytes(self) -> int:
+        from dsv4convert.dtypes import nbytes
+
+        return nbytes(self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a tensor name means, for any variant (``weight_packed``, ``weight_scale_2``... included)."""
+
+    name: str
+    role: Role
+    module: str            # the name without its parameter suffix, e.g. "layers.3.ffn.experts.7.w1"
+    param: str             # "weight", "scale", "weight_scale", "bias", "tid2eid", "ape", "" for bare tensors
+    block: str | None      # "layers.3", "mtp.0", or None for global tensors
+    expert: int | None = None
+    proj: str | None = None  # w1/w2/w3 for experts and shared experts
+
+    @property
+    def layer(self) -> int | None:
+        return int(self.block.split(".")[1]) if self.block and self.block.startswith("layers.") else None
+
+    @property
+    def is_mtp(self) -> bool:
+        return bool(self.block and self.block.startswith("mtp."))
+
+
+_PARAMS = r"(?P<param>weight|scale|weight_scale|weight_scale_2|weight_scale_inv|input_scale|weight_packed|weight_shape|weight_zero_point|weight_g_idx|weight_global_scale|input_global_scale|bias|tid2eid|ape)"
+_RULES: list[tuple[re.Pattern, Role]] = [
+    (re.compile(r"^(?P<module>embed)\.(?P<param>weight)$"), Role.EMBED),
+    (re.compile(r"^(?P<module>head)\.(?P<param>weight|weight_scale|scale|weight_packed|weight_shape)$"), Role.HEAD),
+    (re.compile(r"^(?P<module>norm)\.(?P<param>weight)$"), Role.NORM),
+    (re.compile(r"^(?P<module>hc_head)_(?P<param>fn|base|scale)$"), Role.HYPER_CONNECTION),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>hc_(?:attn|ffn|head))_(?P<param>fn|base|scale)$"),
+     Role.HYPER_CONNECTION),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>(?:attn_norm|ffn_norm|enorm|hnorm|norm|attn\.q_norm|attn\.kv_norm))\.(?P<param>weight)$"),
+     Role.NORM),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn)\.(?P<param>attn_sink)$"), Role.ATTN_SINK),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn\.indexer\.compressor(?:\.(?:wkv|wgate|norm))?)\.?" + _PARAMS + r"$"),
+     Role.INDEXER_COMPRESSOR),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn\.compressor(?:\.(?:wkv|wgate|norm))?)\.?" + _PARAMS + r"$"),
+     Role.COMPRESSOR),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn\.indexer\.weights_proj)\." + _PARAMS + r"$"),
+     Role.INDEXER_WEIGHTS_PROJ),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn\.indexer\.wq_b)\." + _PARAMS + r"$"), Role.INDEXER),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b))\." + _PARAMS + r"$"),
+     Role.ATTENTION),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>ffn\.gate)\." + _PARAMS + r"$"), Role.ROUTER),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>ffn\.shared_experts\.(?P<proj>w[123]))\." + _PARAMS + r"$"),
+     Role.SHARED_EXPERT),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123]))\." + _PARAMS + r"$"),
+     Role.ROUTED_EXPERT),
+    (re.compile(r"^(?P<block>mtp\.\d+)\.(?P<module>[eh]_proj)\." + _PARAMS + r"$"), Role.MTP_PROJECTION),
+]
+
+
+def classify(name: str) -> TensorInfo:
+    """Role and position of a tensor from its name alone; raises CheckpointError if unknown."""
+    for pattern, role in _RULES:
+        m = pattern.match(name)
+        if m:
+            groups = m.groupdict()
+            block = groups.get("block")
+            module = f"{block}.{groups['module']}" if block else groups["module"]
+            expert = groups.get("expert")
+            return TensorInfo(
+                name=name,
+                role=role,
+                module=module,
+                param=groups.get("param") or "",
+                block=block,
+                expert=int(expert) if expert is not None else None,
+                proj=groups.get("proj"),
+            )
+    raise CheckpointError("tensor name is not part of the DeepSeek-V4 layout", tensor=name)
+
+
+def try_classify(name: str) -> TensorInfo | None:
+    try:
+        return classify(name)
+    except CheckpointError:
+        return None
+
+
+def fp8_scale_shape(n: int, k: int) -> tuple[int, int]:
+    return (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+
+
+def _fp8_linear(prefix: str, n: int, k: int) -> list[TensorSpec]:
+    return [TensorSpec(f"{prefix}.weight", "F8_E4M3", (n, k)),
+            TensorSpec(f"{prefix}.scale", "F8_E8M0", fp8_scale_shape(n, k))]
+
+
+def _mxfp4_linear(prefix: str, n: int, k: int) -> list[TensorSpec]:
+    return [TensorSpec(f"{prefix}.weight", "I8", (n, k // 2)),
+            TensorSpec(f"{prefix}.scale", "F8_E8M0", (n, k // MXFP4_GROUP))]
+
+
+def _hyper_connection(prefix: str, cfg: ModelConfig, kind: str) -> list[TensorSpec]:
+    hc = cfg.hc_mult
+    if kind == "head":
+        rows, n_scale = hc, 1
+    else:
+        rows, n_scale = (2 + hc) * hc, 3
+    return [TensorSpec(f"{prefix}hc_{kind}_fn", "F32", (rows, hc * cfg.hidden_size)),
+            TensorSpec(f"{prefix}hc_{kind}_base", "F32", (rows,)),
+            TensorSpec(f"{prefix}hc_{kind}_scale", "F32", (n_scale,))]
+
+
+def _compressor(prefix: str, ratio: int, head_dim: int, hidden: int) -> list[TensorSpec]:
+    # Ratio-4 compressors overlap windows and carry two head_dim-wide halves.
+    width = (2 if ratio == 4 else 1) * head_dim
+    return [TensorSpec(f"{prefix}.ape", "F32", (ratio, width)),
+            TensorSpec(f"{prefix}.norm.weight", "BF16", (head_dim,)),
+            TensorSpec(f"{prefix}.wkv.weight", "BF16", (width, hidden)),
+            TensorSpec(f"{prefix}.wgate.weight", "BF16", (width, hidden))]
+
+
+def block_inventory(cfg: ModelConfig, block: str) -> list[TensorSpec]:
+    """Every tensor of one decoder layer or MTP block, in the released index's order."""
+    p, h = block, cfg.hidden_size
+    ratio = cfg.ratio(block)
+    specs = _hyper_connection(f"{p}.", cfg, "attn") + _hyper_connection(f"{p}.", cfg, "ffn")
+    specs.append(TensorSpec(f"{p}.attn.attn_sink", "F32", (cfg.num_attention_heads,)))
+    specs += _fp8_linear(f"{p}.attn.wq_a", cfg.q_lora_rank, h)
+    specs.append(TensorSpec(f"{p}.attn.q_norm.weight", "BF16", (cfg.q_lora_rank,)))
+    specs += _fp8_linear(f"{p}.attn.wq_b", cfg.num_attention_heads * cfg.head_dim, cfg.q_lora_rank)
+    specs += _fp8_linear(f"{p}.attn.wkv", cfg.head_dim, h)
+    specs.append(TensorSpec(f"{p}.attn.kv_norm.weight", "BF16", (cfg.head_dim,)))
+    specs += _fp8_linear(f"{p}.attn.wo_a", cfg.o_groups * cfg.o_lora_rank,
+                         cfg.num_attention_heads * cfg.head_dim // cfg.o_groups)
+    specs += _fp8_linear(f"{p}.attn.wo_b", h, cfg.o_groups * cfg.o_lora_rank)
+    if ratio:
+        specs += _compressor(f"{p}.attn.compressor", ratio, cfg.head_dim, h)
+    if ratio == 4:
+        specs += _fp8_linear(f"{p}.attn.indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        specs.append(TensorSpec(f"{p}.attn.indexer.weights_proj.weight", "BF16", (cfg.index_n_heads, h)))
+        specs += _compressor(f"{p}.attn.indexer.compressor", ratio, cfg.index_head_dim, h)
+    specs.append(TensorSpec(f"{p}.attn_norm.weight", "BF16", (h,)))
+    specs.append(TensorSpec(f"{p}.ffn_norm.weight", "BF16", (h,)))
+    inter = cfg.moe_intermediate_size
+    shared = inter * cfg.n_shared_experts
+    specs += _fp8_linear(f"{p}.ffn.shared_experts.w1", shared, h)
+    specs += _fp8_linear(f"{p}.ffn.shared_experts.w3", shared, h)
+    specs += _fp8_linear(f"{p}.ffn.shared_experts.w2", h, shared)
+    for e in range(cfg.n_routed_experts):
+        specs += _mxfp4_linear(f"{p}.ffn.experts.{e}.w1", inter, h)
+        specs += _mxfp4_linear(f"{p}.ffn.experts.{e}.w3", inter, h)
+    for e in range(cfg.n_routed_experts):
+        specs += _mxfp4_linear(f"{p}.ffn.experts.{e}.w2", h, inter)
+    specs.append(TensorSpec(f"{p}.ffn.gate.weight", "BF16", (cfg.n_routed_experts, h)))
+    if cfg.is_hash_block(block):
+        specs.append(TensorSpec(f"{p}.ffn.gate.tid2eid", "I64", (cfg.vocab_size, cfg.num_experts_per_tok)))
+    else:
+        specs.append(TensorSpec(f"{p}.ffn.gate.bias", "F32", (cfg.n_routed_experts,)))
+    if block.startswith("mtp."):
+        specs += _fp8_linear(f"{p}.e_proj", h, h)
+        specs += _fp8_linear(f"{p}.h_proj", h, h)
+        specs += [TensorSpec(f"{p}.{n}.weight", "BF16", (h,)) for n in ("enorm", "hnorm", "norm")]
+        specs += _hyper_connection(f"{p}.", cfg, "head")
+    return specs
+
+
+def global_inventory(cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(tensors before the first layer, tensors after the last layer) outside any block."""
+    head = [TensorSpec("embed.weight", "BF16", (cfg.vocab_size, cfg.hidden_size))]
+    tail = _hyper_connection("", cfg, "head") + [
+        TensorSpec("norm.weight", "BF16", (cfg.hidden_size,)),
+        TensorSpec("head.weight", "BF16", (cfg.vocab_size, cfg.hidden_size)),
+    ]
+    return head, tail
+
+
+def native_inventory(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every tensor of the native checkpoint, in the released checkpoint's shard order."""
+    return [spec for group in native_groups(cfg) for spec in group]
+
+
+def native_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
+    """The native tensors grouped as the released checkpoint shards them:
+    embedding, one group per layer, the final norm/hc/head, then each MTP block."""
+    head, tail = global_inventory(cfg)
+    groups = [head]
+    groups += [block_inventory(cfg, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
+    groups.append(tail)
+    groups += [block_inventory(cfg, f"mtp.{i}") for i in range(cfg.num_nextn_predict_layers)]
+    return groups
+
+
+def iter_modules(specs: list[TensorSpec]) -> Iterator[tuple[str, list[TensorSpec]]]:
+    """Group specs by module (weight + its scales), keeping order."""
+    modules: dict[str, list[TensorSpec]] = {}
+    for spec in specs:
+        modules.setdefault(spec.info.module, []).append(spec)
+    yield from modules.items()
