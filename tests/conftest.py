@@ -1,0 +1,46 @@
+"""Shared fixtures: synthetic checkpoints made by the project itself (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4convert.checkpoint import PlannedTensor, ShardWriter, write_index
+
+REFERENCE = Path(__file__).resolve().parents[1] / "dsv4convert" / "data"
+
+
+@pytest.fixture(scope="session")
+def real_config() -> dict:
+    return json.loads((REFERENCE / "deepseek-v4-flash-config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """``dsv4convert synth --preset tiny``, made once per test session; tests must not modify it."""
+    from dsv4convert.synth import preset_config, synthesize
+
+    return synthesize(tmp_path_factory.mktemp("tiny") / "src", preset_config("tiny"), seed=0)
+
+
+def write_plain_checkpoint(root: Path, shards: list[dict[str, torch.Tensor]], config: dict | None = None) -> Path:
+    """A checkpoint of arbitrary tensors split into the given shards (for I/O tests)."""
+    from dsv4convert import dtypes
+
+    root.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for i, tensors in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        planned = [PlannedTensor(k, dtypes.of_tensor(v).name, dtypes.safetensors_shape(v)) for k, v in tensors.items()]
+        with ShardWriter(root / name, planned) as w:
+            for k, v in tensors.items():
+                w.write(k, v)
+        weight_map.update({k: name for k in tensors})
+        total += sum(p.nbytes for p in planned)
+    write_index(root, weight_map, total)
+    if config is not None:
+        (root / "config.json").write_text(json.dumps(config))
+    return root

@@ -1,0 +1,227 @@
+"""Checkpoint reading and writing: dtypes, laziness, atomicity and every bad input."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import write_plain_checkpoint
+from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, partial_path, read_header
+from dsv4convert.cli import main
+from dsv4convert.errors import CheckpointError
+
+
+def all_dtypes() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    raw = lambda *shape: torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)  # noqa: E731
+    return {
+        "f8_e4m3": raw(4, 8).view(torch.float8_e4m3fn),
+        "f8_e8m0": raw(2, 3).view(torch.float8_e8m0fnu),
+        "i8": raw(4, 6).view(torch.int8),
+        "u8": raw(5),
+        "bf16": torch.randn(3, 5, generator=g).bfloat16(),
+        "f32": torch.randn(7, generator=g),
+        "f16": torch.randn(2, 2, generator=g).half(),
+        "i64": torch.randint(-(2**40), 2**40, (3, 2), generator=g),
+        "i32": torch.randint(-(2**30), 2**30, (4,), generator=g, dtype=torch.int32),
+        "f4": raw(2, 4).view(torch.float4_e2m1fn_x2),
+        "scalar": torch.tensor(3.5),
+    }
+
+
+def test_every_dtype_round_trips_and_matches_safetensors(tmp_path):
+    tensors = all_dtypes()
+    root = write_plain_checkpoint(tmp_path / "ck", [dict(list(tensors.items())[:5]), dict(list(tensors.items())[5:])])
+    ckpt = Checkpoint.open(root)
+    assert list(ckpt.tensors) == list(tensors)
+    for name, want in tensors.items():
+        got = ckpt.read(name)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+        # Independent reader: the safetensors library must see the same bytes.
+        with safe_open(ckpt.entry(name).path, "pt") as f:
+            oracle = f.get_tensor(name)
+        assert torch.equal(oracle.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == ckpt.total_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert ckpt.problems == []
+
+
+def test_single_file_checkpoint(tmp_path):
+    root = tmp_path / "single"
+    root.mkdir()
+    with ShardWriter(root / "model.safetensors", [PlannedTensor("a", "F32", (2,))]) as w:
+        w.write("a", torch.tensor([1.0, 2.0]))
+    assert torch.equal(Checkpoint.open(root).read("a"), torch.tensor([1.0, 2.0]))
+
+
+def test_writer_refuses_off_plan_tensors_and_leaves_no_partial_file(tmp_path):
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(CheckpointError, match="planned F32"):
+        with ShardWriter(path, [PlannedTensor("a", "F32", (2,)), PlannedTensor("b", "F32", (1,))]) as w:
+            w.write("a", torch.zeros(2, dtype=torch.bfloat16))
+    assert not path.exists() and not partial_path(path).exists()
+    with pytest.raises(CheckpointError, match="unwritten"):
+        w = ShardWriter(path, [PlannedTensor("a", "F32", (2,)), PlannedTensor("b", "F32", (1,))])
+        w.write("a", torch.zeros(2))
+        w.commit()
+    assert not path.exists() and not partial_path(path).exists()
+
+
+def test_reading_is_lazy_and_memory_stays_near_one_tensor(tmp_path):
+    # 8 tensors of 48 MiB in 4 shards: iterating must not hold more than ~one tensor at a time.
+    tensor_mib = 48
+    shards = [{f"s{s}.t{t}": torch.full((tensor_mib * 2**18,), float(s * 2 + t)) for t in range(2)} for s in range(4)]
+    root = write_plain_checkpoint(tmp_path / "big", shards)
+    del shards
+    script = textwrap.dedent(f"""
+        import resource, torch
+        from dsv4convert.checkpoint import Checkpoint
+        ck = Checkpoint.open({str(root)!r})
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        total = 0.0
+        for name, t in ck.iter_tensors():
+            total += float(t[0])
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print((peak - base) / 1024, total)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    growth_mib, total = float(out[0]), float(out[1])
+    assert total == sum(range(8))
+    assert growth_mib < 2.5 * tensor_mib, f"peak RSS grew {growth_mib:.0f} MiB while iterating {8 * tensor_mib} MiB"
+
+
+# ---------------------------------------------------------------- bad inputs, through the CLI
+
+
+def run_inspect(capsys, path) -> tuple[int, str]:
+    code = main(["inspect", str(path)])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.fixture
+def good(tmp_path):
+    return write_plain_checkpoint(tmp_path / "ck", [{"a": torch.ones(4), "b": torch.ones(2, 2)}, {"c": torch.zeros(3)}])
+
+
+def shard_of(root: Path, i: int) -> Path:
+    return sorted(root.glob("*.safetensors"))[i]
+
+
+def set_index(root: Path, mutate) -> None:
+    path = root / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    mutate(index)
+    path.write_text(json.dumps(index))
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_missing_index(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(*run_inspect(capsys, tmp_path / "empty"), "empty", "model.safetensors.index.json")
+
+
+def test_missing_shard(capsys, good):
+    shard_of(good, 1).unlink()
+    assert_one_line_error(*run_inspect(capsys, good), "model-00002-of-00002.safetensors", "missing", "'c'")
+
+
+def test_truncated_shard(capsys, good):
+    path = shard_of(good, 0)
+    path.write_bytes(path.read_bytes()[:-5])
+    assert_one_line_error(*run_inspect(capsys, good), path.name, "truncated", "tensor")
+
+
+def test_header_disagrees_with_index(capsys, good):
+    set_index(good, lambda ix: ix["weight_map"].update({"c": "model-00001-of-00002.safetensors"}))
+    assert_one_line_error(*run_inspect(capsys, good), "model-00001-of-00002.safetensors", "tensor 'c'", "does not hold")
+
+
+@pytest.mark.parametrize("evil", ["../x.safetensors", "/etc/passwd.safetensors", "sub/../../x.safetensors", "..", "x.bin"])
+def test_index_shard_outside_directory(capsys, good, evil):
+    set_index(good, lambda ix: ix["weight_map"].update({"c": evil}))
+    assert_one_line_error(*run_inspect(capsys, good), "model.safetensors.index.json", "tensor 'c'")
+
+
+def test_symlinked_shard_leading_out(capsys, good, tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    shard_of(good, 1).rename(outside)
+    (good / "model-00002-of-00002.safetensors").symlink_to(outside)
+    assert_one_line_error(*run_inspect(capsys, good), "outside the checkpoint directory")
+
+
+def test_absurd_header_length(capsys, good):
+    path = shard_of(good, 0)
+    data = bytearray(path.read_bytes())
+    data[:8] = struct.pack("<Q", 2**62)
+    path.write_bytes(bytes(data))
+    assert_one_line_error(*run_inspect(capsys, good), path.name, "header length")
+
+
+def test_header_length_larger_than_file(capsys, good):
+    path = shard_of(good, 0)
+    data = bytearray(path.read_bytes())
+    data[:8] = struct.pack("<Q", len(data))
+    path.write_bytes(bytes(data))
+    assert_one_line_error(*run_inspect(capsys, good), path.name, "truncated or corrupt")
+
+
+def rewrite_header(path: Path, mutate) -> None:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    mutate(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (n - len(raw)) if len(raw) <= n else b""
+    assert len(raw) == n, "test mutation must not grow the header"
+    path.write_bytes(data[:8] + raw + data[8 + n :])
+
+
+def test_unknown_dtype(capsys, good):
+    rewrite_header(shard_of(good, 0), lambda h: h["a"].update(dtype="Q7"))
+    assert_one_line_error(*run_inspect(capsys, good), "tensor 'a'", "unknown dtype 'Q7'")
+
+
+def test_dtype_shape_disagrees_with_byte_range(capsys, good):
+    rewrite_header(shard_of(good, 0), lambda h: h["a"].update(shape=[5]))
+    assert_one_line_error(*run_inspect(capsys, good), "tensor 'a'", "needs 20 bytes")
+
+
+def test_overlapping_offsets(capsys, good):
+    rewrite_header(shard_of(good, 0), lambda h: h["b"].update(data_offsets=[0, 16]))
+    assert_one_line_error(*run_inspect(capsys, good), "overlaps")
+
+
+def test_bit_flipped_header_json(capsys, good):
+    path = shard_of(good, 0)
+    data = bytearray(path.read_bytes())
+    data[9] ^= 0x40
+    path.write_bytes(bytes(data))
+    code, err = run_inspect(capsys, good)
+    assert_one_line_error(code, err, path.name)
+
+
+def test_duplicate_tensor_across_shards(capsys, tmp_path):
+    root = write_plain_checkpoint(tmp_path / "dup", [{"a": torch.ones(2), "b": torch.ones(1)},
+                                                    {"a": torch.ones(2), "c": torch.ones(1)}])
+    assert_one_line_error(*run_inspect(capsys, root), "two shards", "tensor 'a'")
+
+
+def test_config_that_is_not_deepseek_v4(capsys, good):
+    (good / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    assert_one_line_error(*run_inspect(capsys, good), "config.json", "not a DeepSeek-V4 config")
