@@ -1,0 +1,56 @@
+"""Pure numerics of every weight format dsv4convert reads or writes (no file I/O).
+
+Each format lives in its own module; all functions are vectorized torch code that runs on
+any device. Definitions and sources: the project reference ``formats.md``.
+"""
+
+from dsv4convert.formats.fp8_block import (
+    dequantize_fp8_block,
+    e8m0_scale_to_float32,
+    float32_scale_to_e8m0,
+    quantize_fp8_block,
+)
+from dsv4convert.formats.int4 import (
+    Int4Weight,
+    dequantize_int4,
+    int4_group_scales,
+    pack_int4,
+    quantize_int4,
+    quantize_int4_weight,
+    round_to_int4,
+    unpack_int4,
+)
+from dsv4convert.formats.metrics import ErrorMetrics, error_metrics, lossless_block_fraction
+from dsv4convert.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from dsv4convert.formats.numerics import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    E4M3_MAX_EXP,
+    E4M3_MIN_EXP,
+    decode_e2m1,
+    e8m0_to_exponent,
+    e8m0_to_float,
+    encode_e2m1,
+    exponent_to_e8m0,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from dsv4convert.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, input_scale_from_amax, quantize_nvfp4
+from dsv4convert.formats.transcode import (
+    ExactnessReport,
+    mxfp4_to_fp8_block,
+    mxfp4_to_nvfp4,
+    nvfp4_global_exponent,
+)
+
+__all__ = [
+    "E2M1_MAX", "E2M1_VALUES", "E4M3_MAX", "E4M3_MAX_EXP", "E4M3_MIN_EXP",
+    "ErrorMetrics", "ExactnessReport", "Int4Weight", "NVFP4Weight",
+    "decode_e2m1", "dequantize_fp8_block", "dequantize_int4", "dequantize_mxfp4", "dequantize_nvfp4",
+    "e8m0_scale_to_float32", "e8m0_to_exponent", "e8m0_to_float", "encode_e2m1", "error_metrics",
+    "exponent_to_e8m0", "float32_scale_to_e8m0", "input_scale_from_amax", "int4_group_scales",
+    "lossless_block_fraction", "mxfp4_to_fp8_block", "mxfp4_to_nvfp4", "nvfp4_global_exponent",
+    "pack_int4", "pack_nibbles", "quantize_fp8_block", "quantize_int4", "quantize_int4_weight",
+    "quantize_mxfp4", "quantize_nvfp4", "round_to_int4", "unpack_int4", "unpack_nibbles",
+]

@@ -1,0 +1,265 @@
+"""Lossless re-encodings of DeepSeek-V4's MXFP4 experts, each with an exactness report.
+
+Both transcodes work from the E8M0 exponents and, where they must, the raw code bytes;
+neither decodes the weights through floating point on the common (exact) path.
+
+* :func:`mxfp4_to_fp8_block` follows DeepSeek's ``cast_e2m1fn_to_e4m3fn`` (V4
+  ``inference/convert.py``): per 128x128 tile, ``B = max(sub-scale exponents) - 6`` and each
+  element becomes ``e4m3(e2m1 * 2**(k - B))``. ``6 * 2**6 = 384 <= 448`` so nothing
+  overflows; an element is exact unless ``k - B < -8`` pushes small codes under E4M3's
+  2**-9 grid (a tile whose exponents span more than 14 binades).
+* :func:`mxfp4_to_nvfp4` keeps the code bytes and rewrites only the scales:
+  ``weight_scale_2 = 2**m`` and both 16-element halves of a 32-block get
+  ``weight_scale = e4m3(2**(k - m))``, exact while ``k - m`` is in E4M3's power-of-two
+  window [-9, 8] (formats.md §4; ModelOpt ``numeric_utils.py``, PR #1372).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from dsv4convert.errors import FormatError
+from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
+from dsv4convert.formats.numerics import (
+    E4M3_MAX,
+    E4M3_MAX_EXP,
+    E4M3_MIN_EXP,
+    E8M0_BIAS,
+    decode_e2m1_packed,
+    e2m1_table,
+    e8m0_bytes,
+    e8m0_to_exponent,
+    exp2_float32,
+    exponent_to_e8m0,
+)
+from dsv4convert.formats.nvfp4 import NVFP4_BLOCK, NVFP4Weight
+
+FP8_TILE = 128
+_SUBS_PER_TILE = FP8_TILE // MXFP4_BLOCK
+_BYTES_PER_SUB = MXFP4_BLOCK // 2
+# DeepSeek's headroom: the tile's largest sub-scale maps to 2**6, and 6 * 2**6 = 384 <= 448.
+_FP8_HEADROOM_EXP = 6
+# Below this shift every E2M1 value (at most 6 * 2**-13 < 2**-10) rounds to a signed zero in
+# E4M3, so all shifts under it produce the same bytes as it does; that bounds the byte table.
+_FP8_SHIFT_MIN = -13
+# Shifts at or above this keep every E2M1 value on the E4M3 grid (0.5 * 2**-8 = 2**-9).
+_FP8_SHIFT_EXACT_MIN = E4M3_MIN_EXP + 1
+# float32 must hold weight_scale_2 = 2**m as a normal number.
+_GLOBAL_EXP_MIN, _GLOBAL_EXP_MAX = -126, 127
+
+
+@dataclass
+class ExactnessReport:
+    """How much of a transcode reproduced the source bit for bit.
+
+    ``max_abs_error`` is the largest absolute difference between the decoded source and the
+    decoded result, over the elements that changed (0.0 when nothing did).
+    """
+
+    blocks_total: int
+    blocks_exact: int
+    elements_total: int
+    elements_exact: int
+    max_abs_error: float
+
+    @property
+    def exact(self) -> bool:
+        return self.blocks_exact == self.blocks_total and self.elements_exact == self.elements_total
+
+    @property
+    def exact_fraction(self) -> float:
+        """Fraction of blocks preserved exactly (1.0 for an empty report)."""
+        return self.blocks_exact / self.blocks_total if self.blocks_total else 1.0
+
+    def merged(self, other: ExactnessReport) -> ExactnessReport:
+        return ExactnessReport(
+            blocks_total=self.blocks_total + other.blocks_total,
+            blocks_exact=self.blocks_exact + other.blocks_exact,
+            elements_total=self.elements_total + other.elements_total,
+            elements_exact=self.elements_exact + other.elements_exact,
+            max_abs_error=max(self.max_abs_error, other.max_abs_error),
+        )
+
+
+def _mxfp4_shape(packed: torch.Tensor, scale: torch.Tensor, name: str | None) -> tuple[int, int]:
+    if packed.ndim != 2 or packed.dtype not in (torch.int8, torch.uint8):
+        raise FormatError(f"MXFP4 codes must be int8/uint8 [N, K/2], got {packed.dtype} {list(packed.shape)}",
+                          tensor=name)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % MXFP4_BLOCK or tuple(scale.shape) != (n, k // MXFP4_BLOCK):
+        raise FormatError(
+            f"MXFP4 scale shape {list(scale.shape)} does not match codes {list(packed.shape)} "
+            f"(expected [{n}, {k // MXFP4_BLOCK}])",
+            tensor=name,
+        )
+    return n, k
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_byte_pairs(device: torch.device) -> torch.Tensor:
+    """int16 ``[20 * 256]``: both E4M3 bytes of ``e2m1(byte) * 2**shift`` at ``(shift + 13) * 256 + byte``.
+
+    Built with torch's own float32 -> float8_e4m3fn cast (round to nearest even). Viewing
+    the ``[..., 2]`` byte pairs as int16 lets one gather emit both output bytes in order.
+    """
+    shifts = torch.arange(_FP8_SHIFT_MIN, _FP8_HEADROOM_EXP + 1, device=device)
+    values = e2m1_table(device)[None, :] * exp2_float32(shifts)[:, None]
+    fp8_codes = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    byte = torch.arange(256, device=device)
+    pairs = torch.stack([fp8_codes[:, byte & 0xF], fp8_codes[:, byte >> 4]], dim=-1).contiguous()
+    return pairs.view(torch.int16).reshape(-1)
+
+
+def mxfp4_to_fp8_block(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
+    """MXFP4 ``(packed [N, K/2], scale [N, K/32])`` -> ``(e4m3 [N, K], E8M0 [N/128, K/128], report)``.
+
+    N and K must be multiples of 128, as in DeepSeek's reference. The tile exponent is
+    clamped at E8M0's floor (-127) for tiles whose scales all sit near 2**-127, which keeps
+    every shift at or below 6. Blocks of the report are the 128x128 tiles.
+    """
+    n, k = _mxfp4_shape(packed, scale, name)
+    if n % FP8_TILE or k % FP8_TILE:
+        raise FormatError(f"MXFP4 -> FP8 block needs N and K multiples of {FP8_TILE}, got [{n}, {k}]",
+                          tensor=name)
+    tiles_n, tiles_k = n // FP8_TILE, k // FP8_TILE
+    sub_exp = e8m0_to_exponent(scale, name=name).reshape(tiles_n, FP8_TILE, tiles_k, _SUBS_PER_TILE)
+    tile_exp = (sub_exp.amax(dim=(1, 3)) - _FP8_HEADROOM_EXP).clamp(min=-E8M0_BIAS)
+    shift = (sub_exp - tile_exp[:, None, :, None]).reshape(n, k // MXFP4_BLOCK)
+
+    source = packed.view(torch.uint8).reshape(n, k // MXFP4_BLOCK, _BYTES_PER_SUB)
+    row = (shift.clamp(min=_FP8_SHIFT_MIN) - _FP8_SHIFT_MIN) * 256
+    index = (row[..., None] + source.to(torch.int32)).reshape(-1)
+    out_bytes = _fp8_byte_pairs(packed.device).index_select(0, index).view(torch.uint8)
+    weight = out_bytes.reshape(n, k).view(torch.float8_e4m3fn)
+
+    report = _fp8_report(source, shift, sub_exp.reshape(n, -1), tile_exp, out_bytes.reshape(n, -1, MXFP4_BLOCK))
+    return weight, exponent_to_e8m0(tile_exp, name=name), report
+
+
+def _fp8_report(
+    source: torch.Tensor,
+    shift: torch.Tensor,
+    sub_exp: torch.Tensor,
+    tile_exp: torch.Tensor,
+    out_bytes: torch.Tensor,
+) -> ExactnessReport:
+    """Exactness of an MXFP4 -> FP8 cast, decoding only the sub-blocks that can be inexact."""
+    n, subs = shift.shape
+    tiles_total = tile_exp.numel()
+    suspect = shift < _FP8_SHIFT_EXACT_MIN
+    if not bool(suspect.any()):
+        return ExactnessReport(tiles_total, tiles_total, source.numel() * 2, source.numel() * 2, 0.0)
+    rows, cols = suspect.nonzero(as_tuple=True)
+    original = decode_e2m1_packed(source[rows, cols]).double() * torch.exp2(sub_exp[rows, cols].double())[:, None]
+    tile_row, tile_col = rows // FP8_TILE, cols // _SUBS_PER_TILE
+    converted = out_bytes[rows, cols].view(torch.float8_e4m3fn).double()
+    converted *= torch.exp2(tile_exp[tile_row, tile_col].double())[:, None]
+    equal = original == converted
+    inexact_sub = ~equal.all(dim=1)
+    inexact_tiles = torch.unique((tile_row * tile_exp.shape[1] + tile_col)[inexact_sub]).numel()
+    return ExactnessReport(
+        blocks_total=tiles_total,
+        blocks_exact=tiles_total - inexact_tiles,
+        elements_total=n * subs * MXFP4_BLOCK,
+        elements_exact=n * subs * MXFP4_BLOCK - int((~equal).sum()),
+        max_abs_error=float((original - converted).abs().max()),
+    )
+
+
+def nvfp4_global_exponent(*scales: torch.Tensor, name: str | None = None) -> int:
+    """The exponent m of ``weight_scale_2 = 2**m`` for MXFP4 scale tensors that will share it.
+
+    Pass every tensor that shares the global scale (an expert's w1 and w3, which SGLang
+    fuses). Returns ``m = k_max - 8``, where k_max is the largest block exponent, ignoring
+    E8M0 byte 0 (2**-127), ModelOpt's sentinel for an all-zero block. Why this m is best:
+
+    * Block j is exact iff ``m - 9 <= k_j <= m + 8``.
+    * Every m >= k_max - 8 leaves no block above the window, and the exact blocks are then
+      ``{j : k_j >= m - 9}``, a set that only shrinks as m grows; so m = k_max - 8 maximises
+      exact blocks among these choices.
+    * Any m < k_max - 8 pushes the largest blocks above 448 * 2**m, where their scale
+      saturates at 448 = 1.75 * 2**8 and their (largest) weights shrink by at least 12.5%;
+      the blocks it could win back at the bottom are 2**17 times smaller than k_max, so we
+      never trade the top for them.
+
+    With no usable block the choice is free and 0 is returned. m is kept within float32's
+    normal range [-126, 127].
+    """
+    k_max: int | None = None
+    for index, scale in enumerate(scales):
+        raw = e8m0_bytes(scale, name=name if len(scales) == 1 else f"{name or 'scale'}[{index}]")
+        live = raw[raw > 0]
+        if live.numel():
+            top = int(live.max()) - E8M0_BIAS
+            k_max = top if k_max is None else max(k_max, top)
+    if k_max is None:
+        return 0
+    return max(k_max - E4M3_MAX_EXP, _GLOBAL_EXP_MIN)
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_power_bytes(device: torch.device) -> torch.Tensor:
+    """uint8 E4M3 bytes of ``clamp(2**t, 2**-9, 448)`` for t = -10 .. 9 (index t + 10).
+
+    The ends stand for every t outside E4M3's exact window: below it the nearest non-zero
+    scale 2**-9 (ModelOpt clamps block scales to [2**-9, 448]; a zero scale would erase the
+    block), above it the largest finite value 448.
+    """
+    t = torch.arange(E4M3_MIN_EXP - 1, E4M3_MAX_EXP + 2, device=device)
+    return exp2_float32(t).clamp(2.0**E4M3_MIN_EXP, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def mxfp4_to_nvfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    global_exponent: int | None = None,
+    name: str | None = None,
+) -> tuple[NVFP4Weight, ExactnessReport]:
+    """Re-express MXFP4 as ModelOpt NVFP4 without touching the codes.
+
+    ``weight`` is ``packed`` reinterpreted as uint8 (a view sharing its storage; E2M1 codes
+    and nibble order are identical in both formats). ``global_exponent`` defaults to
+    :func:`nvfp4_global_exponent` of this tensor alone; pass the shared value for w1/w3.
+    Blocks outside the window get the nearest non-zero E4M3 scale and are reported; only
+    those blocks' bytes are read. Blocks of the report are the 32-element MXFP4 blocks.
+    """
+    n, k = _mxfp4_shape(packed, scale, name)
+    exponent = e8m0_to_exponent(scale, name=name)
+    m = nvfp4_global_exponent(scale, name=name) if global_exponent is None else int(global_exponent)
+    if not _GLOBAL_EXP_MIN <= m <= _GLOBAL_EXP_MAX:
+        raise FormatError(f"global exponent {m} is outside float32's normal range "
+                          f"[{_GLOBAL_EXP_MIN}, {_GLOBAL_EXP_MAX}]", tensor=name)
+    relative = exponent - m
+    table = _e4m3_power_bytes(packed.device)
+    block_scale = table[(relative.clamp(E4M3_MIN_EXP - 1, E4M3_MAX_EXP + 1) - (E4M3_MIN_EXP - 1)).long()]
+    weight_scale = block_scale.repeat_interleave(MXFP4_BLOCK // NVFP4_BLOCK, dim=1).view(torch.float8_e4m3fn)
+    weight_scale_2 = exp2_float32(torch.tensor(m, device=packed.device))
+    result = NVFP4Weight(packed.view(torch.uint8), weight_scale, weight_scale_2)
+
+    outside = (relative < E4M3_MIN_EXP) | (relative > E4M3_MAX_EXP)
+    blocks_total = n * (k // MXFP4_BLOCK)
+    if not bool(outside.any()):
+        return result, ExactnessReport(blocks_total, blocks_total, n * k, n * k, 0.0)
+    rows, cols = outside.nonzero(as_tuple=True)
+    magnitude = decode_e2m1_packed(packed.view(torch.uint8).reshape(n, -1, _BYTES_PER_SUB)[rows, cols]).abs()
+    zero_codes = magnitude == 0
+    source_scale = torch.exp2(exponent[rows, cols].double())
+    new_scale = block_scale[rows, cols].view(torch.float8_e4m3fn).double() * 2.0**m
+    error = magnitude.amax(dim=1).double() * (source_scale - new_scale).abs()
+    inexact_blocks = int((~zero_codes.all(dim=1)).sum())
+    return result, ExactnessReport(
+        blocks_total=blocks_total,
+        blocks_exact=blocks_total - inexact_blocks,
+        elements_total=n * k,
+        elements_exact=n * k - int((~zero_codes).sum()),
+        max_abs_error=float(error.max()),
+    )
