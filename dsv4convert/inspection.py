@@ -1,0 +1,260 @@
+"""``dsv4convert inspect``: what a checkpoint is, and what it lacks.
+
+Every module of the DeepSeek-V4 layout is matched against what the checkpoint stores:
+a linear module may be in any known format (``storage.detect_linear_format``), every
+other tensor must keep the native dtype and shape. From the formats found per role the
+checkpoint's variant follows (native FP8+MXFP4, FP8-only, NVFP4 hybrid, W4A16, BF16, or
+mixed for a custom recipe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsv4convert.checkpoint import Checkpoint, read_small_json
+from dsv4convert.errors import CheckpointError
+from dsv4convert.layout import ModelConfig, Role, TensorSpec, native_groups, native_inventory, try_classify
+from dsv4convert.storage import Format, detect_linear_format
+
+# Parameters that belong to a linear's weight storage in some format; others (router
+# `bias`/`tid2eid`, `ape`, bare tensors) are compared with the native spec as they are.
+WEIGHT_PARAMS = frozenset(
+    {"weight", "scale", "weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale", "weight_packed",
+     "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_global_scale"}
+)
+VARIANTS = ("native", "fp8", "nvfp4", "w4a16", "bf16", "mixed")
+
+
+@dataclass
+class ModuleFormat:
+    module: str
+    role: Role
+    is_mtp: bool
+    format: Format | None
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class Inspection:
+    variant: str
+    config: ModelConfig
+    modules: dict[str, ModuleFormat]
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[str]
+    problems: list[str]
+    tensors: list[dict]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched or self.problems)
+
+    def formats_by_role(self) -> dict[str, dict[str, int]]:
+        out: dict[str, Counter] = defaultdict(Counter)
+        for m in self.modules.values():
+            key = f"{m.role.value} (mtp)" if m.is_mtp and m.role is Role.ROUTED_EXPERT else m.role.value
+            out[key][m.format.value if m.format else "?"] += 1
+        return {k: dict(v) for k, v in sorted(out.items())}
+
+
+def _native_modules(specs: list[TensorSpec]) -> dict[str, dict[str, TensorSpec]]:
+    modules: dict[str, dict[str, TensorSpec]] = {}
+    for spec in specs:
+        info = spec.info
+        modules.setdefault(info.module, {})[info.param] = spec
+    return modules
+
+
+def _logical_shape(weight: TensorSpec) -> tuple[int, int]:
+    n, k = weight.shape
+    return (n, k * 2) if weight.dtype == "I8" else (n, k)
+
+
+def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
+    """Match a checkpoint against the layout its config.json describes."""
+    cfg = ModelConfig.from_dict(ckpt.config, source=str(ckpt.root / "config.json"))
+    native = _native_modules(native_inventory(cfg))
+    actual: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = defaultdict(dict)
+    unexpected: list[str] = []
+    for name, entry in ckpt.tensors.items():
+        info = try_classify(name)
+        if info is None or info.module not in native:
+            unexpected.append(name)
+        else:
+            actual[info.module][info.param] = (entry.dtype, entry.shape)
+
+    missing: list[str] = []
+    mismatched: list[str] = []
+    modules: dict[str, ModuleFormat] = {}
+    for module, params in native.items():
+        have = actual.get(module, {})
+        info = next(iter(params.values())).info
+        weight = params.get("weight")
+        if weight is not None and len(weight.shape) == 2:
+            stored = {p: v for p, v in have.items() if p in WEIGHT_PARAMS}
+            n, k = _logical_shape(weight)
+            found = detect_linear_format(stored, n, k) if stored else None
+            if not stored:
+                missing.append(f"{module}.weight")
+            elif found is None:
+                desc = ", ".join(f"{p} {d} {list(s)}" for p, (d, s) in sorted(stored.items()))
+                mismatched.append(f"{module}: stored tensors ({desc}) match no known format for a [{n}, {k}] linear")
+            modules[module] = ModuleFormat(module, info.role, info.is_mtp, found[0] if found else None,
+                                           found[1] if found else {})
+        for param, spec in params.items():
+            if param in WEIGHT_PARAMS and weight is not None and len(weight.shape) == 2:
+                continue
+            got = have.get(param)
+            if got is None:
+                missing.append(spec.name)
+            elif got != (spec.dtype, spec.shape):
+                mismatched.append(f"{spec.name}: expected {spec.dtype} {list(spec.shape)}, found {got[0]} {list(got[1])}")
+    tensors = [{"name": n, "dtype": e.dtype, "shape": list(e.shape)} for n, e in ckpt.tensors.items()]
+    return Inspection(
+        variant=_variant(modules.values()),
+        config=cfg,
+        modules=modules,
+        missing=missing,
+        unexpected=unexpected,
+        mismatched=mismatched,
+        problems=list(ckpt.problems),
+        tensors=tensors,
+    )
+
+
+def _variant(modules) -> str:
+    by_role: dict[tuple[Role, bool], set] = defaultdict(set)
+    for m in modules:
+        by_role[(m.role, m.is_mtp)].add(m.format)
+    experts = by_role[(Role.ROUTED_EXPERT, False)]
+    mtp_experts = by_role[(Role.ROUTED_EXPERT, True)]
+    attention = by_role[(Role.ATTENTION, False)]
+    everything = set().union(*by_role.values()) if by_role else set()
+    if everything == {Format.BF16}:
+        return "bf16"
+    if attention != {Format.FP8} or len(experts) != 1:
+        return "mixed"
+    expert_fmt = next(iter(experts))
+    if expert_fmt is Format.MXFP4 and mtp_experts <= {Format.MXFP4}:
+        return "native"
+    if expert_fmt is Format.FP8 and mtp_experts <= {Format.FP8}:
+        return "fp8"
+    if expert_fmt is Format.NVFP4 and mtp_experts <= {Format.MXFP4, Format.NVFP4}:
+        return "nvfp4"
+    if expert_fmt is Format.INT4 and mtp_experts <= {Format.INT4}:
+        return "w4a16"
+    return "mixed"
+
+
+def detect_variant(path: str | Path) -> str:
+    """The variant of a checkpoint directory: one of ``VARIANTS``."""
+    return inspect_checkpoint(Checkpoint.open(path)).variant
+
+
+def _role_table(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[dict]:
+    rows: dict[str, dict] = {}
+    for name, dtype, _shape, nbytes in entries:
+        info = try_classify(name)
+        role = "unknown" if info is None else (
+            f"{info.role.value} (mtp)" if info.is_mtp and info.role is Role.ROUTED_EXPERT else info.role.value)
+        row = rows.setdefault(role, {"role": role, "tensors": 0, "bytes": 0, "dtypes": Counter()})
+        row["tensors"] += 1
+        row["bytes"] += nbytes
+        row["dtypes"][dtype] += 1
+    return [{**r, "dtypes": dict(r["dtypes"])} for r in sorted(rows.values(), key=lambda r: -r["bytes"])]
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"{'role':28s} {'tensors':>8s} {'bytes':>16s}  dtypes")
+    for r in rows:
+        dts = ", ".join(f"{d} x{c}" for d, c in sorted(r["dtypes"].items()))
+        print(f"{r['role']:28s} {r['tensors']:8d} {r['bytes']:16,d}  {dts}")
+    print(f"{'total':28s} {sum(r['tensors'] for r in rows):8d} {sum(r['bytes'] for r in rows):16,d}")
+
+
+def expected_report(config: dict, source: str) -> dict:
+    cfg = ModelConfig.from_dict(config, source=source)
+    groups = native_groups(cfg)
+    specs = [s for g in groups for s in g]
+    return {
+        "variant": "native",
+        "tensor_count": len(specs),
+        "total_bytes": sum(s.nbytes for s in specs),
+        "shard_bytes": [sum(s.nbytes for s in g) for g in groups],
+        "roles": _role_table([(s.name, s.dtype, s.shape, s.nbytes) for s in specs]),
+        "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
+    }
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="identify a checkpoint's variant and check it against the DeepSeek-V4 layout",
+        description=(
+            "Print which variant a checkpoint is (native FP8+MXFP4, fp8, nvfp4, w4a16, bf16 or mixed), a "
+            "table per role (tensors, bytes, dtypes), the format of every module role, and whatever is "
+            "missing, unexpected or of the wrong dtype/shape. With --config and --expected, print the "
+            "native inventory a config implies, without any weights (to plan disk)."
+        ),
+    )
+    p.add_argument("src", nargs="?", help="checkpoint directory or Hugging Face repo id")
+    p.add_argument("--config", type=Path, help="config.json (with --expected)")
+    p.add_argument("--expected", action="store_true", help="print the expected native inventory of --config")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.expected:
+        if not args.config:
+            raise CheckpointError("--expected needs --config CONFIG")
+        report = expected_report(read_small_json(args.config), str(args.config))
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(f"expected native inventory of {args.config}: {report['tensor_count']:,} tensors, "
+                  f"{report['total_bytes']:,} bytes in {len(report['shard_bytes'])} layout groups")
+            _print_table(report["roles"])
+        return 0
+    if not args.src:
+        raise CheckpointError("inspect needs a checkpoint (or --config CONFIG --expected)")
+    ckpt = Checkpoint.open(args.src)
+    result = inspect_checkpoint(ckpt)
+    entries = [(n, e.dtype, e.shape, e.nbytes) for n, e in ckpt.tensors.items()]
+    if args.json:
+        print(json.dumps({
+            "source": str(ckpt.root),
+            "variant": result.variant,
+            "ok": result.ok,
+            "tensor_count": len(result.tensors),
+            "total_bytes": ckpt.total_bytes,
+            "formats_by_role": result.formats_by_role(),
+            "roles": _role_table(entries),
+            "missing": result.missing,
+            "unexpected": result.unexpected,
+            "mismatched": result.mismatched,
+            "problems": result.problems,
+            "tensors": result.tensors,
+        }))
+    else:
+        print(f"{ckpt.root}: variant {result.variant}, {len(result.tensors):,} tensors, "
+              f"{ckpt.total_bytes:,} bytes in {len(ckpt.shards)} shard(s)")
+        _print_table(_role_table(entries))
+        print("\nformats by role:")
+        for role, fmts in result.formats_by_role().items():
+            print(f"  {role:28s} " + ", ".join(f"{f} x{c}" for f, c in sorted(fmts.items())))
+        for title, items in (("missing", result.missing), ("unexpected", result.unexpected),
+                             ("mismatched", result.mismatched), ("problems", result.problems)):
+            if items:
+                print(f"\n{title} ({len(items)}):")
+                for item in items[:20]:
+                    print(f"  {item}")
+                if len(items) > 20:
+                    print(f"  ... and {len(items) - 20} more (see --json)")
+        if result.ok:
+            print("\nlayout check: OK")
+    return 0 if result.ok else 1

@@ -1,0 +1,291 @@
+"""Synthetic checkpoints in the exact native DeepSeek-V4-Flash format.
+
+Tests and benchmarks never download weights: they run on checkpoints made here, with
+the real names, dtypes and layouts (FP8 e4m3 + E8M0 128x128 scales, MXFP4 experts as I8
+low-nibble-first + E8M0 per 32, BF16/F32/I64 elsewhere, valid ``tid2eid``) and value
+distributions that exercise the numerics: heavy tails, per-channel outliers, row scales
+spread over several binades, and a few all-zero blocks. Every tensor is derived from
+(seed, name) alone, so any subset is reproducible and the output is byte-identical
+across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
+from dsv4convert.checkpoint.reader import read_small_json
+from dsv4convert.checkpoint.writer import shard_name
+from dsv4convert.errors import DSV4Error
+from dsv4convert.formats.fp8_block import quantize_fp8_block
+from dsv4convert.formats.mxfp4 import quantize_mxfp4
+from dsv4convert.layout import ModelConfig, Role, TensorSpec, native_groups
+
+DATA_DIR = Path(__file__).parent / "data"
+# Exact copies of the released config.json and generation_config.json (HF revision 60d8d70).
+REFERENCE_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-config.json"
+GENERATION_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-generation_config.json"
+
+
+def reference_config() -> dict:
+    return json.loads(REFERENCE_CONFIG_PATH.read_text())
+
+
+# Presets keep every structural feature of the real model (ratio 0/4/128 layers, hash
+# layers, an MTP block, FP8 dims that are not all multiples of 128, several shards) at
+# sizes a 2-core CI machine converts in seconds.
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 5,
+        "num_hash_layers": 3,
+        "num_attention_heads": 4,
+        "head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 192,
+        "o_lora_rank": 128,
+        "o_groups": 2,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "index_n_heads": 4,
+        "index_head_dim": 64,
+        "index_topk": 4,
+        "sliding_window": 8,
+        "compress_ratios": [0, 0, 4, 128, 4, 0],
+    },
+    "small": {
+        "vocab_size": 2048,
+        "hidden_size": 512,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 8,
+        "num_hash_layers": 3,
+        "num_attention_heads": 8,
+        "head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 256,
+        "o_lora_rank": 128,
+        "o_groups": 4,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 4,
+        "index_n_heads": 8,
+        "index_head_dim": 64,
+        "index_topk": 16,
+        "sliding_window": 32,
+        "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 0, 0],
+    },
+}
+
+def preset_config(preset: str) -> dict:
+    if preset not in PRESETS:
+        raise DSV4Error(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    config = reference_config()
+    config.update(copy.deepcopy(PRESETS[preset]))
+    return config
+
+
+def with_num_layers(config: dict, num_layers: int, *, mtp: bool = True) -> dict:
+    """Keep the first ``num_layers`` backbone layers (and the MTP blocks unless ``mtp`` is False)."""
+    config = copy.deepcopy(config)
+    n, n_mtp = config["num_hidden_layers"], config.get("num_nextn_predict_layers", 0)
+    if not 1 <= num_layers <= n:
+        raise DSV4Error(f"--num-layers must be between 1 and {n}, got {num_layers}")
+    ratios = config["compress_ratios"]
+    config["compress_ratios"] = ratios[:num_layers] + (ratios[n : n + n_mtp] if mtp else [])
+    config["num_hidden_layers"] = num_layers
+    config["num_nextn_predict_layers"] = n_mtp if mtp else 0
+    return config
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def realistic_matrix(n: int, k: int, gen: torch.Generator, *, zero_block: int | None = None) -> torch.Tensor:
+    """A float32 [n, k] weight with heavy tails, outlier input channels and binade-spread rows.
+
+    ``zero_block`` zeroes one aligned block of that size (if the matrix holds two), the
+    way real checkpoints contain dead blocks.
+    """
+    w = torch.randn(n, k, generator=gen)
+    w *= torch.exp(0.5 * torch.randn(n, k, generator=gen))           # log-normal scale mixture: heavy tails
+    outliers = torch.rand(k, generator=gen) < 0.01
+    w[:, outliers] *= 4.0 + 12.0 * torch.rand(int(outliers.sum()), generator=gen)
+    w *= torch.exp2(torch.randint(-3, 3, (n, 1), generator=gen).float())  # rows over six binades
+    w *= 1.0 / (k ** 0.5)
+    if zero_block and n >= 2 * zero_block and k >= 2 * zero_block:
+        bi = int(torch.randint(0, n // zero_block, (1,), generator=gen))
+        bj = int(torch.randint(0, k // zero_block, (1,), generator=gen))
+        w[bi * zero_block:(bi + 1) * zero_block, bj * zero_block:(bj + 1) * zero_block] = 0
+    return w
+
+
+def synth_tensors(spec_group: list[TensorSpec], cfg: ModelConfig, seed: int):
+    """Yield (name, tensor) for a group of specs; quantized weights and their scales come as pairs."""
+    produced: dict[str, torch.Tensor] = {}
+    for spec in spec_group:
+        if spec.name in produced:
+            yield spec.name, produced.pop(spec.name)
+            continue
+        info = spec.info
+        gen = _generator(seed, spec.name)
+        if spec.dtype == "F8_E4M3":
+            n, k = spec.shape
+            weight, scale = quantize_fp8_block(realistic_matrix(n, k, gen, zero_block=128), name=spec.name)
+            produced[f"{info.module}.scale"] = scale
+            yield spec.name, weight
+        elif spec.dtype == "I8":
+            n, k = spec.shape[0], spec.shape[1] * 2
+            weight, scale = quantize_mxfp4(realistic_matrix(n, k, gen, zero_block=32), name=spec.name)
+            produced[f"{info.module}.scale"] = scale
+            yield spec.name, weight
+        elif spec.dtype == "I64":   # tid2eid: each token gets top-k distinct experts
+            vocab, topk = spec.shape
+            keys = torch.rand(vocab, cfg.n_routed_experts, generator=gen)
+            yield spec.name, keys.argsort(dim=1)[:, :topk].to(torch.int64).contiguous()
+        else:
+            yield spec.name, _plain_tensor(spec, info.role, gen)
+    if produced:
+        raise RuntimeError(f"scales without weights in layout group: {sorted(produced)}")
+
+
+def _plain_tensor(spec: TensorSpec, role: Role, gen: torch.Generator) -> torch.Tensor:
+    dtype = torch.float32 if spec.dtype == "F32" else torch.bfloat16
+    shape = spec.shape
+    name = spec.name
+    if role is Role.NORM:
+        t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    elif role is Role.HYPER_CONNECTION:
+        if name.endswith("_fn"):
+            t = 0.02 * torch.randn(shape, generator=gen)
+        elif name.endswith("_base"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+    elif role is Role.ATTN_SINK:
+        t = 0.5 * torch.randn(shape, generator=gen)
+    elif name.endswith(".ape") or name.endswith(".bias"):
+        t = 0.02 * torch.randn(shape, generator=gen)
+    elif role is Role.EMBED:
+        t = torch.randn(shape, generator=gen)
+    elif len(shape) == 2:
+        t = realistic_matrix(shape[0], shape[1], gen)
+    else:
+        t = torch.randn(shape, generator=gen)
+    return t.to(dtype)
+
+
+def byte_level_tokenizer(vocab_size: int) -> dict:
+    """A byte-level BPE ``tokenizer.json`` (no merges): 256 byte tokens plus BOS/EOS, loadable by
+    transformers' fast tokenizers, so prompts can be built to exact token lengths."""
+    if vocab_size < 258:
+        raise DSV4Error(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (needs 258)")
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    vocab = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1}
+    for b in range(256):
+        vocab[chars[b]] = b + 2
+    special = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True} for c, i in list(vocab.items())[:2]]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }
+
+
+TOKENIZER_CONFIG = {
+    "add_bos_token": False,
+    "add_eos_token": False,
+    "bos_token": "<｜begin▁of▁sentence｜>",
+    "eos_token": "<｜end▁of▁sentence｜>",
+    "pad_token": "<｜end▁of▁sentence｜>",
+    "clean_up_tokenization_spaces": False,
+    "model_max_length": 1048576,
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
+
+
+def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = False, progress: bool = False) -> Path:
+    """Write a native-format checkpoint for ``config`` into ``dst``, one shard per layout group."""
+    dst = Path(dst)
+    cfg = ModelConfig.from_dict(config, source="synth config")
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    groups = native_groups(cfg)
+    total = sum(spec.nbytes for g in groups for spec in g)
+    weight_map: dict[str, str] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress)
+    for i, group in enumerate(groups):
+        name = shard_name(i + 1, len(groups))
+        planned = [PlannedTensor(s.name, s.dtype, s.shape) for s in group]
+        with ShardWriter(dst / name, planned, metadata={"format": "pt"}) as writer:
+            for tensor_name, tensor in synth_tensors(group, cfg, seed):
+                writer.write(tensor_name, tensor)
+                bar.update(tensor.numel() * tensor.element_size())
+        weight_map.update({s.name: name for s in group})
+    bar.close()
+    atomic_write_json(dst / "config.json", config)
+    atomic_write_json(dst / "generation_config.json", json.loads(GENERATION_CONFIG_PATH.read_text()))
+    atomic_write_json(dst / "tokenizer_config.json", TOKENIZER_CONFIG)
+    atomic_write_json(dst / "tokenizer.json", byte_level_tokenizer(cfg.vocab_size))
+    write_index(dst, weight_map, total)
+    return dst
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "synth",
+        help="write a synthetic checkpoint in the exact native DeepSeek-V4-Flash format",
+        description=(
+            "Write a checkpoint with the native names, dtypes and layouts (FP8 + E8M0 128x128 scales, "
+            "MXFP4 experts, BF16/F32/I64 elsewhere) and realistic values, deterministic by seed. "
+            "Presets are small enough for CI; --config with the real config.json and --num-layers "
+            "makes real-size layers for benchmarks (~3.6 GB per layer)."
+        ),
+    )
+    p.add_argument("--dst", required=True, type=Path, help="output directory")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default: tiny)")
+    p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
+    p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the MTP block(s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = read_small_json(args.config) if args.config else preset_config(args.preset)
+    ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
+    if args.num_layers is not None or args.no_mtp:
+        config = with_num_layers(config, args.num_layers or config["num_hidden_layers"], mtp=not args.no_mtp)
+    dst = synthesize(args.dst, config, seed=args.seed, overwrite=args.overwrite, progress=True)
+    print(f"wrote {dst}")
+    return 0
