@@ -1,0 +1,122 @@
+"""Tile configurations per architecture, and a once-per-process check of each one.
+
+A small hand-made table, not an autotuner: each entry was picked for the DeepSeek-V4-Flash
+shapes (expert 2048x4096 / 4096x2048, wq_b 32768x1024, 8192x8192) and a batch size bucket.
+Triton has miscompiled plausible configs before (an MXFP4 split-K kernel with
+``num_stages=3`` returned wrong sums on sm_90), so :func:`verified` runs every config once
+against the torch reference before it is trusted, and callers fall back to the safe config
+when a check fails.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+# Shared memory a block may use, in bytes (sm_120 allows 99 KB per block; Hopper ~227 KB).
+SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 * 1024, "interpreter": 1 << 30}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def shared_memory_bytes(self, weight_bits: int, activation_bytes: int = 2) -> int:
+        """Pipelined operand buffers plus one staging tile for the dequantized weights.
+
+        An estimate of what Triton allocates: ``num_stages`` copies of the activation tile and the
+        packed weight tile, and one BF16 (or FP8) weight tile after in-register dequantization.
+        """
+        per_stage = self.block_m * self.block_k * activation_bytes + self.block_n * self.block_k * weight_bits // 8
+        staged_weight = self.block_n * self.block_k * activation_bytes
+        return self.num_stages * per_stage + staged_weight
+
+
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    block_rows: int
+    block_cols: int
+    num_warps: int = 4
+
+
+# (largest tokens-per-expert this entry serves, config); the last entry catches everything bigger.
+GemmTable = tuple[tuple[int, GemmConfig], ...]
+
+_WEIGHT_ONLY: dict[str, GemmTable] = {
+    "sm_90": (
+        (16, GemmConfig(16, 64, 256, split_k=2, num_warps=4, num_stages=4)),
+        (64, GemmConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)),
+        (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),
+    ),
+    "sm_120": (
+        (16, GemmConfig(16, 64, 128, split_k=2, num_warps=4, num_stages=3)),
+        (64, GemmConfig(64, 64, 64, split_k=1, num_warps=4, num_stages=3)),
+        (1 << 62, GemmConfig(128, 64, 64, split_k=1, num_warps=8, num_stages=3)),
+    ),
+    "fallback": ((1 << 62, GemmConfig(32, 64, 64, split_k=1, num_warps=4, num_stages=2)),),
+    "interpreter": ((1 << 62, GemmConfig(16, 32, 64, split_k=1, num_warps=4, num_stages=1)),),
+}
+
+_FP8_BLOCK: dict[str, GemmTable] = {
+    "sm_90": (
+        (16, GemmConfig(16, 64, 128, split_k=1, num_warps=4, num_stages=4)),
+        (64, GemmConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)),
+        (1 << 62, GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=4)),
+    ),
+    "sm_120": (
+        (64, GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=3)),
+        (1 << 62, GemmConfig(128, 64, 128, split_k=1, num_warps=8, num_stages=3)),
+    ),
+    "fallback": ((1 << 62, GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)),),
+    "interpreter": ((1 << 62, GemmConfig(16, 32, 128, split_k=1, num_warps=4, num_stages=1)),),
+}
+
+# Safe configs: no split-K, shallow pipelines, small tiles that fit every architecture.
+SAFE_WEIGHT_ONLY = GemmConfig(32, 64, 64, split_k=1, num_warps=4, num_stages=2)
+SAFE_FP8_BLOCK = GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)
+
+_ELEMENTWISE = {
+    "sm_90": ElementwiseConfig(32, 256, num_warps=8),
+    "sm_120": ElementwiseConfig(32, 256, num_warps=8),
+    "fallback": ElementwiseConfig(16, 256, num_warps=4),
+    "interpreter": ElementwiseConfig(16, 64, num_warps=4),
+}
+
+GEMM_TABLES: dict[str, dict[str, GemmTable]] = {"weight_only": _WEIGHT_ONLY, "fp8_block": _FP8_BLOCK}
+SAFE_GEMM: dict[str, GemmConfig] = {"weight_only": SAFE_WEIGHT_ONLY, "fp8_block": SAFE_FP8_BLOCK}
+
+
+def gemm_config(kind: str, arch: str, tokens_per_expert: int) -> GemmConfig:
+    """The table entry for ``kind`` (``weight_only`` or ``fp8_block``) at this batch size."""
+    for max_tokens, config in GEMM_TABLES[kind][arch]:
+        if tokens_per_expert <= max_tokens:
+            return config
+    raise AssertionError("every table ends with a catch-all entry")
+
+
+def elementwise_config(arch: str) -> ElementwiseConfig:
+    return _ELEMENTWISE[arch]
+
+
+_verdicts: dict[Hashable, bool] = {}
+_verdict_lock = threading.Lock()
+
+
+def verified(key: Hashable, check: Callable[[], bool]) -> bool:
+    """Run ``check`` the first time ``key`` is seen in this process and remember its verdict."""
+    with _verdict_lock:
+        if key not in _verdicts:
+            _verdicts[key] = bool(check())
+        return _verdicts[key]
+
+
+def verdicts() -> dict[Hashable, bool]:
+    """A copy of every verdict so far (the benchmark records them)."""
+    with _verdict_lock:
+        return dict(_verdicts)

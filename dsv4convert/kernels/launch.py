@@ -1,0 +1,152 @@
+"""Launchers: pick a config for the device, check it once against the reference, run the kernel.
+
+Imported only when Triton is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from dsv4convert.kernels import configs, reference
+from dsv4convert.kernels._runtime import arch_of, interpreting
+from dsv4convert.kernels.configs import GemmConfig
+from dsv4convert.kernels.operands import FP8_BLOCK, QuantizedWeight, quantized_weight
+from dsv4convert.kernels.samples import random_activations, random_weight
+from dsv4convert.errors import DSV4Error
+from dsv4convert.kernels.triton_kernels import (
+    FORMAT_CODES,
+    act_quant_kernel,
+    dequant_kernel,
+    fp8_block_gemm_kernel,
+    weight_only_gemm_kernel,
+)
+
+# GEMM outputs are compared with the FP32 reference at BF16 rounding noise (formats.md §7
+# measured 1.7e-3 in a BF16 output); the config check allows a little more.
+GEMM_REL_TOLERANCE = 5e-3
+
+
+def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """All experts at once: the stack is one [E*N, K] matrix to the kernel."""
+    cfg = configs.elementwise_config(arch_of(weight.device))
+    rows = weight.experts * weight.n
+    out = torch.empty(rows, weight.k, dtype=out_dtype, device=weight.device)
+    if weight.fmt == "fp8_block" and weight.n % FP8_BLOCK and weight.experts > 1:
+        # Ragged 128-row blocks do not line up across a flattened stack: one launch per expert.
+        parts = [dequantize(_one_expert(weight, e), out_dtype) for e in range(weight.experts)]
+        return torch.stack(parts)
+    codes = weight.codes.reshape(rows, -1)
+    scale = weight.scale.reshape(-1, weight.scale.shape[-1])
+    global_scale = weight.global_scale if weight.global_scale is not None else scale
+    block_k = max(cfg.block_cols, weight.group) if weight.fmt != "fp8_block" else cfg.block_cols
+    grid = (triton.cdiv(rows, cfg.block_rows), triton.cdiv(weight.k, block_k))
+    dequant_kernel[grid](
+        codes, scale, global_scale, out, rows, weight.k, weight.n, codes.stride(0), scale.stride(0), out.stride(0),
+        FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group, SCALE_E8M0=weight.scale_is_e8m0,
+        BLOCK_N=cfg.block_rows, BLOCK_K=block_k, num_warps=cfg.num_warps,
+    )
+    return out.reshape(weight.experts, weight.n, weight.k) if weight.stacked else out
+
+
+def _one_expert(weight: QuantizedWeight, expert: int) -> QuantizedWeight:
+    return dataclasses.replace(
+        weight,
+        codes=weight.codes[expert:expert + 1], scale=weight.scale[expert:expert + 1],
+        global_scale=None if weight.global_scale is None else weight.global_scale[expert:expert + 1],
+        source=tuple(t[expert:expert + 1] for t in weight.source), stacked=False,
+    )
+
+
+def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    groups = triton.cdiv(k, 128)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    block_m = 16
+    act_quant_kernel[(triton.cdiv(m, block_m), groups)](
+        x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0), reference.ACTIVATION_EPS,
+        POW2_SCALE=pow2_scale, BLOCK_M=block_m, num_warps=4,
+    )
+    return q, scale
+
+
+def _gemm_kind(weight: QuantizedWeight) -> str:
+    return "fp8_block" if weight.fmt == "fp8_block" else "weight_only"
+
+
+def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max_rows: int,
+            cfg: GemmConfig) -> torch.Tensor:
+    """Run the grouped GEMM with exactly ``cfg``; returns BF16 ``[T, N]``."""
+    tokens = x.shape[0]
+    n, k = weight.n, weight.k
+    split_k = cfg.split_k
+    y = (torch.zeros if split_k > 1 else torch.empty)(
+        tokens, n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k, weight.experts)
+    if weight.fmt == "fp8_block":
+        xq, xs = quantize_activations_fp8(x)
+        w_scale = weight.scale
+        fp8_block_gemm_kernel[grid](
+            xq, xs, weight.codes, w_scale, y, offsets, n, k,
+            xq.stride(0), xs.stride(0), weight.codes.stride(0), weight.codes.stride(1),
+            w_scale.stride(0), w_scale.stride(1), y.stride(0),
+            SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        global_scale = weight.global_scale if weight.global_scale is not None else weight.scale
+        weight_only_gemm_kernel[grid](
+            x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
+            x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
+            weight.scale.stride(1), y.stride(0),
+            FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, weight.group),
+            SPLIT_K=split_k, UPCAST_DOT=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return y.to(torch.bfloat16) if split_k > 1 else y
+
+
+def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """||approx - reference||_F / ||reference||_F in float64; NaN anywhere makes it infinite."""
+    diff = approx.double() - reference.double()
+    if not bool(torch.isfinite(diff).all()):
+        return float("inf")
+    return float(diff.norm() / reference.double().norm().clamp(min=1e-30))
+
+
+def _config_passes(fmt: str, group: int, cfg: GemmConfig, device: torch.device) -> bool:
+    """Run ``cfg`` on a small random two-expert problem that covers its split-K and tile edges."""
+    generator = torch.Generator().manual_seed(1234)
+    block_k = FP8_BLOCK if fmt == "fp8_block" else max(cfg.block_k, group)
+    n, k = 2 * cfg.block_n, 2 * cfg.split_k * block_k
+    tensors = random_weight(fmt, n, k, experts=2, group_size=group, device=device, generator=generator)
+    weight = quantized_weight(fmt, tensors)
+    rows = (cfg.block_m + 3, 1)
+    offsets = torch.tensor([0, rows[0], rows[0] + rows[1]], dtype=torch.int32, device=device)
+    x = random_activations(sum(rows), k, device=device, generator=generator)
+    y = _launch(weight, x, offsets, max(rows), cfg)
+    return relative_error(reference.grouped_gemm(weight, x, offsets), y) <= GEMM_REL_TOLERANCE
+
+
+def checked_config(weight: QuantizedWeight, max_rows: int) -> GemmConfig:
+    """The table's config for this batch size, or the safe one if the table's fails its check."""
+    device = weight.device
+    arch = arch_of(device)
+    kind = _gemm_kind(weight)
+    for cfg in (configs.gemm_config(kind, arch, max_rows), configs.SAFE_GEMM[kind]):
+        key = (kind, weight.fmt, weight.group, cfg, arch, str(device))
+        if configs.verified(key, lambda: _config_passes(weight.fmt, weight.group, cfg, device)):
+            return cfg
+    raise DSV4Error(f"no {kind} GEMM config for {weight.fmt} passed its check against the reference on {arch}")
+
+
+def grouped_gemm(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor,
+                 cfg: GemmConfig | None = None) -> torch.Tensor:
+    """BF16 ``[T, N]``: expert e multiplies token rows ``offsets[e]:offsets[e+1]`` of ``x``."""
+    max_rows = int(offsets.diff().max()) if offsets.numel() > 1 else 0
+    cfg = cfg or checked_config(weight, max_rows)
+    return _launch(weight, x.contiguous(), offsets.to(torch.int32).contiguous(), max_rows, cfg)

@@ -1,0 +1,242 @@
+"""Triton kernels against their torch references.
+
+Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
+before the kernels are first imported) on small shapes; with a GPU the same tests run compiled.
+Dequantization and quantization must match bit for bit; GEMMs to BF16 rounding (formats.md §7).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dsv4convert import kernels  # noqa: E402
+from dsv4convert.errors import DSV4Error, FormatError  # noqa: E402
+from dsv4convert.kernels import configs, launch, reference  # noqa: E402
+from dsv4convert.kernels.operands import quantized_weight  # noqa: E402
+from dsv4convert.kernels.samples import random_activations, random_weight  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GEMM_TOLERANCE = 3e-3
+
+# (format, group size, scale format): every weight encoding the kernels read.
+WEIGHT_CASES = [
+    ("fp8_block", 128, "ue8m0"),
+    ("fp8_block", 128, "float32"),
+    ("mxfp4", 32, "ue8m0"),
+    ("nvfp4", 16, "ue8m0"),
+    ("int4", 128, "ue8m0"),
+    ("int4", 32, "ue8m0"),
+]
+CASE_IDS = [f"{f}-g{g}-{s}" for f, g, s in WEIGHT_CASES]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _weight(fmt: str, group: int, scale_fmt: str, n: int, k: int, *, experts: int | None = None, seed: int = 0):
+    return random_weight(fmt, n, k, experts=experts, group_size=group, scale_fmt=scale_fmt, device=DEVICE,
+                         generator=_generator(seed))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
+
+
+def _relative_error(reference_out: torch.Tensor, out: torch.Tensor) -> float:
+    return launch.relative_error(reference_out, out)
+
+
+def test_kernels_run_here():
+    assert kernels.kernels_available(DEVICE)
+
+
+@pytest.mark.parametrize("fmt,group,scale_fmt", WEIGHT_CASES, ids=CASE_IDS)
+def test_dequantize_matches_formats_bit_for_bit(fmt, group, scale_fmt):
+    # 200 rows: ragged against every row tile and against FP8's 128-row blocks.
+    tensors = _weight(fmt, group, scale_fmt, 200, 384)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = kernels.dequantize(fmt, *tensors, out_dtype=out_dtype, backend="triton")
+        want = kernels.dequantize(fmt, *tensors, out_dtype=out_dtype, backend="torch")
+        assert got.dtype == out_dtype and got.shape == (200, 384)
+        assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("fmt,group,scale_fmt", WEIGHT_CASES[::2] + [WEIGHT_CASES[3]], ids=CASE_IDS[::2] + [CASE_IDS[3]])
+def test_dequantize_stack_of_experts_in_one_launch(fmt, group, scale_fmt):
+    tensors = _weight(fmt, group, scale_fmt, 72, 256, experts=3, seed=1)
+    got = kernels.dequantize(fmt, *tensors, backend="triton")
+    want = kernels.dequantize(fmt, *tensors, backend="torch")
+    assert got.shape == (3, 72, 256)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_nvfp4_global_scale_is_applied_per_expert():
+    weight, weight_scale, _ = _weight("nvfp4", 16, "ue8m0", 32, 64, experts=2)
+    global_scale = torch.tensor([1.0, 0.5], device=DEVICE)
+    got = kernels.dequantize("nvfp4", weight, weight_scale, global_scale, out_dtype=torch.float32, backend="triton")
+    assert torch.equal(got[1], kernels.dequantize("nvfp4", weight[1], weight_scale[1], global_scale[1],
+                                                  out_dtype=torch.float32, backend="triton"))
+    assert torch.equal(got[0] * 0.5, kernels.dequantize("nvfp4", weight[0], weight_scale[0], global_scale[1],
+                                                        out_dtype=torch.float32, backend="triton"))
+
+
+def test_activation_quantization_matches_reference_bit_for_bit():
+    x = random_activations(37, 320, device=DEVICE, generator=_generator(2))  # ragged last group
+    x[3] = 0  # all-zero token: eps floor
+    for pow2 in (True, False):
+        q, scale = kernels.quantize_activations_fp8(x, pow2_scale=pow2, backend="triton")
+        q_ref, scale_ref = reference.quantize_activations_fp8(x, pow2_scale=pow2)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(scale, scale_ref)
+    frexp_mantissa, _ = torch.frexp(scale)
+    assert bool((torch.frexp(kernels.quantize_activations_fp8(x, backend="triton")[1])[0] == 0.5).all())
+    assert frexp_mantissa.shape == (37, 3)
+
+
+def test_e4m3_rounding_ties_carries_and_subnormals():
+    # With amax 448 the power-of-two scale is 1, so each code is e4m3(x) itself.
+    values = torch.tensor([7.9375, 25.0, 27.0, -34.0, 0.01171875, 2.0**-10, 3 * 2.0**-10, -2.0**-11,
+                           -0.0, 1.0625, 232.0, 440.0, 2.0**-6 - 2.0**-12, 0.3, -5.5e-3, 447.0])
+    x = torch.zeros(2, 128)
+    x[:, 0] = 448.0
+    x[0, 1:1 + values.numel()] = values
+    x[1, 1:] = torch.randn(127, generator=_generator(3)) * 30
+    x = x.to(torch.float32).to(DEVICE)
+    q, scale = kernels.quantize_activations_fp8(x.to(torch.bfloat16).float().bfloat16(), backend="triton")
+    assert torch.equal(scale, torch.ones_like(scale))
+    want = x.to(torch.bfloat16).float().to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt,group,scale_fmt", WEIGHT_CASES, ids=CASE_IDS)
+def test_gemm_matches_fp32_reference(fmt, group, scale_fmt):
+    tensors = _weight(fmt, group, scale_fmt, 96, 512, seed=4)
+    x = random_activations(5, 512, device=DEVICE, generator=_generator(5))
+    y = kernels.gemm(fmt, x, *tensors, backend="triton")
+    weight = quantized_weight(fmt, tensors)
+    want = reference.grouped_gemm(weight, x, torch.tensor([0, 5], device=DEVICE))
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 96)
+    assert _relative_error(want, y) < GEMM_TOLERANCE
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int4"])
+def test_grouped_gemm_token_ranges_and_probe_batch(fmt):
+    tensors = _weight(fmt, 128, "ue8m0", 64, 256, experts=4, seed=6)
+    weight = quantized_weight(fmt, tensors)
+    offsets = torch.tensor([0, 3, 3, 20, 21], device=DEVICE)  # expert 1 gets no tokens
+    x = random_activations(21, 256, device=DEVICE, generator=_generator(7))
+    y = kernels.grouped_gemm(fmt, x, *tensors, expert_offsets=offsets, backend="triton")
+    assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
+
+    probe = random_activations(4 * 6, 256, device=DEVICE, generator=_generator(8)).reshape(4, 6, 256)
+    y_probe = kernels.grouped_gemm(fmt, probe, *tensors, backend="triton")
+    assert y_probe.shape == (4, 6, 64)
+    for expert in range(4):
+        single = kernels.gemm(fmt, probe[expert], *(t[expert] for t in tensors), backend="torch")
+        assert _relative_error(single.float(), y_probe[expert]) < GEMM_TOLERANCE
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_block"])
+def test_split_k_config_sums_every_slice(fmt):
+    tensors = _weight(fmt, 32, "ue8m0", 64, 512, experts=2, seed=9)
+    weight = quantized_weight(fmt, tensors)
+    x = random_activations(19, 512, device=DEVICE, generator=_generator(10))
+    offsets = torch.tensor([0, 17, 19], dtype=torch.int32, device=DEVICE)
+    cfg = configs.GemmConfig(16, 32, 128, split_k=3, num_warps=4, num_stages=1)
+    y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+    assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
+
+
+def test_table_configs_pass_their_check_on_this_device():
+    arch = launch.arch_of(torch.device(DEVICE))
+    for kind, table in configs.GEMM_TABLES.items():
+        for _, cfg in table[arch]:
+            fmt = "fp8_block" if kind == "fp8_block" else "mxfp4"
+            assert launch._config_passes(fmt, 32, cfg, torch.device(DEVICE)), (kind, cfg)
+
+
+def test_failing_config_falls_back_to_safe_config(monkeypatch):
+    tensors = _weight("int4", 128, "ue8m0", 32, 256, seed=11)
+    weight = quantized_weight("int4", tensors)
+    checked = []
+
+    def reject_all_but_safe(fmt, group, cfg, device):
+        checked.append(cfg)
+        return cfg == configs.SAFE_WEIGHT_ONLY
+
+    monkeypatch.setattr(launch, "_config_passes", reject_all_but_safe)
+    monkeypatch.setattr(configs, "_verdicts", {})
+    assert launch.checked_config(weight, 4) == configs.SAFE_WEIGHT_ONLY
+    assert launch.checked_config(weight, 4) == configs.SAFE_WEIGHT_ONLY
+    assert len(checked) == 2  # each verdict is computed once and cached
+    monkeypatch.setattr(launch, "_config_passes", lambda *args: False)
+    monkeypatch.setattr(configs, "_verdicts", {})
+    with pytest.raises(DSV4Error, match="passed its check"):
+        launch.checked_config(weight, 4)
+
+
+def test_sm120_configs_fit_its_shared_memory():
+    limit = configs.SHARED_MEMORY_LIMIT["sm_120"]
+    for kind, table in configs.GEMM_TABLES.items():
+        for _, cfg in table["sm_120"]:
+            bits, act_bytes = (8, 1) if kind == "fp8_block" else (4, 2)
+            assert cfg.shared_memory_bytes(bits, act_bytes) <= limit, (kind, cfg)
+        assert table["sm_120"][-1][0] >= 1 << 40  # a catch-all entry ends every table
+    assert configs.gemm_config("weight_only", "sm_90", 1).split_k >= 1
+
+
+def test_bad_inputs_are_refused():
+    packed, scale = _weight("mxfp4", 32, "ue8m0", 32, 128)
+    with pytest.raises(FormatError, match="scale shape"):
+        kernels.dequantize("mxfp4", packed, scale[:, :-1])
+    with pytest.raises(FormatError, match="unknown weight format"):
+        kernels.dequantize("fp6", packed, scale)
+    with pytest.raises(FormatError, match="float8_e4m3fn"):
+        kernels.dequantize("fp8_block", packed, scale)
+    with pytest.raises(FormatError, match="channels"):
+        kernels.gemm("mxfp4", torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE), packed, scale)
+    stacked = _weight("mxfp4", 32, "ue8m0", 32, 128, experts=2)
+    x = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(FormatError, match="grouped_gemm"):
+        kernels.gemm("mxfp4", x, *stacked)
+    with pytest.raises(FormatError, match="expert_offsets"):
+        kernels.grouped_gemm("mxfp4", x, *stacked, expert_offsets=torch.tensor([0, 3, 2]))
+    with pytest.raises(FormatError, match="probe batch"):
+        kernels.grouped_gemm("mxfp4", x, *stacked)
+    with pytest.raises(ValueError, match="backend"):
+        kernels.dequantize("mxfp4", packed, scale, backend="cuda")
+
+
+def test_package_falls_back_to_torch_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from dsv4convert import kernels\n"
+        "from dsv4convert.kernels._runtime import triton_installed\n"
+        "triton_installed.cache_clear()\n"
+        "import importlib.util\n"
+        "assert not kernels.kernels_available('cpu')\n"
+        "codes = torch.tensor([[0x21, 0xF8]], dtype=torch.uint8)\n"
+        "scale = torch.tensor([[128]], dtype=torch.uint8)\n"
+        "w = kernels.dequantize('mxfp4', torch.cat([codes] * 8, 1), scale, out_dtype=torch.float32)\n"
+        "assert w[0, :4].tolist() == [1.0, 2.0, -0.0, -12.0], w[0, :4]\n"
+        "try:\n"
+        "    kernels.dequantize('mxfp4', torch.cat([codes] * 8, 1), scale, backend='triton')\n"
+        "except Exception as e:\n"
+        "    assert 'not installed' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('backend=triton must fail without triton')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
