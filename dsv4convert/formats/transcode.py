@@ -47,6 +47,7 @@ _FP8_HEADROOM_EXP = 6
 _FP8_SHIFT_MIN = -13
 # Shifts at or above this keep every E2M1 value on the E4M3 grid (0.5 * 2**-8 = 2**-9).
 _FP8_SHIFT_EXACT_MIN = E4M3_MIN_EXP + 1
+_E2M1_NEGATIVE_ZERO = 8
 # float32 must hold weight_scale_2 = 2**m as a normal number.
 _GLOBAL_EXP_MIN, _GLOBAL_EXP_MAX = -126, 127
 
@@ -102,11 +103,15 @@ def _mxfp4_shape(packed: torch.Tensor, scale: torch.Tensor, name: str | None) ->
 def _fp8_byte_pairs(device: torch.device) -> torch.Tensor:
     """int16 ``[20 * 256]``: both E4M3 bytes of ``e2m1(byte) * 2**shift`` at ``(shift + 13) * 256 + byte``.
 
-    Built with torch's own float32 -> float8_e4m3fn cast (round to nearest even). Viewing
-    the ``[..., 2]`` byte pairs as int16 lets one gather emit both output bytes in order.
+    Built with torch's own float32 -> float8_e4m3fn cast (round to nearest even). Code 8
+    (-0) is written as +0 (byte 0x00) because DeepSeek's FP4_TABLE holds +0.0 there, so the
+    bytes match the official ``--expert-dtype fp8`` output. Viewing the ``[..., 2]`` byte
+    pairs as int16 lets one gather emit both output bytes in order.
     """
     shifts = torch.arange(_FP8_SHIFT_MIN, _FP8_HEADROOM_EXP + 1, device=device)
-    values = e2m1_table(device)[None, :] * exp2_float32(shifts)[:, None]
+    source_values = e2m1_table(device).clone()
+    source_values[_E2M1_NEGATIVE_ZERO] = 0.0
+    values = source_values[None, :] * exp2_float32(shifts)[:, None]
     fp8_codes = values.to(torch.float8_e4m3fn).view(torch.uint8)
     byte = torch.arange(256, device=device)
     pairs = torch.stack([fp8_codes[:, byte & 0xF], fp8_codes[:, byte >> 4]], dim=-1).contiguous()
