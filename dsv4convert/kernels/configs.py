@@ -50,8 +50,8 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
-        (16, GemmConfig(16, 64, 256, split_k=2, num_warps=4, num_stages=4)),
-        (64, GemmConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)),
+        (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
+        (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),
     ),
     "sm_120": (

@@ -41,9 +41,10 @@ def _e2m1_to_f32(nibble):
     """E2M1 value of a 4-bit code: bit 3 sign, bits 2..0 index [0, .5, 1, 1.5, 2, 3, 4, 6]."""
     magnitude = nibble & 7
     # For m >= 2 the FP32 bits are 0x3F000000 + (m << 22); m = 1 is 0.5 (0x3F000000), m = 0 is 0.
-    bits = tl.where(magnitude >= 2, 0x3F000000 + (magnitude << 22), magnitude * 0x3F000000)
-    value = bits.to(tl.float32, bitcast=True)
-    return tl.where((nibble & 8) != 0, -value, value)
+    bits = tl.where(magnitude >= 2, 0x3F000000 + (magnitude << 22), magnitude * 0x3F000000).to(tl.uint32)
+    # OR in the sign bit (negation could turn code 8, -0, into +0).
+    bits = bits | ((nibble & 8).to(tl.uint32) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

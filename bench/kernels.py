@@ -1,0 +1,328 @@
+"""Benchmark the dsv4convert Triton kernels against the device's ceilings and torch baselines.
+
+Run on a GPU from the repository root::
+
+    PYTHONPATH=. python bench/kernels.py --out bench/results/kernels-h200
+
+writes ``<out>.json`` (every measurement) and ``<out>.md`` (a summary that says which
+targets of issue 5 are met). Timings are medians of CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``); each timed graph cycles through enough copies of the
+weights to exceed the L2 cache three times, so the 4-bit kernels are measured from HBM, as
+they would run on a real layer, and so is cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.testing
+
+from dsv4convert.kernels import configs, launch, reference
+from dsv4convert.kernels.operands import QuantizedWeight, quantized_weight
+from dsv4convert.kernels.samples import random_activations, random_weight
+
+SHAPES = {"expert_w1_w3": (2048, 4096), "expert_w2": (4096, 2048), "wq_b": (32768, 1024), "square_8192": (8192, 8192)}
+TOKENS = (1, 4, 16, 64, 4096)
+WEIGHT_ONLY = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32))
+DEQUANT = (("fp8_block", "ue8m0"), ("fp8_block", "float32"), ("mxfp4", "ue8m0"), ("nvfp4", "ue8m0"), ("int4", "ue8m0"))
+
+
+def median_us(fn: Callable[[], object], rep_ms: int) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+
+
+def copies_for(bytes_per_copy: int) -> int:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(64, math.ceil(3 * l2 / max(bytes_per_copy, 1))))
+
+
+def weight_bytes(weight: QuantizedWeight) -> int:
+    total = weight.codes.numel() * weight.codes.element_size() + weight.scale.numel() * weight.scale.element_size()
+    return total + (0 if weight.global_scale is None else weight.global_scale.numel() * 4)
+
+
+def make_weights(fmt: str, n: int, k: int, count: int, *, group: int = 128, scale_fmt: str = "ue8m0",
+                 experts: int | None = None) -> list[QuantizedWeight]:
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    first = random_weight(fmt, n, k, experts=experts, group_size=group, scale_fmt=scale_fmt, device="cuda",
+                          generator=gen)
+    return [quantized_weight(fmt, tuple(t.clone() for t in first)) for _ in range(count)]
+
+
+def timed_over_copies(run_one: Callable[[int], object], count: int, rep_ms: int) -> float:
+    """Median microseconds of one call, timing a graph that makes ``count`` calls on rotating buffers."""
+    return median_us(lambda: [run_one(i) for i in range(count)], rep_ms) / count
+
+
+def copy_bandwidth(rep_ms: int) -> dict:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    # Events around eager launches: a captured graph turns the copy into a DMA memcpy node, slower.
+    us = triton.testing.do_bench(lambda: dst.copy_(src), rep=rep_ms, return_mode="median") * 1e3
+    return {"bytes_moved": 2 * src.numel(), "us": us, "gbps": 2 * src.numel() / us / 1e3}
+
+
+def dense_matmul_tflops(rep_ms: int) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / median_us(lambda: a @ b, rep_ms) / 1e6
+
+
+def bench_dequant(copy_gbps: float, rep_ms: int) -> list[dict]:
+    rows = []
+    for fmt, scale_fmt in DEQUANT:
+        for shape_name, (n, k) in SHAPES.items():
+            probe = make_weights(fmt, n, k, 1, scale_fmt=scale_fmt)[0]
+            moved = weight_bytes(probe) + n * k * 2
+            count = copies_for(moved)
+            weights = [probe] + make_weights(fmt, n, k, count - 1, scale_fmt=scale_fmt)
+            want = reference.dequantize(weights[0], torch.bfloat16)
+            exact = torch.equal(launch.dequantize(weights[0], torch.bfloat16).view(torch.int16), want.view(torch.int16))
+            us = timed_over_copies(lambda i: launch.dequantize(weights[i], torch.bfloat16), count, rep_ms)
+            gbps = moved / us / 1e3
+            rows.append({"format": fmt, "scale_fmt": scale_fmt, "shape": shape_name, "n": n, "k": k, "us": us,
+                         "gbps": gbps, "fraction_of_copy_bw": gbps / copy_gbps, "bit_exact": exact})
+            print(f"dequant {fmt:9s} {scale_fmt:7s} {shape_name:13s} {us:8.1f} us {gbps:7.0f} GB/s "
+                  f"{gbps / copy_gbps:5.1%} exact={exact}", flush=True)
+            del weights
+    return rows
+
+
+def _scaled_mm_baseline(m: int, n: int, k: int, rep_ms: int) -> dict:
+    """torch._scaled_mm on FP8 operands: block-wise scales if this torch/cuBLAS has them, else row-wise."""
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    attempts = {
+        "blockwise_1x128_128x128": (torch.rand(m, k // 128, device="cuda") + 0.5,
+                                    (torch.rand(n // 128, k // 128, device="cuda") + 0.5)),
+        "rowwise": (torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5),
+        "tensorwise": (torch.tensor(1.0, device="cuda"), torch.tensor(1.0, device="cuda")),
+    }
+    errors = {}
+    for mode, (scale_a, scale_b) in attempts.items():
+        try:
+            def run(scale_a=scale_a, scale_b=scale_b):
+                return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+            run()
+            torch.cuda.synchronize()
+            us = median_us(run, rep_ms)
+            return {"mode": mode, "us": us, "tflops": 2 * m * n * k / us / 1e6, "refused": errors}
+        except (RuntimeError, ValueError) as error:  # each mode is tried; the refusals are recorded
+            errors[mode] = str(error).splitlines()[0][:200]
+    return {"mode": None, "us": None, "tflops": None, "refused": errors}
+
+
+def bench_gemms(rep_ms: int, tokens: tuple[int, ...]) -> list[dict]:
+    rows = []
+    for shape_name, (n, k) in SHAPES.items():
+        dense_count = copies_for(n * k * 2)
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(dense_count)]
+        for m in tokens:
+            x = random_activations(m, k, device="cuda", generator=torch.Generator().manual_seed(m))
+            offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
+            cublas_us = timed_over_copies(lambda i: x @ dense[i].T, dense_count, rep_ms)
+            flops = 2 * m * n * k
+            for fmt, group in WEIGHT_ONLY + (("fp8_block", 128),):
+                probe = make_weights(fmt, n, k, 1, group=group)[0]
+                count = copies_for(weight_bytes(probe))
+                weights = [probe] + make_weights(fmt, n, k, count - 1, group=group)
+                cfg = launch.checked_config(probe, m)
+                y = launch._launch(probe, x, offsets, m, cfg)
+                error = launch.relative_error(reference.grouped_gemm(probe, x, offsets), y)
+                us = timed_over_copies(lambda i: launch._launch(weights[i], x, offsets, m, cfg), count, rep_ms)
+                row = {"format": fmt, "group": group, "shape": shape_name, "n": n, "k": k, "m": m, "us": us,
+                       "tflops": flops / us / 1e6, "weight_gbps": weight_bytes(probe) / us / 1e3,
+                       "cublas_bf16_us": cublas_us, "speedup_vs_cublas_bf16": cublas_us / us,
+                       "rel_error_vs_fp32_reference": error, "config": repr(cfg)}
+                if fmt == "fp8_block":
+                    xq_us = median_us(lambda: launch.quantize_activations_fp8(x), rep_ms)
+                    row["activation_quant_us"] = xq_us
+                    if m == 4096:
+                        scaled = _scaled_mm_baseline(m, n, k, rep_ms)
+                        row["scaled_mm"] = scaled
+                        if scaled["tflops"]:
+                            row["fraction_of_scaled_mm"] = row["tflops"] / scaled["tflops"]
+                            row["gemm_only_fraction_of_scaled_mm"] = flops / (us - xq_us) / 1e6 / scaled["tflops"]
+                else:
+                    def dequant_then_matmul(weight=probe):
+                        return x @ reference.dequantize(weight, torch.bfloat16).T
+                    row["torch_dequant_matmul_us"] = triton.testing.do_bench(
+                        dequant_then_matmul, rep=rep_ms, return_mode="median") * 1e3
+                    row["speedup_vs_torch_dequant_matmul"] = row["torch_dequant_matmul_us"] / us
+                rows.append(row)
+                extra = f" vs scaled_mm {row.get('fraction_of_scaled_mm', float('nan')):.2f}" if m == 4096 and \
+                    fmt == "fp8_block" else ""
+                print(f"gemm {fmt:9s} g{group:<3d} {shape_name:13s} M={m:<5d} {us:8.1f} us  cuBLAS {cublas_us:8.1f} us "
+                      f"x{cublas_us / us:5.2f}  err {error:.1e}{extra}", flush=True)
+                del weights
+        del dense
+    return rows
+
+
+def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
+    rows = []
+    n, k = SHAPES["expert_w1_w3"]
+    for fmt, group in WEIGHT_ONLY[::2] + (("mxfp4", 32), ("fp8_block", 128)):
+        stack = make_weights(fmt, n, k, 1, group=group, experts=experts)[0]
+        singles = [launch._one_expert(stack, e) for e in range(experts)]
+        x = random_activations(experts * tokens, k, device="cuda", generator=torch.Generator().manual_seed(1))
+        offsets = torch.arange(experts + 1, dtype=torch.int32, device="cuda") * tokens
+        one = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+        cfg = launch.checked_config(stack, tokens)
+        grouped = launch._launch(stack, x, offsets, tokens, cfg)
+        error = launch.relative_error(reference.grouped_gemm(stack, x, offsets), grouped)
+        grouped_us = median_us(lambda: launch._launch(stack, x, offsets, tokens, cfg), rep_ms)
+        per_expert = lambda: [launch._launch(singles[e], x[e * tokens:(e + 1) * tokens], one, tokens, cfg)  # noqa: E731
+                              for e in range(experts)]
+        graph_us = median_us(per_expert, rep_ms)
+        eager_us = triton.testing.do_bench(per_expert, rep=rep_ms, return_mode="median") * 1e3
+        rows.append({"format": fmt, "group": group, "experts": experts, "tokens_per_expert": tokens, "n": n, "k": k,
+                     "grouped_us": grouped_us, "per_expert_graph_us": graph_us, "per_expert_eager_us": eager_us,
+                     "speedup_vs_per_expert_graph": graph_us / grouped_us,
+                     "speedup_vs_per_expert_eager": eager_us / grouped_us,
+                     "weight_gbps": weight_bytes(stack) / grouped_us / 1e3, "rel_error_vs_fp32_reference": error})
+        print(f"grouped {fmt:9s} E={experts} M={tokens}: {grouped_us:8.1f} us, per-expert graph {graph_us:8.1f} us, "
+              f"eager {eager_us:8.1f} us, err {error:.1e}", flush=True)
+    return rows
+
+
+def sweep(rep_ms: int) -> list[dict]:
+    """Candidate weight-only configs at M=16 on the two decode-critical shapes (for choosing the table)."""
+    rows = []
+    candidates = [configs.GemmConfig(16, bn, bk, split_k=s, num_warps=w, num_stages=st)
+                  for bn, bk, s, w, st in [(32, 256, 1, 4, 4), (64, 256, 1, 4, 4), (64, 256, 2, 4, 4),
+                                           (64, 128, 4, 4, 4), (128, 128, 2, 4, 3), (32, 512, 2, 4, 3),
+                                           (64, 512, 1, 4, 3), (128, 256, 1, 8, 3), (32, 128, 4, 4, 4)]]
+    for fmt, group in (("int4", 128), ("mxfp4", 32)):
+        for shape_name, (n, k) in (("expert_w1_w3", (2048, 4096)), ("square_8192", (8192, 8192))):
+            probe = make_weights(fmt, n, k, 1, group=group)[0]
+            count = copies_for(weight_bytes(probe))
+            weights = [probe] + make_weights(fmt, n, k, count - 1, group=group)
+            x = random_activations(16, k, device="cuda")
+            offsets = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
+            for cfg in candidates:
+                ok = launch._config_passes(fmt, group, cfg, torch.device("cuda"))
+                us = timed_over_copies(lambda i: launch._launch(weights[i], x, offsets, 16, cfg), count, rep_ms)
+                rows.append({"format": fmt, "shape": shape_name, "config": repr(cfg), "us": us, "correct": ok})
+                print(f"sweep {fmt} {shape_name} {cfg} {us:7.1f} us ok={ok}", flush=True)
+    return rows
+
+
+def summarize(result: dict) -> str:
+    copy = result["copy_bandwidth"]["gbps"]
+    lines = [f"# Kernel benchmark: {result['device']}", "",
+             f"- commit `{result['commit']}`, torch {result['torch']}, triton {result['triton']}",
+             f"- command: `{result['command']}`",
+             f"- measured copy bandwidth {copy:.0f} GB/s (read + write); dense BF16 8192^3 "
+             f"{result['dense_bf16_tflops']:.0f} TFLOP/s", ""]
+    verdicts = []
+    deq = result["dequant"]
+    worst = min(deq, key=lambda r: r["fraction_of_copy_bw"]) if deq else None
+    if deq:
+        met = all(r["fraction_of_copy_bw"] >= 0.8 for r in deq)
+        verdicts.append(f"- Dequant >= 80% of copy bandwidth: **{'MET' if met else 'NOT MET'}** "
+                        f"(worst {worst['format']}/{worst['scale_fmt']} {worst['shape']}: "
+                        f"{worst['fraction_of_copy_bw']:.0%}); bit-exact everywhere: "
+                        f"{all(r['bit_exact'] for r in deq)}")
+    gem = [r for r in result["gemm"] if r["format"] != "fp8_block"]
+    small = [r for r in gem if r["m"] <= 16]
+    if small:
+        hits = sum(r["speedup_vs_cublas_bf16"] >= 3 for r in small)
+        worst_small = min(small, key=lambda r: r["speedup_vs_cublas_bf16"])
+        best_small = max(small, key=lambda r: r["speedup_vs_cublas_bf16"])
+        verdicts.append(f"- 4-bit GEMM >= 3x cuBLAS BF16 at M <= 16: **{'MET' if hits == len(small) else 'NOT MET'}** "
+                        f"({hits}/{len(small)} cases; range x{worst_small['speedup_vs_cublas_bf16']:.2f} "
+                        f"({worst_small['format']} {worst_small['shape']} M={worst_small['m']}) to "
+                        f"x{best_small['speedup_vs_cublas_bf16']:.2f})")
+    fp8 = [r for r in result["gemm"] if r["format"] == "fp8_block" and r["m"] == 4096 and "fraction_of_scaled_mm" in r]
+    if fp8:
+        met = all(r["fraction_of_scaled_mm"] >= 0.7 for r in fp8)
+        verdicts.append(f"- FP8 block GEMM >= 70% of torch._scaled_mm TFLOP/s at M=4096: **{'MET' if met else 'NOT MET'}** "
+                        f"({', '.join(r['shape'] + ' ' + format(r['fraction_of_scaled_mm'], '.0%') for r in fp8)}; "
+                        f"_scaled_mm mode: {fp8[0]['scaled_mm']['mode']})")
+    lines += ["## Targets", ""] + verdicts + [""]
+    if deq:
+        lines += ["## Dequantize to BF16", "", "| format | scale | shape | us | GB/s | % of copy | bit-exact |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['format']} | {r['scale_fmt']} | {r['shape']} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                  f"{r['fraction_of_copy_bw']:.0%} | {r['bit_exact']} |" for r in deq]
+        lines.append("")
+    if result["gemm"]:
+        lines += ["## GEMM Y = X @ W^T", "",
+                  "| format | shape | M | us | TFLOP/s | x vs cuBLAS BF16 | x vs torch dequant+matmul | rel err |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in result["gemm"]:
+            vs_torch = r.get("speedup_vs_torch_dequant_matmul")
+            fmt = f"{r['format']} g{r['group']}" if r["format"] == "int4" else r["format"]
+            lines.append(f"| {fmt} | {r['shape']} | {r['m']} | {r['us']:.1f} | {r['tflops']:.1f} | "
+                         f"{r['speedup_vs_cublas_bf16']:.2f} | {'' if vs_torch is None else f'{vs_torch:.1f}'} | "
+                         f"{r['rel_error_vs_fp32_reference']:.1e} |")
+        lines.append("")
+    if fp8:
+        lines += ["## FP8 block vs torch._scaled_mm at M=4096", "",
+                  "| shape | ours TFLOP/s (incl. act. quant) | _scaled_mm TFLOP/s | ratio | ratio, GEMM only |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['tflops']:.0f} | {r['scaled_mm']['tflops']:.0f} | "
+                  f"{r['fraction_of_scaled_mm']:.2f} | {r['gemm_only_fraction_of_scaled_mm']:.2f} |" for r in fp8]
+        lines.append("")
+    if result["grouped"]:
+        lines += ["## All experts in one launch vs one launch per expert", "",
+                  "| format | E | M/expert | grouped us | per-expert (graph) us | per-expert (eager) us | x graph | x eager |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['format']} | {r['experts']} | {r['tokens_per_expert']} | {r['grouped_us']:.1f} | "
+                  f"{r['per_expert_graph_us']:.1f} | {r['per_expert_eager_us']:.1f} | "
+                  f"{r['speedup_vs_per_expert_graph']:.2f} | {r['speedup_vs_per_expert_eager']:.2f} |"
+                  for r in result["grouped"]]
+        lines.append("")
+    lines += ["## Config checks (once per process)", ""]
+    lines += [f"- {key}: {'pass' if ok else 'FAIL'}" for key, ok in result["config_verdicts"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="path prefix for the .json and .md results")
+    parser.add_argument("--rep-ms", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: one shape per section, M in (1, 16)")
+    parser.add_argument("--sweep", action="store_true", help="also time candidate weight-only configs at M=16")
+    parser.add_argument("--experts", type=int, default=64)
+    args = parser.parse_args()
+    if args.quick:
+        for name in ("expert_w2", "wq_b", "square_8192"):
+            SHAPES.pop(name)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    start = time.time()
+    result = {
+        "device": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+        "arch": launch.arch_of(torch.device("cuda")), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "commit": os.environ.get("DSV4_COMMIT", "unknown"),
+        "command": os.environ.get("DSV4_COMMAND", "python bench/kernels.py " + " ".join(sys.argv[1:])),
+    }
+    result["copy_bandwidth"] = copy_bandwidth(args.rep_ms)
+    result["dense_bf16_tflops"] = dense_matmul_tflops(args.rep_ms)
+    print(f"copy {result['copy_bandwidth']['gbps']:.0f} GB/s, bf16 {result['dense_bf16_tflops']:.0f} TFLOP/s", flush=True)
+    result["sweep"] = sweep(args.rep_ms) if args.sweep else []
+    result["dequant"] = bench_dequant(result["copy_bandwidth"]["gbps"], args.rep_ms)
+    result["gemm"] = bench_gemms(args.rep_ms, (1, 16) if args.quick else TOKENS)
+    result["grouped"] = bench_grouped(args.rep_ms, 8 if args.quick else args.experts, 16)
+    result["config_verdicts"] = {repr(k): v for k, v in configs.verdicts().items()}
+    result["wall_seconds"] = time.time() - start
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    summary = summarize(result)
+    with open(args.out + ".md", "w") as f:
+        f.write(summary)
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
