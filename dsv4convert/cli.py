@@ -18,6 +18,7 @@ from dsv4convert.errors import DSV4Error
 COMMAND_MODULES = [
     "dsv4convert.synth",
     "dsv4convert.inspection",
+    "dsv4convert.convert.cli",
 ]
 
 

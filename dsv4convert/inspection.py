@@ -17,7 +17,15 @@ from pathlib import Path
 
 from dsv4convert.checkpoint import Checkpoint, read_small_json
 from dsv4convert.errors import CheckpointError
-from dsv4convert.layout import ModelConfig, Role, TensorSpec, native_groups, native_inventory, try_classify
+from dsv4convert.layout import (
+    ModelConfig,
+    Role,
+    TensorSpec,
+    linear_shapes,
+    native_groups,
+    native_inventory,
+    try_classify,
+)
 from dsv4convert.storage import Format, detect_linear_format
 
 # Parameters that belong to a linear's weight storage in some format; others (router
@@ -69,15 +77,11 @@ def _native_modules(specs: list[TensorSpec]) -> dict[str, dict[str, TensorSpec]]
     return modules
 
 
-def _logical_shape(weight: TensorSpec) -> tuple[int, int]:
-    n, k = weight.shape
-    return (n, k * 2) if weight.dtype == "I8" else (n, k)
-
-
 def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
     """Match a checkpoint against the layout its config.json describes."""
     cfg = ModelConfig.from_dict(ckpt.config, source=str(ckpt.root / "config.json"))
     native = _native_modules(native_inventory(cfg))
+    shapes = linear_shapes(cfg)
     actual: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = defaultdict(dict)
     unexpected: list[str] = []
     for name, entry in ckpt.tensors.items():
@@ -93,10 +97,10 @@ def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
     for module, params in native.items():
         have = actual.get(module, {})
         info = next(iter(params.values())).info
-        weight = params.get("weight")
-        if weight is not None and len(weight.shape) == 2:
+        is_linear = module in shapes
+        if is_linear:
             stored = {p: v for p, v in have.items() if p in WEIGHT_PARAMS}
-            n, k = _logical_shape(weight)
+            n, k = shapes[module]
             found = detect_linear_format(stored, n, k) if stored else None
             if not stored:
                 missing.append(f"{module}.weight")
@@ -106,7 +110,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
             modules[module] = ModuleFormat(module, info.role, info.is_mtp, found[0] if found else None,
                                            found[1] if found else {})
         for param, spec in params.items():
-            if param in WEIGHT_PARAMS and weight is not None and len(weight.shape) == 2:
+            if param in WEIGHT_PARAMS and is_linear:
                 continue
             got = have.get(param)
             if got is None:

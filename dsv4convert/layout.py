@@ -322,6 +322,16 @@ def native_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
     return groups
 
 
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Logical [N, K] of every module whose weight is a matrix (MXFP4's packed K doubled)."""
+    out = {}
+    for spec in native_inventory(cfg):
+        if spec.name.endswith(".weight") and len(spec.shape) == 2:
+            n, k = spec.shape
+            out[spec.name[: -len(".weight")]] = (n, k * 2 if spec.dtype == "I8" else k)
+    return out
+
+
 def iter_modules(specs: list[TensorSpec]) -> Iterator[tuple[str, list[TensorSpec]]]:
     """Group specs by module (weight + its scales), keeping order."""
     modules: dict[str, list[TensorSpec]] = {}

@@ -1,0 +1,1 @@
+"""Streaming conversion: recipe -> plan -> validate -> execute (see execute.py)."""

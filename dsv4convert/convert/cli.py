@@ -1,0 +1,86 @@
+"""``to-fp8``, ``to-nvfp4``, ``to-w4a16``, ``to-bf16`` and ``convert --recipe``.
+
+The ``to-*`` commands are the shipped recipes; ``convert`` runs any recipe file. All share
+one set of options and one engine (:func:`dsv4convert.convert.execute.convert`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from dsv4convert.convert.execute import ConvertOptions, convert
+from dsv4convert.convert.plan import DEFAULT_MAX_SHARD_BYTES, parse_size
+from dsv4convert.convert.recipe import load_recipe
+
+SHIPPED_HELP = {
+    "to-fp8": ("fp8", "routed experts cast MXFP4 -> FP8 128x128 losslessly; everything else kept"),
+    "to-nvfp4": ("nvfp4", "backbone experts cast MXFP4 -> NVFP4 (ModelOpt layout), lossless where the scales fit"),
+    "to-w4a16": ("w4a16", "routed experts requantized to INT4 W4A16 group 128 (compressed-tensors)"),
+    "to-bf16": ("bf16", "everything dequantized to BF16 (F32/I64 kept): the reference"),
+}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--src", required=True, help="source checkpoint directory or Hugging Face repo id")
+    p.add_argument("--dst", required=True, type=Path, help="output directory (must not be inside the source)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--max-memory", type=parse_size, metavar="SIZE",
+                   help="memory budget for all workers together, e.g. 16G (default: 80%% of available)")
+    p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, metavar="SIZE",
+                   help="largest output shard (default 5.4G; a source layer shard is kept whole when it fits)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue an interrupted run into DST")
+    mode.add_argument("--overwrite", action="store_true", help="delete DST's contents and start over")
+    p.add_argument("--dry-run", action="store_true", help="plan and check everything, print the plan, write nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _nvfp4_inputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-scales-from", metavar="PATH_OR_REPO",
+                   help="take NVFP4 activation input_scales from another NVFP4 checkpoint of this model")
+    p.add_argument("--calibration", type=Path, metavar="FILE",
+                   help="take NVFP4 activation input_scales from a calibration file (dsv4convert.calibration/1)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    for command, (recipe, summary) in SHIPPED_HELP.items():
+        p = subparsers.add_parser(command, help=summary, description=(
+            f"{summary}. Streams shard by shard with bounded memory, resumable (--resume), and writes a "
+            "config.json SGLang 0.5.23 loads as is, a model card and a provenance file. "
+            f"Same as: dsv4convert convert --recipe {recipe}"))
+        _common(p)
+        if recipe == "nvfp4":
+            _nvfp4_inputs(p)
+        p.set_defaults(func=_run, recipe=recipe)
+    p = subparsers.add_parser("convert", help="run any recipe (YAML) on a checkpoint", description=(
+        "Convert with a recipe file: ordered rules that map tensor roles (and optional module regexes) to "
+        "keep/bf16/fp8/nvfp4/int4. See recipes/ for the shipped ones and a mixed example."))
+    p.add_argument("--recipe", required=True, help="recipe file, or a shipped name: fp8, nvfp4, w4a16, bf16")
+    _common(p)
+    _nvfp4_inputs(p)
+    p.set_defaults(func=_run)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    convert(ConvertOptions(
+        src=args.src,
+        dst=args.dst,
+        recipe=load_recipe(args.recipe),
+        workers=max(1, args.workers),
+        max_memory=args.max_memory,
+        max_shard_bytes=args.max_shard_size,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        dry_run=args.dry_run,
+        input_scales_from=getattr(args, "input_scales_from", None),
+        calibration=getattr(args, "calibration", None),
+        progress=not args.no_progress,
+    ))
+    return 0

@@ -1,0 +1,359 @@
+"""Run a plan: shard jobs on worker processes within a memory budget, resumable.
+
+Each output shard is one job. Jobs are started while the sum of their estimated peak
+memory fits ``max_memory`` (a job that can never fit is refused before anything runs),
+each writes its shard to a temporary name and renames it when complete, and the resume
+state is updated after each. The index is written last: a destination without one is
+visibly unfinished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import shutil
+import signal
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dsv4convert import __version__
+from dsv4convert.checkpoint import INDEX_NAME, Checkpoint, ShardWriter, atomic_write_bytes, atomic_write_json, partial_path
+from dsv4convert.checkpoint.writer import copy_small_files, write_index
+from dsv4convert.convert.input_scales import InputScales, build_input_scales
+from dsv4convert.convert.modules import ModuleContext, convert_module
+from dsv4convert.convert.plan import Plan, ShardJob, build_plan, human_bytes
+from dsv4convert.convert.quant_config import build_quant_config
+from dsv4convert.convert.recipe import Recipe, canonical
+from dsv4convert.convert.state import STATE_DIR, DestinationLock, RunState, signature
+from dsv4convert.errors import DSV4Error
+from dsv4convert.layout import Role
+from dsv4convert.storage import Format
+
+# Files the converter writes itself rather than copying from the source.
+GENERATED_FILES = {"config.json", "hf_quant_config.json", "README.md", "provenance.json", INDEX_NAME}
+
+
+@dataclass
+class ConvertOptions:
+    src: str
+    dst: Path
+    recipe: Recipe
+    workers: int = 1
+    max_memory: int | None = None
+    max_shard_bytes: int = 5 * 1024**3
+    resume: bool = False
+    overwrite: bool = False
+    dry_run: bool = False
+    input_scales_from: str | None = None
+    calibration: Path | None = None
+    progress: bool = True
+
+
+@dataclass
+class ConvertResult:
+    plan: Plan
+    dst: Path
+    stats: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ------------------------------------------------------------------------------- worker side
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop
+
+
+def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scales: InputScales | None,
+                  progress: "queue.Queue | None" = None) -> dict:
+    """Convert and write one output shard; returns its stats (picklable, for the resume state)."""
+    stats: dict = {"roles": defaultdict(lambda: defaultdict(int)), "input_scale_sources": defaultdict(int)}
+    path = Path(dst) / job.name
+    with ShardWriter(path, job.planned, metadata={"format": "pt"}) as writer:
+        for module in job.modules:
+            ctx = ModuleContext(partner_sources=partners.get(module.module, {}), input_scale=input_scales)
+            result = convert_module(module, ctx)
+            for name, tensor in result.tensors:
+                writer.write(name, tensor)
+            role = _role_key(module.role, module.is_mtp)
+            row = stats["roles"][role]
+            row["converted" if module.converts else "kept"] += 1
+            if result.report is not None:
+                row["blocks_total"] += result.report.blocks_total
+                row["blocks_exact"] += result.report.blocks_exact
+                row["max_abs_error"] = max(row["max_abs_error"], result.report.max_abs_error)
+            if result.input_scale_source:
+                stats["input_scale_sources"][result.input_scale_source] += 1
+            if progress is not None:
+                progress.put(sum(e.nbytes for e in module.sources.values()))
+    return {"bytes": path.stat().st_size, "roles": {k: dict(v) for k, v in stats["roles"].items()},
+            "input_scale_sources": dict(stats["input_scale_sources"])}
+
+
+def _role_key(role: Role, is_mtp: bool) -> str:
+    return f"{role.value} (mtp)" if is_mtp and role is Role.ROUTED_EXPERT else role.value
+
+
+# ------------------------------------------------------------------------------- driver side
+
+
+def _check_paths(src_root: Path, dst: Path) -> None:
+    s, d = src_root.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise DSV4Error("destination is inside the source checkpoint; choose another directory", file=dst)
+    if d in s.parents:
+        raise DSV4Error("the source checkpoint is inside the destination; choose another directory", file=dst)
+
+
+def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
+    dst = opts.dst
+    state = RunState.load(dst) if dst.exists() else None
+    nonempty = dst.exists() and any(dst.iterdir())
+    if opts.overwrite and nonempty:
+        DestinationLock(dst).acquire()  # refuse to wipe a directory another run is writing
+        shutil.rmtree(dst)
+        state = None
+    elif nonempty and not opts.resume:
+        raise DSV4Error("destination is not empty; pass --resume to continue an interrupted conversion or "
+                        "--overwrite to start over", file=dst)
+    elif opts.resume and state is not None and state.signature != sig:
+        raise DSV4Error("--resume refused: the source, recipe or options differ from the interrupted run "
+                        "(use the same command, or --overwrite to start over)", file=dst)
+    elif opts.resume and state is None and nonempty:
+        raise DSV4Error("--resume refused: this directory holds no dsv4convert run state", file=dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    if state is None:
+        state = RunState(dst / STATE_DIR / "state.json", sig, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return state
+
+
+def _check_disk(dst: Path, needed: int) -> None:
+    free = shutil.disk_usage(dst).free
+    if free < needed:
+        raise DSV4Error(f"not enough free disk: the conversion writes {human_bytes(needed)} more, "
+                        f"{human_bytes(free)} is free", file=dst)
+
+
+def _remaining(plan: Plan, state: RunState, dst: Path) -> list[ShardJob]:
+    todo = []
+    for shard in plan.shards:
+        done = state.shards.get(shard.name)
+        path = dst / shard.name
+        if done and path.exists() and path.stat().st_size == done["bytes"]:
+            continue
+        state.shards.pop(shard.name, None)
+        todo.append(shard)
+    return todo
+
+
+def _partners(plan: Plan, shard: ShardJob) -> dict[str, dict]:
+    return {m.module: plan.modules[m.partner].sources for m in shard.modules if m.partner}
+
+
+def convert(opts: ConvertOptions) -> ConvertResult:
+    """Plan, validate and run a conversion; see the module docstring."""
+    t0 = time.monotonic()
+    ckpt = Checkpoint.open(opts.src)
+    _check_paths(ckpt.root, opts.dst)
+    plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes)
+    config, extra_files = build_quant_config(ckpt.config, plan.module_formats())
+    needs_input_scales = any(m.target.format is Format.NVFP4 for m in plan.modules.values())
+    input_scales = build_input_scales(ckpt, from_checkpoint=opts.input_scales_from,
+                                      calibration=opts.calibration) if needs_input_scales else None
+    max_memory = opts.max_memory or int(available_memory() * 0.8)
+    too_big = [s for s in plan.shards if s.memory_estimate > max_memory]
+    if too_big:
+        raise DSV4Error(f"shard job {too_big[0].name} needs about {human_bytes(too_big[0].memory_estimate)} of "
+                        f"memory but --max-memory is {human_bytes(max_memory)}", file=opts.dst)
+    options = {"max_shard_bytes": opts.max_shard_bytes, "input_scales_from": opts.input_scales_from,
+               "calibration": _file_digest(opts.calibration)}
+    sig = signature(ckpt, canonical(opts.recipe), options)
+    if opts.dry_run:
+        print_plan(plan, ckpt, opts, max_memory)
+        return ConvertResult(plan, opts.dst)
+
+    state = _prepare_destination(opts, sig)
+    with DestinationLock(opts.dst):
+        for stale in opts.dst.glob(".*.partial"):
+            stale.unlink()
+        todo = _remaining(plan, state, opts.dst)
+        _check_disk(opts.dst, sum(s.bytes_out for s in todo) + 64 * 1024**2)
+        state.complete = False
+        state.save()
+        try:
+            _run_jobs(plan, todo, opts, state, input_scales, max_memory)
+        except KeyboardInterrupt:
+            raise DSV4Error(f"interrupted; {len(state.shards)} of {len(plan.shards)} shards are complete. "
+                            "Run the same command with --resume to continue", file=opts.dst) from None
+        stats = _finalize(plan, ckpt, opts, state, config, extra_files)
+    result = ConvertResult(plan, opts.dst, stats, time.monotonic() - t0)
+    print_stats(result)
+    return result
+
+
+def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: RunState,
+              input_scales: InputScales | None, max_memory: int) -> None:
+    bar = tqdm(total=sum(s.bytes_in for s in todo), unit="B", unit_scale=True, desc="convert",
+               disable=not opts.progress, file=sys.stderr)
+
+    def finished(shard: ShardJob, shard_stats: dict) -> None:
+        state.shards[shard.name] = shard_stats
+        state.save()
+
+    if opts.workers <= 1:
+        q: queue.Queue = queue.Queue()
+        for shard in todo:
+            stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, q)
+            while not q.empty():
+                bar.update(q.get())
+            finished(shard, stats)
+        bar.close()
+        return
+
+    ctx = get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // opts.workers)
+    with ctx.Manager() as manager:
+        q = manager.Queue()
+        pool = ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,))
+        running: dict[Future, ShardJob] = {}
+        pending = list(todo)
+        try:
+            while pending or running:
+                while pending and len(running) < opts.workers and (
+                        sum(s.memory_estimate for s in running.values()) + pending[0].memory_estimate <= max_memory
+                        or not running):
+                    shard = pending.pop(0)
+                    fut = pool.submit(run_shard_job, str(opts.dst), shard, _partners(plan, shard), input_scales, q)
+                    running[fut] = shard
+                done, _ = wait(running, timeout=0.2, return_when=FIRST_COMPLETED)
+                while not q.empty():
+                    bar.update(q.get())
+                for fut in done:
+                    finished(running.pop(fut), fut.result())
+        except BaseException:
+            for fut in running:
+                fut.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+    bar.close()
+
+
+def _file_digest(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def aggregate(state: RunState) -> dict:
+    roles: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    sources: dict[str, int] = defaultdict(int)
+    for shard in state.shards.values():
+        for role, row in shard["roles"].items():
+            for key, value in row.items():
+                roles[role][key] = max(roles[role][key], value) if key == "max_abs_error" else roles[role][key] + value
+        for key, value in shard.get("input_scale_sources", {}).items():
+            sources[key] += value
+    total = sum(r.get("blocks_total", 0) for r in roles.values())
+    exact = sum(r.get("blocks_exact", 0) for r in roles.values())
+    return {
+        "roles": {k: {kk: (int(v) if kk != "max_abs_error" else v) for kk, v in r.items()} for k, r in sorted(roles.items())},
+        "total_blocks": int(total),
+        "lossless_blocks": int(exact),
+        "input_scale_source": dict(sources),
+    }
+
+
+def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunState, config: dict,
+              extra_files: dict[str, dict]) -> dict:
+    from dsv4convert.convert.model_card import default_launch, render_model_card
+    from dsv4convert.inspection import inspect_checkpoint
+
+    dst = opts.dst
+    copy_small_files(ckpt.small_files(), dst, skip=GENERATED_FILES)
+    atomic_write_json(dst / "config.json", config)
+    for name, obj in extra_files.items():
+        atomic_write_json(dst / name, obj)
+    stats = aggregate(state)
+    stats["tensors_quantized"] = sum(len(m.outputs) for m in plan.modules.values() if m.converts)
+    stats["tensors_kept"] = sum(len(m.outputs) for m in plan.modules.values() if not m.converts)
+    stats["bytes_in"] = plan.bytes_in
+    stats["bytes_out"] = plan.bytes_out
+    weight_map = {p.name: shard.name for shard in plan.shards for p in shard.planned}
+    provenance = {
+        "tool": f"dsv4convert {__version__}",
+        "source": str(opts.src),
+        "source_index_sha256": _file_digest(ckpt.index_file) if ckpt.index_file else None,
+        "recipe": {"name": plan.recipe.name, "sha256": plan.recipe.digest, "text": plan.recipe.text},
+        "started": state.started,
+        "input_scales_from": opts.input_scales_from,
+        "calibration_sha256": _file_digest(opts.calibration),
+        "stats": stats,
+    }
+    atomic_write_json(dst / "provenance.json", provenance)
+    # The index goes last; inspect the finished directory before declaring it done.
+    write_index(dst, weight_map, plan.bytes_out)
+    result = inspect_checkpoint(Checkpoint.open(dst))
+    if not result.ok:
+        (dst / INDEX_NAME).unlink()
+        problem = (result.missing + result.mismatched + result.unexpected + result.problems)[0]
+        raise DSV4Error(f"output failed its layout check ({problem}); the index was removed", file=dst)
+    card = render_model_card(
+        variant=result.variant, base_model=str(opts.src), recipe_name=plan.recipe.name, recipe_text=plan.recipe.text,
+        formats_by_role=result.formats_by_role(), stats=stats, launch=default_launch(dst, result.variant))
+    atomic_write_bytes(dst / "README.md", card.encode("utf-8"))
+    state.complete = True
+    state.save()
+    stats["variant"] = result.variant
+    return stats
+
+
+def print_plan(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, max_memory: int) -> None:
+    print(f"plan: {ckpt.root} -> {opts.dst} with recipe '{plan.recipe.name}' ({plan.recipe.source})")
+    print(f"  read {human_bytes(plan.bytes_in)}, write {human_bytes(plan.bytes_out)} in {len(plan.shards)} shards")
+    per_worker = plan.peak_memory
+    print(f"  estimated peak memory {human_bytes(per_worker)} per worker x {opts.workers} "
+          f"(budget {human_bytes(max_memory)}); disk needed {human_bytes(plan.bytes_out)}")
+    print(f"  {'role':28s} modules")
+    for role, row in plan.summary().items():
+        print(f"  {role:28s} " + ", ".join(f"{k} x{v}" for k, v in sorted(row.items())))
+    print("dry run: nothing written")
+
+
+def print_stats(result: ConvertResult) -> None:
+    s = result.stats
+    print(f"\nconverted to {result.dst} (variant {s.get('variant')}) in {result.seconds:.1f} s, "
+          f"{human_bytes(s['bytes_in'] / max(result.seconds, 1e-9))}/s of source")
+    print(f"  {'role':28s} {'converted':>9s} {'kept':>6s} {'lossless blocks':>18s}")
+    for role, row in s["roles"].items():
+        blocks = f"{row.get('blocks_exact', 0)}/{row['blocks_total']}" if row.get("blocks_total") else "-"
+        print(f"  {role:28s} {row.get('converted', 0):9d} {row.get('kept', 0):6d} {blocks:>18s}")
+    if s["total_blocks"]:
+        print(f"  lossless blocks: {s['lossless_blocks']}/{s['total_blocks']} "
+              f"({100.0 * s['lossless_blocks'] / s['total_blocks']:.4f}%)")
+    if s["input_scale_source"]:
+        print("  NVFP4 input_scale from: " + ", ".join(f"{k} x{v}" for k, v in s["input_scale_source"].items()))
+    print(f"  bytes in {human_bytes(s['bytes_in'])}, out {human_bytes(s['bytes_out'])}")
+
+

@@ -1,0 +1,145 @@
+"""Convert one module: source tensors in, output tensors out, plus what was exact.
+
+This is the only place that chooses the numerics for a (source format, target format)
+pair; everything else moves bytes. Lossless paths (MXFP4 -> FP8, MXFP4 -> NVFP4, FP8/MXFP4
+-> BF16) never go through float rounding; requantizations (-> INT4, BF16/FP8 -> NVFP4 or
+FP8) dequantize to float32 first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dsv4convert.checkpoint import TensorEntry, read_tensor
+from dsv4convert.convert.plan import ModuleJob
+from dsv4convert.errors import FormatError
+from dsv4convert.formats import (
+    ExactnessReport,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    e8m0_scale_to_float32,
+    float32_scale_to_e8m0,
+    mxfp4_to_fp8_block,
+    mxfp4_to_nvfp4,
+    nvfp4_global_exponent,
+    quantize_fp8_block,
+    quantize_int4_weight,
+    quantize_nvfp4,
+)
+from dsv4convert.storage import Format
+
+Reader = Callable[[TensorEntry], torch.Tensor]
+
+
+@dataclass
+class ModuleResult:
+    tensors: list[tuple[str, torch.Tensor]]
+    report: ExactnessReport | None = None     # for transcodes: blocks kept bit-exact
+    input_scale_source: str | None = None
+
+
+@dataclass
+class ModuleContext:
+    """What a module's conversion may need beyond its own tensors."""
+
+    read: Reader = read_tensor
+    partner_sources: dict[str, TensorEntry] = field(default_factory=dict)
+    input_scale: Callable[[ModuleJob], tuple[torch.Tensor, str]] | None = None
+
+
+def check_finite(tensor: torch.Tensor, entry: TensorEntry) -> None:
+    """NaN/Inf in a source tensor stops the run, naming it (E8M0 0xFF and e4m3 0x7F/0xFF are NaN)."""
+    if tensor.dtype == torch.float8_e8m0fnu:
+        bad = bool((tensor.view(torch.uint8) == 0xFF).any())
+    elif tensor.dtype == torch.float8_e4m3fn:
+        bad = bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any())
+    elif tensor.is_floating_point() and tensor.dtype.itemsize >= 2:
+        bad = not bool(torch.isfinite(tensor).all())
+    else:
+        return
+    if bad:
+        raise FormatError("source tensor holds NaN or Inf", file=entry.path, tensor=entry.name)
+
+
+def _read(job_sources: dict[str, TensorEntry], ctx: ModuleContext) -> dict[str, torch.Tensor]:
+    out = {}
+    for param, entry in job_sources.items():
+        t = ctx.read(entry)
+        check_finite(t, entry)
+        out[param] = t
+    return out
+
+
+def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Float32 weight of a module stored as ``fmt`` (bf16, fp8 or mxfp4)."""
+    if fmt is Format.BF16:
+        return src["weight"].float()
+    if fmt is Format.FP8:
+        return dequantize_fp8_block(src["weight"], src["scale"], name=name)
+    if fmt is Format.MXFP4:
+        return dequantize_mxfp4(src["weight"], src["scale"], name=name)
+    raise FormatError(f"cannot dequantize a {fmt.value} source", tensor=name)
+
+
+def convert_module(job: ModuleJob, ctx: ModuleContext) -> ModuleResult:
+    src = _read(job.sources, ctx)
+    if not job.converts:
+        return ModuleResult([(e.name, src[p]) for p, e in job.sources.items()])
+    fmt, source, m = job.target.format, job.source_format, job.module
+    extra = [(e.name, src[p]) for p, e in job.sources.items() if p not in _WEIGHT_KEYS[source]]
+    weight_name = f"{m}.weight"
+    report = None
+    input_scale_source = None
+
+    if fmt is Format.FP8:
+        want_f32 = job.target.params.get("scale_dtype") == "float32"
+        if source is Format.FP8:   # only the scale form changes: exact both ways
+            scale = src["scale"]
+            scale = e8m0_scale_to_float32(scale) if want_f32 else float32_scale_to_e8m0(scale, name=f"{m}.scale")
+            tensors = [(weight_name, src["weight"]), (f"{m}.scale", scale)]
+        elif source is Format.MXFP4:
+            weight, scale, report = mxfp4_to_fp8_block(src["weight"], src["scale"], name=weight_name)
+            tensors = [(weight_name, weight), (f"{m}.scale", e8m0_scale_to_float32(scale) if want_f32 else scale)]
+        else:
+            weight, scale = quantize_fp8_block(dequantize_source(source, src, weight_name),
+                                               scale_fmt="float32" if want_f32 else "ue8m0", name=weight_name)
+            tensors = [(weight_name, weight), (f"{m}.scale", scale)]
+    elif fmt is Format.BF16:
+        tensors = [(weight_name, dequantize_source(source, src, weight_name).to(torch.bfloat16))]
+    elif fmt is Format.INT4:
+        q = quantize_int4_weight(dequantize_source(source, src, weight_name),
+                                 group_size=job.target.params["group_size"], name=weight_name)
+        tensors = [(f"{m}.weight_packed", q.weight_packed), (f"{m}.weight_scale", q.weight_scale),
+                   (f"{m}.weight_shape", q.weight_shape)]
+    elif fmt is Format.NVFP4:
+        if ctx.input_scale is None:
+            raise FormatError("no input_scale source for an NVFP4 module", tensor=weight_name)
+        input_scale, input_scale_source = ctx.input_scale(job)
+        partner = _read(ctx.partner_sources, ctx) if job.partner else {}
+        if source is Format.MXFP4:
+            scales = [src["scale"]] + ([partner["scale"]] if partner else [])
+            exponent = nvfp4_global_exponent(*scales, name=weight_name)
+            q, report = mxfp4_to_nvfp4(src["weight"], src["scale"], global_exponent=exponent, name=weight_name)
+        else:
+            w = dequantize_source(source, src, weight_name)
+            amax = w.abs().amax()
+            if partner:
+                amax = torch.maximum(amax, dequantize_source(source, partner, weight_name).abs().amax())
+            q = quantize_nvfp4(w, global_amax=amax, name=weight_name)
+        tensors = [(weight_name, q.weight), (f"{m}.weight_scale", q.weight_scale),
+                   (f"{m}.weight_scale_2", q.weight_scale_2.reshape(())),
+                   (f"{m}.input_scale", input_scale.to(torch.float32).reshape(()))]
+    else:
+        raise FormatError(f"no conversion from {source} to {fmt}", tensor=weight_name)
+    return ModuleResult(tensors + extra, report, input_scale_source)
+
+
+_WEIGHT_KEYS = {
+    Format.BF16: {"weight"},
+    Format.FP8: {"weight", "scale"},
+    Format.MXFP4: {"weight", "scale"},
+    None: set(),
+}

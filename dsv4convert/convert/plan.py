@@ -1,0 +1,264 @@
+"""Plan a conversion before any byte is written.
+
+The plan says, for every module of the source, its target format and parameters, the
+exact tensors it becomes (so output shard headers are known up front), which output
+shard they go to, and which modules must be handled together (an expert's ``w1``/``w3``
+share one NVFP4 ``weight_scale_2`` and ``input_scale``). Building it checks the recipe
+against the checkpoint: a format that cannot apply to a module, or that SGLang cannot
+load, is an error naming both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from dsv4convert.checkpoint import Checkpoint, PlannedTensor, TensorEntry
+from dsv4convert.checkpoint.writer import group_into_shards, shard_name
+from dsv4convert.convert.recipe import NEVER_QUANTIZED, Recipe, Target
+from dsv4convert.errors import RecipeError
+from dsv4convert.inspection import WEIGHT_PARAMS, inspect_checkpoint
+from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.storage import Format, detect_linear_format, linear_storage
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# What a module's conversion holds at once, per element of its logical weight: the
+# float32 dequantized copy, one float32 temporary, and source plus output bytes.
+_WORK_BYTES_PER_ELEMENT = 4 + 4 + 2 + 2
+
+
+@dataclass
+class ModuleJob:
+    """One module: its source tensors, its target, the tensors it becomes."""
+
+    module: str
+    role: Role
+    is_mtp: bool
+    sources: dict[str, TensorEntry]          # param -> source tensor
+    source_format: Format | None             # None: not a linear (norms, hc, sink, router bias...)
+    target: Target
+    outputs: list[PlannedTensor]
+    logical_shape: tuple[int, int] | None = None
+    partner: str | None = None               # module sharing NVFP4 global scales (w1 <-> w3)
+
+    @property
+    def converts(self) -> bool:
+        """False when the output tensors are the source tensors, byte for byte."""
+        fmt = self.target.format
+        if fmt is None:
+            return False
+        if fmt is Format.FP8 and self.source_format is Format.FP8:
+            wanted = "F32" if self.target.params.get("scale_dtype") == "float32" else "F8_E8M0"
+            return self.sources["scale"].dtype != wanted
+        return fmt is not self.source_format
+
+    @property
+    def output_format(self) -> Format | None:
+        return self.target.format if self.target.format is not None else self.source_format
+
+    @property
+    def work_bytes(self) -> int:
+        if self.logical_shape is None or not self.converts:
+            return sum(e.nbytes for e in self.sources.values())
+        n, k = self.logical_shape
+        return n * k * _WORK_BYTES_PER_ELEMENT * (2 if self.partner else 1)
+
+
+@dataclass
+class ShardJob:
+    name: str
+    modules: list[ModuleJob]
+    planned: list[PlannedTensor]
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(p.nbytes for p in self.planned)
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(e.nbytes for m in self.modules for e in m.sources.values())
+
+    @property
+    def memory_estimate(self) -> int:
+        """Peak resident bytes: one module's working set at a time, plus write buffers."""
+        return max((m.work_bytes for m in self.modules), default=0) + 256 * 1024**2
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    config: ModelConfig
+    shards: list[ShardJob]
+    modules: dict[str, ModuleJob] = field(default_factory=dict)
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(s.bytes_in for s in self.shards)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(s.bytes_out for s in self.shards)
+
+    @property
+    def peak_memory(self) -> int:
+        return max((s.memory_estimate for s in self.shards), default=0)
+
+    def module_formats(self) -> dict[str, tuple[Format, dict]]:
+        """Stored format of every linear module of the output (what quantization_config describes)."""
+        out = {}
+        for job in self.modules.values():
+            if job.logical_shape is None:
+                continue
+            fmt = job.output_format
+            params = {}
+            if fmt is Format.INT4:
+                params["group_size"] = job.target.params.get("group_size", 128)
+            if fmt is Format.FP8:
+                params["fp8_scale_dtype"] = next(p.dtype for p in job.outputs if p.name.endswith(".scale"))
+            out[job.module] = (fmt, params)
+        return out
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Modules per role and target, e.g. {"routed_expert": {"mxfp4 -> nvfp4": 1032}}."""
+        table: dict[str, Counter] = defaultdict(Counter)
+        for job in self.modules.values():
+            role = f"{job.role.value} (mtp)" if job.is_mtp and job.role is Role.ROUTED_EXPERT else job.role.value
+            src = job.source_format.value if job.source_format else "tensor"
+            dst = job.output_format.value if job.output_format else "tensor"
+            table[role]["kept as " + src if not job.converts else f"{src} -> {dst}"] += 1
+        return {role: dict(c) for role, c in sorted(table.items())}
+
+
+def _source_format(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None) -> Format | None:
+    if native_shape is None:
+        return None
+    stored = {p: (e.dtype, e.shape) for p, e in job_sources.items() if p in WEIGHT_PARAMS}
+    found = detect_linear_format(stored, *native_shape)
+    return found[0] if found else None
+
+
+def _check_applicable(job: ModuleJob, recipe: Recipe) -> None:
+    fmt = job.target.format
+    where = f"rule {job.target.rule} ({recipe.source})"
+    if fmt is None:
+        return
+    if job.logical_shape is None:
+        raise RecipeError(f"{where} asks for {fmt.value} but '{job.module}' is not a linear weight "
+                          f"(role {job.role.value}); only 'keep' applies to it", file=recipe.source)
+    if fmt is not Format.BF16 and job.role in NEVER_QUANTIZED:
+        raise RecipeError(f"{where} asks for {fmt.value} on '{job.module}', but {NEVER_QUANTIZED[job.role]}; "
+                          "SGLang would not load it", file=recipe.source)
+    n, k = job.logical_shape
+    if fmt is Format.NVFP4 and k % 16:
+        raise RecipeError(f"{where}: nvfp4 needs K divisible by 16, '{job.module}' has K={k}", file=recipe.source)
+    if fmt is Format.INT4 and k % job.target.params["group_size"]:
+        raise RecipeError(f"{where}: int4 group {job.target.params['group_size']} does not divide K={k} "
+                          f"of '{job.module}'", file=recipe.source)
+    if fmt is Format.FP8 and job.source_format is Format.MXFP4 and (n % 128 or k % 128):
+        raise RecipeError(f"{where}: the lossless MXFP4->FP8 cast needs 128-multiples, '{job.module}' "
+                          f"is [{n}, {k}]", file=recipe.source)
+    if job.source_format is None:
+        raise RecipeError(f"'{job.module}' is stored in a format dsv4convert cannot read", file=recipe.source)
+
+
+def _outputs(job: ModuleJob) -> list[PlannedTensor]:
+    fmt = job.target.format
+    if not job.converts:
+        return [PlannedTensor(e.name, e.dtype, e.shape) for e in job.sources.values()]
+    n, k = job.logical_shape
+    params = job.target.params
+    stored = linear_storage(
+        fmt, n, k,
+        group_size=params.get("group_size", 128),
+        fp8_scale_dtype="F32" if params.get("scale_dtype") == "float32" else "F8_E8M0",
+    )
+    out = [PlannedTensor(f"{job.module}.{p.suffix}", p.dtype, p.shape) for p in stored]
+    # Non-weight tensors of a converted module (none in DeepSeek-V4 today) travel unchanged.
+    out += [PlannedTensor(e.name, e.dtype, e.shape) for p, e in job.sources.items() if p not in WEIGHT_PARAMS]
+    return out
+
+
+def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Plan:
+    """Plan a conversion of ``ckpt`` by ``recipe``; raises on anything that would fail later."""
+    inspection = inspect_checkpoint(ckpt)
+    for problem in inspection.missing[:1] + inspection.mismatched[:1] + inspection.unexpected[:1]:
+        name = problem.split(":")[0]
+        entry = ckpt.tensors.get(name)
+        raise RecipeError(f"source does not match the DeepSeek-V4 layout: {problem}",
+                          file=entry.path if entry else ckpt.root, tensor=None)
+    native_shapes = linear_shapes(inspection.config)
+
+    by_module: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    module_shard: dict[str, object] = {}
+    for shard in ckpt.shards:
+        for entry in ckpt.tensors_in(shard):
+            info = classify(entry.name)
+            by_module[info.module][info.param] = entry
+            module_shard.setdefault(info.module, shard)
+
+    modules: dict[str, ModuleJob] = {}
+    groups: dict[object, list[ModuleJob]] = defaultdict(list)
+    for module, sources in by_module.items():
+        info = classify(next(iter(sources.values())).name)
+        shape = native_shapes.get(module)
+        job = ModuleJob(module, info.role, info.is_mtp, sources, _source_format(sources, shape),
+                        recipe.target_for(info), [], shape)
+        _check_applicable(job, recipe)
+        modules[module] = job
+        groups[module_shard[module]].append(job)
+
+    for job in modules.values():
+        if job.target.format is Format.NVFP4 and job.role is Role.ROUTED_EXPERT and job.module.endswith((".w1", ".w3")):
+            partner = job.module[:-2] + ("w3" if job.module.endswith("w1") else "w1")
+            other = modules.get(partner)
+            if other is None or other.target.format is not Format.NVFP4:
+                raise RecipeError(f"'{job.module}' is NVFP4 but '{partner}' is not: SGLang fuses w1 and w3 "
+                                  "with one shared weight_scale_2, so both must be NVFP4", file=recipe.source)
+            job.partner = partner
+        job.outputs = _outputs(job)
+
+    planned_groups = [[p for job in jobs for p in job.outputs] for jobs in groups.values()]
+    shard_lists = group_into_shards(planned_groups, max_shard_bytes)
+    owner = {p.name: job for job in modules.values() for p in job.outputs}
+    shards = []
+    for i, planned in enumerate(shard_lists):
+        jobs: list[ModuleJob] = []
+        for p in planned:
+            if not jobs or jobs[-1] is not owner[p.name]:
+                jobs.append(owner[p.name])
+        shards.append(ShardJob(shard_name(i + 1, len(shard_lists)), jobs, planned))
+    _check_modules_not_split(shards)
+    return Plan(recipe, inspection.config, shards, modules)
+
+
+def _check_modules_not_split(shards: list[ShardJob]) -> None:
+    seen: dict[str, str] = {}
+    for shard in shards:
+        for job in shard.modules:
+            if job.module in seen and seen[job.module] != shard.name:
+                raise RecipeError(f"module '{job.module}' would be split across output shards; "
+                                  "raise --max-shard-size")
+            seen[job.module] = shard.name
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def parse_size(text: str) -> int:
+    """'8G', '512M', '3.5GB', '1000000' -> bytes (decimal units, as disks are sold)."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        value = float(t[: len(t) - len(unit)] if unit else t)
+    except ValueError:
+        raise RecipeError(f"cannot read size {text!r} (examples: 8G, 512M, 5GB)") from None
+    if value <= 0 or math.isinf(value) or math.isnan(value):
+        raise RecipeError(f"size must be positive, got {text!r}")
+    return int(value * units[unit])

@@ -1,0 +1,209 @@
+"""Recipes: which module of DeepSeek-V4 gets which format, and why.
+
+A recipe is a YAML file with an ordered list of rules; for every module of the
+checkpoint the first matching rule decides its target (``keep`` leaves the tensors as
+the source has them). Every module must be matched, and every rule that leaves modules
+unquantized says why, so a recipe documents its own ignore list. Recipes are checked
+with a JSON schema (an unknown key or a bad value names its path in the file), then
+against the checkpoint (a format that cannot apply to a module is an error naming
+both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from dsv4convert.errors import RecipeError
+from dsv4convert.layout import Role, TensorInfo
+from dsv4convert.storage import Format
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+SHIPPED = ("fp8", "nvfp4", "w4a16", "bf16")
+TARGETS = ("keep", "bf16", "fp8", "nvfp4", "int4")
+MAX_RECIPE_BYTES = 1024 * 1024
+
+_ROLE_NAMES = [r.value for r in Role]
+SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "rules"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
+        "description": {"type": "string"},
+        "rules": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["match", "format"],
+                "properties": {
+                    "match": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "role": {"oneOf": [
+                                {"enum": _ROLE_NAMES},
+                                {"type": "array", "items": {"enum": _ROLE_NAMES}, "minItems": 1, "uniqueItems": True},
+                            ]},
+                            "mtp": {"type": "boolean"},
+                            "module": {"type": "string", "minLength": 1},
+                        },
+                    },
+                    "format": {"enum": list(TARGETS)},
+                    "params": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "group_size": {"enum": [32, 128]},
+                            "scale_dtype": {"enum": ["e8m0", "float32"]},
+                        },
+                    },
+                    "reason": {"type": "string", "minLength": 3},
+                },
+                "allOf": [
+                    {"if": {"properties": {"format": {"enum": ["keep", "bf16"]}}},
+                     "then": {"required": ["reason"]}},
+                    {"if": {"properties": {"format": {"const": "int4"}}},
+                     "then": {"properties": {"params": {"properties": {"scale_dtype": False}}}}},
+                    {"if": {"properties": {"format": {"const": "fp8"}}},
+                     "then": {"properties": {"params": {"properties": {"group_size": False}}}}},
+                    {"if": {"properties": {"format": {"enum": ["keep", "bf16", "nvfp4"]}}},
+                     "then": {"properties": {"params": {"maxProperties": 0}}}},
+                ],
+            },
+        },
+    },
+}
+
+# SGLang 0.5.23 builds these with quant_config=None (srt/models/deepseek_v4.py, layers/attention/dsv4/
+# compressor.py, indexer.py) or never quantizes them for V4; a quantized tensor there would not load.
+NEVER_QUANTIZED = {
+    Role.COMPRESSOR: "SGLang builds the compressor wkv/wgate with quant_config=None",
+    Role.INDEXER_COMPRESSOR: "SGLang builds the indexer's compressor with quant_config=None",
+    Role.INDEXER_WEIGHTS_PROJ: "SGLang builds indexer weights_proj with quant_config=None",
+    Role.ROUTER: "the router gate runs in BF16/FP32 in every engine",
+    Role.EMBED: "an embedding is a lookup table, not a GEMM",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one module becomes: ``format`` None means keep the source tensors."""
+
+    format: Format | None
+    params: dict = field(default_factory=dict)
+    reason: str | None = None
+    rule: int = -1
+
+
+@dataclass(frozen=True)
+class Rule:
+    roles: frozenset[Role] | None
+    mtp: bool | None
+    module: re.Pattern | None
+    target: Target
+
+    def matches(self, info: TensorInfo) -> bool:
+        return (
+            (self.roles is None or info.role in self.roles)
+            and (self.mtp is None or info.is_mtp == self.mtp)
+            and (self.module is None or self.module.fullmatch(info.module) is not None)
+        )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    rules: tuple[Rule, ...]
+    source: str
+    text: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    def target_for(self, info: TensorInfo) -> Target:
+        for rule in self.rules:
+            if rule.matches(info):
+                return rule.target
+        raise RecipeError(f"no rule matches module '{info.module}' (role {info.role.value}); "
+                          "add a rule for it (recipes must cover every module)", file=self.source)
+
+
+def _format_path(path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def parse_recipe(text: str, source: str) -> Recipe:
+    """Parse and validate recipe text; every error names ``source`` and the path inside it."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"not valid YAML ({str(exc).splitlines()[0]})", file=source) from None
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        err = errors[-1] if errors[-1].validator != "oneOf" else errors[0]
+        message = err.message
+        if err.validator == "additionalProperties":
+            message = f"unknown key: {message}"
+        raise RecipeError(f"at {_format_path(err.absolute_path)}: {message}", file=source)
+    rules = []
+    for i, raw in enumerate(data["rules"]):
+        match = raw.get("match", {})
+        roles = match.get("role")
+        if isinstance(roles, str):
+            roles = [roles]
+        pattern = None
+        if "module" in match:
+            try:
+                pattern = re.compile(match["module"])
+            except re.error as exc:
+                raise RecipeError(f"at rules[{i}].match.module: bad regular expression ({exc})", file=source) from None
+        fmt = None if raw["format"] == "keep" else Format(raw["format"])
+        params = dict(raw.get("params", {}))
+        if fmt is Format.INT4:
+            params.setdefault("group_size", 128)
+        if fmt is Format.FP8:
+            params.setdefault("scale_dtype", "e8m0")
+        rules.append(Rule(
+            roles=frozenset(Role(r) for r in roles) if roles else None,
+            mtp=match.get("mtp"),
+            module=pattern,
+            target=Target(fmt, params, raw.get("reason"), i),
+        ))
+    return Recipe(data["name"], data.get("description", ""), tuple(rules), source, text)
+
+
+def load_recipe(path_or_name: str | Path) -> Recipe:
+    """A recipe file, or the name of a shipped recipe (``fp8``, ``nvfp4``, ``w4a16``, ``bf16``)."""
+    path = Path(path_or_name)
+    if not path.exists() and str(path_or_name) in SHIPPED:
+        path = RECIPE_DIR / f"{path_or_name}.yaml"
+    try:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"recipe is larger than {MAX_RECIPE_BYTES} bytes", file=path)
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError("recipe file not found", file=path) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"cannot read recipe ({exc})", file=path) from None
+    return parse_recipe(text, str(path))
+
+
+def canonical(recipe: Recipe) -> str:
+    """A stable text of the recipe's meaning, for resume signatures."""
+    return json.dumps(yaml.safe_load(recipe.text), sort_keys=True)

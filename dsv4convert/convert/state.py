@@ -1,0 +1,121 @@
+"""Resume state and the destination lock of a conversion.
+
+``DST/.dsv4convert/state.json`` records the run's signature (a hash of the source's
+tensor table and config, the recipe and every option that changes the bytes written)
+and each finished shard with its size and stats. It is rewritten atomically after each
+shard, so after a crash it lists exactly the shards whose final files are complete. A
+resume with a different signature is refused. ``DST/.dsv4convert/lock`` holds the pid
+and host of the running conversion; a second run is refused while that process lives,
+and a lock left by a dead process is taken over with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsv4convert import __version__
+from dsv4convert.checkpoint import Checkpoint, atomic_write_json
+from dsv4convert.errors import DSV4Error
+
+STATE_DIR = ".dsv4convert"
+
+
+def signature(ckpt: Checkpoint, recipe_canonical: str, options: dict) -> str:
+    h = hashlib.sha256()
+    h.update(f"dsv4convert {__version__}\n".encode())
+    h.update(json.dumps(ckpt.config, sort_keys=True).encode())
+    for name, e in ckpt.tensors.items():
+        h.update(f"{name}|{e.dtype}|{list(e.shape)}|{e.path.name}|{e.nbytes}\n".encode())
+    h.update(recipe_canonical.encode())
+    h.update(json.dumps(options, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class RunState:
+    path: Path
+    signature: str
+    started: str
+    shards: dict[str, dict] = field(default_factory=dict)
+    complete: bool = False
+
+    @classmethod
+    def load(cls, dst: Path) -> "RunState | None":
+        path = Path(dst) / STATE_DIR / "state.json"
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            return cls(path, data["signature"], data["started"], data.get("shards", {}), data.get("complete", False))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DSV4Error(f"resume state is unreadable ({exc}); start over with --overwrite", file=path) from None
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.path, {"signature": self.signature, "started": self.started,
+                                      "shards": self.shards, "complete": self.complete})
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DestinationLock:
+    """An exclusive, stale-aware lock on a destination directory."""
+
+    def __init__(self, dst: Path):
+        self.path = Path(dst) / STATE_DIR / "lock"
+        self.held = False
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder and holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
+                        and not _pid_alive(holder["pid"]):
+                    print(f"warning: {self.path}: removing stale lock of dead process {holder['pid']}", file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "an unknown process"
+                raise DSV4Error(f"another conversion ({who}) is writing this destination; if it is gone, "
+                                f"delete {self.path}", file=self.path.parent.parent) from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise DSV4Error("could not take the destination lock", file=self.path)
+
+    def _holder(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> "DestinationLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
