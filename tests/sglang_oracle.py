@@ -1,0 +1,287 @@
+"""SGLang 0.5.23 as a test oracle: what the real server would make of our commands and configs.
+
+Test helper only (not part of the package). Every answer comes from SGLang's own code, imported
+from the ``sglang`` wheel installed with ``--no-deps`` by ``ci/install-sglang-cpu.sh``; nothing
+here re-implements SGLang's rules, so a test that agrees with this module agrees with the server.
+
+How to use it (the first import costs ~10-15 s: SGLang imports its whole model registry):
+
+    import sglang_oracle as sgl       # tests/ is on sys.path under pytest
+
+    # 1. Command lines -> SGLang's own ServerArgs.
+    args = sgl.parse_server_args(["--model-path", d, "--tp-size", "4"])   # argparse only
+    args = sgl.resolve_server_args(argv, gpu="sm120", env={"SGLANG_DSV4_FP4_EXPERTS": "0"})
+    args.resolved_dict()["moe_runner_backend"]                 # what the server would run
+    router = sgl.parse_router_args(["--pd-disaggregation", "--prefill", url, "8998", ...])
+    # resolve_* needs argv to name a local directory with a V4 config.json (--model-path);
+    # it raises whatever SGLang raises (e.g. ValueError for --kv-cache-dtype bf16).
+
+    # 2. An output checkpoint's config.json -> SGLang's quantization config object.
+    qc = sgl.quant_config_from_checkpoint_config(json.load(open(out / "config.json")))
+    qc = sgl.quant_config_for_checkpoint(out_dir)              # also runs SGLang's shard dtype probe
+    type(qc).__name__   # "Fp8Config" | "HybridFp8NvFp4Config" | "CompressedTensorsConfig"
+
+    # 3. Per-module decisions, with SGLang module prefixes.
+    sgl.moe_scheme_for(qc, "model.layers.3.mlp.experts")       # "nvfp4" | "mxfp4" | "fp8" |
+    sgl.moe_scheme_for(qc, "model.decoder.mlp.experts")        #   "wna16" | "unquantized"
+    sgl.linear_scheme_for(qc, "model.layers.3.self_attn.wo_a") # "fp8" | "unquantized" | "wna16" ...
+    sgl.sglang_name("layers.3.ffn.experts.7.w1.weight")        # SGLang's own checkpoint-name remap
+    sgl.module_prefix("layers.3.ffn.experts.7.w1.weight")      # -> "model.layers.3.mlp.experts"
+
+``gpu`` is one of :data:`GPU_FACTS` ("sm90" H200, "sm100" B200, "sm120" RTX PRO 6000): SGLang's
+platform probes are answered from that table through SGLang's own ``override_platform``.
+Any ``env`` given is applied only for the call; ``os.environ`` is restored afterwards, including
+the variables SGLang's resolution writes itself.
+
+One accommodation for a CPU-only machine: PyPI's torchvision wheels are CUDA builds whose C++ ops
+cannot load next to CPU torch. torchvision supports running without its ops, except that two
+unconditional fake-kernel registrations (``nms``, ``qnms``) need the op names to exist under
+torch 2.13. SGLang imports torchvision only for multimodal preprocessing, so if (and only if)
+that exact import failure happens, the two op schemas are declared without kernels and the
+import is retried. Nothing here calls a torchvision op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# CUDA facts SGLang reads through `get_platform()`, per GPU family we serve on.
+GPU_FACTS: dict[str, dict[str, Any]] = {
+    "sm90": {"major": 9, "minor": 0},
+    "sm100": {"major": 10, "minor": 0},
+    "sm120": {"major": 12, "minor": 0},
+}
+
+_TORCHVISION_LIBRARY: torch.library.Library | None = None
+
+
+def _import_torchvision_without_ops() -> None:
+    """Import torchvision; on CPU torch, declare the two op names its import insists on."""
+    global _TORCHVISION_LIBRARY
+    try:
+        import torchvision  # noqa: F401
+        return
+    except RuntimeError as exc:
+        if "torchvision::nms" not in str(exc):
+            raise
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[name]
+    _TORCHVISION_LIBRARY = torch.library.Library("torchvision", "FRAGMENT")
+    for op in ("nms", "qnms"):
+        _TORCHVISION_LIBRARY.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision  # noqa: F401,F811
+
+
+_import_torchvision_without_ops()
+
+from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
+from sglang.srt.layers.linear import ReplicatedLinear  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import FusedMoE  # noqa: E402
+from sglang.srt.layers.quantization.base_config import QuantizationConfig  # noqa: E402
+from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E402
+    CompressedTensorsConfig,
+)
+from sglang.srt.layers.quantization.compressed_tensors.utils import should_ignore_layer  # noqa: E402
+from sglang.srt.layers.quantization.fp8 import Fp8Config  # noqa: E402
+from sglang.srt.layers.quantization.modelopt_quant import HybridFp8NvFp4Config  # noqa: E402
+from sglang.srt.layers.quantization.utils import is_layer_skipped  # noqa: E402
+from sglang.srt.model_loader.loader import _get_quantization_config  # noqa: E402
+from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
+from sglang.srt.runtime_context import override_platform  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang_router.launch_router import parse_router_args as _parse_router_args  # noqa: E402
+from sglang_router.router_args import RouterArgs  # noqa: E402
+
+
+def platform_facts(gpu: str) -> dict[str, Any]:
+    """Every platform fact SGLang probes, answered for one CUDA GPU family."""
+    if gpu not in GPU_FACTS:
+        raise ValueError(f"unknown GPU family {gpu!r}; known: {sorted(GPU_FACTS)}")
+    major, minor = GPU_FACTS[gpu]["major"], GPU_FACTS[gpu]["minor"]
+    return {
+        "is_cuda": True,
+        "is_hip": False,
+        "is_npu": False,
+        "is_xpu": False,
+        "is_musa": False,
+        "is_mps": False,
+        "is_sm90": major == 9,
+        "is_sm100": major == 10,
+        "is_sm100_or_sm110": major in (10, 11),
+        "is_sm110": major == 11,
+        "is_sm120": major == 12,
+        "is_blackwell": major in (10, 11, 12),
+        "is_hopper_with_cuda_12_3": major == 9,
+        "has_amx": False,
+        "has_flashinfer": False,
+        "device_sm": major * 10 + minor,
+        "device_capability": (major, minor),
+    }
+
+
+@contextlib.contextmanager
+def _scoped_environ(env: Mapping[str, str] | None) -> Iterator[None]:
+    """Apply ``env`` for one call and undo every change, SGLang's own included."""
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_server_args(argv: list[str]) -> ServerArgs:
+    """Parse a ``launch_server`` argv with SGLang's parser; unknown flags raise SystemExit."""
+    namespace = _parser().parse_args(argv)
+    return ServerArgs.from_cli_args(namespace)
+
+
+def parse_router_args(argv: list[str]) -> RouterArgs:
+    """Parse a ``sglang_router.launch_router`` argv with the router package's own parser."""
+    return _parse_router_args(argv)
+
+
+def resolve_server_args(
+    argv: list[str], *, gpu: str = "sm120", env: Mapping[str, str] | None = None
+) -> ServerArgs:
+    """Parse and run SGLang's full resolution (V4 overrides, flag checks) as on ``gpu``."""
+    server_args = parse_server_args([*argv, "--device", "cuda"])
+    with _scoped_environ(env), override_platform(**platform_facts(gpu)):
+        server_args.resolve_once()
+    return server_args
+
+
+def quant_config_for_checkpoint(
+    model_dir: str | os.PathLike[str], *, gpu: str = "sm120", env: Mapping[str, str] | None = None
+) -> QuantizationConfig | None:
+    """The quantization config SGLang's loader builds for a local checkpoint directory.
+
+    Runs ``ModelConfig`` (quant parsing, the FP4-expert dtype probe, NVFP4-hybrid detection)
+    and the loader's ``_get_quantization_config`` wrap, exactly as the server does.
+    """
+    with _scoped_environ(env), override_platform(**platform_facts(gpu)):
+        model_config = ModelConfig(str(model_dir))
+        return _get_quantization_config(model_config, LoadConfig())
+
+
+def quant_config_from_checkpoint_config(
+    config: Mapping[str, Any], *, gpu: str = "sm120", env: Mapping[str, str] | None = None
+) -> QuantizationConfig | None:
+    """Like :func:`quant_config_for_checkpoint` for a ``config.json`` dict with no shards.
+
+    Without shards SGLang's dtype probe finds nothing, so ``is_fp4_experts`` follows
+    ``SGLANG_DSV4_FP4_EXPERTS`` (default true) exactly as on a server whose probe fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="sglang-oracle-") as directory:
+        Path(directory, "config.json").write_text(json.dumps(dict(config)))
+        return quant_config_for_checkpoint(directory, gpu=gpu, env=env)
+
+
+def _bare(module_type: type[torch.nn.Module]) -> torch.nn.Module:
+    """An instance SGLang's ``isinstance`` dispatch recognises, without allocating weights."""
+    module = module_type.__new__(module_type)
+    torch.nn.Module.__init__(module)
+    return module
+
+
+def _compressed_tensors_scheme(config: CompressedTensorsConfig, scheme: dict | None) -> str:
+    if scheme is None:
+        return "unquantized"
+    weights, activations = scheme.get("weights"), scheme.get("input_activations")
+    if config._is_wNa16_group_channel(weights, activations):
+        return "wna16"
+    if config._is_fp4a16_nvfp4(weights, activations) or config._is_fp4a4_nvfp4(weights, activations):
+        return "nvfp4"
+    if config._is_fp8_w8a8(weights, activations) or config._is_fp8_w8a16(weights, activations):
+        return "fp8"
+    raise ValueError(f"compressed-tensors scheme outside what dsv4convert writes: {scheme}")
+
+
+def moe_scheme_for(config: QuantizationConfig | None, sglang_prefix: str) -> str:
+    """The routed-expert weight format SGLang expects for the FusedMoE at ``sglang_prefix``.
+
+    Follows each config class's ``get_quant_method`` FusedMoE branch using SGLang's own
+    exclusion predicates; the runner (Marlin, FlashInfer, ...) is a separate choice.
+    """
+    if config is None:
+        return "unquantized"
+    if isinstance(config, HybridFp8NvFp4Config):
+        if not config.nvfp4_config.is_layer_excluded(sglang_prefix):
+            return "nvfp4"
+        if config.is_fp4_experts:  # excluded draft experts stay source MXFP4
+            return "mxfp4"
+    if isinstance(config, Fp8Config):
+        if is_layer_skipped(sglang_prefix, config.ignored_layers, fused_mapping=config.packed_modules_mapping):
+            return "unquantized"
+        # FP4 experts are read as MXFP4 even when SGLANG_DSV4_FP4_DEQUANT recasts them at load.
+        return "mxfp4" if config.is_fp4_experts else "fp8"
+    if isinstance(config, CompressedTensorsConfig):
+        if config._is_mxfp4_moe(layer_name=sglang_prefix):
+            return "mxfp4"
+        config._add_fused_moe_to_target_scheme_map()
+        layer = _bare(FusedMoE)
+        schemes = [
+            config.get_scheme_dict(layer, f"{sglang_prefix}.0.{projection}")
+            for projection in ("gate_proj", "up_proj", "down_proj")
+        ]
+        if any(scheme != schemes[0] for scheme in schemes):
+            raise ValueError(f"{sglang_prefix}: SGLang refuses experts whose projections differ: {schemes}")
+        return _compressed_tensors_scheme(config, schemes[0])
+    raise TypeError(f"no MoE rule for {type(config).__name__}")
+
+
+def linear_scheme_for(config: QuantizationConfig | None, sglang_prefix: str) -> str:
+    """The weight format SGLang expects for the ``LinearBase`` at ``sglang_prefix``."""
+    if config is None:
+        return "unquantized"
+    if isinstance(config, Fp8Config):  # HybridFp8NvFp4Config included: linears use the FP8 path
+        skipped = is_layer_skipped(sglang_prefix, config.ignored_layers, fused_mapping=config.packed_modules_mapping)
+        return "unquantized" if skipped else "fp8"
+    if isinstance(config, CompressedTensorsConfig):
+        if config.linear_fp8_config is not None:
+            return "fp8"
+        if should_ignore_layer(sglang_prefix, ignore=config.ignore, fused_mapping=config.packed_modules_mapping):
+            return "unquantized"
+        return _compressed_tensors_scheme(config, config.get_scheme_dict(_bare(ReplicatedLinear), sglang_prefix))
+    raise TypeError(f"no linear rule for {type(config).__name__}")
+
+
+def sglang_name(native_name: str, *, num_hidden_layers: int = 43) -> str:
+    """SGLang's own remap of a checkpoint tensor name (``mtp.*`` as the NextN draft sees it)."""
+    return DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format(
+        native_name, is_nextn=native_name.startswith("mtp."), num_hidden_layers=num_hidden_layers
+    )
+
+
+def module_prefix(native_name: str, *, num_hidden_layers: int = 43) -> str:
+    """The SGLang module prefix a quant config is asked about for a checkpoint tensor.
+
+    Routed experts collapse into one FusedMoE (``...mlp.experts``); the NextN draft builds its
+    block as ``model.decoder`` rather than ``model.layers.<num_hidden_layers>``.
+    """
+    module = sglang_name(native_name, num_hidden_layers=num_hidden_layers).rsplit(".", 1)[0]
+    parts = module.split(".")
+    if "experts" in parts and parts.index("experts") + 1 < len(parts):
+        module = ".".join(parts[: parts.index("experts") + 1])
+    draft_block = f"model.layers.{num_hidden_layers}."
+    if native_name.startswith("mtp.") and module.startswith(draft_block):
+        module = "model.decoder." + module.removeprefix(draft_block)
+    return module
