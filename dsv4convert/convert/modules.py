@@ -19,7 +19,9 @@ from dsv4convert.errors import FormatError
 from dsv4convert.formats import (
     ExactnessReport,
     dequantize_fp8_block,
+    dequantize_int4,
     dequantize_mxfp4,
+    dequantize_nvfp4,
     e8m0_scale_to_float32,
     float32_scale_to_e8m0,
     mxfp4_to_fp8_block,
@@ -74,14 +76,20 @@ def _read(job_sources: dict[str, TensorEntry], ctx: ModuleContext) -> dict[str, 
 
 
 def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """Float32 weight of a module stored as ``fmt`` (bf16, fp8 or mxfp4)."""
+    """Float32 weight of a module stored in any format ``inspect`` recognises."""
     if fmt is Format.BF16:
         return src["weight"].float()
     if fmt is Format.FP8:
         return dequantize_fp8_block(src["weight"], src["scale"], name=name)
     if fmt is Format.MXFP4:
         return dequantize_mxfp4(src["weight"], src["scale"], name=name)
-    raise FormatError(f"cannot dequantize a {fmt.value} source", tensor=name)
+    if fmt is Format.NVFP4:
+        return dequantize_nvfp4(src["weight"], src["weight_scale"], src["weight_scale_2"], name=name)
+    if fmt is Format.INT4:
+        shape = tuple(int(d) for d in src["weight_shape"].tolist())
+        group = shape[1] // src["weight_scale"].shape[1]
+        return dequantize_int4(src["weight_packed"], src["weight_scale"], shape, group_size=group, name=name)
+    raise FormatError(f"cannot dequantize a {fmt} source", tensor=name)
 
 
 def convert_module(job: ModuleJob, ctx: ModuleContext) -> ModuleResult:
@@ -141,5 +149,6 @@ _WEIGHT_KEYS = {
     Format.BF16: {"weight"},
     Format.FP8: {"weight", "scale"},
     Format.MXFP4: {"weight", "scale"},
-    None: set(),
+    Format.NVFP4: {"weight", "weight_scale", "weight_scale_2", "input_scale"},
+    Format.INT4: {"weight_packed", "weight_scale", "weight_shape"},
 }
