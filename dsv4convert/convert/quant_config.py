@@ -1,0 +1,372 @@
+"""The ``quantization_config`` SGLang 0.5.23 needs for what a conversion actually stored.
+
+The config is derived from the stored format of every linear module, not from the recipe's
+name, so a custom or mixed recipe gets a config SGLang reads correctly, or a ``RecipeError``
+naming the module when no SGLang config can describe it. Each rule below cites the SGLang
+code it follows (paths relative to ``python/sglang/srt/`` of the 0.5.23 wheel).
+
+Config families, chosen from the routed experts:
+
+* nothing quantized: no ``quantization_config`` at all.
+* INT4 experts: ``CompressedTensorsConfig`` (``quant_method: compressed-tensors``,
+  ``pack-quantized``, one group targeting ``Linear``). The NextN draft is built with the same
+  quant config (``models/deepseek_v4_nextn.py``, ``DeepseekV4ModelNextN.__init__``), so its
+  FusedMoE ``model.decoder.mlp.experts`` is INT4 unless ``ignore`` lists it, and then it is
+  unquantized BF16 (``CompressedTensorsConfig.get_quant_method``): the MTP experts must be
+  INT4 or BF16. FP8 linears go through ``linear_fp8_config``, which gives *every* LinearBase
+  ``Fp8LinearMethod`` without consulting any ignore list, so the linears are all FP8 or all BF16.
+* NVFP4 experts: ``Fp8Config`` plus the fields ``ModelConfig.__init__`` (``configs/model_config.py``)
+  reads to wrap it as ``HybridFp8NvFp4Config`` (``model_loader/loader.py::_get_quantization_config``).
+  The loader always excludes ``model.decoder.*`` from NVFP4, so MTP experts can never be NVFP4.
+* otherwise: ``Fp8Config`` (FP8 or MXFP4 experts; ``is_fp4_experts`` is one switch per model).
+
+``expert_dtype: fp4`` is kept only when every routed expert is still MXFP4: SGLang never reads
+it (it probes the first expert's shard dtype, ``configs/deepseek_v4.py::try_detect_fp4_experts``),
+but DeepSeek's reference inference code takes it to mean "experts are MXFP4", which is false
+for every other layout.
+
+``is_fp4_experts`` cannot be set from the config without side effects: the only key
+(``routed_experts_quant_method``) also skips V4's ``topk_group`` fix in ``ModelConfig.__init__``.
+It therefore comes from ``SGLANG_DSV4_FP4_EXPERTS``, which :func:`serving_env` states.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from dsv4convert import __version__
+from dsv4convert.convert.recipe import NEVER_QUANTIZED
+from dsv4convert.errors import RecipeError
+from dsv4convert.layout import FP8_BLOCK, ModelConfig, Role, classify, linear_shapes
+from dsv4convert.storage import NVFP4_GROUP, Format
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+# Linears SGLang builds with quant_config=None or never quantizes (the LM head is a
+# ParallelLMHead, which Fp8Config.get_quant_method leaves unquantized): only BF16 loads.
+_ALWAYS_BF16 = frozenset(NEVER_QUANTIZED) | {Role.HEAD}
+# Linears whose quant method comes from the config (Fp8LinearMethod unless ignored).
+_CONFIG_LINEARS = frozenset({Role.ATTENTION, Role.INDEXER, Role.SHARED_EXPERT, Role.MTP_PROJECTION})
+
+# Pairs SGLang loads into one fused linear, so both halves must share one format:
+# wq_a + wkv -> wqkv_a (SGLANG_OPT_FUSE_WQA_WKV, models/deepseek_v4.py), shared w1 + w3 ->
+# gate_up_proj (DEEPSEEK_V4_STACKED_PARAMS_MAPPING).
+_FUSED_PAIRS = {"attn.wq_a": ("attn.wkv", "wqkv_a"), "ffn.shared_experts.w1": ("ffn.shared_experts.w3", "gate_up_proj")}
+
+# Native -> SGLang module names (DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format).
+_SGLANG_SUFFIX = {
+    "attn.wq_a": "self_attn.wq_a", "attn.wkv": "self_attn.wkv", "attn.wq_b": "self_attn.wq_b",
+    "attn.wo_a": "self_attn.wo_a", "attn.wo_b": "self_attn.wo_b", "attn.indexer.wq_b": "self_attn.indexer.wq_b",
+    "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj", "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
+    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
+}
+
+# Coarse compressed-tensors `ignore` entries for every Linear that is never INT4 here (only
+# routed experts are). SGLang matches them with `re.match` on its own module names
+# (compressed_tensors/utils.py::check_equal_or_regex_match); none matches `...mlp.experts.0.*`,
+# which is what get_moe_scheme asks about.
+_CT_NON_EXPERT_IGNORE = [
+    r"re:.*\.self_attn\..*",
+    r"re:.*\.mlp\.shared_experts\..*",
+    r"re:.*\.mlp\.gate$",
+    r"re:^model\.(e_proj|h_proj)$",
+    "lm_head",
+]
+
+# What ModelOpt lists for engines that read hf_quant_config.json (native names): attention,
+# shared experts, head and the MTP block are never NVFP4 here (enforced below).
+_NVFP4_NATIVE_EXCLUDES = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
+
+
+@dataclass
+class _Stored:
+    """The output's linear formats, grouped the way SGLang builds its layers."""
+
+    cfg: ModelConfig
+    formats: dict[str, tuple[Format, dict]]
+    experts: dict[str, Format] = field(default_factory=dict)    # block -> the one format of its FusedMoE
+    int4_groups: set[int] = field(default_factory=set)
+    config_linears: dict[str, Format] = field(default_factory=dict)  # native module -> format
+    fp8_scale_dtypes: set[str] = field(default_factory=set)
+
+    @property
+    def everything_bf16(self) -> bool:
+        return all(fmt is Format.BF16 for fmt, _ in self.formats.values())
+
+    def expert_formats(self, *, mtp: bool | None = None) -> set[Format]:
+        return {f for block, f in self.experts.items() if mtp is None or block.startswith("mtp.") == mtp}
+
+    @property
+    def wo_a_bf16(self) -> bool:
+        return any(f is Format.BF16 for m, f in self.config_linears.items() if m.endswith(".attn.wo_a"))
+
+
+def _sglang_block(block: str) -> str:
+    """SGLang's module prefix of a decoder block; the NextN draft builds mtp.0 as ``model.decoder``."""
+    kind, index = block.split(".")
+    if kind == "layers":
+        return f"model.layers.{index}"
+    if index != "0":
+        # models/deepseek_v4.py::load_weights asserts a single nextn layer.
+        raise RecipeError(f"SGLang 0.5.23 serves one MTP block (mtp.0), not {block}", tensor=block)
+    return "model.decoder"
+
+
+def _sglang_linear_names(module: str) -> list[str]:
+    """The SGLang prefixes of one config-quantized linear (both halves' fused name included)."""
+    info = classify(module + ".weight")
+    if info.role is Role.MTP_PROJECTION:
+        # The draft builds e_proj/h_proj beside its decoder (DeepseekV4ModelNextN.__init__).
+        return [f"model.{module.rsplit('.', 1)[1]}"]
+    local = module[len(info.block) + 1:]
+    base = _sglang_block(info.block)
+    names = [f"{base}.{_SGLANG_SUFFIX[local]}"]
+    for first, (second, fused) in _FUSED_PAIRS.items():
+        if local in (first, second):
+            names.append(f"{base}.{_SGLANG_SUFFIX[first].rsplit('.', 1)[0]}.{fused}")
+    return names
+
+
+def _analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> _Stored:
+    cfg = ModelConfig.from_dict(source_config)
+    expected = set(linear_shapes(cfg))
+    missing = sorted(expected - set(module_formats))
+    unknown = sorted(set(module_formats) - expected)
+    if unknown:
+        raise RecipeError("not a linear module of this model's layout", tensor=unknown[0])
+    if missing:
+        raise RecipeError(f"no stored format given for {len(missing)} linear module(s)", tensor=missing[0])
+    stored = _Stored(cfg, dict(module_formats))
+    by_block: dict[str, dict[Format, str]] = defaultdict(dict)
+    for module, (fmt, params) in module_formats.items():
+        info = classify(module + ".weight")
+        if fmt is Format.FP8:
+            stored.fp8_scale_dtypes.add(params.get("fp8_scale_dtype", "F8_E8M0"))
+        if info.role is Role.ROUTED_EXPERT:
+            by_block[info.block].setdefault(fmt, module)
+            if fmt is Format.INT4:
+                stored.int4_groups.add(int(params.get("group_size", 128)))
+        elif info.role in _ALWAYS_BF16:
+            if fmt is not Format.BF16:
+                raise RecipeError(f"SGLang 0.5.23 loads this {info.role.value} module only in BF16, not {fmt.value}",
+                                  tensor=module)
+        elif info.role in _CONFIG_LINEARS:
+            if fmt not in (Format.FP8, Format.BF16):
+                raise RecipeError(f"SGLang 0.5.23 reads {fmt.value} only for routed experts; keep this "
+                                  f"{info.role.value} module FP8 or BF16", tensor=module)
+            stored.config_linears[module] = fmt
+        else:
+            raise RecipeError(f"no SGLang rule for a {info.role.value} linear", tensor=module)
+    for block, found in by_block.items():
+        if len(found) > 1:
+            a, b = sorted(found.items(), key=lambda kv: kv[1])[:2]
+            # Every expert of a layer is one FusedMoE with one quant method (FusedMoE.__init__).
+            raise RecipeError(f"all routed experts of {block} must share one format, SGLang loads them as one "
+                              f"FusedMoE; found {a[0].value} ({a[1]}) and {b[0].value} ({b[1]})", tensor=a[1])
+        stored.experts[block] = next(iter(found))
+    for module, fmt in stored.config_linears.items():
+        for first, (second, fused) in _FUSED_PAIRS.items():
+            if module.endswith("." + first):
+                partner = module[: -len(first)] + second
+                if stored.config_linears.get(partner) is not fmt:
+                    raise RecipeError(f"SGLang fuses this module with {partner} into {fused}; both must share one "
+                                      f"format", tensor=module)
+    return stored
+
+
+def _fp8_base(stored: _Stored) -> dict:
+    """The native checkpoint's FP8 block config (Fp8Config.from_config)."""
+    base = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    # scale_fmt "ue8m0" tells Fp8LinearMethod the block scales are powers of two (UE8M0 activation
+    # scales, the MXFP8 view in fp8_utils.can_serve_block_fp8_as_mxfp8); F32 scales need not be.
+    if stored.fp8_scale_dtypes <= {"F8_E8M0"}:
+        base["scale_fmt"] = "ue8m0"
+    return base
+
+
+def _fp8_ignored_layers(stored: _Stored) -> list[str]:
+    """SGLang names Fp8Config must skip: BF16 config linears and BF16 FusedMoEs.
+
+    Fp8Config reads ``ignored_layers`` (not ``ignore``) and matches them on dotted paths in
+    ``quantization/utils.py::is_layer_skipped``. ``wo_a`` is left out: it is built unquantized
+    unless the FP8 wo_a GEMM is on, and then it must be FP8 whatever the list says (see
+    :func:`serving_env`).
+    """
+    names: list[str] = []
+    for module, fmt in stored.config_linears.items():
+        if fmt is Format.BF16 and not module.endswith(".attn.wo_a"):
+            names += [n for n in _sglang_linear_names(module) if n not in names]
+    names += [f"{_sglang_block(b)}.mlp.experts" for b, f in stored.experts.items() if f is Format.BF16]
+    return names
+
+
+def _check_fp8_family(stored: _Stored) -> None:
+    quantized = stored.expert_formats() - {Format.BF16}
+    if len(quantized) > 1:
+        # Fp8Config.get_quant_method picks MXFP4 or FP8 MoE methods from one model-wide is_fp4_experts.
+        raise RecipeError("routed experts mix FP8 and MXFP4; SGLang 0.5.23 reads all quantized experts of a model "
+                          "as one or the other (is_fp4_experts)", tensor=_first_expert(stored, Format.MXFP4))
+
+
+def _first_expert(stored: _Stored, fmt: Format, *, mtp: bool | None = None) -> str:
+    return next(m for m, (f, _) in stored.formats.items()
+                if f is fmt and ".ffn.experts." in m and (mtp is None or m.startswith("mtp.") == mtp))
+
+
+def _nvfp4_fallback(stored: _Stored) -> set[Format]:
+    """Formats of the FusedMoEs the NVFP4 hybrid excludes (MTP, and backbone layers not NVFP4)."""
+    mtp_nvfp4 = Format.NVFP4 in stored.expert_formats(mtp=True)
+    if mtp_nvfp4:
+        raise RecipeError("SGLang 0.5.23's NVFP4 hybrid always excludes the MTP draft (model.decoder.*) from NVFP4 "
+                          "and loads its experts as MXFP4; keep the MTP experts MXFP4",
+                          tensor=_first_expert(stored, Format.NVFP4, mtp=True))
+    fallback = {f for f in stored.experts.values() if f is not Format.NVFP4}
+    # HybridFp8NvFp4Config.get_quant_method: an excluded FusedMoE is MXFP4 when is_fp4_experts,
+    # else the Fp8Config dispatch (FP8, or unquantized when ignored_layers lists it).
+    if Format.MXFP4 in fallback and len(fallback) > 1:
+        other = next(f for f in fallback if f is not Format.MXFP4)
+        raise RecipeError(f"NVFP4 hybrid: experts outside NVFP4 must be all MXFP4 or FP8/BF16, found MXFP4 and "
+                          f"{other.value}", tensor=_first_expert(stored, other))
+    return fallback
+
+
+def _nvfp4_config(stored: _Stored) -> tuple[dict, dict]:
+    _nvfp4_fallback(stored)
+    nvfp4_blocks = [b for b, f in stored.experts.items() if f is Format.NVFP4]
+    excluded = [b for b, f in stored.experts.items() if f is not Format.NVFP4 and b.startswith("layers.")]
+    # ModelOptFp4Config.is_layer_excluded fullmatches the FusedMoE prefix (SGLang name); the
+    # native `layers.N.ffn.experts.*` form is for engines that read native names.
+    ignore = list(_NVFP4_NATIVE_EXCLUDES)
+    for block in excluded:
+        ignore += [f"{block}.ffn.experts.*", f"{_sglang_block(block)}.mlp.experts"]
+    layers = {f"{b}.ffn.experts": {"quant_algo": "NVFP4", "group_size": NVFP4_GROUP} for b in nvfp4_blocks}
+    producer = {"name": "dsv4convert", "version": __version__}
+    fp4_args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
+    config = _fp8_base(stored)
+    ignored_layers = _fp8_ignored_layers(stored)
+    if ignored_layers:
+        config["ignored_layers"] = ignored_layers
+    # configs/model_config.py: nvfp4_moe_meta needs quant_algo MIXED_PRECISION, moe_quant_algo
+    # NVFP4 and a group_size in config.json itself; exclude_modules = `ignore`.
+    config.update({
+        "quant_algo": "MIXED_PRECISION",
+        "moe_quant_algo": "NVFP4",
+        "group_size": NVFP4_GROUP,
+        "kv_cache_quant_algo": None,
+        "producer": producer,
+        "quantized_layers": layers,
+        "ignore": ignore,
+        "exclude_modules": list(ignore),
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(fp4_args),
+                                      "input_activations": dict(fp4_args)}},
+    })
+    # The nested form other engines read (and SGLang's own hf_quant_config.json fallback).
+    hf_quant = {"producer": producer, "quantization": {
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": NVFP4_GROUP,
+        "quantized_layers": layers, "exclude_modules": list(ignore)}}
+    return config, {HF_QUANT_CONFIG: hf_quant}
+
+
+def _int4_config(stored: _Stored) -> dict:
+    others = stored.expert_formats() - {Format.INT4, Format.BF16}
+    if others:
+        fmt = next(iter(others))
+        raise RecipeError(f"INT4 experts are described by a compressed-tensors config, which cannot also hold "
+                          f"{fmt.value} experts in SGLang 0.5.23", tensor=_first_expert(stored, fmt))
+    if len(stored.int4_groups) > 1:
+        raise RecipeError(f"INT4 experts use group sizes {sorted(stored.int4_groups)}; one compressed-tensors "
+                          f"config group holds one", tensor=_first_expert(stored, Format.INT4))
+    # wo_a is dequantized to BF16 at load under a non-Fp8Config (models/deepseek_v4.py::
+    # wo_a_fp8_gemm_enabled is False), so either stored form works for it.
+    strict = {f for m, f in stored.config_linears.items() if not m.endswith(".attn.wo_a")}
+    if len(strict) > 1:
+        module = next(m for m, f in stored.config_linears.items() if f is Format.BF16 and not m.endswith(".attn.wo_a"))
+        raise RecipeError("with INT4 experts SGLang makes every linear FP8 (linear_fp8_config) or none; this one "
+                          "is BF16 while others are FP8", tensor=module)
+    group = next(iter(stored.int4_groups))
+    ignore = list(_CT_NON_EXPERT_IGNORE)
+    ignore += [f"re:^{re.escape(_sglang_block(b))}\\.mlp\\.experts\\."
+               for b, f in stored.experts.items() if f is Format.BF16]
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+               "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax"}
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+    }
+    if Format.FP8 in strict:
+        # CompressedTensorsConfig.from_config reads quant_method, activation_scheme,
+        # ignored_layers and weight_block_size of this block; the rest documents the data.
+        config["linear_fp8_config"] = _fp8_base(stored)
+    return config
+
+
+def _routed_experts_all(stored: _Stored, fmt: Format) -> bool:
+    return bool(stored.experts) and stored.expert_formats() == {fmt}
+
+
+def build_quant_config(source_config: dict, module_formats: dict[str, tuple[Format, dict]]
+                       ) -> tuple[dict, dict[str, dict]]:
+    """The output's ``config.json`` and extra JSON files (name -> object) for what is stored.
+
+    ``module_formats`` maps every linear module (native name, e.g. ``layers.3.ffn.experts.7.w1``)
+    to its stored format and parameters (``group_size`` for INT4, ``fp8_scale_dtype`` for FP8).
+    Raises ``RecipeError`` naming a module when SGLang 0.5.23 could not load the combination.
+    """
+    stored = _analyse(source_config, module_formats)
+    config = copy.deepcopy(source_config)
+    config.pop("quantization_config", None)
+    config.pop("compression_config", None)
+    if _routed_experts_all(stored, Format.MXFP4):
+        config["expert_dtype"] = "fp4"
+    else:
+        config.pop("expert_dtype", None)
+    extra: dict[str, dict] = {}
+    experts = stored.expert_formats()
+    if stored.everything_bf16:
+        return config, extra
+    if Format.INT4 in experts:
+        config["quantization_config"] = _int4_config(stored)
+    elif Format.NVFP4 in experts:
+        config["quantization_config"], extra = _nvfp4_config(stored)
+    else:
+        _check_fp8_family(stored)
+        quant = _fp8_base(stored)
+        ignored_layers = _fp8_ignored_layers(stored)
+        if ignored_layers:
+            quant["ignored_layers"] = ignored_layers
+        config["quantization_config"] = quant
+    return config, extra
+
+
+def serving_env(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> dict[str, str]:
+    """Environment SGLang 0.5.23 needs to serve these stored formats.
+
+    ``SGLANG_DSV4_FP4_EXPERTS`` decides ``is_fp4_experts`` (``ModelConfig.__init__``) whenever it
+    is set; unset, a header probe of the first expert tensor decides, which fails for a Hub id
+    not yet downloaded and for INT4/BF16 experts. It is always stated: "1" only when the
+    quantized experts outside NVFP4 are MXFP4. ``SGLANG_OPT_FP8_WO_A_GEMM=0`` when ``wo_a`` is
+    BF16 under an Fp8Config, because that GEMM (on by default on SM100) requires an FP8 wo_a
+    (``DeepseekV4ForCausalLM.load_weights``).
+    """
+    stored = _analyse(source_config, module_formats)
+    experts = stored.expert_formats()
+    if Format.INT4 in experts or stored.everything_bf16:
+        return {"SGLANG_DSV4_FP4_EXPERTS": "0"}
+    if Format.NVFP4 in experts:
+        fp4 = Format.MXFP4 in _nvfp4_fallback(stored)
+    else:
+        _check_fp8_family(stored)
+        fp4 = Format.MXFP4 in experts
+    env = {"SGLANG_DSV4_FP4_EXPERTS": "1" if fp4 else "0"}
+    if stored.wo_a_bf16:
+        env["SGLANG_OPT_FP8_WO_A_GEMM"] = "0"
+    return env
