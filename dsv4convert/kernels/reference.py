@@ -49,10 +49,14 @@ def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True) -> tup
     m, k = x.shape
     pad = -k % 128
     groups = torch.nn.functional.pad(x.float(), (0, pad)).reshape(m, (k + pad) // 128, 128)
-    scale = groups.abs().amax(dim=-1).clamp(min=ACTIVATION_EPS) / E4M3_MAX
+    # Divide in float64 and round once to float32: the correctly rounded float32 quotient on any
+    # device (torch on CUDA divides by a Python scalar through its reciprocal).
+    amax = groups.abs().amax(dim=-1).clamp(min=ACTIVATION_EPS)
+    scale = (amax.double() / E4M3_MAX).float()
     if pow2_scale:
         scale = exp2_float32(ceil_log2(scale))
-    q = (groups / scale[..., None]).to(torch.float8_e4m3fn).reshape(m, k + pad)[:, :k]
+    q = (groups.double() / scale.double()[..., None]).float()
+    q = q.to(torch.float8_e4m3fn).reshape(m, k + pad)[:, :k]
     return q.contiguous(), scale
 
 
