@@ -22,7 +22,7 @@ _CHUNK = 1 << 22
 class ErrorMetrics:
     rel_fro: float  # ||R - A||_F / ||R||_F (0 when both are zero, inf when only R is)
     snr_db: float   # -20 log10(rel_fro); inf for an exact copy
-    cosine: float   # <R, A> / (|R| |A|); 1 when both are zero, 0 when exactly one is
+    cosine: float   # <R, A> / (|R| |A|); 1 when R == A (also both zero), 0 when exactly one is zero
     max_abs: float  # max |R - A|
 
 
@@ -37,10 +37,10 @@ def error_metrics(reference: torch.Tensor, approx: torch.Tensor, *, name: str | 
         r = ref_flat[start:start + _CHUNK].double()
         a = approx_flat[start:start + _CHUNK].double()
         d = r - a
-        ref_sq += float(r.square().sum())
-        approx_sq += float(a.square().sum())
-        dot += float((r * a).sum())
-        diff_sq += float(d.square().sum())
+        ref_sq += float(torch.dot(r, r))
+        approx_sq += float(torch.dot(a, a))
+        dot += float(torch.dot(r, a))
+        diff_sq += float(torch.dot(d, d))
         if d.numel():
             max_abs = max(max_abs, float(d.abs().max()))
     if not all(math.isfinite(v) for v in (ref_sq, approx_sq, dot, diff_sq)):
@@ -51,8 +51,8 @@ def error_metrics(reference: torch.Tensor, approx: torch.Tensor, *, name: str | 
     else:
         rel_fro = math.sqrt(diff_sq) / ref_norm
     snr_db = math.inf if rel_fro == 0.0 else -20.0 * math.log10(rel_fro)
-    if ref_norm == 0.0 and approx_norm == 0.0:
-        cosine = 1.0
+    if diff_sq == 0.0:
+        cosine = 1.0  # identical (the formula could round to 1 - 2**-53)
     elif ref_norm == 0.0 or approx_norm == 0.0:
         cosine = 0.0
     else:
