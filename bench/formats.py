@@ -1,0 +1,188 @@
+"""Throughput of every dsv4convert.formats quantizer, dequantizer and transcode.
+
+Reports elements (weights) per second on one expert-sized matrix, per device, and writes
+``<out-dir>/formats-<device>.json`` plus a short markdown summary next to it, recording the
+machine, the commit and the exact command.
+
+    python bench/formats.py                      # CPU, plus CUDA when present
+    python bench/formats.py --devices cpu --rows 2048 --cols 4096 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dsv4convert.formats import (
+    dequantize_fp8_block,
+    dequantize_int4,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    error_metrics,
+    mxfp4_to_fp8_block,
+    mxfp4_to_nvfp4,
+    quantize_fp8_block,
+    quantize_int4_weight,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "dsv4convert/formats", "bench/formats.py"],
+                               cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine(device: torch.device) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "load_average_1m": os.getloadavg()[0],
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> list[float]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()  # warm-up: lazy tables, allocator, kernels
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _operations(w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    fp8, fp8_scale = quantize_fp8_block(w)
+    packed, mx_scale = quantize_mxfp4(w)
+    nv = quantize_nvfp4(w)
+    int4 = quantize_int4_weight(w)
+    bf16 = w.to(torch.bfloat16)
+    return {
+        "quantize_fp8_block (ue8m0)": lambda: quantize_fp8_block(w),
+        "quantize_fp8_block (float32)": lambda: quantize_fp8_block(w, scale_fmt="float32"),
+        "dequantize_fp8_block -> bf16": lambda: dequantize_fp8_block(fp8, fp8_scale, out_dtype=torch.bfloat16),
+        "quantize_mxfp4": lambda: quantize_mxfp4(w),
+        "dequantize_mxfp4 -> bf16": lambda: dequantize_mxfp4(packed, mx_scale, out_dtype=torch.bfloat16),
+        "quantize_nvfp4": lambda: quantize_nvfp4(w),
+        "dequantize_nvfp4 -> bf16": lambda: dequantize_nvfp4(nv.weight, nv.weight_scale, nv.weight_scale_2,
+                                                             out_dtype=torch.bfloat16),
+        "quantize_int4_weight (bf16 in)": lambda: quantize_int4_weight(bf16),
+        "dequantize_int4 -> bf16": lambda: dequantize_int4(int4.weight_packed, int4.weight_scale,
+                                                           int4.weight_shape, out_dtype=torch.bfloat16),
+        "mxfp4_to_fp8_block": lambda: mxfp4_to_fp8_block(packed, mx_scale),
+        "mxfp4_to_nvfp4": lambda: mxfp4_to_nvfp4(packed, mx_scale),
+        "error_metrics": lambda: error_metrics(w, bf16),
+    }
+
+
+def bench_device(device: torch.device, rows: int, cols: int, repeat: int) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    w = (torch.randn(rows, cols, generator=generator) * 0.02).to(device)
+    results = []
+    for op, fn in _operations(w).items():
+        times = _time(fn, device, repeat)
+        median = statistics.median(times)
+        results.append({
+            "op": op,
+            "seconds_median": median,
+            "seconds_min": min(times),
+            "elements_per_s": rows * cols / median,
+        })
+        print(f"{device.type:5s} {op:32s} {rows * cols / median / 1e6:10.1f} M elem/s", flush=True)
+    return {
+        "machine": _machine(device),
+        "commit": _commit(),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "shape": [rows, cols],
+        "repeat": repeat,
+        "results": results,
+    }
+
+
+def _markdown(report: dict) -> str:
+    machine = report["machine"]
+    where = machine.get("gpu", f"{machine['cpu']}, {machine['torch_threads']} torch threads, "
+                               f"1-min load average {machine['load_average_1m']:.1f} at start")
+    lines = [
+        f"# dsv4convert.formats throughput on {machine['device']}",
+        "",
+        f"- Machine: {where}; torch {machine['torch']}, Python {machine['python']}, {machine['platform']}",
+        f"- Commit: `{report['commit']}`",
+        f"- Command: `{report['command']}`",
+        f"- Matrix: {report['shape'][0]} x {report['shape'][1]} float32 (Gaussian, std 0.02); "
+        f"median of {report['repeat']} runs after one warm-up",
+        "",
+        "| operation | median s | M elements/s |",
+        "|---|---:|---:|",
+    ]
+    for row in report["results"]:
+        lines.append(f"| {row['op']} | {row['seconds_median']:.4f} | {row['elements_per_s'] / 1e6:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", nargs="+", default=None,
+                        help="torch devices to measure (default: cpu, plus cuda when available)")
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args(argv)
+    devices = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name in devices:
+        device = torch.device(name)
+        report = bench_device(device, args.rows, args.cols, args.repeat)
+        stem = args.out_dir / f"formats-{device.type}"
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        stem.with_suffix(".md").write_text(_markdown(report))
+        print(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
