@@ -19,6 +19,9 @@ COMMAND_MODULES = [
     "dsv4convert.synth",
     "dsv4convert.inspection",
     "dsv4convert.convert.cli",
+    "dsv4convert.validate.cli",
+    "dsv4convert.serve.cli",
+    "dsv4convert.demo",
 ]
 
 
