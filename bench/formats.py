@@ -1,6 +1,7 @@
 """Throughput of every dsv4convert.formats quantizer, dequantizer and transcode.
 
-Reports elements (weights) per second on one expert-sized matrix, per device, and writes
+Reports elements (weights) per second on one expert-sized matrix, per device, checks that
+every non-CPU device returns bit-identical results to the CPU, and writes
 ``<out-dir>/formats-<device>.json`` plus a short markdown summary next to it, recording the
 machine, the commit and the exact command.
 
@@ -11,6 +12,7 @@ machine, the commit and the exact command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -118,20 +120,37 @@ def _operations(w: torch.Tensor) -> dict[str, Callable[[], object]]:
     }
 
 
+def _same(a: object, b: object) -> bool:
+    """Bit-for-bit equality of op outputs (tensors, tuples, dataclasses, floats) across devices."""
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.dtype.itemsize == 1:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        return torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
+
+
 def bench_device(device: torch.device, rows: int, cols: int, repeat: int) -> dict:
     generator = torch.Generator().manual_seed(0)
-    w = (torch.randn(rows, cols, generator=generator) * 0.02).to(device)
+    w = torch.randn(rows, cols, generator=generator) * 0.02
+    reference = _operations(w) if device.type != "cpu" else None
     results = []
-    for op, fn in _operations(w).items():
+    for op, fn in _operations(w.to(device)).items():
         times = _time(fn, device, repeat)
         median = statistics.median(times)
-        results.append({
-            "op": op,
-            "seconds_median": median,
-            "seconds_min": min(times),
-            "elements_per_s": rows * cols / median,
-        })
-        print(f"{device.type:5s} {op:32s} {rows * cols / median / 1e6:10.1f} M elem/s", flush=True)
+        row = {"op": op, "seconds_median": median, "seconds_min": min(times), "elements_per_s": rows * cols / median}
+        if reference is not None:
+            # error_metrics sums in a device-dependent order; compare it to a tolerance instead.
+            row["matches_cpu"] = (_same(fn(), reference[op]()) if op != "error_metrics"
+                                  else abs(fn().rel_fro - reference[op]().rel_fro) < 1e-9)
+        results.append(row)
+        check = {True: "  matches CPU", False: "  DIFFERS FROM CPU"}.get(row.get("matches_cpu"), "")
+        print(f"{device.type:5s} {op:32s} {rows * cols / median / 1e6:10.1f} M elem/s{check}", flush=True)
     return {
         "machine": _machine(device),
         "commit": _commit(),
@@ -155,11 +174,12 @@ def _markdown(report: dict) -> str:
         f"- Matrix: {report['shape'][0]} x {report['shape'][1]} float32 (Gaussian, std 0.02); "
         f"median of {report['repeat']} runs after one warm-up",
         "",
-        "| operation | median s | M elements/s |",
-        "|---|---:|---:|",
+        "| operation | median s | M elements/s | bit-identical to CPU |",
+        "|---|---:|---:|---|",
     ]
     for row in report["results"]:
-        lines.append(f"| {row['op']} | {row['seconds_median']:.4f} | {row['elements_per_s'] / 1e6:.1f} |")
+        same = {True: "yes", False: "NO"}.get(row.get("matches_cpu"), "(is CPU)")
+        lines.append(f"| {row['op']} | {row['seconds_median']:.4f} | {row['elements_per_s'] / 1e6:.1f} | {same} |")
     return "\n".join(lines) + "\n"
 
 

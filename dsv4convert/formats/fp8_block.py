@@ -24,6 +24,7 @@ from dsv4convert.formats.numerics import (
     E4M3_MAX,
     E8M0_BIAS,
     ceil_log2,
+    divide,
     e8m0_to_float,
     exp2_float32,
     exponent_to_e8m0,
@@ -71,12 +72,12 @@ def quantize_fp8_block(
         # ceil_log2 of the float32 quotient equals ceil(log2(amax/448)) exactly: a quotient
         # within half an ulp of 2**k would need amax within 0.57 ulp of 448 * 2**k, which
         # only 448 * 2**k itself is.
-        exponent = ceil_log2(amax / E4M3_MAX).clamp(min=-E8M0_BIAS)
+        exponent = ceil_log2(divide(amax, E4M3_MAX)).clamp(min=-E8M0_BIAS)
         exponent = torch.where(zero, torch.zeros_like(exponent), exponent)
         scale_value = exp2_float32(exponent)
         stored_scale = exponent_to_e8m0(exponent, name=name)
     else:
-        scale_value = torch.where(zero, torch.ones_like(amax), amax / E4M3_MAX)
+        scale_value = torch.where(zero, torch.ones_like(amax), divide(amax, E4M3_MAX))
         stored_scale = scale_value
     scaled = (tiles / scale_value[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
     weight = scaled.to(torch.float8_e4m3fn).reshape(tiles.shape[0] * block, -1)[:n, :k]

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4convert.errors import FormatError
-from dsv4convert.formats.numerics import pack_nibbles, require_finite, unpack_nibbles
+from dsv4convert.formats.numerics import divide, pack_nibbles, require_finite, unpack_nibbles
 
 INT4_MIN = -8
 INT4_MAX = 7
@@ -71,7 +71,7 @@ def int4_group_scales(w: torch.Tensor, *, group_size: int = 128, name: str | Non
     """
     amax = _grouped(w, group_size, name).abs().amax(dim=-1).float()
     require_finite(amax, name, "weights")
-    scale = amax / INT4_SCALE_DIVISOR
+    scale = divide(amax, INT4_SCALE_DIVISOR)
     eps = torch.finfo(w.dtype).eps
     return torch.where(scale == 0, torch.full_like(scale, eps), scale)
 

@@ -23,6 +23,7 @@ from dsv4convert.formats.numerics import (
     E2M1_MAX,
     ceil_log2,
     decode_e2m1_packed,
+    divide,
     e8m0_to_float,
     encode_e2m1,
     exp2_float32,
@@ -46,7 +47,7 @@ def _require_weight(w: torch.Tensor, name: str | None) -> None:
 
 def mxfp4_exponents(amax: torch.Tensor) -> torch.Tensor:
     """int32 block exponents ``X = ceil(log2(max(amax, 6 * 2**-126) / 6))`` (DeepSeek's rule)."""
-    return ceil_log2(amax.float().clamp(min=_AMAX_FLOOR) / E2M1_MAX)
+    return ceil_log2(divide(amax.float().clamp(min=_AMAX_FLOOR), E2M1_MAX))
 
 
 def quantize_mxfp4(w: torch.Tensor, *, name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,6 +148,16 @@ def e8m0_to_float(scale: torch.Tensor, *, name: str | None = None) -> torch.Tens
     return exp2_float32(e8m0_to_exponent(scale, name=name))
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor``, correctly rounded on every device.
+
+    On CUDA, torch turns division by a Python scalar into multiplication by its rounded
+    reciprocal, which can differ in the last bit from CPU results; dividing by a 0-dim
+    tensor on x's device keeps conversions bit-identical wherever they run.
+    """
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:
     """int32 ``ceil(log2(x))`` of positive float32 ``x``, exact (no float log).
 

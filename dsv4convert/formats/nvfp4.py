@@ -26,6 +26,7 @@ from dsv4convert.formats.numerics import (
     E4M3_MAX,
     E4M3_MIN_EXP,
     decode_e2m1_packed,
+    divide,
     encode_e2m1,
     pack_nibbles,
     require_finite,
@@ -46,7 +47,7 @@ class NVFP4Weight:
 
 def _scale_2_from_amax(amax: float | torch.Tensor) -> torch.Tensor:
     amax = torch.as_tensor(amax)
-    return amax.to(torch.float32).reshape(()) / _SCALE_2_DIVISOR
+    return divide(amax.to(torch.float32).reshape(()), _SCALE_2_DIVISOR)
 
 
 def input_scale_from_amax(amax: float | torch.Tensor) -> torch.Tensor:
