@@ -42,9 +42,9 @@ pip_install \
   "aiohttp==3.14.5" \
   "IPython==9.18.1" \
   "dill==0.4.1" \
-  "sentencepiece==0.2.3" \
+  "sentencepiece==0.2.1" \
   "einops==0.8.2" \
-  "openai==3.57.0" \
+  "openai==2.8.0" \
   "partial-json-parser==0.2.1.1.post7" \
   "setproctitle==1.3.8" \
   "fastapi==0.165.0" \

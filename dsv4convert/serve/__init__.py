@@ -1,0 +1,1 @@
+"""Serving converted checkpoints with SGLang: plan, run, check (``dsv4convert serve``)."""

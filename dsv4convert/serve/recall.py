@@ -1,0 +1,252 @@
+"""Needle-in-a-haystack recall, and where DeepSeek-V4's sparse indexer looked while answering.
+
+Prompts are token-id lists built with the model's own tokenizer to an exact length, and sent as
+``input_ids`` to SGLang's native ``/generate``, so no re-tokenisation can shift the length or
+the needle position. With ``return_indexer_topk`` SGLang returns, per prompt position and CSA
+(ratio-4) layer, the compressed positions its indexer kept; a needle whose compressed block is
+kept but whose answer is wrong points at quantization, one that is dropped points at the indexer.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from dsv4convert.errors import FormatError
+
+DEFAULT_LENGTHS = tuple(2**k for k in range(10, 18))  # 1K .. 128K tokens
+DEFAULT_DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))  # 0% .. 100%
+CSA_RATIO = 4  # compress ratio of the layers that have an indexer
+
+# Haystack text written for this tool: plain, repetitive prose with no numbers in it, so the
+# only number in a prompt is the needle's.
+FILLER = (
+    "The river moved slowly past the old mill, and the afternoon light lay across the water. "
+    "A farmer walked along the bank with a basket of apples and stopped to watch the ducks. "
+    "Clouds gathered over the hills in the west, grey at the edges and white in the middle. "
+    "In the village the baker was closing his shop, and children ran home along the lane. "
+    "Somewhere a dog barked twice, then the evening settled into its usual quiet rhythm. "
+)
+NEEDLE_KEYS = (
+    "the blue lighthouse", "the copper kettle", "the silent orchard", "the northern gate",
+    "the paper lantern", "the marble staircase", "the hidden garden", "the iron bridge",
+    "the velvet curtain", "the glass observatory", "the winter harbour", "the amber window",
+)
+
+
+class Tokenizer(Protocol):
+    """What recall needs from a tokenizer (a ``transformers`` tokenizer satisfies it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """Text around the user turn; the default is DeepSeek's chat format with thinking off."""
+
+    prefix: str = "<｜begin▁of▁sentence｜><｜User｜>"
+    suffix: str = "<｜Assistant｜></think>"
+
+
+@dataclass(frozen=True)
+class Needle:
+    key: str
+    value: str
+
+    @property
+    def sentence(self) -> str:
+        return f" The secret number for {self.key} is {self.value}. "
+
+    @property
+    def question(self) -> str:
+        return f"\n\nWhat is the secret number for {self.key}? Reply with the number only."
+
+
+@dataclass(frozen=True)
+class RecallPrompt:
+    input_ids: list[int]
+    needle: Needle
+    needle_span: tuple[int, int]  # token positions [start, end) of the needle sentence
+    length: int
+    depth: float
+
+
+def make_needle(rng: random.Random) -> Needle:
+    return Needle(rng.choice(NEEDLE_KEYS), str(rng.randrange(1_000_000, 10_000_000)))
+
+
+def build_prompt(
+    tokenizer: Tokenizer, length: int, depth: float, needle: Needle, template: PromptTemplate = PromptTemplate()
+) -> RecallPrompt:
+    """A prompt of exactly ``length`` tokens with the needle ``depth`` (0..1) of the way into the haystack."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"needle depth must be within [0, 1], got {depth}")
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    prefix, needle_ids = encode(template.prefix), encode(needle.sentence)
+    closing = encode(needle.question) + encode(template.suffix)
+    budget = length - len(prefix) - len(needle_ids) - len(closing)
+    if budget < 0:
+        raise ValueError(f"{length} tokens cannot hold the template, needle and question ({length - budget} tokens)")
+    filler = encode(FILLER)
+    haystack = (filler * (budget // len(filler) + 1))[:budget]
+    offset = round(depth * budget)
+    start = len(prefix) + offset
+    ids = prefix + haystack[:offset] + needle_ids + haystack[offset:] + closing
+    return RecallPrompt(ids, needle, (start, start + len(needle_ids)), length, depth)
+
+
+def answer_is_correct(output: str, needle: Needle) -> bool:
+    """Exact retrieval: the first number in the answer is the needle's value."""
+    match = re.search(r"\d+", output.replace(",", ""))
+    return match is not None and match.group(0) == needle.value
+
+
+def decode_indexer_topk(encoded: str, num_layers: int, topk: int) -> np.ndarray:
+    """SGLang's ``meta_info["indexer_topk"]``: base64 int32 -> ``(positions, num_layers, topk)``."""
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except ValueError as exc:
+        raise FormatError(f"indexer_topk is not valid base64: {exc}") from exc
+    per_position = num_layers * topk * 4
+    if len(raw) == 0 or len(raw) % per_position:
+        raise FormatError(
+            f"indexer_topk holds {len(raw)} bytes, not a whole number of positions of "
+            f"{num_layers} layers x {topk} int32 indices"
+        )
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, topk)
+
+
+def indexer_layer_ids(compress_ratios: Sequence[int], num_hidden_layers: int) -> list[int]:
+    """Model layer index of each indexer layer, in the order SGLang returns them."""
+    return [i for i, ratio in enumerate(compress_ratios[:num_hidden_layers]) if ratio == CSA_RATIO]
+
+
+def needle_block_ranks(topk: np.ndarray, query_row: int, needle_span: tuple[int, int]) -> list[int | None]:
+    """Per indexer layer, the best rank of any compressed block holding the needle (None: not selected).
+
+    Block ``b`` of a ratio-4 layer compresses tokens ``4b .. 4b+3``. The rank is the position in
+    SGLang's top-k list; whether that list is sorted by score is unconfirmed, so read ranks as
+    "selected or not" first.
+    """
+    if not 0 <= query_row < topk.shape[0]:
+        raise FormatError(f"query row {query_row} is outside the {topk.shape[0]} positions indexer_topk returned")
+    blocks = np.arange(needle_span[0] // CSA_RATIO, (needle_span[1] - 1) // CSA_RATIO + 1)
+    ranks: list[int | None] = []
+    for layer_row in topk[query_row]:
+        hits = np.flatnonzero(np.isin(layer_row, blocks))
+        ranks.append(int(hits[0]) if hits.size else None)
+    return ranks
+
+
+@dataclass
+class RecallTrial:
+    length: int
+    depth: float
+    needle: Needle
+    output: str
+    correct: bool
+    ranks: list[int | None] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "length": self.length, "depth": self.depth, "key": self.needle.key, "value": self.needle.value,
+            "output": self.output, "correct": self.correct, "needle_block_ranks": self.ranks,
+        }
+
+
+@dataclass
+class RecallSweep:
+    """Settings of a sweep; ``run`` sends one request per trial through ``generate``."""
+
+    lengths: Sequence[int] = DEFAULT_LENGTHS
+    depths: Sequence[float] = DEFAULT_DEPTHS
+    trials: int = 3
+    seed: int = 0
+    max_new_tokens: int = 24
+    indexer_topk: bool = False
+    indexer_layers: int = 21
+    index_topk: int = 512
+    template: PromptTemplate = field(default_factory=PromptTemplate)
+
+    def request(self, prompt: RecallPrompt) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "input_ids": prompt.input_ids,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": self.max_new_tokens},
+        }
+        if self.indexer_topk:
+            payload["return_indexer_topk"] = True
+        return payload
+
+    def score(self, prompt: RecallPrompt, response: dict[str, Any]) -> RecallTrial:
+        output = response.get("text")
+        if not isinstance(output, str):
+            raise FormatError(f"/generate answered without a text field: {sorted(response)}")
+        ranks = None
+        if self.indexer_topk:
+            encoded = response.get("meta_info", {}).get("indexer_topk")
+            if not isinstance(encoded, str):
+                raise FormatError("return_indexer_topk was requested but meta_info has no indexer_topk string")
+            topk = decode_indexer_topk(encoded, self.indexer_layers, self.index_topk)
+            ranks = needle_block_ranks(topk, prompt.length - 1, prompt.needle_span)
+        return RecallTrial(prompt.length, prompt.depth, prompt.needle, output,
+                           answer_is_correct(output, prompt.needle), ranks)
+
+    def run(
+        self,
+        tokenizer: Tokenizer,
+        generate: Callable[[dict[str, Any]], dict[str, Any]],
+        progress: Callable[[RecallTrial], None] = lambda trial: None,
+    ) -> list[RecallTrial]:
+        rng = random.Random(self.seed)
+        results = []
+        for length in self.lengths:
+            for depth in self.depths:
+                for _ in range(self.trials):
+                    prompt = build_prompt(tokenizer, length, depth, make_needle(rng), self.template)
+                    trial = self.score(prompt, generate(self.request(prompt)))
+                    progress(trial)
+                    results.append(trial)
+        return results
+
+
+def summarize(trials: Sequence[RecallTrial], layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """Accuracy per (length, depth) cell and, with ranks, per-layer needle selection rates."""
+    cells: dict[tuple[int, float], list[bool]] = {}
+    for trial in trials:
+        cells.setdefault((trial.length, trial.depth), []).append(trial.correct)
+    summary: dict[str, Any] = {
+        "accuracy": sum(t.correct for t in trials) / len(trials) if trials else None,
+        "cells": [
+            {"length": length, "depth": depth, "accuracy": sum(v) / len(v), "trials": len(v)}
+            for (length, depth), v in sorted(cells.items())
+        ],
+    }
+    ranked = [t for t in trials if t.ranks is not None]
+    if ranked:
+        layers = len(ranked[0].ranks)
+        names = list(layer_ids) if layer_ids is not None else list(range(layers))
+        per_layer = []
+        for i in range(layers):
+            ranks = [t.ranks[i] for t in ranked]
+            selected = [r for r in ranks if r is not None]
+            per_layer.append({
+                "layer": names[i],
+                "selected_rate": len(selected) / len(ranks),
+                "median_rank": float(np.median(selected)) if selected else None,
+                "selected_when_wrong": _rate([t.ranks[i] is not None for t in ranked if not t.correct]),
+            })
+        summary["indexer_layers"] = per_layer
+    return summary
+
+
+def _rate(flags: list[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
