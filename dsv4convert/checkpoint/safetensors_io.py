@@ -140,9 +140,12 @@ def _check_no_overlap(path: Path, entries: Iterable[TensorEntry]) -> None:
             raise CheckpointError(f"byte range overlaps tensor '{prev.name}'", file=path, tensor=cur.name)
 
 
-def read_tensor(entry: TensorEntry) -> torch.Tensor:
-    """Read one tensor into a fresh CPU tensor of its on-disk dtype (F4 as float4_e2m1fn_x2)."""
-    buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+def read_tensor(entry: TensorEntry, *, pin_memory: bool = False) -> torch.Tensor:
+    """Read one tensor into a fresh CPU tensor of its on-disk dtype (F4 as float4_e2m1fn_x2).
+
+    ``pin_memory`` reads into page-locked memory, from which a GPU copies asynchronously.
+    """
+    buf = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
     try:
         with open(entry.path, "rb", buffering=0) as f:
             f.seek(entry.start)
