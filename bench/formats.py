@@ -191,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice); use 1 on a shared, loaded machine")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     devices = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name in devices:

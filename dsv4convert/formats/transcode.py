@@ -198,16 +198,14 @@ def nvfp4_global_exponent(*scales: torch.Tensor, name: str | None = None) -> int
     With no usable block the choice is free and 0 is returned. m is kept within float32's
     normal range [-126, 127].
     """
-    k_max: int | None = None
+    top_byte = 0
     for index, scale in enumerate(scales):
         raw = e8m0_bytes(scale, name=name if len(scales) == 1 else f"{name or 'scale'}[{index}]")
-        live = raw[raw > 0]
-        if live.numel():
-            top = int(live.max()) - E8M0_BIAS
-            k_max = top if k_max is None else max(k_max, top)
-    if k_max is None:
+        if raw.numel():
+            top_byte = max(top_byte, int(raw.max()))
+    if top_byte == 0:  # only sentinels (or nothing): every block is zero
         return 0
-    return max(k_max - E4M3_MAX_EXP, _GLOBAL_EXP_MIN)
+    return max(top_byte - E8M0_BIAS - E4M3_MAX_EXP, _GLOBAL_EXP_MIN)
 
 
 @functools.lru_cache(maxsize=None)
