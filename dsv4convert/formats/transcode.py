@@ -192,7 +192,7 @@ def nvfp4_global_exponent(*scales: torch.Tensor, name: str | None = None) -> int
       exact blocks among these choices.
     * Any m < k_max - 8 pushes the largest blocks above 448 * 2**m, where their scale
       saturates at 448 = 1.75 * 2**8 and their (largest) weights shrink by at least 12.5%;
-      the blocks it could win back at the bottom are 2**17 times smaller than k_max, so we
+      the blocks it could win back at the bottom are over 2**17 times smaller, so we
       never trade the top for them.
 
     With no usable block the choice is free and 0 is returned. m is kept within float32's
