@@ -1,0 +1,133 @@
+"""Model cards: their content, and launch commands SGLang 0.5.23's own parser and resolution accept."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from conftest import run
+
+import sglang_oracle as sgl
+from dsv4convert.convert.model_card import (
+    GPU_FAMILIES,
+    default_launch,
+    render_model_card,
+    shell_line,
+    tensor_parallel_size,
+)
+from dsv4convert.convert.plan import human_bytes
+from dsv4convert.convert.recipe import RECIPE_DIR
+
+MIXED_RECIPE = RECIPE_DIR / "nvfp4-bf16-indexer.yaml"
+# The quant config class SGLang's loader builds, and whether the FP4-expert switch is on.
+EXPECTED_CONFIG = {"fp8": ("Fp8Config", "0"), "nvfp4": ("HybridFp8NvFp4Config", "1"),
+                   "w4a16": ("CompressedTensorsConfig", "0"), "bf16": ("NoneType", "0"),
+                   "mixed": ("HybridFp8NvFp4Config", "1")}
+
+
+def card(**overrides) -> str:
+    kwargs = {
+        "variant": "nvfp4",
+        "base_model": "deepseek-ai/DeepSeek-V4-Flash",
+        "recipe_name": "nvfp4",
+        "recipe_text": "name: nvfp4\nrules: []\n",
+        "formats_by_role": {"routed_expert": {"nvfp4": 10}, "routed_expert (mtp)": {"mxfp4": 2},
+                            "attention": {"fp8": 5, "bf16": 1}},
+        "stats": {"lossless_blocks": 3, "total_blocks": 4, "input_scale_source": {"data-free bound": 6},
+                  "tensors_quantized": 30, "tensors_kept": 1234, "bytes_in": 5 * 10**9, "bytes_out": 6 * 10**9,
+                  "seconds": 12.5, "roles": {"routed_expert": {"converted": 10, "max_abs_error": 0.0}}},
+        "launch": {"H200 (sm_90)": {"argv": ["python", "-m", "sglang.launch_server", "--model-path", "/m dir"],
+                                    "env": {"SGLANG_DSV4_FP4_EXPERTS": "1"}},
+                   "Tiny GPU": {"argv": [], "env": {}, "note": "does not fit on 8 GPUs"}},
+    }
+    kwargs.update(overrides)
+    return render_model_card(**kwargs)
+
+
+def test_card_names_base_model_recipe_and_formats():
+    text = card()
+    assert text.startswith('---\nbase_model: "deepseek-ai/DeepSeek-V4-Flash"\n')
+    assert "# DeepSeek-V4-Flash, nvfp4 variant" in text
+    assert "recipe `nvfp4`" in text
+    assert "```yaml\nname: nvfp4\nrules: []\n```" in text
+    assert "| routed_expert | nvfp4 x10 |" in text
+    assert "| routed_expert (mtp) | mxfp4 x2 |" in text
+    assert "| attention | bf16 x1, fp8 x5 |" in text
+
+
+def test_card_stats():
+    text = card()
+    assert "3 of 4 (75.00 %)" in text
+    assert "Tensors quantized: 30; kept byte for byte: 1,234." in text
+    assert f"{human_bytes(5 * 10**9)} in, {human_bytes(6 * 10**9)} out" in text
+    assert "6 expert projections: a data-free bound" in text
+    assert "- Seconds: 12.5" in text
+    assert "| routed_expert | 10 | 0.0 |" in text
+    no_blocks = card(stats={"lossless_blocks": 0, "total_blocks": 0})
+    assert "0 of 0 (n/a)" in no_blocks and "input_scale" not in no_blocks
+
+
+def test_card_launch_lines_are_shell_exact():
+    text = card()
+    line = "SGLANG_DSV4_FP4_EXPERTS=1 python -m sglang.launch_server --model-path '/m dir'"
+    assert f"### H200 (sm_90)\n\n```bash\n{line}\n```" in text
+    assert shlex.split(line)[1:] == ["python", "-m", "sglang.launch_server", "--model-path", "/m dir"]
+    assert "### Tiny GPU\n\ndoes not fit on 8 GPUs" in text
+
+
+@pytest.mark.parametrize(("weight_bytes", "gpu_memory", "tp"), [
+    (10**9, 96 * 10**9, 1),
+    (160 * 10**9, 96 * 10**9, 4),     # the SM120 cookbook cell: native Flash at TP 4
+    (160 * 10**9, 141 * 10**9, 2),
+    (292 * 10**9, 141 * 10**9, 4),
+    (560 * 10**9, 96 * 10**9, None),  # BF16 Flash does not fit on 8 RTX PRO 6000
+])
+def test_tensor_parallel_size(weight_bytes, gpu_memory, tp):
+    assert tensor_parallel_size(weight_bytes, gpu_memory) == tp
+
+
+@pytest.fixture(scope="module")
+def served(outputs, tiny_ckpt, tmp_path_factory) -> dict:
+    """Every shipped variant of the tiny model plus the mixed example recipe."""
+    mixed = tmp_path_factory.mktemp("mixed") / "out"
+    run(tiny_ckpt, mixed, str(MIXED_RECIPE))
+    return {**outputs, "mixed": mixed}
+
+
+@pytest.mark.parametrize("variant", list(EXPECTED_CONFIG))
+def test_default_launch_is_what_sglang_resolves_as_intended(served, variant):
+    model_dir = served[variant]
+    launch = default_launch(model_dir, variant)
+    assert list(launch) == list(GPU_FAMILIES)
+    config_class, fp4_experts = EXPECTED_CONFIG[variant]
+    for family, spec in launch.items():
+        gpu = GPU_FAMILIES[family][0]
+        argv = spec["argv"]
+        assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+        assert spec["env"]["SGLANG_DSV4_FP4_EXPERTS"] == fp4_experts
+        parsed = sgl.parse_server_args(argv[3:])
+        assert parsed.model_path == str(model_dir) and parsed.kv_cache_dtype == "fp8_e4m3"
+        resolved = sgl.resolve_server_args(argv[3:], gpu=gpu, env=spec["env"]).resolved_dict()
+        runner = resolved["moe_runner_backend"]
+        if config_class == "HybridFp8NvFp4Config":
+            # SGLang's automatic NVFP4-hybrid runner is SM100-only; elsewhere the card must say marlin.
+            assert runner == ("flashinfer_trtllm_routed" if gpu == "sm100" else "marlin"), family
+        else:
+            assert runner not in ("flashinfer_mxfp4", "flashinfer_trtllm_routed"), (family, runner)
+        quant = sgl.quant_config_for_checkpoint(model_dir, gpu=gpu, env=spec["env"])
+        assert type(quant).__name__ == config_class
+        if quant is not None and config_class != "CompressedTensorsConfig":
+            assert quant.is_fp4_experts == (fp4_experts == "1")
+
+
+@pytest.mark.parametrize("variant", ["nvfp4", "mixed"])
+def test_written_readme_carries_the_launch_commands(served, variant):
+    readme = (served[variant] / "README.md").read_text()
+    for family, spec in default_launch(served[variant], variant).items():
+        assert f"### {family}\n\n```bash\n{shell_line(spec)}\n```" in readme
+    assert "SGLANG_DSV4_FP4_EXPERTS=1" in readme and "--moe-runner-backend marlin" in readme
+
+
+def test_default_launch_of_a_missing_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(Exception, match="not a safetensors checkpoint"):
+        default_launch(tmp_path, "fp8")
