@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -142,7 +143,9 @@ def _scoped_environ(env: Mapping[str, str] | None) -> Iterator[None]:
         os.environ.update(saved)
 
 
+@functools.lru_cache(maxsize=1)
 def _parser() -> argparse.ArgumentParser:
+    """SGLang's full parser, built once (parse_args does not mutate it)."""
     parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
     ServerArgs.add_cli_args(parser)
     return parser
@@ -285,3 +288,39 @@ def module_prefix(native_name: str, *, num_hidden_layers: int = 43) -> str:
     if native_name.startswith("mtp.") and module.startswith(draft_block):
         module = "model.decoder." + module.removeprefix(draft_block)
     return module
+
+
+def contract_quantization_config(variant: str, base: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A variant's ``quantization_config`` as sglang-contract.md section 1 specifies it, for tests.
+
+    ``base`` is the native checkpoint's ``quantization_config``; None means no quantization (BF16).
+    """
+    if variant in ("native", "fp8"):
+        return dict(base)
+    if variant == "nvfp4":
+        return {**base, "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "group_size": 16,
+                "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]}
+    if variant == "w4a16":
+        int4_group = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                      "group_size": 128, "dynamic": False}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": int4_group}},
+            "linear_fp8_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(base["weight_block_size"])},
+            "ignore": ["lm_head"],
+        }
+    if variant == "bf16":
+        return None
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def variant_config(variant: str, native_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``native_config`` with the variant's ``quantization_config`` (dropped for BF16)."""
+    config = {k: v for k, v in native_config.items() if k != "quantization_config"}
+    quant = contract_quantization_config(variant, native_config["quantization_config"])
+    if quant is not None:
+        config["quantization_config"] = quant
+    return config
+

@@ -10,9 +10,6 @@ import pytest
 
 import sglang_oracle as sgl
 
-NVFP4_IGNORE = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
-
-
 def _with_quant(real_config: dict, quantization_config: dict) -> dict:
     config = copy.deepcopy(real_config)
     config["quantization_config"] = quantization_config
@@ -21,41 +18,12 @@ def _with_quant(real_config: dict, quantization_config: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def nvfp4_config(real_config) -> dict:
-    """NVFP4-hybrid quantization_config as sglang-contract.md section 1 prescribes."""
-    quant = dict(real_config["quantization_config"])
-    quant.update(quant_algo="MIXED_PRECISION", moe_quant_algo="NVFP4", group_size=16, ignore=NVFP4_IGNORE)
-    return _with_quant(real_config, quant)
+    return sgl.variant_config("nvfp4", real_config)
 
 
 @pytest.fixture(scope="module")
 def w4a16_config(real_config) -> dict:
-    """compressed-tensors W4A16 experts + FP8 linears (sglang-contract.md section 1)."""
-    return _with_quant(
-        real_config,
-        {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "int",
-                        "symmetric": True,
-                        "strategy": "group",
-                        "group_size": 128,
-                        "dynamic": False,
-                    },
-                }
-            },
-            "linear_fp8_config": {
-                "quant_method": "fp8",
-                "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128],
-            },
-            "ignore": ["lm_head"],
-        },
-    )
+    return sgl.variant_config("w4a16", real_config)
 
 
 def test_base_config_is_fp8_with_fp4_experts(real_config):
@@ -161,6 +129,14 @@ def test_auto_runner_for_nvfp4_hybrid_is_sm100_only(tmp_path, nvfp4_config):
         ["--model-path", model, "--tp-size", "4", "--moe-runner-backend", "marlin"], gpu="sm120"
     ).resolved_dict()
     assert marlin["moe_runner_backend"] == "marlin"
+
+
+def test_bf16_variant_has_no_quant_config(real_config):
+    config = sgl.variant_config("bf16", real_config)
+    assert "quantization_config" not in config
+    qc = sgl.quant_config_from_checkpoint_config(config, env={"SGLANG_DSV4_FP4_EXPERTS": "0"})
+    assert qc is None
+    assert sgl.moe_scheme_for(qc, "model.layers.3.mlp.experts") == "unquantized"
 
 
 def test_unknown_gpu_family():

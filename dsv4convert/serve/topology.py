@@ -91,7 +91,8 @@ def parse_topo_matrix(text: str) -> tuple[dict[int, int | None], dict[tuple[int,
     because the link matrix never has empty cells.
     """
     lines = [_ANSI_ESCAPE.sub("", line) for line in text.splitlines()]
-    header = next((line for line in lines if re.search(r"\bGPU0\b", line) and not line.lstrip().startswith("GPU0")), None)
+    # The header row starts with an empty cell; matrix rows start with their device name.
+    header = next((line for line in lines if "\t" in line and not line.split("\t")[0].strip() and "GPU0" in line), None)
     if header is None:
         raise TopologyError("nvidia-smi topo -m output has no GPU header row")
     columns = [cell.strip() for cell in header.split("\t") if cell.strip()]

@@ -1,0 +1,170 @@
+"""Every command `serve` plans is accepted by SGLang 0.5.23's own parsers (and resolution) per variant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+import sglang_oracle as sgl
+from dsv4convert.serve import cli as serve_cli
+from dsv4convert.serve.launch import (
+    MOONCAKE_TCP_COST,
+    SERVED_VARIANTS,
+    Command,
+    LaunchError,
+    LaunchOptions,
+    choose_transfer_backend,
+    plan_pd,
+    plan_role,
+    plan_single,
+    variant_defaults,
+)
+from dsv4convert.serve.topology import Gpu, Topology
+
+FAMILIES = ("sm90", "sm100", "sm120")
+EXPERT_SCHEME = {"native": "mxfp4", "fp8": "fp8", "nvfp4": "nvfp4", "w4a16": "wna16", "bf16": "unquantized"}
+
+# The user's host: 8x RTX PRO 6000, GPUs 0-3 on NUMA node 0, 4-7 on node 1.
+USER_HOST = Topology(
+    gpus=tuple(Gpu(i, f"00000000:{i:02X}:00.0", "RTX PRO 6000", (12, 0), i // 4) for i in range(8)),
+    node_cpus={0: "0-31", 1: "32-63"},
+    numactl="/usr/bin/numactl",
+)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, real_config) -> dict[str, Path]:
+    """One directory per variant holding only its config.json (what SGLang resolution reads)."""
+    dirs = {}
+    for variant in SERVED_VARIANTS:
+        directory = tmp_path_factory.mktemp(variant)
+        (directory / "config.json").write_text(json.dumps(sgl.variant_config(variant, real_config)))
+        dirs[variant] = directory
+    return dirs
+
+
+def pd_plan(model: Path, variant: str, family: str, **overrides) -> list[Command]:
+    options = LaunchOptions(model=str(model), variant=variant, gpu_family=family, **overrides)
+    return plan_pd(options, USER_HOST, [0, 1, 2, 3], [4, 5, 6, 7])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", SERVED_VARIANTS)
+def test_every_planned_command_parses(model_dirs, variant, family):
+    model = model_dirs[variant]
+    extra = ("--dist-init-addr", "10.0.0.1:5000", "--nnodes", "2", "--node-rank", "0")
+    multi = LaunchOptions(model=str(model), variant=variant, gpu_family=family, host="0.0.0.0", extra_args=extra,
+                          transfer_backend="mooncake", ib_devices=("mlx5_0", "mlx5_1"))
+    commands = [
+        *pd_plan(model, variant, family),
+        *pd_plan(model, variant, family, transfer_backend="nixl", indexer_topk=True),
+        *plan_single(LaunchOptions(model=str(model), variant=variant, gpu_family=family), USER_HOST, list(range(8))),
+        *plan_role(multi, None, "prefill", [0, 1, 2, 3]),
+        *plan_role(multi, None, "router", [], "http://10.0.0.1:30000", "http://10.0.0.2:30001"),
+    ]
+    for command in commands:
+        if command.role == "router":
+            router = sgl.parse_router_args(list(command.sglang_args))
+            assert router.pd_disaggregation
+            assert command.argv[-len(command.sglang_args):] == command.sglang_args
+        else:
+            args = sgl.parse_server_args(list(command.sglang_args))
+            assert args.model_path == str(model) and args.kv_cache_dtype == "fp8_e4m3"
+            assert command.argv[-len(command.sglang_args):] == command.sglang_args
+            assert command.argv[-len(command.sglang_args) - 2:-len(command.sglang_args)] == ("-m", "sglang.launch_server")
+
+
+@pytest.mark.parametrize("variant", SERVED_VARIANTS)
+def test_pd_on_user_host_resolves_as_sglang_would(model_dirs, variant):
+    prefill, decode, router = pd_plan(model_dirs[variant], variant, "sm120")
+    resolved = {}
+    for command in (prefill, decode):
+        resolved[command.role] = sgl.resolve_server_args(list(command.sglang_args), gpu="sm120", env=command.env).resolved_dict()
+        assert resolved[command.role]["disaggregation_mode"] == command.role
+        assert resolved[command.role]["tp_size"] == 4
+    assert resolved["prefill"]["disaggregation_bootstrap_port"] == resolved["decode"]["disaggregation_bootstrap_port"]
+    assert resolved["prefill"]["nccl_port"] != resolved["decode"]["nccl_port"]
+    # SGLang's automatic choice for the NVFP4 hybrid is SM100-only; the plan must override it here.
+    assert resolved["decode"]["moe_runner_backend"] != "flashinfer_trtllm_routed"
+    assert prefill.argv[:3] == ("/usr/bin/numactl", "--cpunodebind=0", "--membind=0")
+    assert decode.argv[:3] == ("/usr/bin/numactl", "--cpunodebind=1", "--membind=1")
+    assert (prefill.env["CUDA_VISIBLE_DEVICES"], decode.env["CUDA_VISIBLE_DEVICES"]) == ("0,1,2,3", "4,5,6,7")
+    routed = sgl.parse_router_args(list(router.sglang_args))
+    assert routed.prefill_urls == [(prefill.url, resolved["prefill"]["disaggregation_bootstrap_port"])]
+    assert routed.decode_urls == [decode.url]
+
+
+@pytest.mark.parametrize("variant", SERVED_VARIANTS)
+def test_variant_env_makes_sglang_read_the_experts_right(real_config, variant):
+    env = variant_defaults(variant, "sm120").env
+    qc = sgl.quant_config_from_checkpoint_config(sgl.variant_config(variant, real_config), env=env)
+    assert sgl.moe_scheme_for(qc, "model.layers.10.mlp.experts") == EXPERT_SCHEME[variant]
+
+
+def test_nvfp4_runner_per_family(model_dirs):
+    for family, expected in (("sm90", "marlin"), ("sm120", "marlin"), ("sm100", "flashinfer_trtllm_routed")):
+        server = plan_single(LaunchOptions(model=str(model_dirs["nvfp4"]), variant="nvfp4", gpu_family=family), None, [0, 1, 2, 3])[0]
+        resolved = sgl.resolve_server_args(list(server.sglang_args), gpu=family, env=server.env).resolved_dict()
+        assert resolved["moe_runner_backend"] == expected, family
+
+
+def test_indexer_topk_sets_attention_dp(model_dirs):
+    prefill = pd_plan(model_dirs["fp8"], "fp8", "sm120", indexer_topk=True)[0]
+    resolved = sgl.resolve_server_args(list(prefill.sglang_args), gpu="sm120", env=prefill.env).resolved_dict()
+    assert resolved["enable_return_indexer_topk"] and resolved["attn_dp_size"] == 4
+
+
+def test_mooncake_tcp_fallback_and_ib():
+    assert choose_transfer_backend(None, ()) == ("mooncake_tcp", MOONCAKE_TCP_COST)
+    assert choose_transfer_backend("mooncake", ()) == ("mooncake_tcp", MOONCAKE_TCP_COST)
+    assert choose_transfer_backend(None, ("mlx5_0",)) == ("mooncake", None)
+    assert choose_transfer_backend("nixl", ()) == ("nixl", None)
+    with pytest.raises(LaunchError, match="unknown transfer backend"):
+        choose_transfer_backend("rdma", ())
+    ib = pd_plan(Path("m"), "fp8", "sm90", transfer_backend="mooncake", ib_devices=("mlx5_0", "mlx5_1"))
+    assert "--disaggregation-ib-device" in ib[0].sglang_args and "mlx5_0,mlx5_1" in ib[0].sglang_args
+
+
+def test_bad_plans_are_refused():
+    options = LaunchOptions(model="m", variant="fp8", gpu_family="sm120")
+    with pytest.raises(LaunchError, match="overlap"):
+        plan_pd(options, USER_HOST, [0, 1, 2, 3], [3, 4, 5, 6])
+    with pytest.raises(LaunchError, match="both 30000"):
+        plan_pd(LaunchOptions(model="m", variant="fp8", gpu_family="sm120", decode_port=30000), USER_HOST, [0], [1])
+    with pytest.raises(LaunchError, match="no serving defaults"):
+        variant_defaults("mixed", "sm120")
+    with pytest.raises(LaunchError, match="sm90/sm100/sm120"):
+        variant_defaults("fp8", "hopper")
+    with pytest.raises(LaunchError, match="needs --prefill-url"):
+        plan_role(options, None, "router", [])
+
+
+def cli_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_cli_dry_run_prints_commands(capsys, model_dirs):
+    args = cli_args("--model", str(model_dirs["nvfp4"]), "--variant", "nvfp4", "--gpu-family", "sm120", "--pd",
+                    "--prefill-gpus", "0,1,2,3", "--decode-gpus", "4,5,6,7", "--dry-run", "--", "--log-level", "debug")
+    assert serve_cli.run(args) == 0
+    out = capsys.readouterr()
+    lines = [line for line in out.out.splitlines() if not line.startswith("#")]
+    assert len(lines) == 3 and "sglang_router.launch_router" in lines[2]
+    assert all(line.endswith("--log-level debug") for line in lines[:2])
+    assert "--moe-runner-backend marlin" in lines[0]
+    assert "mooncake_tcp" in out.err  # no RDMA device here: the warning says what it costs
+
+
+def test_cli_refuses_inconsistent_flags(model_dirs):
+    model = str(model_dirs["fp8"])
+    with pytest.raises(LaunchError, match="belongs to --check recall"):
+        serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--indexer-topk", "--dry-run"))
+    with pytest.raises(LaunchError, match="--compare needs --check"):
+        serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--compare", "r.json", "--dry-run"))
+    with pytest.raises(SystemExit):
+        cli_args("--model", model, "--prefill-gpus", "0,0")
