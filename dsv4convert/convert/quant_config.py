@@ -85,7 +85,6 @@ _NVFP4_NATIVE_EXCLUDES = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
 class _Stored:
     """The output's linear formats, grouped the way SGLang builds its layers."""
 
-    cfg: ModelConfig
     formats: dict[str, tuple[Format, dict]]
     experts: dict[str, Format] = field(default_factory=dict)    # block -> the one format of its FusedMoE
     int4_groups: set[int] = field(default_factory=set)
@@ -139,7 +138,7 @@ def _analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]]
         raise RecipeError("not a linear module of this model's layout", tensor=unknown[0])
     if missing:
         raise RecipeError(f"no stored format given for {len(missing)} linear module(s)", tensor=missing[0])
-    stored = _Stored(cfg, dict(module_formats))
+    stored = _Stored(dict(module_formats))
     by_block: dict[str, dict[Format, str]] = defaultdict(dict)
     for module, (fmt, params) in module_formats.items():
         info = classify(module + ".weight")
