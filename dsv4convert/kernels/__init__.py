@@ -8,6 +8,10 @@ callers such as the validator run anywhere and get the same answers.
 
 Weight tensors are passed as a checkpoint stores them; see :mod:`dsv4convert.kernels.operands`
 for each format's tuple. Formats: ``fp8_block``, ``mxfp4``, ``nvfp4``, ``int4``.
+
+:func:`quantize` and :func:`transcode_mxfp4` are the converters' GPU path: they return exactly
+what the ``dsv4convert.formats`` functions return (same types, same bytes, same exactness
+reports), so a converter can run on either device and write identical files.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from typing import Literal
 import torch
 
 from dsv4convert.errors import DSV4Error, FormatError
+from dsv4convert.formats.fp8_block import ScaleFormat, quantize_fp8_block
+from dsv4convert.formats.int4 import Int4Weight, quantize_int4_weight
+from dsv4convert.formats.nvfp4 import NVFP4Weight
+from dsv4convert.formats.transcode import ExactnessReport, mxfp4_to_fp8_block, mxfp4_to_nvfp4
 from dsv4convert.kernels import reference
 from dsv4convert.kernels._runtime import triton_can_run_on, triton_installed
 from dsv4convert.kernels.operands import FORMATS, QuantizedWeight, quantized_weight
@@ -29,7 +37,9 @@ __all__ = [
     "gemm",
     "grouped_gemm",
     "kernels_available",
+    "quantize",
     "quantize_activations_fp8",
+    "transcode_mxfp4",
 ]
 
 
@@ -135,3 +145,49 @@ def grouped_gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, expert_offse
         raise FormatError(f"expert_offsets must rise from 0 to {x.shape[0]} in {experts + 1} steps, got {bounds}",
                           tensor=name)
     return _run_grouped(weight, x, expert_offsets.to(device=x.device, dtype=torch.int32), backend)
+
+
+def quantize(fmt: Literal["fp8_block", "int4"], w: torch.Tensor, *, block: int = 128,
+             scale_fmt: ScaleFormat = "ue8m0", group_size: int = 128, backend: Backend = "auto",
+             name: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | Int4Weight:
+    """Quantize a dense weight ``[N, K]`` where it lives, bit-identical to the CPU path.
+
+    ``fp8_block`` returns :func:`dsv4convert.formats.quantize_fp8_block`'s ``(weight, scale)``
+    (``block`` and ``scale_fmt`` apply); ``int4`` returns
+    :func:`dsv4convert.formats.quantize_int4_weight`'s :class:`Int4Weight` (``group_size`` applies).
+    """
+    if fmt not in ("fp8_block", "int4"):
+        raise FormatError(f"quantize writes 'fp8_block' or 'int4', not {fmt!r}", tensor=name)
+    if not _use_triton(w.device, backend):
+        if fmt == "fp8_block":
+            return quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
+        return quantize_int4_weight(w, group_size=group_size, name=name)
+    from dsv4convert.kernels import quantize_launch
+
+    if fmt == "fp8_block":
+        return quantize_launch.quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
+    return quantize_launch.quantize_int4_weight(w, group_size=group_size, name=name)
+
+
+def transcode_mxfp4(target: Literal["nvfp4", "fp8_block"], packed: torch.Tensor, scale: torch.Tensor, *,
+                    global_exponent: int | None = None, backend: Backend = "auto", name: str | None = None,
+                    ) -> tuple[NVFP4Weight, ExactnessReport] | tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
+    """Re-encode MXFP4 ``(packed [N, K/2], scale [N, K/32])`` where it lives, bit-identical to the CPU path.
+
+    ``nvfp4`` returns :func:`dsv4convert.formats.mxfp4_to_nvfp4`'s ``(NVFP4Weight, report)``
+    (``global_exponent`` applies; pass the one w1 and w3 share); ``fp8_block`` returns
+    :func:`dsv4convert.formats.mxfp4_to_fp8_block`'s ``(weight, scale, report)``.
+    """
+    if target not in ("nvfp4", "fp8_block"):
+        raise FormatError(f"MXFP4 transcodes to 'nvfp4' or 'fp8_block', not {target!r}", tensor=name)
+    if target == "fp8_block" and global_exponent is not None:
+        raise FormatError("global_exponent applies to the NVFP4 transcode only", tensor=name)
+    if not _use_triton(packed.device, backend):
+        if target == "nvfp4":
+            return mxfp4_to_nvfp4(packed, scale, global_exponent=global_exponent, name=name)
+        return mxfp4_to_fp8_block(packed, scale, name=name)
+    from dsv4convert.kernels import quantize_launch
+
+    if target == "nvfp4":
+        return quantize_launch.mxfp4_to_nvfp4(packed, scale, global_exponent=global_exponent, name=name)
+    return quantize_launch.mxfp4_to_fp8_block(packed, scale, name=name)

@@ -48,12 +48,17 @@ def _e2m1_to_f32(nibble):
 
 
 @triton.jit
-def _round_to_bf16(value):
-    """FP32 -> BF16, round to nearest even (NaN stays NaN)."""
+def _bf16_bits(value):
+    """uint32 holding the 16-bit pattern of FP32 ``value`` rounded to BF16, nearest even (NaN stays NaN)."""
     bits = value.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(value != value, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(value != value, 0x7FC0, rounded)
+
+
+@triton.jit
+def _round_to_bf16(value):
+    """FP32 -> BF16, round to nearest even (NaN stays NaN)."""
+    return _bf16_bits(value).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

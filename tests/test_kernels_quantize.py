@@ -1,0 +1,182 @@
+"""GPU quantize/transcode kernels against the CPU formats functions, bit for bit.
+
+The converters' ``--device cuda`` path must write the very bytes the CPU path writes, and
+report the same exactness. Without a GPU the kernels run under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before the kernels are first imported); with one, compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dsv4convert import formats, kernels  # noqa: E402
+from dsv4convert.errors import FormatError  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _awkward_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Gaussian weights plus the cases rounding gets wrong: zero, tiny, power-of-two and huge blocks."""
+    w = torch.randn(n, k, generator=_generator(seed)) * 0.02
+    w[:16, :128] = 0.0                      # an all-zero block / group
+    w[16:32, :128] *= 1e-36                 # scales near float32's subnormal range
+    w[32, 5] = 448.0 * 2.0**-8              # amax exactly 448 * 2^k: the scale must not round up
+    w[40:48, 128:] *= 3e4                   # large values next to small ones
+    w[50, 7] = -0.0
+    return w.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "float32"])
+def test_fp8_block_quantize_matches_formats(dtype, scale_fmt):
+    w = _awkward_weight(200, 320, seed=1).to(dtype)  # ragged against 128x128 tiles both ways
+    got_weight, got_scale = kernels.quantize("fp8_block", w, scale_fmt=scale_fmt, backend="triton")
+    want_weight, want_scale = formats.quantize_fp8_block(w, scale_fmt=scale_fmt)
+    assert got_weight.dtype == torch.float8_e4m3fn and got_scale.dtype == want_scale.dtype
+    assert got_weight.shape == (200, 320) and got_scale.shape == (2, 3)
+    assert torch.equal(_bytes(got_weight), _bytes(want_weight))
+    assert torch.equal(_bytes(got_scale), _bytes(want_scale))
+
+
+def test_fp8_block_quantize_other_block_sizes_match_formats():
+    w = _awkward_weight(96, 160, seed=2)
+    for block in (64, 96):  # 96 is not a power of two: handled by the formats function itself
+        got = kernels.quantize("fp8_block", w, block=block, backend="triton")
+        want = formats.quantize_fp8_block(w, block=block)
+        assert torch.equal(_bytes(got[0]), _bytes(want[0])) and torch.equal(_bytes(got[1]), _bytes(want[1]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_quantize_refuses_non_finite_weights(bad):
+    w = _awkward_weight(64, 256, seed=3)
+    w[63, 255] = bad
+    for scale_fmt in ("ue8m0", "float32"):
+        with pytest.raises(FormatError, match="NaN or Inf"):
+            kernels.quantize("fp8_block", w, scale_fmt=scale_fmt, backend="triton")
+    with pytest.raises(FormatError, match="NaN or Inf"):
+        kernels.quantize("int4", w.bfloat16(), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_quantize_matches_formats(dtype, group_size):
+    w = _awkward_weight(72, 256, seed=4)
+    # Quotients that land exactly on .5 after the BF16 scale: round half to even must decide them.
+    w[60, :group_size] = torch.arange(group_size, dtype=torch.float32).remainder(16).sub(7.5) * 0.25
+    w = w.to(dtype)
+    got = kernels.quantize("int4", w, group_size=group_size, backend="triton")
+    want = formats.quantize_int4_weight(w, group_size=group_size)
+    assert isinstance(got, formats.Int4Weight)
+    assert got.weight_packed.dtype == torch.int32 and got.weight_packed.shape == (72, 32)
+    assert torch.equal(got.weight_packed, want.weight_packed)
+    assert torch.equal(got.weight_scale.view(torch.int16), want.weight_scale.view(torch.int16))
+    assert torch.equal(got.weight_shape, want.weight_shape)
+
+
+def test_int4_refuses_scales_that_round_to_zero():
+    w = torch.full((4, 128), 2.0**-133, dtype=torch.bfloat16, device=DEVICE)  # amax / 7.5 rounds to BF16 zero
+    with pytest.raises(FormatError, match="positive"):
+        formats.quantize_int4_weight(w)
+    with pytest.raises(FormatError, match="positive"):
+        kernels.quantize("int4", w, backend="triton")
+
+
+def _mxfp4(n: int, k: int, seed: int, low: int = 118, high: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = _generator(seed)
+    packed = torch.randint(-128, 128, (n, k // 2), generator=gen, dtype=torch.int8)
+    scale = torch.randint(low, high, (n, k // 32), generator=gen, dtype=torch.uint8)
+    return packed, scale
+
+
+def _spread_mxfp4() -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales that leave NVFP4's window below and above, tiles spanning > 14 binades, zero blocks."""
+    packed, scale = _mxfp4(256, 512, seed=5)
+    scale[0, :4] = 90         # far below the rest: inexact in both transcodes
+    scale[1, 0] = 0           # E8M0 byte 0, ModelOpt's zero-block sentinel
+    scale[2, 3] = 100
+    packed[2, 48:64] = 0      # ... an outside block whose codes are all zero stays exact
+    scale[3, 2] = 100
+    packed[3, 32:48] = torch.tensor([0x08, 0x80] * 8, dtype=torch.uint8).view(torch.int8)  # only negative zeros
+    scale[130, 9] = 140       # far above: sets the global and tile exponents
+    return packed.to(DEVICE), scale.view(torch.float8_e8m0fnu).to(DEVICE)
+
+
+def test_mxfp4_to_nvfp4_matches_formats_with_report():
+    packed, scale = _spread_mxfp4()
+    got, got_report = kernels.transcode_mxfp4("nvfp4", packed, scale, backend="triton")
+    want, want_report = formats.mxfp4_to_nvfp4(packed, scale)
+    assert got.weight.data_ptr() == packed.data_ptr()  # codes are shared, never copied
+    assert torch.equal(_bytes(got.weight_scale), _bytes(want.weight_scale))
+    assert torch.equal(got.weight_scale_2, want.weight_scale_2) and got.weight_scale_2.dtype == torch.float32
+    assert got_report == want_report
+    assert 0 < got_report.blocks_exact < got_report.blocks_total and got_report.max_abs_error > 0
+    for exponent in (-20, 5):  # a shared w1/w3 exponent, both sides of this tensor's own
+        got, got_report = kernels.transcode_mxfp4("nvfp4", packed, scale, global_exponent=exponent, backend="triton")
+        want, want_report = formats.mxfp4_to_nvfp4(packed, scale, global_exponent=exponent)
+        assert torch.equal(_bytes(got.weight_scale), _bytes(want.weight_scale)) and got_report == want_report
+
+
+def test_mxfp4_transcodes_of_realistic_scales_are_exact():
+    packed, scale = _mxfp4(128, 256, seed=6)
+    packed, scale = packed.to(DEVICE), scale.to(DEVICE)  # raw uint8 scale bytes are accepted too
+    _, report = kernels.transcode_mxfp4("nvfp4", packed, scale, backend="triton")
+    assert report.exact and report == formats.mxfp4_to_nvfp4(packed, scale)[1]
+    weight, tile_scale, report = kernels.transcode_mxfp4("fp8_block", packed, scale, backend="triton")
+    want_weight, want_scale, want_report = formats.mxfp4_to_fp8_block(packed, scale)
+    assert report.exact and report == want_report
+    assert torch.equal(_bytes(weight), _bytes(want_weight)) and torch.equal(_bytes(tile_scale), _bytes(want_scale))
+
+
+def test_mxfp4_to_fp8_block_matches_formats_with_report():
+    packed, scale = _spread_mxfp4()
+    weight, tile_scale, report = kernels.transcode_mxfp4("fp8_block", packed, scale, backend="triton")
+    want_weight, want_scale, want_report = formats.mxfp4_to_fp8_block(packed, scale)
+    assert weight.dtype == torch.float8_e4m3fn and tile_scale.dtype == torch.float8_e8m0fnu
+    assert torch.equal(_bytes(weight), _bytes(want_weight))
+    assert torch.equal(_bytes(tile_scale), _bytes(want_scale))
+    assert report == want_report
+    assert 0 < report.blocks_exact < report.blocks_total and report.elements_exact < report.elements_total
+
+
+def test_transcode_bad_inputs_are_refused():
+    packed, scale = _spread_mxfp4()
+    nan_scale = scale.view(torch.uint8).clone()
+    nan_scale[0, 0] = 255
+    for target in ("nvfp4", "fp8_block"):
+        with pytest.raises(FormatError, match="NaN byte"):
+            kernels.transcode_mxfp4(target, packed, nan_scale, backend="triton")
+        with pytest.raises(FormatError, match="scale shape"):
+            kernels.transcode_mxfp4(target, packed, scale[:, :-1], backend="triton")
+    with pytest.raises(FormatError, match="multiples of 128"):
+        kernels.transcode_mxfp4("fp8_block", packed[:, :48], scale[:, :3], backend="triton")
+    with pytest.raises(FormatError, match="normal range"):
+        kernels.transcode_mxfp4("nvfp4", packed, scale, global_exponent=200, backend="triton")
+    with pytest.raises(FormatError, match="NVFP4 transcode only"):
+        kernels.transcode_mxfp4("fp8_block", packed, scale, global_exponent=0, backend="triton")
+    with pytest.raises(FormatError, match="transcodes to"):
+        kernels.transcode_mxfp4("int4", packed, scale)
+    with pytest.raises(FormatError, match="writes"):
+        kernels.quantize("nvfp4", torch.zeros(16, 16, device=DEVICE))
+    with pytest.raises(FormatError, match="2-D"):
+        kernels.quantize("fp8_block", torch.zeros(2, 16, 16, device=DEVICE), backend="triton")
+
+
+def test_torch_backend_is_the_formats_function():
+    w = _awkward_weight(64, 128, seed=7)
+    got = kernels.quantize("int4", w, backend="torch")
+    assert torch.equal(got.weight_packed, formats.quantize_int4_weight(w).weight_packed)
