@@ -1,0 +1,232 @@
+"""One decoder layer of transformers' DeepSeek-V4, built from our checkpoint on demand.
+
+Calibration must see the activations the real model produces, so the math is transformers'
+own (``DeepseekV4DecoderLayer``: attention, compressor, indexer, hash routing and
+hyper-connections), not a re-implementation. What this module adds is the loading: the
+layer is created on the meta device (no memory, no init), and each parameter is then set
+from the checkpoint, dequantized on the target device from whatever format the source
+stores (FP8, MXFP4, NVFP4, INT4, BF16), so only one layer's weights are ever resident.
+
+Dtypes follow what ``DeepseekV4ForCausalLM.from_pretrained(..., dtype=D)`` gives the native
+checkpoint: F32 tensors (hyper-connections, sinks, ``ape``, router bias) stay float32,
+everything else becomes ``D`` (quantized weights are dequantized in float32 and rounded once).
+``D`` is BF16 on a GPU, as served; float32 makes small CPU runs several times faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DeepseekV4Config
+from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4DecoderLayer,
+    DeepseekV4RMSNorm,
+    DeepseekV4RotaryEmbedding,
+)
+
+from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.convert.modules import dequantize_source
+from dsv4convert.errors import CheckpointError
+from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
+from dsv4convert.layout import ModelConfig, try_classify
+
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# Linear modules of a block: native module suffix -> transformers parameter path.
+_LINEARS = {
+    "attn.wq_a": "self_attn.q_a_proj.weight",
+    "attn.wq_b": "self_attn.q_b_proj.weight",
+    "attn.wkv": "self_attn.kv_proj.weight",
+    "attn.wo_a": "self_attn.o_a_proj.weight",
+    "attn.wo_b": "self_attn.o_b_proj.weight",
+    "attn.compressor.wkv": "self_attn.compressor.kv_proj.weight",
+    "attn.compressor.wgate": "self_attn.compressor.gate_proj.weight",
+    "attn.indexer.wq_b": "self_attn.compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "attn.indexer.compressor.wkv": "self_attn.compressor.indexer.kv_proj.weight",
+    "attn.indexer.compressor.wgate": "self_attn.compressor.indexer.gate_proj.weight",
+    "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared_experts.w3": "mlp.shared_experts.up_proj.weight",
+    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj.weight",
+    "ffn.gate": "mlp.gate.weight",
+}
+# Plain tensors of a block: native name suffix -> transformers parameter or buffer path.
+_TENSORS = {
+    "hc_attn_fn": "attn_hc.fn",
+    "hc_attn_base": "attn_hc.base",
+    "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn",
+    "hc_ffn_base": "ffn_hc.base",
+    "hc_ffn_scale": "ffn_hc.scale",
+    "attn.attn_sink": "self_attn.sinks",
+    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.compressor.ape": "self_attn.compressor.position_bias",
+    "attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
+    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
+    "attn.indexer.compressor.norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
+    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
+}
+
+
+def hf_config(config: dict) -> DeepseekV4Config:
+    """transformers' config for every block, MTP blocks included (as layers ``n .. n+mtp-1``).
+
+    Eager attention is the only one DeepSeek-V4 supports; ``grouped_mm`` is the experts
+    implementation ``from_pretrained`` picks, so the layers compute what the full model does.
+    """
+    cfg = ModelConfig.from_dict(config)
+    fields = {k: v for k, v in config.items() if k != "quantization_config"}
+    fields["num_hidden_layers"] = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    hf = DeepseekV4Config(**fields)
+    hf._attn_implementation = "eager"
+    hf._experts_implementation = "grouped_mm"
+    return hf
+
+
+def block_index(cfg: ModelConfig, block: str) -> int:
+    kind, idx = block.split(".")
+    return int(idx) if kind == "layers" else cfg.num_hidden_layers + int(idx)
+
+
+class WeightSource:
+    """Reads and dequantizes one block's tensors from a checkpoint onto a device."""
+
+    def __init__(self, ckpt: Checkpoint, inspection: Inspection, device: torch.device, dtype: torch.dtype):
+        self.ckpt, self.inspection, self.device, self.dtype = ckpt, inspection, device, dtype
+        self._weights: dict[str, dict[str, str]] = {}   # module -> {weight param: tensor name}
+        for name in ckpt.tensors:
+            info = try_classify(name)
+            if info is not None and info.param in WEIGHT_PARAMS:
+                self._weights.setdefault(info.module, {})[info.param] = name
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self.ckpt.read(name).to(self.device)
+        if t.is_floating_point() and t.dtype != torch.float32:
+            return t.to(self.dtype)
+        return t
+
+    def linear(self, module: str) -> torch.Tensor:
+        """Float weight of a linear module, dequantized on the device from its stored format."""
+        info = self.inspection.modules.get(module)
+        if info is None or info.format is None:
+            raise CheckpointError("linear module missing or in an unknown format", file=self.ckpt.root, tensor=module)
+        src = {param: self.ckpt.read(name).to(self.device) for param, name in self._weights[module].items()}
+        return dequantize_source(info.format, src, f"{module}.weight").to(self.dtype)
+
+    def experts(self, block: str, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up_proj [E, 2I, H]`` (w1 rows then w3 rows) and ``down_proj [E, H, I]``, filled in place."""
+        gate_up = down = None
+        for e in range(n_experts):
+            p = f"{block}.ffn.experts.{e}"
+            w1, w3, w2 = (self.linear(f"{p}.{proj}") for proj in ("w1", "w3", "w2"))
+            if gate_up is None:
+                gate_up = torch.empty((n_experts, 2 * w1.shape[0], w1.shape[1]), dtype=self.dtype, device=self.device)
+                down = torch.empty((n_experts, *w2.shape), dtype=self.dtype, device=self.device)
+            gate_up[e, : w1.shape[0]] = w1
+            gate_up[e, w1.shape[0]:] = w3
+            down[e] = w2
+        return gate_up, down
+
+
+def _set(module: nn.Module, path: str, value: torch.Tensor) -> None:
+    owner_path, _, leaf = path.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if leaf in owner._parameters:
+        expected = owner._parameters[leaf].shape
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    elif leaf in owner._buffers:
+        expected = owner._buffers[leaf].shape
+        owner._buffers[leaf] = value
+    else:
+        raise CheckpointError(f"transformers' layer has no parameter '{path}'")
+    if tuple(expected) != tuple(value.shape):
+        raise CheckpointError(f"shape {list(value.shape)} does not fit '{path}' {list(expected)}")
+
+
+def _rebuild_rotary(layer: nn.Module, config: DeepseekV4Config, device: torch.device) -> None:
+    """Rotary tables are computed at construction; rebuild the meta ones on the device."""
+    for name, child in list(layer.named_modules()):
+        if isinstance(child, DeepseekV4RotaryEmbedding):
+            owner_path, _, leaf = name.rpartition(".")
+            owner = layer.get_submodule(owner_path) if owner_path else layer
+            setattr(owner, leaf, DeepseekV4RotaryEmbedding(config, device=device))
+
+
+def build_layer(source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig, block: str) -> DeepseekV4DecoderLayer:
+    """transformers' decoder layer for ``block`` with the checkpoint's weights on ``source.device``."""
+    with torch.device("meta"):
+        layer = DeepseekV4DecoderLayer(config, block_index(cfg, block))
+    _rebuild_rotary(layer, config, source.device)
+    for suffix, path in _LINEARS.items():
+        if f"{block}.{suffix}" in source.inspection.modules:
+            _set(layer, path, source.linear(f"{block}.{suffix}"))
+    for suffix, path in _TENSORS.items():
+        if f"{block}.{suffix}" in source.ckpt.tensors:
+            _set(layer, path, source.tensor(f"{block}.{suffix}"))
+    gate_up, down = source.experts(block, cfg.n_routed_experts)
+    _set(layer, "mlp.experts.gate_up_proj", gate_up)
+    _set(layer, "mlp.experts.down_proj", down)
+    left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"block '{block}': the checkpoint does not provide {', '.join(left)}",
+                              file=source.ckpt.root)
+    return layer.eval()
+
+
+@dataclass
+class MtpEntry:
+    """How an MTP block mixes the next token into the backbone's hyper-connection streams.
+
+    ``x = e_proj(enorm(embed(next_token)))`` broadcast over the ``hc_mult`` streams, plus
+    ``h_proj(hnorm(h))`` per stream, as SGLang's DeepSeek-V4 NextN draft model computes it.
+    """
+
+    enorm: DeepseekV4RMSNorm
+    hnorm: DeepseekV4RMSNorm
+    e_proj: torch.Tensor
+    h_proj: torch.Tensor
+
+    @classmethod
+    def load(cls, source: WeightSource, config: DeepseekV4Config, block: str) -> "MtpEntry":
+        norms = []
+        for name in ("enorm", "hnorm"):
+            norm = DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps).to(source.device)
+            norm.weight = nn.Parameter(source.tensor(f"{block}.{name}.weight"), requires_grad=False)
+            norms.append(norm)
+        return cls(*norms, source.linear(f"{block}.e_proj"), source.linear(f"{block}.h_proj"))
+
+    def __call__(self, embedded_next: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        e = nn.functional.linear(self.enorm(embedded_next), self.e_proj)
+        h = nn.functional.linear(self.hnorm(streams), self.h_proj)
+        return e.unsqueeze(2) + h
+
+
+class Positions:
+    """Rotary tables and the sliding-window causal mask for a batch shape, built by transformers."""
+
+    def __init__(self, config: DeepseekV4Config, device: torch.device, dtype: torch.dtype):
+        self.config, self.device, self.dtype = config, device, dtype
+        self.rotary = DeepseekV4RotaryEmbedding(config, device=device)
+        self._cache: dict[tuple[int, int], dict] = {}
+
+    def kwargs(self, batch: int, seq_len: int) -> dict:
+        key = (batch, seq_len)
+        if key not in self._cache:
+            probe = torch.zeros((batch, seq_len, 1), dtype=self.dtype, device=self.device)
+            position_ids = torch.arange(seq_len, device=self.device).unsqueeze(0)
+            mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=probe, attention_mask=None,
+                                                     past_key_values=None, position_ids=position_ids)
+            self._cache = {key: {
+                "position_embeddings": {t: self.rotary(probe, position_ids=position_ids, layer_type=t)
+                                        for t in ("main", "compress")},
+                "position_ids": position_ids,
+                "attention_mask": mask,
+            }}
+        return self._cache[key]
