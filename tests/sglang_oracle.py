@@ -13,6 +13,7 @@ How to use it (the first import costs ~10-15 s: SGLang imports its whole model r
     args = sgl.resolve_server_args(argv, gpu="sm120", env={"SGLANG_DSV4_FP4_EXPERTS": "0"})
     args.resolved_dict()["moe_runner_backend"]                 # what the server would run
     router = sgl.parse_router_args(["--pd-disaggregation", "--prefill", url, "8998", ...])
+    bench = sgl.parse_bench_args(["--backend", "sglang", "--dataset-name", "random-ids", ...])
     # resolve_* needs argv to name a local directory with a V4 config.json (--model-path);
     # it raises whatever SGLang raises (e.g. ValueError for --kv-cache-dtype bf16).
 
@@ -160,6 +161,51 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
 def parse_router_args(argv: list[str]) -> RouterArgs:
     """Parse a ``sglang_router.launch_router`` argv with the router package's own parser."""
     return _parse_router_args(argv)
+
+
+def parse_bench_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a ``sglang.benchmark.serving`` argv with a parser rebuilt from that module's source.
+
+    The benchmark builds its parser inside ``cli_main`` and the module imports HF ``datasets``
+    at import time, which the CPU install leaves out. So the ``add_argument`` calls of
+    ``cli_main`` are read from the installed file and replayed with their literal keywords
+    (flags, ``choices``, ``action``, ``nargs``, ``default``) and builtin ``type``; keywords that
+    are not literals are dropped. Unknown flags and bad choices fail exactly as in SGLang.
+    """
+    parser = argparse.ArgumentParser(prog="sglang.benchmark.serving", exit_on_error=False)
+    for flags, keywords in _bench_cli_arguments():
+        parser.add_argument(*flags, **keywords)
+    return parser.parse_args(argv)
+
+
+@functools.lru_cache(maxsize=1)
+def _bench_cli_arguments() -> list[tuple[list[str], dict[str, Any]]]:
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang.benchmark.serving")
+    tree = ast.parse(Path(spec.origin).read_text())
+    cli_main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "cli_main")
+    builtin_types = {"int": int, "float": float, "str": str}
+    arguments = []
+    for node in ast.walk(cli_main):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"):
+            continue
+        flags = [ast.literal_eval(arg) for arg in node.args]
+        keywords: dict[str, Any] = {}
+        for keyword in node.keywords:
+            if keyword.arg == "type" and isinstance(keyword.value, ast.Name):
+                if keyword.value.id in builtin_types:
+                    keywords["type"] = builtin_types[keyword.value.id]
+                continue
+            try:
+                value = ast.literal_eval(keyword.value)
+            except ValueError:
+                continue
+            if keyword.arg in ("choices", "action", "nargs", "default", "dest", "const"):
+                keywords[keyword.arg] = value
+        arguments.append((flags, keywords))
+    return arguments
 
 
 def resolve_server_args(

@@ -133,6 +133,10 @@ def indexer_layer_ids(compress_ratios: Sequence[int], num_hidden_layers: int) ->
 def needle_block_ranks(topk: np.ndarray, query_row: int, needle_span: tuple[int, int]) -> list[int | None]:
     """Per indexer layer, the best rank of any compressed block holding the needle (None: not selected).
 
+    Row ``p`` holds the indices used by the query at token position ``p``; SGLang returns rows for
+    positions ``0 .. prompt + generated - 2``, so the query that produced the first answer token is
+    row ``prompt_length - 1``.
+
     Block ``b`` of a ratio-4 layer compresses tokens ``4b .. 4b+3``. The rank is the position in
     SGLang's top-k list; whether that list is sorted by score is unconfirmed, so read ranks as
     "selected or not" first.
