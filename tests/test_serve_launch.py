@@ -166,5 +166,7 @@ def test_cli_refuses_inconsistent_flags(model_dirs):
         serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--indexer-topk", "--dry-run"))
     with pytest.raises(LaunchError, match="--compare needs --check"):
         serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--compare", "r.json", "--dry-run"))
+    with pytest.raises(LaunchError, match="single-server form"):
+        serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--pd", "--check", "recall", "--indexer-topk", "--dry-run"))
     with pytest.raises(SystemExit):
         cli_args("--model", model, "--prefill-gpus", "0,0")

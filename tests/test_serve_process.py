@@ -69,6 +69,17 @@ def test_pd_readiness_then_request_through_router(tmp_path):
     assert_nothing_left(pgids, ports, children)
 
 
+def test_uninitialized_weights_are_reported(tmp_path):
+    ports = [free_port(), free_port()]
+    echoed: list[str] = []
+    with ProcessGroup(tmp_path / "logs", stop_grace=1.0, echo=echoed.append) as group:
+        start_and_wait(group, [standin("prefill", ports[0]),
+                               standin("decode", ports[1], "--missing-weight", "model.layers.3.mlp.experts.w13_input_scale")], 10.0)
+    warnings = [line for line in echoed if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: decode: Some weights are not initialized")
+    assert "w13_input_scale" in warnings[0]
+
+
 def test_process_dying_during_startup_reports_log_tail(tmp_path):
     port = free_port()
     with pytest.raises(ServeError, match=r"(?s)prefill exited with status 3.*simulated start-up failure"):

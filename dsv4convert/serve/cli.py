@@ -19,6 +19,8 @@ from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, 
 from dsv4convert.serve.topology import Topology, TopologyError, discover
 
 SMOKE_PROMPT = "The three primary colours are"
+# SGLang only logs this when a parameter got no checkpoint tensor; the server still starts.
+UNINITIALIZED_WEIGHTS = "Some weights are not initialized from checkpoints"
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -99,10 +101,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _topology(args: argparse.Namespace) -> Topology | None:
     try:
         return discover()
-    except TopologyError:
+    except TopologyError as exc:
         if args.dry_run and args.gpu_family:
             return None
-        raise
+        raise TopologyError(f"{exc} (for --dry-run on a machine without GPUs pass --gpu-family and the GPU lists)") from exc
 
 
 def _gpu_family(args: argparse.Namespace, topology: Topology | None) -> str:
@@ -184,6 +186,10 @@ def start_and_wait(group: ProcessGroup, commands: list[launch.Command], timeout:
     servers = [group.start(c) for c in commands if c.role != "router"]
     for running in servers:
         group.wait_healthy(running, timeout)
+    for running in servers:
+        for line in running.log_path.read_text(errors="replace").splitlines():
+            if UNINITIALIZED_WEIGHTS in line:
+                group.echo(f"warning: {running.name}: {line.strip()}")
     for command in commands:
         if command.role == "router":
             group.wait_healthy(group.start(command), min(timeout, 120.0))
@@ -247,6 +253,10 @@ def run_speed(args: argparse.Namespace, url: str, meta: dict[str, Any]) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.indexer_topk and args.check != "recall":
         raise launch.LaunchError("--indexer-topk belongs to --check recall")
+    if args.indexer_topk and args.pd:
+        raise launch.LaunchError(
+            "--indexer-topk needs the single-server form (no --pd): with PD the prompt's indexer runs on the "
+            "prefill server, while the response (and its indexer_topk) comes from the decode server")
     if args.compare and not args.check:
         raise launch.LaunchError("--compare needs --check (it compares the new report with REPORT)")
     args.variant = _variant(args)

@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--indexer-layers", type=int, default=3)
     parser.add_argument("--index-topk", type=int, default=8)
     parser.add_argument("--child-pid-file")
+    parser.add_argument("--missing-weight", help="log SGLang's warning for a parameter with no checkpoint tensor")
     args = parser.parse_args()
 
     print(f"stand-in: starting on 127.0.0.1:{args.port} ({args.behaviour})", flush=True)
@@ -37,6 +38,8 @@ def main() -> int:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(args.child_pid_file, "w") as handle:
             handle.write(str(child.pid))
+    if args.missing_weight:
+        print(f"Some weights are not initialized from checkpoints: {{'{args.missing_weight}'}}", flush=True)
     if args.behaviour == "die-on-start":
         time.sleep(0.2)
         print("stand-in: simulated start-up failure (CUDA out of memory)", flush=True)
