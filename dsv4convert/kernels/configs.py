@@ -18,6 +18,12 @@ from dataclasses import dataclass
 SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 * 1024, "interpreter": 1 << 30}
 
 
+# Weight-only kernel variants: "tile" decodes a [BLOCK_N, BLOCK_K] tile (interleaving the two
+# nibbles of each byte) for one dot; "pairs" keeps even and odd K apart as two dots; "pairs_swap"
+# also swaps the operands (Y^T = W X^T) so a small batch still fills Hopper's wgmma.
+WEIGHT_ONLY_VARIANTS = ("tile", "pairs", "pairs_swap")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int
@@ -26,6 +32,8 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    variant: str = "tile"
+    group_m: int = 1  # row tiles that share a column sweep (L2 reuse of the weights at large M)
 
     def shared_memory_bytes(self, weight_bits: int, activation_bytes: int = 2) -> int:
         """Pipelined operand buffers plus one staging tile for the dequantized weights.
@@ -50,7 +58,7 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
-        (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
+        (16, GemmConfig(16, 64, 256, split_k=2, num_warps=4, num_stages=3, variant="pairs_swap")),
         (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),
     ),
@@ -67,7 +75,7 @@ _FP8_BLOCK: dict[str, GemmTable] = {
     "sm_90": (
         (16, GemmConfig(16, 64, 128, split_k=1, num_warps=4, num_stages=4)),
         (64, GemmConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)),
-        (1 << 62, GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=4)),
+        (1 << 62, GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=4, group_m=8)),
     ),
     "sm_120": (
         (64, GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=3)),

@@ -19,30 +19,44 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
     act_quant_kernel,
+    dequant_4bit_pairs_kernel,
     dequant_kernel,
     fp8_block_gemm_kernel,
     weight_only_gemm_kernel,
+    weight_only_pairs_gemm_kernel,
 )
+
+# Output dtypes the 4-bit pair kernel writes, with the integer word that holds two of them.
+_PAIR_WORDS = {torch.bfloat16: torch.int32, torch.float32: torch.int64}
 
 # GEMM outputs are compared with the FP32 reference at BF16 rounding noise (formats.md §7
 # measured 1.7e-3 in a BF16 output); the config check allows a little more.
 GEMM_REL_TOLERANCE = 5e-3
 
 
-def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype,
+               cfg: configs.ElementwiseConfig | None = None) -> torch.Tensor:
     """All experts at once: the stack is one [E*N, K] matrix to the kernel."""
-    cfg = configs.elementwise_config(arch_of(weight.device))
+    cfg = cfg or configs.elementwise_config(arch_of(weight.device))
     rows = weight.experts * weight.n
     out = torch.empty(rows, weight.k, dtype=out_dtype, device=weight.device)
     if weight.fmt == "fp8_block" and weight.n % FP8_BLOCK and weight.experts > 1:
         # Ragged 128-row blocks do not line up across a flattened stack: one launch per expert.
-        parts = [dequantize(_one_expert(weight, e), out_dtype) for e in range(weight.experts)]
+        parts = [dequantize(_one_expert(weight, e), out_dtype, cfg) for e in range(weight.experts)]
         return torch.stack(parts)
     codes = weight.codes.reshape(rows, -1)
     scale = weight.scale.reshape(-1, weight.scale.shape[-1])
     global_scale = weight.global_scale if weight.global_scale is not None else scale
     block_k = max(cfg.block_cols, weight.group) if weight.fmt != "fp8_block" else cfg.block_cols
     grid = (triton.cdiv(rows, cfg.block_rows), triton.cdiv(weight.k, block_k))
+    if weight.fmt != "fp8_block" and out_dtype in _PAIR_WORDS:
+        words = out.view(_PAIR_WORDS[out_dtype])
+        dequant_4bit_pairs_kernel[grid](
+            codes, scale, global_scale, words, rows, weight.k, weight.n, codes.stride(0), scale.stride(0),
+            words.stride(0), FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group, OUT_F32=out_dtype == torch.float32,
+            BLOCK_N=cfg.block_rows, BLOCK_K=block_k, num_warps=cfg.num_warps,
+        )
+        return out.reshape(weight.experts, weight.n, weight.k) if weight.stacked else out
     dequant_kernel[grid](
         codes, scale, global_scale, out, rows, weight.k, weight.n, codes.stride(0), scale.stride(0), out.stride(0),
         FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group, SCALE_E8M0=weight.scale_is_e8m0,
@@ -94,6 +108,18 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
             xq.stride(0), xs.stride(0), weight.codes.stride(0), weight.codes.stride(1),
             w_scale.stride(0), w_scale.stride(1), y.stride(0),
             SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split_k,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    elif cfg.variant != "tile":
+        global_scale = weight.global_scale if weight.global_scale is not None else weight.scale
+        weight_only_pairs_gemm_kernel[grid](
+            x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
+            x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
+            weight.scale.stride(1), y.stride(0),
+            FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, 32),
+            SPLIT_K=split_k, SWAP_AB=cfg.variant == "pairs_swap", UPCAST_DOT=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:

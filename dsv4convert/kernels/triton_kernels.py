@@ -90,6 +90,30 @@ def _e4m3_code(value):
 
 
 @triton.jit
+def _int4_to_f32(nibble):
+    """``nibble - 8`` as float32 without an int->float convert: bits 2^23 + nibble, minus 2^23 + 8."""
+    return (nibble | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _nibble_values(nibble, FMT: tl.constexpr):
+    """Float32 value of each 4-bit code before scaling (INT4 offset-8 integers or E2M1)."""
+    if FMT == FMT_INT4:
+        return _int4_to_f32(nibble)
+    else:
+        return _e2m1_to_f32(nibble)
+
+
+@triton.jit
+def _scale_values(scale_ptrs, mask, FMT: tl.constexpr):
+    """Float32 group scales: E8M0 bytes for MXFP4, the stored float dtype otherwise."""
+    if FMT == FMT_MXFP4:
+        return _e8m0_to_f32(tl.load(scale_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF)
+    else:
+        return tl.load(scale_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _unpack_nibbles(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """uint8 codes [BLOCK_N, BLOCK_K/2] -> int32 nibbles [BLOCK_N, BLOCK_K], even k from the low nibble."""
     byte = packed.to(tl.int32) & 0xFF
@@ -121,7 +145,7 @@ def _dequant_tile(w_ptr, s_ptr, global_scale, rn, k0, N, K, stride_wn, stride_sn
         scale_mask = row_ok[:, None] & (rg < K // GROUP)[None, :]
         scale_ptrs = s_ptr + rn[:, None] * stride_sn + rg[None, :]
         if FMT == FMT_INT4:
-            values = (codes - 8).to(tl.float32)
+            values = _int4_to_f32(codes)
             scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float32)
         elif FMT == FMT_MXFP4:
             values = _e2m1_to_f32(codes)
@@ -152,6 +176,119 @@ def dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, rows_per_global, stride_w
     rk = k0 + tl.arange(0, BLOCK_K)
     mask = (rn < N)[:, None] & (rk < K)[None, :]
     _store_cast(out_ptr + rn[:, None] * stride_on + rk[None, :], tile, mask)
+
+
+@triton.jit
+def dequant_4bit_pairs_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, rows_per_global, stride_wn, stride_sn,
+                              stride_on, FMT: tl.constexpr, GROUP: tl.constexpr, OUT_F32: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """4-bit weights to BF16/FP32 with no register interleaving: each code byte becomes one word.
+
+    The tile is ``[BLOCK_N, BLOCK_K/GROUP, GROUP/2]`` bytes, so a group's scale broadcasts along
+    the last axis; the low and high nibble's values are packed into one 32-bit (BF16 pair) or
+    64-bit (FP32 pair) word and stored through ``out_ptr``, the output viewed as ``[N, K/2]`` words.
+    Same arithmetic as :func:`_dequant_tile`, so the results are identical.
+    """
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rg = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    half = tl.arange(0, GROUP // 2)
+    row_ok = rn < N
+    group_ok = rg < K // GROUP
+    column = rg[None, :, None] * (GROUP // 2) + half[None, None, :]
+    mask = row_ok[:, None, None] & group_ok[None, :, None]
+    packed = tl.load(w_ptr + rn[:, None, None] * stride_wn + column, mask=mask, other=0).to(tl.int32) & 0xFF
+    scale = _scale_values(s_ptr + rn[:, None] * stride_sn + rg[None, :], row_ok[:, None] & group_ok[None, :], FMT)
+    scale = scale[:, :, None]
+    low = _nibble_values(packed & 0xF, FMT) * scale
+    high = _nibble_values(packed >> 4, FMT) * scale
+    if FMT == FMT_NVFP4:
+        global_scale = tl.load(g_ptr + rn // rows_per_global, mask=row_ok, other=0.0)[:, None, None]
+        low = low * global_scale
+        high = high * global_scale
+    ptrs = out_ptr + rn[:, None, None] * stride_on + column
+    if OUT_F32:
+        words = low.to(tl.uint32, bitcast=True).to(tl.uint64) | (high.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+        tl.store(ptrs, words.to(tl.int64, bitcast=True), mask=mask)
+    else:
+        words = _bf16_bits(low) | (_bf16_bits(high) << 16)
+        tl.store(ptrs, words.to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def weight_only_pairs_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
+                                  stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                                  FMT: tl.constexpr, GROUP: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Small-batch weight-only GEMM that never interleaves nibbles: even and odd K are two dots.
+
+    Byte j of a row holds W[:, 2j] (low nibble) and W[:, 2j+1] (high nibble), so
+    ``Y = X[:, 0::2] @ W_low^T + X[:, 1::2] @ W_high^T``; the activations are read with stride 2
+    instead of shuffling the weights. Every step from the loaded bytes to the dot operand is
+    elementwise (each byte's group scale is a cached gather), which lets the compiler decode in
+    the dot operand's own layout. With ``SWAP_AB`` the weights are the dot's left operand
+    (``Y^T = W X^T``), so a 64-row weight tile feeds Hopper's wgmma while the batch is only
+    ``BLOCK_M`` (>= 16) wide.
+    """
+    pid_mn = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    expert = tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // num_n
+    pid_n = pid_mn % num_n
+    row_begin = tl.load(offsets_ptr + expert)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    if row_begin + pid_m * BLOCK_M < row_end:
+        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rh = tl.arange(0, BLOCK_K // 2)
+        row_ok = rm < row_end
+        col_ok = rn < N
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn
+        s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn[:, None] * stride_sn
+        if FMT == FMT_NVFP4:
+            global_scale = tl.load(g_ptr + expert)
+        else:
+            global_scale = 1.0
+        k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+        k_begin = pid_k * k_per_split
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_step in range(0, k_per_split, BLOCK_K):
+            h = (k_begin + k_step) // 2 + rh
+            h_ok = h < K // 2
+            w_mask = col_ok[:, None] & h_ok[None, :]
+            packed = tl.load(w_rows + h[None, :], mask=w_mask, other=0).to(tl.int32) & 0xFF
+            scale = _scale_values(s_rows + (h // (GROUP // 2))[None, :], w_mask, FMT) * global_scale
+            low = _nibble_values(packed & 0xF, FMT) * scale
+            high = _nibble_values(packed >> 4, FMT) * scale
+            x_mask = row_ok[:, None] & h_ok[None, :]
+            x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * h[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * h[None, :] + 1, mask=x_mask, other=0.0)
+            if UPCAST_DOT:
+                x_even = x_even.to(tl.float32)
+                x_odd = x_odd.to(tl.float32)
+            else:
+                low = low.to(tl.bfloat16)
+                high = high.to(tl.bfloat16)
+            if SWAP_AB:
+                acc = tl.dot(low, tl.trans(x_even), acc)
+                acc = tl.dot(high, tl.trans(x_odd), acc)
+            else:
+                acc = tl.dot(x_even, tl.trans(low), acc)
+                acc = tl.dot(x_odd, tl.trans(high), acc)
+        if SWAP_AB:
+            mask = col_ok[:, None] & row_ok[None, :]
+            y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        else:
+            mask = row_ok[:, None] & col_ok[None, :]
+            y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        if SPLIT_K == 1:
+            _store_cast(y_ptrs, acc, mask)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
 @triton.jit
@@ -235,18 +372,27 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
 def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, N, K,
                           stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
                           SCALE_E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPLIT_K: tl.constexpr):
+                          SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Grouped FP8 x FP8 GEMM with 1x128 activation scales (FP32) and 128x128 weight scales.
 
     Each 128-wide K slice is an FP8 tensor-core dot whose FP32 result is scaled into the
-    accumulator (DeepGEMM's two-level accumulation).
+    accumulator (DeepGEMM's two-level accumulation). With ``GROUP_M > 1`` consecutive programs
+    sweep the columns for ``GROUP_M`` row tiles at a time, so weight tiles are reused from L2.
     """
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
     expert = tl.program_id(2)
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
+    if GROUP_M > 1:
+        num_m = tl.num_programs(0) // num_n
+        width = GROUP_M * num_n
+        first_m = (pid_mn // width) * GROUP_M
+        rows_here = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid_mn % width) % rows_here
+        pid_n = (pid_mn % width) // rows_here
+    else:
+        pid_m = pid_mn // num_n
+        pid_n = pid_mn % num_n
     row_begin = tl.load(offsets_ptr + expert)
     row_end = tl.load(offsets_ptr + expert + 1)
     if row_begin + pid_m * BLOCK_M < row_end:
