@@ -80,11 +80,9 @@ def block_errors(experts: nn.Module, captured: dict[int, list[tuple[torch.Tensor
         for method, (a13, a2) in (("nvfp4_calibrated", calibrated), ("nvfp4_data_free", data_free_amax)):
             sums.add(method, ref13, nvfp4_activation_roundtrip(x13, input_scale_from_amax(a13)) @ w13.T)
             sums.add(method, ref2, nvfp4_activation_roundtrip(x2, input_scale_from_amax(a2)) @ w2.T)
-        inter = w13.shape[0] // 2
-        parts = [(x13, w13[:inter], ref13[:, :inter], stats.w13_hessian),
-                 (x13, w13[inter:], ref13[:, inter:], stats.w13_hessian),
-                 (x2, w2, ref2, stats.w2_hessian)]
-        for x, w, ref, hessians in parts:
+        # w1 and w3 read the same inputs: quantizing them stacked is the same as one by one
+        # (INT4 scales and GPTQ's updates are per output row) with one Hessian factorization.
+        for x, w, ref, hessians in ((x13, w13, ref13, stats.w13_hessian), (x2, w2, ref2, stats.w2_hessian)):
             sums.add("int4_rtn", ref, _int4_output(x, quantize_int4_weight(w, group_size=group_size)))
             if hessians is not None:
                 q = gptq_quantize_int4(w, hessians[e].to(w.device), group_size=group_size, damp=damp)
