@@ -168,5 +168,22 @@ def test_cli_refuses_inconsistent_flags(model_dirs):
         serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--compare", "r.json", "--dry-run"))
     with pytest.raises(LaunchError, match="single-server form"):
         serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--pd", "--check", "recall", "--indexer-topk", "--dry-run"))
+    with pytest.raises(LaunchError, match="belong to the --pd form"):
+        serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--gpu-family", "sm120", "--prefill-gpus", "0", "--dry-run"))
+    with pytest.raises(LaunchError, match="--gpus is for the single-server form"):
+        serve_cli.run(cli_args("--model", model, "--variant", "fp8", "--gpu-family", "sm120", "--pd", "--gpus", "0,1", "--dry-run"))
     with pytest.raises(SystemExit):
         cli_args("--model", model, "--prefill-gpus", "0,0")
+
+
+def test_registered_in_dsv4convert_cli(capsys, model_dirs):
+    from dsv4convert.cli import main
+
+    model = str(model_dirs["w4a16"])
+    assert main(["serve", "--model", model, "--variant", "w4a16", "--gpu-family", "sm90", "--gpus", "0,1", "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "# server: serves http://127.0.0.1:8000"
+    assert printed[1].startswith("CUDA_VISIBLE_DEVICES=0,1 SGLANG_DSV4_FP4_EXPERTS=0 ")
+    assert main(["serve", "--model", model, "--variant", "w4a16", "--gpu-family", "sm90", "--dry-run",
+                 "--pd", "--prefill-gpus", "0", "--decode-gpus", "0"]) == 2
+    assert "overlap" in capsys.readouterr().err

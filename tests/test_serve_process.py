@@ -112,6 +112,15 @@ def test_port_already_taken_starts_nothing(tmp_path):
         assert not (tmp_path / "logs" / "router.log").exists()
 
 
+def test_missing_executable_is_a_serve_error(tmp_path):
+    port = free_port()
+    missing = Command("prefill", ("/nonexistent/numactl", "--cpunodebind=0"), {}, f"http://127.0.0.1:{port}", (port,))
+    with pytest.raises(ServeError, match="cannot start prefill"):
+        with ProcessGroup(tmp_path / "logs", echo=lambda line: None) as group:
+            group.start(missing)
+    assert group.processes == []
+
+
 def test_failure_after_start_stops_servers_already_running(tmp_path):
     good, bad = free_port(), free_port()
     started: list[str] = []

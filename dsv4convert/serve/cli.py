@@ -142,12 +142,14 @@ def plan(args: argparse.Namespace, topology: Topology | None) -> tuple[list[laun
         ib_devices=topology.ib_devices if topology else (), indexer_topk=args.indexer_topk, extra_args=extra,
     )
     if not args.pd:
-        if args.role:
-            raise launch.LaunchError("--role is part of the multi-node --pd form")
+        if args.role or args.prefill_gpus or args.decode_gpus:
+            raise launch.LaunchError("--role, --prefill-gpus and --decode-gpus belong to the --pd form")
         gpus = args.gpus or ([g.index for g in topology.gpus] if topology else None)
         if not gpus:
             raise launch.LaunchError("pass --gpus when nvidia-smi cannot list them")
         return launch.plan_single(options, topology, gpus), warnings
+    if args.gpus:
+        raise launch.LaunchError("--gpus is for the single-server form; with --pd use --prefill-gpus/--decode-gpus")
     prefill, decode = args.prefill_gpus, args.decode_gpus
     if (prefill is None or decode is None) and args.role != "router":
         if topology is None:

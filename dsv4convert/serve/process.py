@@ -118,14 +118,18 @@ class ProcessGroup:
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
         log_file.write(f"$ {command.shell()}\n".encode())
         log_file.flush()
-        popen = subprocess.Popen(
-            list(command.argv),
-            env={**os.environ, **command.env},
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        try:
+            popen = subprocess.Popen(
+                list(command.argv),
+                env={**os.environ, **command.env},
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            log_file.close()
+            raise ServeError(f"cannot start {command.role} ({command.argv[0]}): {exc}") from exc
         running = RunningProcess(command, popen, log_path, log_file)
         self.processes.append(running)
         self.echo(f"started {command.role} (pid {popen.pid}), log: {log_path}")
@@ -163,13 +167,17 @@ class ProcessGroup:
                 running.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        survivors = []
         for running in reversed(self.processes):
             # The leader may be gone while children of its group live on: always sweep the group.
             _signal_group(running.popen, signal.SIGKILL)
             running.popen.wait()
-            _wait_group_gone(running.popen.pid)
             running.log_file.close()
+            if not _wait_group_gone(running.popen.pid):
+                survivors.append(f"{running.name} (process group {running.popen.pid})")
         self.processes.clear()
+        if survivors:
+            raise ServeError(f"processes survived SIGKILL: {', '.join(survivors)}")
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -197,10 +205,11 @@ def live_group_members(pgid: int) -> list[int]:
     return members
 
 
-def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
-    """Block until no live process is left in group ``pgid`` (SIGKILL is asynchronous)."""
+def _wait_group_gone(pgid: int, timeout: float = 5.0) -> bool:
+    """Wait until no live process is left in group ``pgid`` (SIGKILL is asynchronous); False if some stay."""
     deadline = time.monotonic() + timeout
     while live_group_members(pgid):
         if time.monotonic() > deadline:
-            raise ServeError(f"process group {pgid} survived SIGKILL: {live_group_members(pgid)}")
+            return False
         time.sleep(0.05)
+    return True
