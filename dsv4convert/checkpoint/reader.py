@@ -17,7 +17,14 @@ from typing import Iterator
 
 import torch
 
-from dsv4convert.checkpoint.safetensors_io import ShardHeader, TensorEntry, read_header, read_tensor
+from dsv4convert.checkpoint.safetensors_io import (
+    DuplicateKey,
+    ShardHeader,
+    TensorEntry,
+    read_header,
+    read_tensor,
+    unique_keys,
+)
 from dsv4convert.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -54,11 +61,15 @@ def read_small_json(path: Path) -> dict:
     try:
         if path.stat().st_size > MAX_SMALL_FILE_BYTES:
             raise CheckpointError(f"file is larger than {MAX_SMALL_FILE_BYTES} bytes", file=path)
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise CheckpointError("file not found", file=path) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"not valid JSON ({exc})", file=path) from None
+    except DuplicateKey as exc:
+        raise CheckpointError(f"key {exc.key!r} appears twice (readers would disagree on its value)", file=path) from None
+    except RecursionError:
+        raise CheckpointError("JSON is nested too deeply: corrupt or hostile file", file=path) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=path) from None
     if not isinstance(obj, dict):

@@ -12,6 +12,7 @@ fsynced.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -55,6 +56,24 @@ class ShardHeader:
     file_size: int
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names the same key twice; Python keeps the last, other readers may not."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` for json.loads that refuses duplicate keys instead of keeping the last."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_header(path: Path) -> ShardHeader:
     """Parse and fully validate one shard's header; raises CheckpointError naming the file/tensor."""
     path = Path(path)
@@ -80,9 +99,14 @@ def read_header(path: Path) -> ShardHeader:
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=path) from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"header is not valid JSON ({exc})", file=path) from None
+    except DuplicateKey as exc:
+        raise CheckpointError("the header names this tensor twice (readers would disagree on its bytes)",
+                              file=path, tensor=exc.key) from None
+    except RecursionError:
+        raise CheckpointError("header JSON is nested too deeply: corrupt or hostile file", file=path) from None
     if not isinstance(header, dict):
         raise CheckpointError("header is not a JSON object", file=path)
 
@@ -183,6 +207,13 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
+def write_error(exc: OSError, path: Path, tensor: str | None = None) -> CheckpointError:
+    """A failed write (disk full, file-size limit, I/O error) as one line naming the file, not a traceback."""
+    code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else "OSError"
+    return CheckpointError(f"cannot write ({code}: {exc.strerror or exc}); its temporary file was removed",
+                           file=path, tensor=tensor)
+
+
 class ShardWriter:
     """Streams tensors into one safetensors file in a planned order, atomically.
 
@@ -206,9 +237,16 @@ class ShardWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % _ALIGN)
         self.size = 8 + len(raw) + offset
-        self._file = open(self.tmp, "wb")
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        try:
+            self._file = open(self.tmp, "wb")
+        except OSError as exc:
+            raise write_error(exc, self.path) from None
+        try:
+            self._file.write(struct.pack("<Q", len(raw)))
+            self._file.write(raw)
+        except OSError as exc:
+            self.abort()
+            raise write_error(exc, self.path) from None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self.planned):
@@ -227,8 +265,12 @@ class ShardWriter:
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         mv = memoryview(data)
-        for i in range(0, len(mv), _WRITE_CHUNK):
-            self._file.write(mv[i : i + _WRITE_CHUNK])
+        try:
+            for i in range(0, len(mv), _WRITE_CHUNK):
+                self._file.write(mv[i : i + _WRITE_CHUNK])
+        except OSError as exc:
+            self.abort()
+            raise write_error(exc, self.path, name) from None
         self._next += 1
 
     def commit(self) -> None:
@@ -236,15 +278,22 @@ class ShardWriter:
             missing = self.planned[self._next].name
             self.abort()
             raise CheckpointError(f"shard closed with tensor '{missing}' unwritten", file=self.path)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self.tmp, self.path)
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise write_error(exc, self.path) from None
         fsync_dir(self.path.parent)
 
     def abort(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()  # flushes: fails again when the disk is full
+            except OSError:
+                pass
         self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "ShardWriter":
@@ -273,11 +322,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write a small file so that it is either absent, or complete under its final name."""
     path = Path(path)
     tmp = partial_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_error(exc, path) from None
     fsync_dir(path.parent)
 
 

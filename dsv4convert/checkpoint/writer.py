@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from dsv4convert.checkpoint.reader import INDEX_NAME
-from dsv4convert.checkpoint.safetensors_io import PlannedTensor, atomic_write_json, fsync_dir, partial_path
+from dsv4convert.checkpoint.safetensors_io import PlannedTensor, atomic_write_json, fsync_dir, partial_path, write_error
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -62,8 +62,12 @@ def copy_small_files(files: Iterable[Path], dst: Path, *, skip: set[str] = froze
             continue
         target = Path(dst) / src.name
         tmp = partial_path(target)
-        shutil.copyfile(src, tmp)
-        tmp.replace(target)
+        try:
+            shutil.copyfile(src, tmp)
+            tmp.replace(target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise write_error(exc, target) from None
         copied.append(src.name)
     fsync_dir(Path(dst))
     return copied

@@ -147,14 +147,36 @@ def _format_path(path) -> str:
     return out or "(top level)"
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """Safe YAML without aliases: ``*name`` lets a few hundred bytes stand for an exponentially
+    large document (a "billion laughs"), which schema validation would then walk for hours."""
+
+    def compose_node(self, parent, index):  # noqa: ANN001, ANN201 - PyYAML's signature
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"aliases (*{event.anchor}) are not allowed in a recipe",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(text: str) -> object:
+    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_recipe(text: str, source: str) -> Recipe:
     """Parse and validate recipe text; every error names ``source`` and the path inside it."""
     try:
-        data = yaml.safe_load(text)
+        data = _load_yaml(text)
     except yaml.YAMLError as exc:
-        raise RecipeError(f"not valid YAML ({str(exc).splitlines()[0]})", file=source) from None
+        raise RecipeError(f"not valid YAML ({' '.join(str(exc).split())})", file=source) from None
+    except RecursionError:
+        raise RecipeError("YAML is nested too deeply", file=source) from None
     validator = jsonschema.Draft202012Validator(SCHEMA)
-    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    try:
+        errors = sorted(validator.iter_errors(data),
+                        key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    except RecursionError:
+        raise RecipeError("YAML is nested too deeply", file=source) from None
     if errors:
         err = errors[-1] if errors[-1].validator != "oneOf" else errors[0]
         message = err.message
@@ -206,4 +228,4 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
 
 def canonical(recipe: Recipe) -> str:
     """A stable text of the recipe's meaning, for resume signatures."""
-    return json.dumps(yaml.safe_load(recipe.text), sort_keys=True)
+    return json.dumps(_load_yaml(recipe.text), sort_keys=True)

@@ -6,7 +6,9 @@ and each finished shard with its size and stats. It is rewritten atomically afte
 shard, so after a crash it lists exactly the shards whose final files are complete. A
 resume with a different signature is refused. ``DST/.dsv4convert/lock`` holds the pid
 and host of the running conversion; a second run is refused while that process lives,
-and a lock left by a dead process is taken over with a warning.
+and a lock left by a dead process is taken over with a warning. So is a lock file without a
+readable holder once it is older than LOCK_WRITE_GRACE: the holder is written right after
+the file is created, so such a lock was left by a run killed in between.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from dsv4convert.checkpoint import Checkpoint, atomic_write_json
 from dsv4convert.errors import DSV4Error
 
 STATE_DIR = ".dsv4convert"
+# Seconds after which a lock file with no readable holder counts as left by a killed run.
+LOCK_WRITE_GRACE = 10.0
 
 
 def signature(ckpt: Checkpoint, recipe_canonical: str, options: dict) -> str:
@@ -92,6 +97,11 @@ class DestinationLock:
                     print(f"warning: {self.path}: removing stale lock of dead process {holder['pid']}", file=sys.stderr)
                     self.path.unlink(missing_ok=True)
                     continue
+                if holder is None and self._age() > LOCK_WRITE_GRACE:
+                    print(f"warning: {self.path}: removing a lock with no holder recorded (left by a run killed "
+                          "while taking it)", file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
                 who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "an unknown process"
                 raise DSV4Error(f"another conversion ({who}) is writing this destination; if it is gone, "
                                 f"delete {self.path}", file=self.path.parent.parent) from None
@@ -107,6 +117,12 @@ class DestinationLock:
             return data if isinstance(data, dict) else None
         except (OSError, ValueError):
             return None
+
+    def _age(self) -> float:
+        try:
+            return time.time() - self.path.stat().st_mtime
+        except OSError:
+            return 0.0
 
     def release(self) -> None:
         if self.held:
