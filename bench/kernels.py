@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.testing
 
+from dsv4convert import formats, kernels
 from dsv4convert.kernels import configs, launch, reference
 from dsv4convert.kernels.operands import QuantizedWeight, quantized_weight
 from dsv4convert.kernels.samples import random_activations, random_weight
@@ -195,25 +196,113 @@ def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
     return rows
 
 
-def sweep(rep_ms: int) -> list[dict]:
-    """Candidate weight-only configs at M=16 on the two decode-critical shapes (for choosing the table)."""
+def _sweep_weight_only(rep_ms: int) -> list[dict]:
     rows = []
-    candidates = [configs.GemmConfig(16, bn, bk, split_k=s, num_warps=w, num_stages=st)
-                  for bn, bk, s, w, st in [(32, 256, 1, 4, 4), (64, 256, 1, 4, 4), (64, 256, 2, 4, 4),
-                                           (64, 128, 4, 4, 4), (128, 128, 2, 4, 3), (32, 512, 2, 4, 3),
-                                           (64, 512, 1, 4, 3), (128, 256, 1, 8, 3), (32, 128, 4, 4, 4)]]
-    for fmt, group in (("int4", 128), ("mxfp4", 32)):
-        for shape_name, (n, k) in (("expert_w1_w3", (2048, 4096)), ("square_8192", (8192, 8192))):
+    candidates = [configs.GemmConfig(16, bn, bk, split_k=s, num_warps=w, num_stages=st, variant=v)
+                  for v, bn, bk, s, w, st in [("tile", 32, 128, 4, 4, 4), ("pairs", 32, 128, 4, 4, 4),
+                                              ("pairs", 64, 256, 2, 4, 3), ("pairs_swap", 64, 128, 4, 4, 4),
+                                              ("pairs_swap", 64, 256, 2, 4, 3), ("pairs_swap", 128, 128, 2, 4, 3),
+                                              ("pairs_swap", 128, 256, 1, 4, 3), ("pairs_swap", 64, 512, 1, 4, 3),
+                                              ("pairs_swap", 128, 128, 4, 8, 3)]]
+    for fmt, group in (("int4", 128), ("nvfp4", 16), ("mxfp4", 32)):
+        for shape_name in ("expert_w1_w3", "square_8192"):
+            n, k = SHAPES[shape_name]
             probe = make_weights(fmt, n, k, 1, group=group)[0]
             count = copies_for(weight_bytes(probe))
             weights = [probe] + make_weights(fmt, n, k, count - 1, group=group)
             x = random_activations(16, k, device="cuda")
             offsets = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
             for cfg in candidates:
-                ok = launch._config_passes(fmt, group, cfg, torch.device("cuda"))
-                us = timed_over_copies(lambda i: launch._launch(weights[i], x, offsets, 16, cfg), count, rep_ms)
-                rows.append({"format": fmt, "shape": shape_name, "config": repr(cfg), "us": us, "correct": ok})
+                try:
+                    ok = launch._config_passes(fmt, group, cfg, torch.device("cuda"))
+                    us = timed_over_copies(lambda i: launch._launch(weights[i], x, offsets, 16, cfg), count, rep_ms)
+                except Exception as error:  # a candidate may fail to compile; record it and go on
+                    ok, us = False, float("nan")
+                    print(f"sweep {fmt} {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                rows.append({"kind": "weight_only", "format": fmt, "shape": shape_name, "m": 16, "config": repr(cfg),
+                             "us": us, "correct": ok})
                 print(f"sweep {fmt} {shape_name} {cfg} {us:7.1f} us ok={ok}", flush=True)
+            del weights
+    return rows
+
+
+def _sweep_fp8(rep_ms: int) -> list[dict]:
+    rows = []
+    candidates = [configs.GemmConfig(bm, bn, 128, num_warps=w, num_stages=st, group_m=g)
+                  for bm, bn, w, st, g in [(128, 128, 8, 4, 1), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
+                                           (128, 256, 8, 3, 8), (64, 128, 4, 4, 8), (64, 256, 4, 3, 8)]]
+    for shape_name in ("expert_w1_w3", "square_8192"):
+        n, k = SHAPES[shape_name]
+        weight = make_weights("fp8_block", n, k, 1)[0]
+        x = random_activations(4096, k, device="cuda")
+        offsets = torch.tensor([0, 4096], dtype=torch.int32, device="cuda")
+        for cfg in candidates:
+            try:
+                ok = launch._config_passes("fp8_block", 128, cfg, torch.device("cuda"))
+                us = median_us(lambda: launch._launch(weight, x, offsets, 4096, cfg), rep_ms)
+            except Exception as error:  # record compile failures of a candidate
+                ok, us = False, float("nan")
+                print(f"sweep fp8 {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            rows.append({"kind": "fp8_block", "format": "fp8_block", "shape": shape_name, "m": 4096, "config": repr(cfg),
+                         "us": us, "tflops": 2 * 4096 * n * k / us / 1e6, "correct": ok})
+            print(f"sweep fp8 {shape_name} {cfg} {us:7.1f} us ok={ok}", flush=True)
+    return rows
+
+
+def _sweep_dequant(rep_ms: int, copy_gbps: float) -> list[dict]:
+    rows = []
+    candidates = [configs.ElementwiseConfig(r, c, num_warps=w)
+                  for r, c, w in [(32, 256, 8), (64, 256, 8), (16, 512, 8), (32, 512, 8), (64, 512, 8), (128, 256, 8)]]
+    for fmt in ("mxfp4", "int4", "fp8_block"):
+        for shape_name in ("expert_w1_w3", "square_8192"):
+            n, k = SHAPES[shape_name]
+            probe = make_weights(fmt, n, k, 1)[0]
+            moved = weight_bytes(probe) + n * k * 2
+            count = copies_for(moved)
+            weights = [probe] + make_weights(fmt, n, k, count - 1)
+            want = reference.dequantize(probe, torch.bfloat16).view(torch.int16)
+            for cfg in candidates:
+                exact = torch.equal(launch.dequantize(probe, torch.bfloat16, cfg).view(torch.int16), want)
+                us = timed_over_copies(lambda i: launch.dequantize(weights[i], torch.bfloat16, cfg), count, rep_ms)
+                rows.append({"kind": "dequant", "format": fmt, "shape": shape_name, "config": repr(cfg), "us": us,
+                             "fraction_of_copy_bw": moved / us / 1e3 / copy_gbps, "correct": exact})
+                print(f"sweep dequant {fmt} {shape_name} {cfg} {us:7.1f} us {moved / us / 1e3 / copy_gbps:5.1%} "
+                      f"exact={exact}", flush=True)
+            del weights
+    return rows
+
+
+def sweep(rep_ms: int, copy_gbps: float) -> list[dict]:
+    """Candidate configs (small-batch weight-only, FP8 at M=4096, dequant tiles), for choosing the tables."""
+    return _sweep_weight_only(rep_ms) + _sweep_fp8(rep_ms) + _sweep_dequant(rep_ms, copy_gbps)
+
+
+def bench_quantize(copy_gbps: float, rep_ms: int) -> list[dict]:
+    """The converters' GPU kernels on one expert and one 8192^2 matrix, bytes read + written vs copy."""
+    rows = []
+    gen = torch.Generator().manual_seed(3)
+    for shape_name in ("expert_w1_w3", "square_8192"):
+        n, k = SHAPES[shape_name]
+        dense = (torch.randn(n, k, generator=gen) * 0.02).to(device="cuda", dtype=torch.bfloat16)
+        packed, scale = random_weight("mxfp4", n, k, device="cuda", generator=gen)
+        cases = {
+            "bf16->fp8_block": (lambda: kernels.quantize("fp8_block", dense), n * k * 3,
+                                lambda: formats.quantize_fp8_block(dense)),
+            "bf16->int4_g128": (lambda: kernels.quantize("int4", dense), n * k * 2 + n * k // 2,
+                                lambda: formats.quantize_int4_weight(dense)),
+            "mxfp4->nvfp4": (lambda: kernels.transcode_mxfp4("nvfp4", packed, scale), n * k // 32 * 3,
+                             lambda: formats.mxfp4_to_nvfp4(packed, scale)),
+            "mxfp4->fp8_block": (lambda: kernels.transcode_mxfp4("fp8_block", packed, scale), n * k * 3 // 2,
+                                 lambda: formats.mxfp4_to_fp8_block(packed, scale)),
+        }
+        for name, (run, moved, torch_run) in cases.items():
+            us = triton.testing.do_bench(run, rep=rep_ms, return_mode="median") * 1e3
+            torch_us = triton.testing.do_bench(torch_run, rep=rep_ms, return_mode="median") * 1e3
+            rows.append({"case": name, "shape": shape_name, "us": us, "gbps": moved / us / 1e3,
+                         "fraction_of_copy_bw": moved / us / 1e3 / copy_gbps, "torch_same_device_us": torch_us,
+                         "speedup_vs_torch": torch_us / us})
+            print(f"quantize {name:17s} {shape_name:13s} {us:8.1f} us {moved / us / 1e3:6.0f} GB/s "
+                  f"torch on GPU {torch_us:8.1f} us", flush=True)
     return rows
 
 
@@ -256,6 +345,14 @@ def summarize(result: dict) -> str:
         lines += [f"| {r['format']} | {r['scale_fmt']} | {r['shape']} | {r['us']:.1f} | {r['gbps']:.0f} | "
                   f"{r['fraction_of_copy_bw']:.0%} | {r['bit_exact']} |" for r in deq]
         lines.append("")
+    if result.get("quantize"):
+        lines += ["## Quantize / transcode on the GPU (the converters' --device cuda path)", "",
+                  "Bit-identical to `dsv4convert.formats` (tests/test_kernels_quantize.py); GB/s counts bytes "
+                  "read + written; the last column is the formats function run on the same GPU tensors.", "",
+                  "| case | shape | us | GB/s | % of copy | x vs torch on GPU |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['shape']} | {r['us']:.1f} | {r['gbps']:.0f} | {r['fraction_of_copy_bw']:.0%} | "
+                  f"{r['speedup_vs_torch']:.1f} |" for r in result["quantize"]]
+        lines.append("")
     if result["gemm"]:
         lines += ["## GEMM Y = X @ W^T", "",
                   "| format | shape | M | us | TFLOP/s | x vs cuBLAS BF16 | x vs torch dequant+matmul | rel err |",
@@ -293,7 +390,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="path prefix for the .json and .md results")
     parser.add_argument("--rep-ms", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="a smoke run: one shape per section, M in (1, 16)")
-    parser.add_argument("--sweep", action="store_true", help="also time candidate weight-only configs at M=16")
+    parser.add_argument("--sweep", action="store_true", help="also time candidate configs (see sweep())")
+    parser.add_argument("--sweep-only", action="store_true", help="time only the candidate configs")
     parser.add_argument("--experts", type=int, default=64)
     args = parser.parse_args()
     if args.quick:
@@ -310,7 +408,12 @@ def main() -> None:
     result["copy_bandwidth"] = copy_bandwidth(args.rep_ms)
     result["dense_bf16_tflops"] = dense_matmul_tflops(args.rep_ms)
     print(f"copy {result['copy_bandwidth']['gbps']:.0f} GB/s, bf16 {result['dense_bf16_tflops']:.0f} TFLOP/s", flush=True)
-    result["sweep"] = sweep(args.rep_ms) if args.sweep else []
+    result["sweep"] = sweep(args.rep_ms, result["copy_bandwidth"]["gbps"]) if args.sweep or args.sweep_only else []
+    if args.sweep_only:
+        with open(args.out + ".json", "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        return
+    result["quantize"] = bench_quantize(result["copy_bandwidth"]["gbps"], args.rep_ms)
     result["dequant"] = bench_dequant(result["copy_bandwidth"]["gbps"], args.rep_ms)
     result["gemm"] = bench_gemms(args.rep_ms, (1, 16) if args.quick else TOKENS)
     result["grouped"] = bench_grouped(args.rep_ms, 8 if args.quick else args.experts, 16)
