@@ -26,6 +26,27 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return synthesize(tmp_path_factory.mktemp("tiny") / "src", preset_config("tiny"), seed=0)
 
 
+SHARD = 1_000_000  # small output shards, so every variant spans many
+
+
+def run(src: Path, dst: Path, recipe: str, **kw):
+    """Convert ``src`` into ``dst`` with a shipped recipe name or a recipe file."""
+    from dsv4convert.convert.execute import ConvertOptions, convert
+    from dsv4convert.convert.recipe import load_recipe
+
+    return convert(ConvertOptions(src=str(src), dst=dst, recipe=load_recipe(recipe), max_shard_bytes=SHARD,
+                                  progress=False, **kw))
+
+
+@pytest.fixture(scope="session")
+def outputs(tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
+    """The tiny checkpoint converted by each shipped recipe, once per session; tests must not modify them."""
+    root = tmp_path_factory.mktemp("variants")
+    for recipe in ("fp8", "nvfp4", "w4a16", "bf16"):
+        run(tiny_ckpt, root / recipe, recipe)
+    return {recipe: root / recipe for recipe in ("fp8", "nvfp4", "w4a16", "bf16")}
+
+
 def write_plain_checkpoint(root: Path, shards: list[dict[str, torch.Tensor]], config: dict | None = None) -> Path:
     """A checkpoint of arbitrary tensors split into the given shards (for I/O tests)."""
     from dsv4convert import dtypes

@@ -2,6 +2,10 @@
 
 ``load`` reads a checkpoint directory the way transformers does: native FP8/MXFP4 tensors are
 dequantized by transformers' FineGrainedFP8 loader, plain BF16 checkpoints load as they are.
+The model is then cast to float32, which is exact for every stored format here: transformers
+keeps some modules in FP32 and others in BF16 depending on the load path, and a model whose
+modules disagree on dtype does not run, while one in float32 computes the same way for every
+checkpoint, so logits of two checkpoints are equal exactly when their weights are.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ def load(path: Path) -> tuple[DeepseekV4ForCausalLM, dict]:
     kwargs = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if quantized else {}
     model, info = DeepseekV4ForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, output_loading_info=True, **kwargs)
-    return model.eval(), info
+    return model.float().eval(), info
 
 
 def prompt_ids(path: Path, text: str = "The quick brown fox jumps over the lazy dog. 0123456789") -> torch.Tensor:

@@ -21,26 +21,28 @@ def shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def group_into_shards(groups: Iterable[list[PlannedTensor]], max_shard_bytes: int) -> list[list[PlannedTensor]]:
-    """Pack groups of tensors (kept together, e.g. one layer or one source shard) into shards.
+def group_into_shards(groups: Iterable[list[list[PlannedTensor]]], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Pack groups (e.g. one source layer) of units (e.g. one module's tensors) into shards.
 
-    A group larger than ``max_shard_bytes`` is split at tensor boundaries; a shard never
-    exceeds the bound unless a single tensor does.
+    A group starts a new shard when it does not fit in the current one; a group larger than
+    ``max_shard_bytes`` is split between units, never inside one. A shard exceeds the bound
+    only when a single unit does.
     """
     shards: list[list[PlannedTensor]] = []
     current: list[PlannedTensor] = []
     size = 0
     for group in groups:
-        group_bytes = sum(t.nbytes for t in group)
+        group_bytes = sum(t.nbytes for unit in group for t in unit)
         if current and size + group_bytes > max_shard_bytes:
             shards.append(current)
             current, size = [], 0
-        for t in group:
-            if current and size + t.nbytes > max_shard_bytes:
+        for unit in group:
+            unit_bytes = sum(t.nbytes for t in unit)
+            if current and size + unit_bytes > max_shard_bytes:
                 shards.append(current)
                 current, size = [], 0
-            current.append(t)
-            size += t.nbytes
+            current.extend(unit)
+            size += unit_bytes
     if current:
         shards.append(current)
     return shards

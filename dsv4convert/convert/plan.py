@@ -140,7 +140,7 @@ def _source_format(job_sources: dict[str, TensorEntry], native_shape: tuple[int,
 
 def _check_applicable(job: ModuleJob, recipe: Recipe) -> None:
     fmt = job.target.format
-    where = f"rule {job.target.rule} ({recipe.source})"
+    where = f"rules[{job.target.rule}]"
     if fmt is None:
         return
     if job.logical_shape is None:
@@ -218,7 +218,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
             job.partner = partner
         job.outputs = _outputs(job)
 
-    planned_groups = [[p for job in jobs for p in job.outputs] for jobs in groups.values()]
+    planned_groups = [[job.outputs for job in jobs] for jobs in groups.values()]
     shard_lists = group_into_shards(planned_groups, max_shard_bytes)
     owner = {p.name: job for job in modules.values() for p in job.outputs}
     shards = []
@@ -228,18 +228,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
             if not jobs or jobs[-1] is not owner[p.name]:
                 jobs.append(owner[p.name])
         shards.append(ShardJob(shard_name(i + 1, len(shard_lists)), jobs, planned))
-    _check_modules_not_split(shards)
     return Plan(recipe, inspection.config, shards, modules)
-
-
-def _check_modules_not_split(shards: list[ShardJob]) -> None:
-    seen: dict[str, str] = {}
-    for shard in shards:
-        for job in shard.modules:
-            if job.module in seen and seen[job.module] != shard.name:
-                raise RecipeError(f"module '{job.module}' would be split across output shards; "
-                                  "raise --max-shard-size")
-            seen[job.module] = shard.name
 
 
 def human_bytes(n: float) -> str:
