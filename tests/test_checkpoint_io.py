@@ -225,3 +225,25 @@ def test_duplicate_tensor_across_shards(capsys, tmp_path):
 def test_config_that_is_not_deepseek_v4(capsys, good):
     (good / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     assert_one_line_error(*run_inspect(capsys, good), "config.json", "not a DeepSeek-V4 config")
+
+
+def test_hugging_face_repo_id_resolves_through_the_local_cache(tmp_path, monkeypatch):
+    """A repo id is looked up in the Hugging Face cache first (no network here: offline mode)."""
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--acme--tiny-v4" / "snapshots" / commit
+    write_plain_checkpoint(snapshot, [{"a": torch.arange(4.0)}], config={"model_type": "deepseek_v4"})
+    (cache / "models--acme--tiny-v4" / "refs").mkdir()
+    (cache / "models--acme--tiny-v4" / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    ckpt = Checkpoint.open("acme/tiny-v4")
+    assert ckpt.root == snapshot and torch.equal(ckpt.read("a"), torch.arange(4.0))
+    with pytest.raises(CheckpointError, match="cannot resolve Hugging Face repo"):
+        Checkpoint.open("acme/not-cached")
+    with pytest.raises(CheckpointError, match="not a Hugging Face repo id"):
+        Checkpoint.open(str(tmp_path / "missing" / "dir"))
