@@ -176,6 +176,14 @@ def test_cli_refuses_inconsistent_flags(model_dirs):
         cli_args("--model", model, "--prefill-gpus", "0,0")
 
 
+def test_router_role_needs_no_gpus(capsys, model_dirs):
+    args = cli_args("--model", str(model_dirs["fp8"]), "--variant", "fp8", "--pd", "--role", "router", "--dry-run",
+                    "--prefill-url", "http://10.0.0.1:30000", "--decode-url", "http://10.0.0.2:30001")
+    assert serve_cli.run(args) == 0
+    command = capsys.readouterr().out.splitlines()[1]
+    assert "--prefill http://10.0.0.1:30000 8998 --decode http://10.0.0.2:30001" in command
+
+
 def test_registered_in_dsv4convert_cli(capsys, model_dirs):
     from dsv4convert.cli import main
 

@@ -99,6 +99,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _topology(args: argparse.Namespace) -> Topology | None:
+    """This host's GPUs; None where none are needed (router role) or a dry run names them itself."""
+    if args.role == "router":
+        return None
     try:
         return discover()
     except TopologyError as exc:
@@ -110,7 +113,10 @@ def _topology(args: argparse.Namespace) -> Topology | None:
 def _gpu_family(args: argparse.Namespace, topology: Topology | None) -> str:
     if args.gpu_family:
         return args.gpu_family
-    assert topology is not None
+    if topology is None:
+        if args.role == "router":
+            return ""  # the router host starts no SGLang server; nothing depends on its GPUs
+        raise TopologyError("cannot tell the GPU architecture; pass --gpu-family")
     families = {gpu.family for gpu in topology.gpus}
     if len(families) != 1:
         raise TopologyError(f"GPUs of different architectures ({sorted(families)}); pass --gpu-family")
