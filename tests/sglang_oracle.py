@@ -1,8 +1,12 @@
 """SGLang 0.5.23 as a test oracle: what the real server would make of our commands and configs.
 
-Test helper only (not part of the package). Every answer comes from SGLang's own code, imported
-from the ``sglang`` wheel installed with ``--no-deps`` by ``ci/install-sglang-cpu.sh``; nothing
-here re-implements SGLang's rules, so a test that agrees with this module agrees with the server.
+Test helper only (not part of the package). Answers come from SGLang's own code, imported from
+the ``sglang`` wheel installed with ``--no-deps`` by ``ci/install-sglang-cpu.sh``: its argument
+parser and resolution pipeline, ``ModelConfig`` and the loader's quant-config wrap, the config
+classes and their exclusion predicates, the V4 weight-name remap, the router's parser. Two
+things are mirrored because they cannot run on CPU, and say so where they are: the branch order
+of ``get_quant_method`` (in ``moe_scheme_for``/``linear_scheme_for``, calling SGLang's predicates)
+and the ``bench_serving`` parser (replayed from its source, see ``parse_bench_args``).
 
 How to use it (the first import costs ~10-15 s: SGLang imports its whole model registry):
 
@@ -28,6 +32,9 @@ How to use it (the first import costs ~10-15 s: SGLang imports its whole model r
     sgl.linear_scheme_for(qc, "model.layers.3.self_attn.wo_a") # "fp8" | "unquantized" | "wna16" ...
     sgl.sglang_name("layers.3.ffn.experts.7.w1.weight")        # SGLang's own checkpoint-name remap
     sgl.module_prefix("layers.3.ffn.experts.7.w1.weight")      # -> "model.layers.3.mlp.experts"
+
+    # 4. Reference configs per sglang-contract.md section 1 (to compare a converter's output with).
+    sgl.variant_config("nvfp4", native_config)                 # native config.json, NVFP4-hybrid quant
 
 ``gpu`` is one of :data:`GPU_FACTS` ("sm90" H200, "sm100" B200, "sm120" RTX PRO 6000): SGLang's
 platform probes are answered from that table through SGLang's own ``override_platform``.
