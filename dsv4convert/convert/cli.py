@@ -35,6 +35,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--overwrite", action="store_true", help="delete DST's contents and start over")
     p.add_argument("--dry-run", action="store_true", help="plan and check everything, print the plan, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where the numerics run: cpu (default), cuda or cuda:N; the output bytes are the same")
 
 
 def _nvfp4_inputs(p: argparse.ArgumentParser) -> None:
@@ -82,5 +84,6 @@ def _run(args: argparse.Namespace) -> int:
         input_scales_from=getattr(args, "input_scales_from", None),
         calibration=getattr(args, "calibration", None),
         progress=not args.no_progress,
+        device=args.device,
     ))
     return 0

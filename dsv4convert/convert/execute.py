@@ -5,6 +5,13 @@ memory fits ``max_memory`` (a job that can never fit is refused before anything 
 each writes its shard to a temporary name and renames it when complete, and the resume
 state is updated after each. The index is written last: a destination without one is
 visibly unfinished.
+
+Within a job, reading, converting and writing overlap (:class:`ShardPipeline`): a reader
+thread reads and checks the next module while the current one converts, and a writer
+thread streams the previous module's tensors to disk. Order is fixed, so the bytes are
+those of a sequential run, and at most three modules are in flight. With ``device`` a GPU,
+tensors are read into pinned memory, copied up asynchronously, converted there, and
+copied back into pinned buffers that the writer drains.
 """
 
 from __future__ import annotations
@@ -17,21 +24,32 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from datetime import datetime, timezone
 from multiprocessing import get_context
 from pathlib import Path
+
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from dsv4convert import __version__
-from dsv4convert.checkpoint import INDEX_NAME, Checkpoint, ShardWriter, atomic_write_bytes, atomic_write_json, partial_path
+from dsv4convert.checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    ShardWriter,
+    atomic_write_bytes,
+    atomic_write_json,
+    partial_path,
+    read_tensor,
+)
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
-from dsv4convert.convert.modules import ModuleContext, convert_module
-from dsv4convert.convert.plan import Plan, ShardJob, build_plan, human_bytes
+from dsv4convert.convert.modules import ModuleContext, ModuleInputs, ModuleResult, convert_module, read_module
+from dsv4convert.convert.plan import ModuleJob, Plan, ShardJob, build_plan, human_bytes
 from dsv4convert.convert.quant_config import build_quant_config
 from dsv4convert.convert.recipe import Recipe, canonical
 from dsv4convert.convert.state import STATE_DIR, DestinationLock, RunState, signature
@@ -57,6 +75,7 @@ class ConvertOptions:
     input_scales_from: str | None = None
     calibration: Path | None = None
     progress: bool = True
+    device: str = "cpu"
 
 
 @dataclass
@@ -85,30 +104,146 @@ def _init_worker(threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop
 
 
+class DeviceTransfer:
+    """Moves a module's outputs back to the host for writing.
+
+    For a GPU the copies go into pinned buffers without blocking, and the writer waits on
+    an event before touching them. ``stage_host`` makes CPU outputs take the same staging
+    copy, so the GPU plumbing can be checked bit for bit on a machine without one.
+    """
+
+    def __init__(self, device: torch.device, *, stage_host: bool = False):
+        self.device = device
+        self.stage_host = stage_host
+
+    def read(self, job: ModuleJob, ctx: ModuleContext) -> ModuleInputs:
+        return read_module(job, ctx)
+
+    def to_host(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], object]:
+        """Host copies of ``tensors`` and what to wait on before reading them (None: nothing)."""
+        staged, on_gpu = [], False
+        for name, t in tensors:
+            if t.device.type == "cuda":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                on_gpu = True
+            elif self.stage_host:
+                host = torch.empty_like(t).copy_(t)
+            else:
+                host = t
+            staged.append((name, host))
+        if not on_gpu:
+            return staged, None
+        event = torch.cuda.Event()
+        event.record()
+        return staged, event
+
+
+def resolve_device(name: str) -> torch.device:
+    """The conversion device, refusing one this machine does not have."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DSV4Error(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DSV4Error(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DSV4Error(f"--device {name}: no CUDA GPU is available on this machine")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise DSV4Error(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+        device = torch.device("cuda", index)
+    return device
+
+
+class ShardPipeline:
+    """Read ahead, convert, write behind: one module of each in flight, in plan order."""
+
+    def __init__(self, job: ShardJob, partners: dict[str, dict], input_scales: InputScales | None,
+                 transfer: DeviceTransfer):
+        self.job = job
+        self.partners = partners
+        self.input_scales = input_scales
+        self.transfer = transfer
+        pinned = transfer.device.type == "cuda"
+        self.read = partial(read_tensor, pin_memory=True) if pinned else read_tensor
+
+    def context(self, module: ModuleJob) -> ModuleContext:
+        return ModuleContext(read=self.read, partner_sources=self.partners.get(module.module, {}),
+                             input_scale=self.input_scales, device=self.transfer.device)
+
+    def run(self, writer: ShardWriter, on_module: Callable[[ModuleJob, ModuleResult], None]) -> None:
+        modules = self.job.modules
+        if self.transfer.device.type == "cuda":
+            torch.cuda.set_device(self.transfer.device)
+        with ThreadPoolExecutor(1, thread_name_prefix="read") as reader, \
+                ThreadPoolExecutor(1, thread_name_prefix="write") as writer_thread:
+            next_read: Future | None = reader.submit(self._read, modules[0]) if modules else None
+            pending_write: Future | None = None
+            try:
+                for i, module in enumerate(modules):
+                    inputs = next_read.result()
+                    next_read = reader.submit(self._read, modules[i + 1]) if i + 1 < len(modules) else None
+                    result = convert_module(module, self.context(module), inputs)
+                    del inputs
+                    staged, ready = self.transfer.to_host(result.tensors)
+                    result.tensors = []
+                    if pending_write is not None:
+                        pending_write.result()
+                    pending_write = writer_thread.submit(self._write, writer, staged, ready)
+                    on_module(module, result)
+                if pending_write is not None:
+                    pending_write.result()
+            finally:
+                # On an error, let the threads finish what they hold before the writer is aborted.
+                for fut in (next_read, pending_write):
+                    if fut is not None:
+                        fut.cancel()
+                        wait([fut])
+
+    def _read(self, module: ModuleJob) -> ModuleInputs:
+        return self.transfer.read(module, self.context(module))
+
+    @staticmethod
+    def _write(writer: ShardWriter, staged: list[tuple[str, torch.Tensor]], ready: object) -> None:
+        if ready is not None:
+            ready.synchronize()
+        for name, tensor in staged:
+            writer.write(name, tensor)
+
+
 def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scales: InputScales | None,
-                  progress: "queue.Queue | None" = None) -> dict:
+                  progress: "queue.Queue | None" = None, device: str = "cpu",
+                  transfer: DeviceTransfer | None = None) -> dict:
     """Convert and write one output shard; returns its stats (picklable, for the resume state)."""
     stats: dict = {"roles": defaultdict(lambda: defaultdict(int)), "input_scale_sources": defaultdict(int)}
+    transfer = transfer or DeviceTransfer(resolve_device(device))
+
+    def record(module: ModuleJob, result: ModuleResult) -> None:
+        row = stats["roles"][_role_key(module.role, module.is_mtp)]
+        row["converted" if module.converts else "kept"] += 1
+        if result.report is not None:
+            row["blocks_total"] += result.report.blocks_total
+            row["blocks_exact"] += result.report.blocks_exact
+            row["max_abs_error"] = max(row["max_abs_error"], result.report.max_abs_error)
+        if result.input_scale_source:
+            stats["input_scale_sources"][result.input_scale_source] += 1
+        if progress is not None:
+            progress.put(sum(e.nbytes for e in module.sources.values()))
+
     path = Path(dst) / job.name
     with ShardWriter(path, job.planned, metadata={"format": "pt"}) as writer:
-        for module in job.modules:
-            ctx = ModuleContext(partner_sources=partners.get(module.module, {}), input_scale=input_scales)
-            result = convert_module(module, ctx)
-            for name, tensor in result.tensors:
-                writer.write(name, tensor)
-            role = _role_key(module.role, module.is_mtp)
-            row = stats["roles"][role]
-            row["converted" if module.converts else "kept"] += 1
-            if result.report is not None:
-                row["blocks_total"] += result.report.blocks_total
-                row["blocks_exact"] += result.report.blocks_exact
-                row["max_abs_error"] = max(row["max_abs_error"], result.report.max_abs_error)
-            if result.input_scale_source:
-                stats["input_scale_sources"][result.input_scale_source] += 1
-            if progress is not None:
-                progress.put(sum(e.nbytes for e in module.sources.values()))
+        ShardPipeline(job, partners, input_scales, transfer).run(writer, record)
     return {"bytes": path.stat().st_size, "roles": {k: dict(v) for k, v in stats["roles"].items()},
             "input_scale_sources": dict(stats["input_scale_sources"])}
+
+
+def pipeline_memory(shard: ShardJob) -> int:
+    """Peak resident bytes of a job: its largest module converting, plus one read ahead and one being written."""
+    in_flight = max((sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
+                     for m in shard.modules), default=0)
+    return shard.memory_estimate + in_flight
 
 
 def _role_key(role: Role, is_mtp: bool) -> str:
@@ -181,10 +316,11 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     needs_input_scales = any(m.target.format is Format.NVFP4 for m in plan.modules.values())
     input_scales = build_input_scales(ckpt, from_checkpoint=opts.input_scales_from,
                                       calibration=opts.calibration) if needs_input_scales else None
+    resolve_device(opts.device)
     max_memory = opts.max_memory or int(available_memory() * 0.8)
-    too_big = [s for s in plan.shards if s.memory_estimate > max_memory]
+    too_big = [s for s in plan.shards if pipeline_memory(s) > max_memory]
     if too_big:
-        raise DSV4Error(f"shard job {too_big[0].name} needs about {human_bytes(too_big[0].memory_estimate)} of "
+        raise DSV4Error(f"shard job {too_big[0].name} needs about {human_bytes(pipeline_memory(too_big[0]))} of "
                         f"memory but --max-memory is {human_bytes(max_memory)}", file=opts.dst)
     options = {"max_shard_bytes": opts.max_shard_bytes, "input_scales_from": opts.input_scales_from,
                "calibration": _file_digest(opts.calibration)}
@@ -224,7 +360,7 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
     if opts.workers <= 1:
         q: queue.Queue = queue.Queue()
         for shard in todo:
-            stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, q)
+            stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, q, opts.device)
             while not q.empty():
                 bar.update(q.get())
             finished(shard, stats)
@@ -233,6 +369,7 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
 
     ctx = get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // opts.workers)
+    quiet_openmp_for_workers()
     with ctx.Manager() as manager:
         q = manager.Queue()
         pool = ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,))
@@ -241,10 +378,11 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
         try:
             while pending or running:
                 while pending and len(running) < opts.workers and (
-                        sum(s.memory_estimate for s in running.values()) + pending[0].memory_estimate <= max_memory
+                        sum(pipeline_memory(s) for s in running.values()) + pipeline_memory(pending[0]) <= max_memory
                         or not running):
                     shard = pending.pop(0)
-                    fut = pool.submit(run_shard_job, str(opts.dst), shard, _partners(plan, shard), input_scales, q)
+                    fut = pool.submit(run_shard_job, str(opts.dst), shard, _partners(plan, shard), input_scales, q,
+                                      opts.device)
                     running[fut] = shard
                 done, _ = wait(running, timeout=0.2, return_when=FIRST_COMPLETED)
                 while not q.empty():
@@ -258,6 +396,17 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
             raise
         pool.shutdown(wait=True)
     bar.close()
+
+
+def quiet_openmp_for_workers() -> None:
+    """Spawned workers inherit ``OMP_WAIT_POLICY=PASSIVE`` unless the user set a policy.
+
+    OpenMP threads that spin while waiting take cores from the reader and writer threads
+    and from the other workers; on a loaded 2-core machine that made scale-only transcodes
+    10x slower. It must be in the environment before a process loads torch, so it can only
+    be given to the workers this process spawns.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _file_digest(path: Path | None) -> str | None:
@@ -332,7 +481,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
 def print_plan(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, max_memory: int) -> None:
     print(f"plan: {ckpt.root} -> {opts.dst} with recipe '{plan.recipe.name}' ({plan.recipe.source})")
     print(f"  read {human_bytes(plan.bytes_in)}, write {human_bytes(plan.bytes_out)} in {len(plan.shards)} shards")
-    per_worker = plan.peak_memory
+    per_worker = max((pipeline_memory(s) for s in plan.shards), default=0)
     print(f"  estimated peak memory {human_bytes(per_worker)} per worker x {opts.workers} "
           f"(budget {human_bytes(max_memory)}); disk needed {human_bytes(plan.bytes_out)}")
     print(f"  {'role':28s} modules")

@@ -45,11 +45,29 @@ class ModuleResult:
 
 @dataclass
 class ModuleContext:
-    """What a module's conversion may need beyond its own tensors."""
+    """What a module's conversion may need beyond its own tensors.
+
+    ``device`` is where the numerics run; tensors of converted modules are moved there
+    after reading (from pinned buffers, asynchronously, when it is a GPU). Modules whose
+    bytes pass through unchanged stay on the CPU.
+    """
 
     read: Reader = read_tensor
     partner_sources: dict[str, TensorEntry] = field(default_factory=dict)
     input_scale: Callable[[ModuleJob], tuple[torch.Tensor, str]] | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass
+class ModuleInputs:
+    """A module's source tensors (and its NVFP4 partner's), read, checked and on their device."""
+
+    sources: dict[str, torch.Tensor]
+    partner: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.sources.values(), *self.partner.values()))
 
 
 def check_finite(tensor: torch.Tensor, entry: TensorEntry) -> None:
@@ -66,13 +84,33 @@ def check_finite(tensor: torch.Tensor, entry: TensorEntry) -> None:
         raise FormatError("source tensor holds NaN or Inf", file=entry.path, tensor=entry.name)
 
 
-def _read(job_sources: dict[str, TensorEntry], ctx: ModuleContext) -> dict[str, torch.Tensor]:
+def _read(job_sources: dict[str, TensorEntry], ctx: ModuleContext, device: torch.device) -> dict[str, torch.Tensor]:
     out = {}
     for param, entry in job_sources.items():
         t = ctx.read(entry)
+        if device.type != "cpu":
+            t = t.to(device, non_blocking=t.is_pinned())
         check_finite(t, entry)
         out[param] = t
     return out
+
+
+def partner_params(job: ModuleJob, partner_sources: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The partner tensors an NVFP4 module needs: only the scales when both are MXFP4.
+
+    The shared global scale of an MXFP4 pair depends on the E8M0 exponents alone, so the
+    partner's packed weight (its bulk) is never read twice.
+    """
+    if job.source_format is Format.MXFP4:
+        return {p: e for p, e in partner_sources.items() if p == "scale"}
+    return dict(partner_sources)
+
+
+def read_module(job: ModuleJob, ctx: ModuleContext) -> ModuleInputs:
+    """Read and check everything ``convert_module`` needs, so reading can run ahead of converting."""
+    device = ctx.device if job.converts else torch.device("cpu")
+    partner = _read(partner_params(job, ctx.partner_sources), ctx, device) if job.partner else {}
+    return ModuleInputs(_read(job.sources, ctx, device), partner)
 
 
 def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -92,8 +130,10 @@ def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str) -> t
     raise FormatError(f"cannot dequantize a {fmt} source", tensor=name)
 
 
-def convert_module(job: ModuleJob, ctx: ModuleContext) -> ModuleResult:
-    src = _read(job.sources, ctx)
+def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | None = None) -> ModuleResult:
+    """Convert one module; ``inputs`` are its tensors already read by :func:`read_module` (else read here)."""
+    inputs = read_module(job, ctx) if inputs is None else inputs
+    src = inputs.sources
     if not job.converts:
         return ModuleResult([(e.name, src[p]) for p, e in job.sources.items()])
     fmt, source, m = job.target.format, job.source_format, job.module
@@ -126,7 +166,7 @@ def convert_module(job: ModuleJob, ctx: ModuleContext) -> ModuleResult:
         if ctx.input_scale is None:
             raise FormatError("no input_scale source for an NVFP4 module", tensor=weight_name)
         input_scale, input_scale_source = ctx.input_scale(job)
-        partner = _read(ctx.partner_sources, ctx) if job.partner else {}
+        partner = inputs.partner
         if source is Format.MXFP4:
             scales = [src["scale"]] + ([partner["scale"]] if partner else [])
             exponent = nvfp4_global_exponent(*scales, name=weight_name)

@@ -1,0 +1,320 @@
+"""Conversion wall time against ``cp`` of the same bytes, peak memory, full-model extrapolation.
+
+Synthesizes real-size DeepSeek-V4-Flash layers (``dsv4convert synth --config <real config>
+--num-layers N --no-mtp``; about 3.6 GB per layer shard, plus 1 GB each for the embedding
+and the head), then, for each layer count, times in one run: ``cp -r`` of the source
+followed by ``sync`` (our converter fsyncs every shard, so cp must land on disk too), and
+every ``to-*`` command with each worker count, as a separate process. Before every timed
+command the source's pages are evicted from the page cache with
+``posix_fadvise(DONTNEED)`` (``/proc/sys/vm/drop_caches`` needs root), so cp and the
+converters all read a cold source; ``fincore`` reports how much stayed resident.
+
+Smaller layer counts are made from the largest synthesized one by hard-linking its
+embedding, first layers and head shards under a new index and config: ``synth`` derives
+every tensor from (seed, name) alone, so these are the bytes ``synth --num-layers N`` would
+write (only the shard file names differ).
+
+Recorded per run: wall seconds, source GB/s, the ratio to the mean cp time of the same
+source, peak RSS (sum over the process tree, and the largest single process, polled every
+50 ms with psutil), output bytes, and the machine load average. Results go to
+``<out-dir>/convert-<device>.json`` and ``.md``; the full 46-shard model is extrapolated from
+the per-layer difference between layer counts.
+
+    python bench/convert.py --layers 1 2                         # CPU, all variants, 1 and 2 workers
+    python bench/convert.py --layers 1 --device cuda --workers 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from dsv4convert.checkpoint import Checkpoint, atomic_write_json
+from dsv4convert.checkpoint.writer import write_index
+from dsv4convert.layout import ModelConfig, native_groups
+from dsv4convert.synth import REFERENCE_CONFIG_PATH, reference_config, with_num_layers
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ("nvfp4", "fp8", "w4a16", "bf16")
+GB = 1e9
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _commit() -> str:
+    dirty = _git("status", "--porcelain", "--", "dsv4convert", "bench/convert.py")
+    return _git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+
+
+def _machine(device: str) -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    info = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version(), "platform": platform.platform()}
+    import torch
+
+    info["torch"] = torch.__version__
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def _size(root: Path) -> int:
+    return sum(p.stat().st_size for p in _files(root))
+
+
+def evict(root: Path) -> float | None:
+    """Drop ``root``'s pages from the page cache; returns the fraction still resident (None: unknown)."""
+    os.sync()
+    for path in _files(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if shutil.which("fincore") is None:
+        return None
+    shards = [str(p) for p in _files(root) if p.suffix == ".safetensors"]
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", *shards],
+                         capture_output=True, text=True)
+    if out.returncode:
+        return None
+    resident = total = 0
+    for line in out.stdout.split("\n"):
+        if line.strip():
+            res, size = line.split()
+            resident, total = resident + int(res), total + int(size)
+    return resident / total if total else 0.0
+
+
+class PeakRSS:
+    """Polls a process tree's resident memory: peak of the sum, and of the largest process."""
+
+    def __init__(self, pid: int, interval: float = 0.05):
+        self.root = psutil.Process(pid)
+        self.interval = interval
+        self.peak_total = self.peak_single = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            sizes = []
+            for proc in procs:
+                try:
+                    sizes.append(proc.memory_info().rss)
+                except psutil.NoSuchProcess:
+                    continue
+            if sizes:
+                self.peak_total = max(self.peak_total, sum(sizes))
+                self.peak_single = max(self.peak_single, max(sizes))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timed(cmd: list[str], src: Path, dst: Path, *, then_sync: bool = False) -> dict:
+    """Run ``cmd`` on a cold ``src`` into a fresh ``dst``; wall time, peak RSS, output size."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    resident = evict(src)
+    load = os.getloadavg()[0]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rss = PeakRSS(proc.pid)
+    output, _ = proc.communicate()
+    if then_sync and proc.returncode == 0:
+        os.sync()
+    seconds = time.monotonic() - t0
+    rss.stop()
+    if proc.returncode:
+        raise SystemExit(f"command failed ({proc.returncode}): {shlex.join(cmd)}\n{output[-3000:]}")
+    row = {"command": shlex.join(cmd), "seconds": round(seconds, 2), "peak_rss_total": rss.peak_total,
+           "peak_rss_single": rss.peak_single, "output_bytes": _size(dst), "load_avg_1m_before": round(load, 2),
+           "source_resident_fraction_before": None if resident is None else round(resident, 4)}
+    shutil.rmtree(dst)
+    return row
+
+
+def synthesize(dst: Path, layers: int) -> float:
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "dsv4convert", "synth", "--config", str(REFERENCE_CONFIG_PATH),
+                    "--num-layers", str(layers), "--no-mtp", "--dst", str(dst), "--overwrite"], check=True)
+    return time.monotonic() - t0
+
+
+def derive_prefix(full: Path, dst: Path, layers: int) -> None:
+    """A ``layers``-layer checkpoint made of hard links to ``full``'s embedding, first layers and head."""
+    config = with_num_layers(reference_config(), layers, mtp=False)
+    cfg = ModelConfig.from_dict(config)
+    wanted = {spec.name for group in native_groups(cfg) for spec in group}
+    ckpt = Checkpoint.open(full)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    weight_map = {}
+    for name in wanted:
+        entry = ckpt.tensors[name]
+        weight_map[name] = entry.path.name
+        if not (dst / entry.path.name).exists():
+            os.link(entry.path, dst / entry.path.name)
+    for small in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(full / small, dst / small)
+    atomic_write_json(dst / "config.json", config)
+    write_index(dst, weight_map, sum(ckpt.tensors[n].nbytes for n in wanted))
+
+
+def full_model_bytes() -> tuple[int, int]:
+    groups = native_groups(ModelConfig.from_dict(reference_config()))
+    return sum(s.nbytes for g in groups for s in g), len(groups)
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    top = max(args.layers)
+    full_src = args.source.resolve() if args.source else work / f"src-{top}"
+    result: dict = {"machine": _machine(args.device), "commit": _commit(), "command": shlex.join(sys.argv),
+                    "device": args.device, "cold_cache": "posix_fadvise(DONTNEED) on every source file before "
+                    "each timed command", "runs": []}
+    if args.source is None:
+        result["synth_seconds"] = {top: round(synthesize(full_src, top), 1)}
+    if ModelConfig.from_dict(Checkpoint.open(full_src).config).num_hidden_layers != top:
+        raise SystemExit(f"{full_src} does not hold {top} layers")
+    for layers in sorted(args.layers):
+        src = full_src if layers == top else work / f"src-{layers}"
+        if layers != top:
+            derive_prefix(full_src, src, layers)
+        source_bytes = _size(src)
+        def cp() -> dict:
+            return timed(["cp", "-r", str(src), str(work / "cp-out")], src, work / "cp-out", then_sync=True)
+
+        cps = [cp()]   # cp before and after the converters: the machine's load drifts
+        conversions = []
+        for variant in args.variants:
+            for workers in args.workers:
+                cmd = [sys.executable, "-m", "dsv4convert", f"to-{variant}", "--src", str(src),
+                       "--dst", str(work / "out"), "--workers", str(workers), "--no-progress", "--device", args.device]
+                row = timed(cmd, src, work / "out")
+                row.update(variant=variant, workers=workers)
+                conversions.append(row)
+                print(f"L={layers} {variant} w={workers}: {row['seconds']} s, "
+                      f"peak RSS {row['peak_rss_total'] / GB:.2f} GB", flush=True)
+        cps.append(cp())
+        cp_seconds = sum(c["seconds"] for c in cps) / len(cps)
+        for row in cps:
+            row.update(variant="cp", workers=1)
+        for row in cps + conversions:
+            row.update(layers=layers, source_bytes=source_bytes,
+                       source_gb_per_s=round(source_bytes / GB / row["seconds"], 3),
+                       ratio_to_cp=round(row["seconds"] / cp_seconds, 2))
+            result["runs"].append(row)
+        if layers != top:
+            shutil.rmtree(src)
+    result["extrapolation"] = extrapolate(result["runs"])
+    if args.source is None and not args.keep_source:
+        shutil.rmtree(full_src)
+    return result
+
+
+def extrapolate(runs: list[dict]) -> dict:
+    """Full-model seconds per (variant, workers) from the per-layer difference between layer counts."""
+    full_bytes, shards = full_model_bytes()
+    out: dict = {"full_model_bytes": full_bytes, "full_model_shards": shards, "method": None, "seconds": {}}
+    by_key: dict[tuple[str, int], dict[int, tuple[float, int]]] = {}
+    for row in runs:
+        seconds = by_key.setdefault((row["variant"], row["workers"]), {})
+        prev = seconds.get(row["layers"])
+        # cp ran twice per layer count: keep the mean.
+        seconds[row["layers"]] = (row["seconds"] if prev is None else (prev[0] + row["seconds"]) / 2,
+                                  row["source_bytes"])
+    counts = sorted({row["layers"] for row in runs})
+    if len(counts) >= 2:
+        out["method"] = (f"t(L={counts[0]}) + (full bytes - bytes(L={counts[0]})) x per-byte time of the "
+                         f"layers between L={counts[0]} and L={counts[-1]}")
+    else:
+        out["method"] = f"full bytes / measured source rate at L={counts[0]}"
+    for (variant, workers), per_layers in by_key.items():
+        lo, hi = per_layers[counts[0]], per_layers[counts[-1]]
+        if len(counts) >= 2 and hi[1] > lo[1]:
+            per_byte = (hi[0] - lo[0]) / (hi[1] - lo[1])
+            estimate = lo[0] + (full_bytes - lo[1]) * per_byte
+        else:
+            estimate = full_bytes * lo[0] / lo[1]
+        out["seconds"][f"{variant}/w{workers}"] = round(estimate, 1)
+    return out
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Conversion vs cp ({result['device']})", "",
+             f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB" + (f", {m['gpu']}" if "gpu" in m else ""),
+             f"- torch {m['torch']}, python {m['python']}; commit `{result['commit']}`",
+             f"- command: `{result['command']}`",
+             f"- page cache: {result['cold_cache']}", ""]
+    if "synth_seconds" in result:
+        lines += [f"- synth: {result['synth_seconds']} s", ""]
+    lines += ["| layers | source GB | command | workers | seconds | GB/s | x cp | peak RSS total GB | "
+              "largest process GB | output GB | load 1m |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        lines.append(f"| {r['layers']} | {r['source_bytes'] / GB:.2f} | {r['variant']} | {r['workers']} | "
+                     f"{r['seconds']:.1f} | {r['source_gb_per_s']:.3f} | {r['ratio_to_cp']:.2f} | "
+                     f"{r['peak_rss_total'] / GB:.2f} | {r['peak_rss_single'] / GB:.2f} | "
+                     f"{r['output_bytes'] / GB:.2f} | {r['load_avg_1m_before']} |")
+    ex = result["extrapolation"]
+    lines += ["", f"Full model ({ex['full_model_shards']} shards, {ex['full_model_bytes'] / GB:.1f} GB), "
+              f"{ex['method']}:", "", "| command | minutes |", "|---|---|"]
+    for key, seconds in ex["seconds"].items():
+        lines.append(f"| {key} | {seconds / 60:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[1, 2], help="layer counts to convert (default 1 2)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--device", default="cpu", help="--device of the converters (cpu, cuda)")
+    p.add_argument("--work", type=Path, default=Path("bench-convert-work"), help="scratch directory")
+    p.add_argument("--source", type=Path, help="reuse a checkpoint made by synth with max(--layers) layers and --no-mtp")
+    p.add_argument("--keep-source", action="store_true", help="keep the synthesized source")
+    p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args()
+    result = run(args)
+    name = "cpu" if args.device == "cpu" else args.device.split(":")[0]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"convert-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / f"convert-{name}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The conversion fast paths: pipelined shard jobs, the device plumbing, partner reads, synth's MXFP4 draw.
+
+The pipeline must write exactly what a plain module-by-module loop writes; the GPU path's
+host staging is exercised on CPU tensors (``stage_host``) so its plumbing is checked here,
+and the bytes against a real GPU in bench/convert.py's GPU run.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4convert.checkpoint import Checkpoint, ShardWriter
+from dsv4convert.cli import main
+from dsv4convert.convert import execute
+from dsv4convert.convert.execute import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
+from dsv4convert.convert.input_scales import build_input_scales
+from dsv4convert.convert.modules import ModuleContext, convert_module, partner_params, read_module
+from dsv4convert.convert.plan import build_plan
+from dsv4convert.convert.recipe import load_recipe
+from dsv4convert.errors import CheckpointError, DSV4Error
+from dsv4convert.formats import dequantize_mxfp4, mxfp4_to_fp8_block, mxfp4_to_nvfp4
+from dsv4convert.synth import realistic_mxfp4
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def plans(tiny_ckpt):
+    ckpt = Checkpoint.open(tiny_ckpt)
+    return ckpt, {r: build_plan(ckpt, load_recipe(r), max_shard_bytes=2_000_000) for r in ("nvfp4", "fp8", "w4a16")}
+
+
+def _partners(plan, shard):
+    return {m.module: plan.modules[m.partner].sources for m in shard.modules if m.partner}
+
+
+def _sequential(dst: Path, plan, shard, input_scales) -> bytes:
+    """The reference: convert and write module after module, no threads."""
+    path = dst / shard.name
+    with ShardWriter(path, shard.planned, metadata={"format": "pt"}) as writer:
+        for module in shard.modules:
+            ctx = ModuleContext(partner_sources=_partners(plan, shard).get(module.module, {}), input_scale=input_scales)
+            for name, tensor in convert_module(module, ctx).tensors:
+                writer.write(name, tensor)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8", "w4a16"])
+def test_pipeline_and_staged_transfer_write_the_sequential_bytes(plans, recipe, tmp_path):
+    ckpt, by_recipe = plans
+    plan = by_recipe[recipe]
+    scales = build_input_scales(ckpt)
+    # The shard with the most modules: routed experts, NVFP4 partners, kept tensors.
+    shard = max(plan.shards, key=lambda s: len(s.modules))
+    assert len(shard.modules) > 20
+    (tmp_path / "seq").mkdir()
+    reference = _sequential(tmp_path / "seq", plan, shard, scales)
+    for label, transfer in (("piped", None), ("staged", DeviceTransfer(CPU, stage_host=True))):
+        (tmp_path / label).mkdir()
+        stats = run_shard_job(str(tmp_path / label), shard, _partners(plan, shard), scales, transfer=transfer)
+        assert (tmp_path / label / shard.name).read_bytes() == reference, label
+        assert stats["bytes"] == len(reference)
+
+
+def test_staging_copies_cpu_outputs_and_leaves_them_equal():
+    source = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(2, 2, dtype=torch.bfloat16))]
+    staged, ready = DeviceTransfer(CPU, stage_host=True).to_host(source)
+    assert ready is None
+    for (name, got), (want_name, want) in zip(staged, source):
+        assert name == want_name and torch.equal(got, want) and got.data_ptr() != want.data_ptr()
+    passed, _ = DeviceTransfer(CPU).to_host(source)
+    assert all(got is want for (_, got), (_, want) in zip(passed, source))
+
+
+class RecordingTransfer(DeviceTransfer):
+    """Logs when each module is read relative to how many have been handed to the writer."""
+
+    def __init__(self, fail_at: str | None = None):
+        super().__init__(CPU)
+        self.events: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+        self.fail_at = fail_at
+
+    def read(self, job, ctx):
+        if job.module == self.fail_at:
+            raise CheckpointError("disk went away", tensor=job.module)
+        with self.lock:
+            self.events.append(("read", job.module))
+        return super().read(job, ctx)
+
+    def to_host(self, tensors):
+        with self.lock:
+            self.events.append(("convert", tensors[0][0].rsplit(".", 1)[0]))
+        return super().to_host(tensors)
+
+
+def test_reads_run_in_plan_order_at_most_one_module_ahead(plans, tmp_path):
+    ckpt, by_recipe = plans
+    plan = by_recipe["nvfp4"]
+    shard = max(plan.shards, key=lambda s: len(s.modules))
+    transfer = RecordingTransfer()
+    run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt), transfer=transfer)
+    reads = [m for kind, m in transfer.events if kind == "read"]
+    assert reads == [m.module for m in shard.modules]
+    converted = 0
+    started = 0
+    for kind, _ in transfer.events:
+        if kind == "read":
+            started += 1
+            assert started <= converted + 2, "read more than one module ahead of the converter"
+        else:
+            converted += 1
+    assert converted == len(shard.modules)
+
+
+def test_a_failing_read_stops_the_job_and_leaves_no_file(plans, tmp_path):
+    ckpt, by_recipe = plans
+    plan = by_recipe["nvfp4"]
+    shard = max(plan.shards, key=lambda s: len(s.modules))
+    bad = shard.modules[len(shard.modules) // 2].module
+    with pytest.raises(CheckpointError, match="disk went away"):
+        run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt),
+                      transfer=RecordingTransfer(fail_at=bad))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mxfp4_partner_reads_only_its_scale(plans):
+    ckpt, by_recipe = plans
+    plan = by_recipe["nvfp4"]
+    job = next(m for m in plan.modules.values() if m.partner)
+    partner_sources = plan.modules[job.partner].sources
+    assert set(partner_params(job, partner_sources)) == {"scale"}
+    read: list[str] = []
+
+    def counting_read(entry):
+        read.append(entry.name)
+        return ckpt.read(entry.name)
+
+    inputs = read_module(job, ModuleContext(read=counting_read, partner_sources=partner_sources))
+    assert set(inputs.partner) == {"scale"}
+    assert f"{job.partner}.weight" not in read and f"{job.partner}.scale" in read
+
+
+def test_device_is_checked_before_any_work(tiny_ckpt, tmp_path, capsys):
+    assert resolve_device("cpu") == CPU
+    for bad in ("tpu", "not a device"):
+        with pytest.raises(DSV4Error, match="device"):
+            resolve_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(DSV4Error, match="no CUDA GPU"):
+            resolve_device("cuda")
+        assert main(["to-nvfp4", "--src", str(tiny_ckpt), "--dst", str(tmp_path / "o"), "--device", "cuda",
+                     "--no-progress"]) == 2
+        assert "no CUDA GPU" in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
+
+
+def test_pipeline_memory_counts_the_modules_in_flight(plans):
+    _, by_recipe = plans
+    for plan in by_recipe.values():
+        for shard in plan.shards:
+            largest = max(sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
+                          for m in shard.modules)
+            assert pipeline_memory(shard) == shard.memory_estimate + largest
+
+
+def test_realistic_mxfp4_is_deterministic_and_shaped_like_deepseeks_quantizer():
+    packed, scale = realistic_mxfp4(256, 512, torch.Generator().manual_seed(3))
+    again, again_scale = realistic_mxfp4(256, 512, torch.Generator().manual_seed(3))
+    other, _ = realistic_mxfp4(256, 512, torch.Generator().manual_seed(4))
+    assert torch.equal(packed, again) and torch.equal(scale.view(torch.uint8), again_scale.view(torch.uint8))
+    assert not torch.equal(packed, other)
+    assert packed.dtype == torch.int8 and packed.shape == (256, 256)
+    assert scale.dtype == torch.float8_e8m0fnu and scale.shape == (256, 16)
+    # DeepSeek's ceil(log2(amax / 6)) puts every non-zero block's largest magnitude in (3, 6].
+    w = dequantize_mxfp4(packed, scale).reshape(256, 16, 32)
+    peak = w.abs().amax(-1) / torch.exp2(scale.view(torch.uint8).float() - 127)
+    live = peak > 0
+    assert int((~live).sum()) == 1, "exactly one all-zero block"
+    assert bool(((peak[live] >= 3) & (peak[live] <= 6)).all())
+    assert int(scale.view(torch.uint8)[~live]) == 1, "zero blocks carry DeepSeek's exponent -126"
+    assert len(scale.view(torch.uint8)[live].unique()) >= 6
+    # Real experts cast to FP8 and NVFP4 without loss; so must these.
+    assert mxfp4_to_fp8_block(packed, scale)[2].exact
+    assert mxfp4_to_nvfp4(packed, scale)[1].exact
+
+
+def test_spawned_workers_get_a_passive_openmp_wait_policy(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    execute.quiet_openmp_for_workers()
+    assert execute.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    execute.quiet_openmp_for_workers()
+    assert execute.os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's choice is kept"
