@@ -20,7 +20,10 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 
 # Weight-only kernel variants: "tile" decodes a [BLOCK_N, BLOCK_K] tile (interleaving the two
 # nibbles of each byte) for one dot; "pairs" keeps even and odd K apart as two dots; "pairs_swap"
-# also swaps the operands (Y^T = W X^T) so a small batch still fills Hopper's wgmma.
+# also swaps the operands (Y^T = W X^T) so a small batch still fills Hopper's wgmma. On the H200
+# the pair variants measured 3-6x slower than "tile" at M=16 (bench/results/kernels-sweep-h200.json:
+# their per-byte scale gathers and stride-2 activation loads cost more than the interleave they
+# save), so every table uses "tile"; they stay selectable for the sweep on other devices.
 WEIGHT_ONLY_VARIANTS = ("tile", "pairs", "pairs_swap")
 
 
@@ -58,7 +61,7 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
-        (16, GemmConfig(16, 64, 256, split_k=2, num_warps=4, num_stages=3, variant="pairs_swap")),
+        (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
         (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),
     ),
@@ -75,7 +78,7 @@ _FP8_BLOCK: dict[str, GemmTable] = {
     "sm_90": (
         (16, GemmConfig(16, 64, 128, split_k=1, num_warps=4, num_stages=4)),
         (64, GemmConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)),
-        (1 << 62, GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=4, group_m=8)),
+        (1 << 62, GemmConfig(64, 128, 128, split_k=1, num_warps=4, num_stages=4, group_m=8)),
     ),
     "sm_120": (
         (64, GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=3)),
