@@ -18,7 +18,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
 import torch
 
@@ -64,6 +64,25 @@ class DuplicateKey(ValueError):
         self.key = key
 
 
+def _raw_header(f: BinaryIO, size: int, where: str | Path) -> bytes:
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", file=where)
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"header length field says {header_len} bytes (limit {MAX_HEADER_BYTES}): corrupt or hostile file",
+            file=where,
+        )
+    if header_len > size - 8:
+        raise CheckpointError(
+            f"header length field says {header_len} bytes but the file has only {size - 8} after it "
+            "(truncated or corrupt)",
+            file=where,
+        )
+    return f.read(header_len)
+
+
 def unique_keys(pairs: list[tuple[str, object]]) -> dict:
     """``object_pairs_hook`` for json.loads that refuses duplicate keys instead of keeping the last."""
     out: dict = {}
@@ -74,94 +93,90 @@ def unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def read_header(path: Path) -> ShardHeader:
-    """Parse and fully validate one shard's header; raises CheckpointError naming the file/tensor."""
+def read_header(path: Path, *, stream: BinaryIO | None = None, size: int | None = None,
+                label: str | None = None) -> ShardHeader:
+    """Parse and fully validate one shard's header; raises CheckpointError naming the file/tensor.
+
+    ``stream`` and ``size`` read the header from elsewhere than ``path`` (a shard still on the
+    Hugging Face Hub, read by range requests); entries still point at ``path``, where the
+    shard will be, and errors name ``label``.
+    """
     path = Path(path)
+    where = label or path
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"file is {size} bytes, too short for a safetensors header", file=path)
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError(
-                    f"header length field says {header_len} bytes (limit {MAX_HEADER_BYTES}): corrupt or hostile file",
-                    file=path,
-                )
-            if header_len > size - 8:
-                raise CheckpointError(
-                    f"header length field says {header_len} bytes but the file has only {size - 8} after it "
-                    "(truncated or corrupt)",
-                    file=path,
-                )
-            raw = f.read(header_len)
+        if stream is None:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                raw = _raw_header(f, size, where)
+        else:
+            raw = _raw_header(stream, size, where)
     except OSError as exc:
-        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=path) from None
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=where) from None
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"header is not valid JSON ({exc})", file=path) from None
+        raise CheckpointError(f"header is not valid JSON ({exc})", file=where) from None
     except DuplicateKey as exc:
         raise CheckpointError("the header names this tensor twice (readers would disagree on its bytes)",
-                              file=path, tensor=exc.key) from None
+                              file=where, tensor=exc.key) from None
     except RecursionError:
-        raise CheckpointError("header JSON is nested too deeply: corrupt or hostile file", file=path) from None
+        raise CheckpointError("header JSON is nested too deeply: corrupt or hostile file", file=where) from None
     if not isinstance(header, dict):
-        raise CheckpointError("header is not a JSON object", file=path)
+        raise CheckpointError("header is not a JSON object", file=where)
 
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError("__metadata__ must map strings to strings", file=path)
-    data_start = 8 + header_len
+        raise CheckpointError("__metadata__ must map strings to strings", file=where)
+    data_start = 8 + len(raw)
     data_size = size - data_start
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
-        entries[name] = _parse_entry(path, name, info, data_start, data_size)
-    _check_no_overlap(path, entries.values())
+        entries[name] = _parse_entry(path, name, info, data_start, data_size, where)
+    _check_no_overlap(where, entries.values())
     return ShardHeader(path=path, entries=entries, metadata=metadata, file_size=size)
 
 
-def _parse_entry(path: Path, name: str, info: object, data_start: int, data_size: int) -> TensorEntry:
+def _parse_entry(path: Path, name: str, info: object, data_start: int, data_size: int,
+                 where: str | Path) -> TensorEntry:
     if not isinstance(info, dict):
-        raise CheckpointError("header entry is not an object", file=path, tensor=name)
+        raise CheckpointError("header entry is not an object", file=where, tensor=name)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtypes.lookup(dtype) is None:
-        raise CheckpointError(f"unknown dtype {dtype!r}", file=path, tensor=name)
+        raise CheckpointError(f"unknown dtype {dtype!r}", file=where, tensor=name)
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise CheckpointError(f"bad shape {shape!r}", file=path, tensor=name)
+        raise CheckpointError(f"bad shape {shape!r}", file=where, tensor=name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
     ):
-        raise CheckpointError(f"bad data_offsets {offsets!r}", file=path, tensor=name)
+        raise CheckpointError(f"bad data_offsets {offsets!r}", file=where, tensor=name)
     begin, end = offsets
     if not 0 <= begin <= end:
-        raise CheckpointError(f"data_offsets {offsets} are negative or reversed", file=path, tensor=name)
+        raise CheckpointError(f"data_offsets {offsets} are negative or reversed", file=where, tensor=name)
     if end > data_size:
         raise CheckpointError(
             f"data_offsets {offsets} run past the end of the data ({data_size} bytes): truncated shard",
-            file=path,
+            file=where,
             tensor=name,
         )
     if dtype == "F4" and shape and shape[-1] % 2:
-        raise CheckpointError(f"F4 tensor needs an even last dim, got {shape}", file=path, tensor=name)
+        raise CheckpointError(f"F4 tensor needs an even last dim, got {shape}", file=where, tensor=name)
     expected = dtypes.nbytes(dtype, shape)
     if end - begin != expected:
         raise CheckpointError(
             f"{dtype} {shape} needs {expected} bytes but data_offsets {offsets} hold {end - begin}",
-            file=path,
+            file=where,
             tensor=name,
         )
     return TensorEntry(name, dtype, tuple(shape), path, data_start + begin, end - begin)
 
 
-def _check_no_overlap(path: Path, entries: Iterable[TensorEntry]) -> None:
+def _check_no_overlap(where: str | Path, entries: Iterable[TensorEntry]) -> None:
     ordered = sorted((e for e in entries if e.nbytes), key=lambda e: e.start)
     for prev, cur in zip(ordered, ordered[1:]):
         if cur.start < prev.start + prev.nbytes:
-            raise CheckpointError(f"byte range overlaps tensor '{prev.name}'", file=path, tensor=cur.name)
+            raise CheckpointError(f"byte range overlaps tensor '{prev.name}'", file=where, tensor=cur.name)
 
 
 def read_tensor(entry: TensorEntry, *, pin_memory: bool = False) -> torch.Tensor:
