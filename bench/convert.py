@@ -225,6 +225,7 @@ def run(args: argparse.Namespace) -> dict:
                 row = timed(cmd, src, work / "out")
                 row.update(variant=variant, workers=workers)
                 conversions.append(row)
+                save(args, result | {"partial_runs": conversions})
                 print(f"L={layers} {variant} w={workers}: {row['seconds']} s, "
                       f"peak RSS {row['peak_rss_total'] / GB:.2f} GB", flush=True)
         cps.append(cp())
@@ -297,6 +298,15 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save(args: argparse.Namespace, result: dict) -> None:
+    """Write the JSON (after every run too, so an interrupted benchmark keeps what it measured)."""
+    name = "cpu" if args.device == "cpu" else args.device.split(":")[0]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"convert-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if "extrapolation" in result:
+        (args.out_dir / f"convert-{name}.md").write_text(markdown(result))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2], help="layer counts to convert (default 1 2)")
@@ -309,10 +319,7 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args()
     result = run(args)
-    name = "cpu" if args.device == "cpu" else args.device.split(":")[0]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"convert-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out_dir / f"convert-{name}.md").write_text(markdown(result))
+    save(args, result)
     print(markdown(result))
 
 

@@ -166,11 +166,13 @@ class ShardPipeline:
         self.partners = partners
         self.input_scales = input_scales
         self.transfer = transfer
-        pinned = transfer.device.type == "cuda"
-        self.read = partial(read_tensor, pin_memory=True) if pinned else read_tensor
+        self.pinned_read = partial(read_tensor, pin_memory=True)
 
     def context(self, module: ModuleJob) -> ModuleContext:
-        return ModuleContext(read=self.read, partner_sources=self.partners.get(module.module, {}),
+        # Only tensors bound for the GPU are read into (cached, scarce) pinned memory.
+        to_gpu = self.transfer.device.type == "cuda" and module.converts
+        return ModuleContext(read=self.pinned_read if to_gpu else read_tensor,
+                             partner_sources=self.partners.get(module.module, {}),
                              input_scale=self.input_scales, device=self.transfer.device)
 
     def run(self, writer: ShardWriter, on_module: Callable[[ModuleJob, ModuleResult], None]) -> None:
