@@ -162,11 +162,18 @@ def markdown(result: dict) -> str:
     for variant, v in t.get("validate", {}).items():
         full = v["extrapolated_full_model_seconds"]
         verdict = "MET" if full <= GOAL_SECONDS else "NOT MET"
+        startup = v["seconds"] - v["instrumented_seconds"]
+        once = startup + FULL_MODEL_LAYERS * v["instrumented_seconds"]
         lines += [f"## {variant}", "",
                   f"- `{v['command']}`: **{v['seconds']:.1f} s** per layer; {v['modules']} modules, "
                   f"{v['exact_modules']} bit-exact, worst SNR {v['worst_snr_db']}, integrity {v['integrity_ok']}",
                   f"- 43 layers x {v['seconds']:.1f} s = **{full / 60:.1f} min** (goal < 10 min on one GPU: "
-                  f"**{verdict}**; an upper bound, since the embedding and head are counted 43 times)", "",
+                  f"**{verdict}**; an upper bound: the process start, imports, kernel compiles and config "
+                  "checks, and the embedding and head, are all counted 43 times)",
+                  f"- with the process start counted once ({startup:.1f} s = command minus the in-process run "
+                  f"that followed it) and 43 x the in-process {v['instrumented_seconds']:.1f} s: "
+                  f"**{once / 60:.1f} min** ({'within' if once <= GOAL_SECONDS else 'over'} the goal; still "
+                  "counts the embedding and head 43 times)", "",
                   f"Split of an instrumented in-process run ({v['instrumented_seconds']:.1f} s; each stage "
                   "bracketed by CUDA synchronization):", "", "| stage | seconds | calls |", "|---|---|---|"]
         lines += [f"| {stage} | {sec:.2f} | {v['calls'].get(stage, '')} |" for stage, sec in v["split_seconds"].items()]
