@@ -28,17 +28,15 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str | None
     if int(info):
         raise FormatError(f"GPTQ Hessian is not positive definite even with damping {damp} "
                           "(raise --gptq-damp or use more calibration tokens)", tensor=name)
-    inverse = torch.cholesky_inverse(factor)
+    inverse = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), factor)
     return torch.linalg.cholesky(inverse, upper=True).to(torch.float32)
 
 
-def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: int = 128, damp: float = 0.01,
-               name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes ``[N, K]``, BF16 scales ``[N, K/g]``) chosen by GPTQ."""
-    if weight.ndim != 2 or weight.shape[1] % group_size:
+def _check(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float, name: str | None) -> None:
+    if weight.ndim != 2 or group_size <= 0 or weight.shape[1] % group_size:
         raise FormatError(f"GPTQ needs a 2-D weight [N, K] with K a multiple of {group_size}, "
                           f"got {list(weight.shape)}", tensor=name)
-    n, k = weight.shape
+    k = weight.shape[1]
     if tuple(hessian.shape) != (k, k):
         raise FormatError(f"GPTQ Hessian must be [{k}, {k}] for weight {list(weight.shape)}, "
                           f"got {list(hessian.shape)}", tensor=name)
@@ -46,6 +44,12 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: int =
         raise FormatError("GPTQ Hessian holds NaN or Inf", tensor=name)
     if not 0 < damp < 1:
         raise FormatError(f"GPTQ damping must be in (0, 1), got {damp}", tensor=name)
+
+
+def _gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float,
+                name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes ``[N, K]``, BF16 scales ``[N, K/g]``) chosen by GPTQ."""
+    n, k = weight.shape
     w = weight.to(torch.float32).clone()
     upper = _inverse_hessian_factor(hessian.to(w.device), damp, name)
     codes = torch.empty((n, k), dtype=torch.int8, device=w.device)
@@ -76,8 +80,9 @@ def gptq_quantize_int4(weight: torch.Tensor, hessian: torch.Tensor, *, group_siz
     An all-zero Hessian (the expert received no calibration tokens) has no information:
     the weight is rounded to nearest instead.
     """
-    if hessian.ndim == 2 and hessian.numel() and not bool((torch.diagonal(hessian) > 0).any()):
+    _check(weight, hessian, group_size, damp, name)
+    if not bool((torch.diagonal(hessian) > 0).any()):
         return quantize_int4_weight(weight, group_size=group_size, name=name)
-    codes, scales = gptq_codes(weight, hessian, group_size=group_size, damp=damp, name=name)
+    codes, scales = _gptq_codes(weight, hessian, group_size, damp, name)
     return Int4Weight(weight_packed=pack_int4(codes, name=name), weight_scale=scales,
                       weight_shape=torch.tensor(list(weight.shape), dtype=torch.int64))

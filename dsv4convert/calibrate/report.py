@@ -35,8 +35,9 @@ def nvfp4_activation_roundtrip(x: torch.Tensor, input_scale: torch.Tensor | floa
     blocks = x.float().reshape(rows, k // NVFP4_BLOCK, NVFP4_BLOCK)
     scale = torch.as_tensor(input_scale, dtype=torch.float32, device=x.device).reshape(())
     block_scale = (blocks.abs().amax(dim=-1) / (E2M1_MAX * scale)).clamp(2.0**E4M3_MIN_EXP, E4M3_MAX)
-    step = block_scale.to(torch.float8_e4m3fn).float() * scale
-    return (decode_e2m1(encode_e2m1(blocks / step[..., None])) * step[..., None]).reshape(rows, k)
+    block_scale = block_scale.to(torch.float8_e4m3fn).float()[..., None]
+    codes = encode_e2m1(blocks / (block_scale * scale))
+    return (decode_e2m1(codes) * block_scale * scale).reshape(rows, k)
 
 
 @dataclass
