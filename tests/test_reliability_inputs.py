@@ -185,6 +185,7 @@ def set_index(src: Path, mutate) -> None:
     ("", "is not a plain file name"),
     (7, "is not a plain file name"),
     (None, "is not a plain file name"),
+    (["model-00001-of-00008.safetensors"], "is not a plain file name"),  # found by tests/test_fuzz_parsers.py
 ])
 def test_index_naming_a_shard_outside_the_directory(capsys, src, evil, message):
     set_index(src, lambda ix: ix["weight_map"].update({"embed.weight": evil}))

@@ -116,7 +116,7 @@ class Checkpoint:
 
         shard_order: dict[str, Path] = {}
         for name, shard in weight_map.items():
-            if shard not in shard_order:
+            if not isinstance(shard, str) or shard not in shard_order:  # safe_shard_path refuses non-strings
                 path = safe_shard_path(root, shard, index_file=index_file, tensor=name)
                 if not path.is_file():
                     raise CheckpointError(f"shard '{shard}' named by the index is missing", file=path, tensor=name)
