@@ -1,6 +1,7 @@
 """Checkpoint I/O: validated lazy reading and atomic streaming writing of safetensors."""
 
-from dsv4convert.checkpoint.reader import INDEX_NAME, Checkpoint, read_small_json, resolve_source
+from dsv4convert.checkpoint.hub import HubRemote, Remote, ShardFetcher
+from dsv4convert.checkpoint.reader import INDEX_NAME, Checkpoint, read_small_json
 from dsv4convert.checkpoint.safetensors_io import (
     PlannedTensor,
     ShardWriter,
@@ -16,7 +17,10 @@ from dsv4convert.checkpoint.writer import copy_small_files, write_index
 __all__ = [
     "INDEX_NAME",
     "Checkpoint",
+    "HubRemote",
     "PlannedTensor",
+    "Remote",
+    "ShardFetcher",
     "ShardWriter",
     "TensorEntry",
     "atomic_write_bytes",
@@ -26,6 +30,5 @@ __all__ = [
     "read_header",
     "read_small_json",
     "read_tensor",
-    "resolve_source",
     "write_index",
 ]

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from dsv4convert.checkpoint.hub import HubRemote, Remote
 from dsv4convert.checkpoint.safetensors_io import (
     DuplicateKey,
     ShardHeader,
@@ -89,23 +90,43 @@ class Checkpoint:
     index_file: Path | None
     index_total_size: int | None
     problems: list[str] = field(default_factory=list)
+    remote: Remote | None = None  # set when shards still have to come from the Hub
 
     @classmethod
-    def open(cls, src: str | Path, *, revision: str | None = None) -> "Checkpoint":
-        root = resolve_source(src, revision=revision)
+    def open(cls, src: str | Path, *, revision: str | None = None, remote: Remote | None = None) -> "Checkpoint":
+        """A local directory, or a Hugging Face repo id (``remote`` stands in for the Hub in tests)."""
+        path = Path(src)
+        if remote is None and not path.is_dir():
+            if path.exists():
+                raise CheckpointError("source is a file, not a checkpoint directory", file=path)
+            if not _REPO_ID.match(str(src)) or ".." in str(src):
+                raise CheckpointError("no such directory (and not a Hugging Face repo id 'org/name')", file=path)
+            remote = HubRemote(str(src), revision)
+        if remote is not None:
+            try:
+                root = remote.small_files()
+            except CheckpointError:
+                raise
+            except Exception as exc:  # the Hub client raises many types; say which repo failed
+                raise CheckpointError(f"cannot resolve Hugging Face repo: {exc}", file=str(src)) from None
+        else:
+            root = path
         index_file = root / INDEX_NAME
         config_path = root / "config.json"
         config = read_small_json(config_path) if config_path.exists() else {}
         if index_file.exists():
-            return cls._open_indexed(root, index_file, config)
+            ckpt = cls._open_indexed(root, index_file, config, remote)
+            ckpt.remote = remote if any(not p.exists() for p in ckpt.shards) else None
+            return ckpt
         single = root / SINGLE_NAME
-        if single.exists():
-            header = read_header(single)
-            return cls(root, dict(header.entries), [single], {single: header}, config, None, None)
+        if single.exists() or remote is not None:
+            header = _header(single, remote)
+            return cls(root, dict(header.entries), [single], {single: header}, config, None, None,
+                       remote=remote if not single.exists() else None)
         raise CheckpointError(f"no {INDEX_NAME} and no {SINGLE_NAME}: not a safetensors checkpoint", file=root)
 
     @classmethod
-    def _open_indexed(cls, root: Path, index_file: Path, config: dict) -> "Checkpoint":
+    def _open_indexed(cls, root: Path, index_file: Path, config: dict, remote: Remote | None) -> "Checkpoint":
         if index_file.stat().st_size > MAX_INDEX_BYTES:
             raise CheckpointError(f"index is larger than {MAX_INDEX_BYTES} bytes", file=index_file)
         index = read_small_json(index_file)
@@ -118,10 +139,10 @@ class Checkpoint:
         for name, shard in weight_map.items():
             if not isinstance(shard, str) or shard not in shard_order:  # safe_shard_path refuses non-strings
                 path = safe_shard_path(root, shard, index_file=index_file, tensor=name)
-                if not path.is_file():
+                if not path.is_file() and remote is None:
                     raise CheckpointError(f"shard '{shard}' named by the index is missing", file=path, tensor=name)
                 shard_order[shard] = path
-        headers = {path: read_header(path) for path in shard_order.values()}
+        headers = {path: _header(path, remote) for path in shard_order.values()}
 
         tensors: dict[str, TensorEntry] = {}
         for name, shard in weight_map.items():
@@ -185,24 +206,16 @@ class Checkpoint:
         return out
 
 
-def resolve_source(src: str | Path, *, revision: str | None = None) -> Path:
-    """A local directory as is; a Hugging Face repo id through the local cache first, then the Hub."""
-    path = Path(src)
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise CheckpointError("source is a file, not a checkpoint directory", file=path)
-    text = str(src)
-    if not _REPO_ID.match(text) or ".." in text:
-        raise CheckpointError("no such directory (and not a Hugging Face repo id 'org/name')", file=path)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
+def _header(path: Path, remote: Remote | None) -> ShardHeader:
+    """A local shard's header, or (for a shard still on the Hub) one read by range requests."""
+    if path.is_file() or remote is None:
+        return read_header(path)
+    label = f"{remote.repo_id}/{path.name}"
     try:
-        local = snapshot_download(text, revision=revision, local_files_only=True)
-    except LocalEntryNotFoundError:
-        try:
-            local = snapshot_download(text, revision=revision)
-        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
-            raise CheckpointError(f"cannot resolve Hugging Face repo: {exc}", file=text) from None
-    return Path(local)
+        size = remote.size(path.name)
+        with remote.open(path.name) as stream:
+            return read_header(path, stream=stream, size=size, label=label)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the Hub client raises many types; name the shard
+        raise CheckpointError(f"cannot read the shard header from the Hub: {exc}", file=label) from None
