@@ -1,0 +1,94 @@
+"""Serve failures that tests/test_serve_process.py does not reach: a server killed after it became
+healthy, a router that never turns healthy or finds its port taken once the servers run, and a
+server SIGKILLed while starting that leaves its own child behind. In every case each process
+started is stopped (grandchildren included), every port is free again, and the error shows the
+log tail of the process that failed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from dsv4convert.serve.cli import smoke_request, start_and_wait
+from dsv4convert.serve.process import ProcessGroup, ServeError
+from test_serve_process import assert_nothing_left, free_port, pid_alive, standin, wait_until
+
+
+def pd_commands(tmp_path, ports, router_extra=()):
+    files = [tmp_path / f"child-{role}" for role in ("prefill", "decode", "router")]
+    commands = [standin("prefill", ports[0], "--child-pid-file", str(files[0])),
+                standin("decode", ports[1], "--child-pid-file", str(files[1])),
+                standin("router", ports[2], "--child-pid-file", str(files[2]), *router_extra)]
+    return commands, files
+
+
+def test_server_killed_after_it_was_healthy(tmp_path):
+    """SIGKILL reaches only the router's leader (the OOM killer's way): its child lives on in the
+    process group; the next request fails as a ServeError and leaving the group stops the rest."""
+    ports = [free_port() for _ in range(3)]
+    commands, files = pd_commands(tmp_path, ports)
+    with pytest.raises(ServeError, match=rf"POST http://127.0.0.1:{ports[2]}/generate failed"):
+        with ProcessGroup(tmp_path / "logs", stop_grace=2.0, echo=lambda line: None) as group:
+            start_and_wait(group, commands, timeout=15.0)
+            pgids = [p.popen.pid for p in group.processes]
+            children = [int(f.read_text()) for f in files]
+            router = group.processes[-1]
+            os.kill(router.popen.pid, signal.SIGKILL)
+            assert wait_until(lambda: router.popen.poll() is not None)
+            assert pid_alive(children[2])  # orphaned inside the group, still holding resources
+            smoke_request(commands[-1].url, timeout=5.0)
+    assert_nothing_left(pgids, ports, children)
+
+
+def test_router_never_healthy_stops_the_servers_too(tmp_path):
+    ports = [free_port() for _ in range(3)]
+    commands, files = pd_commands(tmp_path, ports, ("--behaviour", "never-healthy"))
+    started: list[str] = []
+    with pytest.raises(ServeError, match=r"(?s)router not healthy at http://127.0.0.1:\d+/health after 3 s.*"
+                                         r"stand-in: starting on .* \(never-healthy\)"):
+        with ProcessGroup(tmp_path / "logs", stop_grace=2.0, echo=started.append) as group:
+            servers = [group.start(c) for c in commands[:2]]
+            for running in servers:
+                group.wait_healthy(running, timeout=15.0, poll=0.1)
+            group.wait_healthy(group.start(commands[2]), timeout=3.0, poll=0.2)
+    pgids = [int(line.split("pid ")[1].split(")")[0]) for line in started if line.startswith("started")]
+    assert len(pgids) == 3
+    assert_nothing_left(pgids, ports, [int(f.read_text()) for f in files])
+
+
+def test_router_port_taken_after_the_servers_started(tmp_path):
+    ports = [free_port() for _ in range(2)]
+    started: list[str] = []
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        router_port = squatter.getsockname()[1]
+        commands, files = pd_commands(tmp_path, [*ports, router_port])
+        with pytest.raises(ServeError, match=rf"cannot start router: port\(s\) {router_port} already in use"):
+            with ProcessGroup(tmp_path / "logs", stop_grace=2.0, echo=started.append) as group:
+                start_and_wait(group, commands, timeout=15.0)
+    pgids = [int(line.split("pid ")[1].split(")")[0]) for line in started if line.startswith("started")]
+    assert len(pgids) == 2 and not (tmp_path / "logs" / "router.log").exists()
+    assert_nothing_left(pgids, ports, [int(f.read_text()) for f in files[:2]])
+
+
+def test_server_sigkilled_while_starting_leaves_no_child_behind(tmp_path):
+    port = free_port()
+    child_file = tmp_path / "child"
+    command = standin("decode", port, "--child-pid-file", str(child_file), "--ready-after", "60")
+    with pytest.raises(ServeError, match=r"(?s)decode exited with status -9 while starting; last lines of .*decode\.log"
+                                         r".*stand-in: starting"):
+        with ProcessGroup(tmp_path / "logs", stop_grace=1.0, echo=lambda line: None) as group:
+            running = group.start(command)
+            pgid = running.popen.pid
+            assert wait_until(lambda: child_file.exists() and child_file.read_text(), timeout=15.0)
+            threading.Timer(0.5, os.kill, (pgid, signal.SIGKILL)).start()
+            start = time.monotonic()
+            group.wait_healthy(running, timeout=30.0, poll=0.1)
+    assert time.monotonic() - start < 10.0
+    assert_nothing_left([pgid], [port], [int(child_file.read_text())])
