@@ -263,3 +263,15 @@ def test_mixed_recipe_keeps_indexer_bf16(tiny_ckpt, tmp_path):
     assert "layers.2.attn.indexer.wq_b.scale" not in ckpt.tensors
     assert ckpt.tensors["layers.2.ffn.experts.0.w1.weight"].dtype == "U8"
     assert inspect_checkpoint(ckpt).ok
+
+
+def test_fp8_with_float32_scales(tiny_ckpt, tmp_path, capsys):
+    dst = tmp_path / "fp8-f32"
+    assert main(["to-fp8", "--scale-dtype", "float32", "--src", str(tiny_ckpt), "--dst", str(dst),
+                 "--no-progress"]) == 0
+    ckpt = Checkpoint.open(dst)
+    assert ckpt.tensors["layers.3.ffn.experts.1.w2.scale"].dtype == "F32"
+    assert ckpt.tensors["layers.3.attn.wq_a.scale"].dtype == "F8_E8M0"  # kept modules stay as they were
+    assert inspect_checkpoint(ckpt).variant == "fp8"
+    ids = prompt_ids(tiny_ckpt)
+    assert torch.equal(logits(dst, ids), logits(tiny_ckpt, ids))

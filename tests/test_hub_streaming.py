@@ -78,3 +78,29 @@ def test_a_missing_remote_shard_is_named(tiny_ckpt, tmp_path):
     victim.unlink()
     with pytest.raises(CheckpointError, match=f"acme/tiny-v4/{victim.name}"):
         Checkpoint.open("acme/tiny-v4", remote=StandInHub(origin, tmp_path / "cache"))
+
+
+def test_conversion_from_the_hub_matches_a_local_one_and_frees_source_shards(tiny_ckpt, outputs, tmp_path):
+    from conftest import run
+
+    hub = StandInHub(tiny_ckpt, tmp_path / "cache")
+    peak = {"shards": 0}
+    download = hub.download
+
+    def counting_download(filename: str) -> Path:
+        got = download(filename)
+        peak["shards"] = max(peak["shards"], len(list(hub.cache.glob("*.safetensors"))))
+        return got
+
+    hub.download = counting_download
+    dst = tmp_path / "from-hub"
+    run(hub.repo_id, dst, "fp8", remote=hub, delete_source_shards=True)
+    local = Checkpoint.open(outputs["fp8"])
+    streamed = Checkpoint.open(dst)
+    assert list(streamed.tensors) == list(local.tensors)
+    for name in local.tensors:
+        assert torch.equal(streamed.read(name).reshape(-1).view(torch.uint8),
+                           local.read(name).reshape(-1).view(torch.uint8)), name
+    assert sorted(hub.downloads) == sorted(p.name for p in Checkpoint.open(tiny_ckpt).shards)
+    assert not list(hub.cache.glob("*.safetensors")), "every source shard is deleted after its last use"
+    assert peak["shards"] <= 2

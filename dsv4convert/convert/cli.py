@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.plan import DEFAULT_MAX_SHARD_BYTES, parse_size
-from dsv4convert.convert.recipe import load_recipe
+from dsv4convert.convert.recipe import load_recipe, with_fp8_scale_dtype
 
 SHIPPED_HELP = {
     "to-fp8": ("fp8", "routed experts cast MXFP4 -> FP8 128x128 losslessly; everything else kept"),
@@ -37,6 +37,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", default="cpu", metavar="DEVICE",
                    help="where the numerics run: cpu (default), cuda or cuda:N; the output bytes are the same")
+    p.add_argument("--revision", help="branch, tag or commit of a Hugging Face repo id --src")
+    p.add_argument("--delete-source-shards", action="store_true",
+                   help="Hub sources: delete each downloaded shard from the cache once converted, so peak disk "
+                        "is the output plus two source shards")
 
 
 def _nvfp4_inputs(p: argparse.ArgumentParser) -> None:
@@ -55,6 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         _common(p)
         if recipe == "nvfp4":
             _nvfp4_inputs(p)
+        if recipe == "fp8":
+            p.add_argument("--scale-dtype", choices=["e8m0", "float32"], default="e8m0",
+                           help="expert block scales as E8M0 powers of two (native, default) or F32")
         p.set_defaults(func=_run, recipe=recipe)
     p = subparsers.add_parser("convert", help="run any recipe (YAML) on a checkpoint", description=(
         "Convert with a recipe file: ordered rules that map tensor roles (and optional module regexes) to "
@@ -74,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     convert(ConvertOptions(
         src=args.src,
         dst=args.dst,
-        recipe=load_recipe(args.recipe),
+        recipe=with_fp8_scale_dtype(load_recipe(args.recipe), getattr(args, "scale_dtype", "e8m0")),
         workers=max(1, args.workers),
         max_memory=args.max_memory,
         max_shard_bytes=args.max_shard_size,
@@ -85,5 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         calibration=getattr(args, "calibration", None),
         progress=not args.no_progress,
         device=args.device,
+        revision=args.revision,
+        delete_source_shards=args.delete_source_shards,
     ))
     return 0

@@ -40,6 +40,8 @@ from dsv4convert import __version__
 from dsv4convert.checkpoint import (
     INDEX_NAME,
     Checkpoint,
+    Remote,
+    ShardFetcher,
     ShardWriter,
     atomic_write_bytes,
     atomic_write_json,
@@ -76,6 +78,9 @@ class ConvertOptions:
     calibration: Path | None = None
     progress: bool = True
     device: str = "cpu"
+    revision: str | None = None               # of a Hugging Face repo id source
+    delete_source_shards: bool = False        # Hub sources: delete each shard from the cache after its last use
+    remote: Remote | None = None              # stands in for the Hub (tests); None: huggingface_hub
 
 
 @dataclass
@@ -311,7 +316,7 @@ def _partners(plan: Plan, shard: ShardJob) -> dict[str, dict]:
 def convert(opts: ConvertOptions) -> ConvertResult:
     """Plan, validate and run a conversion; see the module docstring."""
     t0 = time.monotonic()
-    ckpt = Checkpoint.open(opts.src)
+    ckpt = Checkpoint.open(opts.src, revision=opts.revision, remote=opts.remote)
     _check_paths(ckpt.root, opts.dst)
     plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes)
     config, extra_files = build_quant_config(ckpt.config, plan.module_formats())
@@ -336,11 +341,15 @@ def convert(opts: ConvertOptions) -> ConvertResult:
         for stale in opts.dst.glob(".*.partial"):
             stale.unlink()
         todo = _remaining(plan, state, opts.dst)
-        _check_disk(opts.dst, sum(s.bytes_out for s in todo) + 64 * 1024**2)
+        _check_disk(opts.dst, sum(s.bytes_out for s in todo) + _download_bytes(ckpt, todo, opts) + 64 * 1024**2)
         state.complete = False
         state.save()
         try:
-            _run_jobs(plan, todo, opts, state, input_scales, max_memory)
+            sources = SourceShards(ckpt, todo, input_scales, delete_after_use=opts.delete_source_shards)
+            try:
+                _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources)
+            finally:
+                sources.close()
         except KeyboardInterrupt:
             raise DSV4Error(f"interrupted; {len(state.shards)} of {len(plan.shards)} shards are complete. "
                             "Run the same command with --resume to continue", file=opts.dst) from None
@@ -351,7 +360,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
 
 
 def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: RunState,
-              input_scales: InputScales | None, max_memory: int) -> None:
+              input_scales: InputScales | None, max_memory: int, sources: "SourceShards") -> None:
     bar = tqdm(total=sum(s.bytes_in for s in todo), unit="B", unit_scale=True, desc="convert",
                disable=not opts.progress, file=sys.stderr)
 
@@ -362,10 +371,12 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
     if opts.workers <= 1:
         q: queue.Queue = queue.Queue()
         for shard in todo:
+            sources.acquire(shard)
             stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, q, opts.device)
             while not q.empty():
                 bar.update(q.get())
             finished(shard, stats)
+            sources.done(shard)
         bar.close()
         return
 
@@ -383,6 +394,7 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
                         sum(pipeline_memory(s) for s in running.values()) + pipeline_memory(pending[0]) <= max_memory
                         or not running):
                     shard = pending.pop(0)
+                    sources.acquire(shard)
                     fut = pool.submit(run_shard_job, str(opts.dst), shard, _partners(plan, shard), input_scales, q,
                                       opts.device)
                     running[fut] = shard
@@ -390,7 +402,9 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
                 while not q.empty():
                     bar.update(q.get())
                 for fut in done:
-                    finished(running.pop(fut), fut.result())
+                    shard = running.pop(fut)
+                    finished(shard, fut.result())
+                    sources.done(shard)
         except BaseException:
             for fut in running:
                 fut.cancel()
@@ -398,6 +412,58 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
             raise
         pool.shutdown(wait=True)
     bar.close()
+
+
+class SourceShards:
+    """Which source shards each job reads; for a Hub source, fetches them ahead and frees them after.
+
+    A local source needs nothing: ``acquire`` and ``done`` only count. With a Hub source the
+    shards a job reads are downloaded before it starts (the next job's while it runs), and with
+    ``delete_after_use`` a shard leaves the cache once every job that reads it is done.
+    """
+
+    def __init__(self, ckpt: Checkpoint, todo: list[ShardJob], input_scales: InputScales | None, *,
+                 delete_after_use: bool):
+        self.needs = {job.name: sorted(_source_files(job, input_scales)) for job in todo}
+        self.order = [job.name for job in todo]
+        self.readers = {f: sum(f in files for files in self.needs.values()) for f in
+                        {f for files in self.needs.values() for f in files}}
+        self.fetcher = ShardFetcher(ckpt.remote, ckpt.root, delete_after_use=delete_after_use) \
+            if ckpt.remote is not None else None
+
+    def acquire(self, job: ShardJob) -> None:
+        if self.fetcher is None:
+            return
+        later = self.order[self.order.index(job.name) + 1:]
+        self.fetcher.acquire(self.needs[job.name], upcoming=[f for name in later for f in self.needs[name]])
+
+    def done(self, job: ShardJob) -> None:
+        for f in self.needs[job.name]:
+            self.readers[f] -= 1
+            if self.readers[f] == 0 and self.fetcher is not None:
+                self.fetcher.release(f)
+
+    def close(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.close()
+
+
+def _source_files(job: ShardJob, input_scales: InputScales | None) -> set[str]:
+    files = {e.path.name for m in job.modules for e in m.sources.values()}
+    for m in job.modules:
+        if m.target.format is Format.NVFP4 and input_scales is not None:
+            norm = input_scales.norm_entries.get(m.module.split(".ffn.")[0])
+            if norm is not None:
+                files.add(norm.path.name)
+    return files
+
+
+def _download_bytes(ckpt: Checkpoint, todo: list[ShardJob], opts: ConvertOptions) -> int:
+    """Disk the source shards still to be downloaded will take (two at a time when deleted after use)."""
+    if ckpt.remote is None:
+        return 0
+    sizes = sorted((ckpt.headers[p].file_size for p in ckpt.shards if not p.exists()), reverse=True)
+    return sum(sizes[:2]) if opts.delete_source_shards else sum(sizes)
 
 
 def quiet_openmp_for_workers() -> None:

@@ -226,6 +226,19 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
     return parse_recipe(text, str(path))
 
 
+def with_fp8_scale_dtype(recipe: Recipe, scale_dtype: str) -> Recipe:
+    """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``)."""
+    data = yaml.safe_load(recipe.text)
+    changed = False
+    for rule in data["rules"]:
+        if rule["format"] == "fp8" and rule.get("params", {}).get("scale_dtype", "e8m0") != scale_dtype:
+            rule.setdefault("params", {})["scale_dtype"] = scale_dtype
+            changed = True
+    if not changed:
+        return recipe
+    return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{recipe.source} (scale_dtype {scale_dtype})")
+
+
 def canonical(recipe: Recipe) -> str:
     """A stable text of the recipe's meaning, for resume signatures."""
     return json.dumps(_load_yaml(recipe.text), sort_keys=True)
