@@ -124,7 +124,6 @@ def server_args(options: LaunchOptions, role: str, tp_size: int, port: int, nccl
     defaults = variant_defaults(options.variant, options.gpu_family)
     args = [
         "--model-path", options.model,
-        "--trust-remote-code",
         "--host", options.host,
         "--port", str(port),
         "--tp-size", str(tp_size),
