@@ -123,6 +123,8 @@ class StateFiles:
 class BlockResult:
     block: str
     seconds: float
+    load_seconds: float            # reading and dequantizing the layer's weights
+    forward_seconds: float         # all sequences through the layer, statistics and state files included
     peak_device_bytes: int | None
     calibration_rows: int
     report: dict | None = None
@@ -243,6 +245,7 @@ class Calibrator:
             previous = self.states.open(block, rows_total, ids.shape[1] - self._shift(self.blocks[index - 1]))
         layer = build_layer(self.source, self.config, self.cfg, block)
         entry = MtpEntry.load(self.source, self.config, block) if block.startswith("mtp.") else None
+        loaded = time.perf_counter()
         stats = ExpertStats.zeros(self.cfg.n_routed_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size,
                                   hessians=o.hessians or o.report, device=self.device)
         recorder = ExpertRecorder(layer.mlp.experts, stats)
@@ -253,11 +256,14 @@ class Calibrator:
                 recorder.capture = rows.start >= o.num_sequences
                 hidden = self._inputs(block, previous, entry, ids, rows)
                 kwargs = self._positions.kwargs(hidden.shape[0], seq)
-                result = layer(hidden, input_ids=ids[rows, self._shift(block):].to(self.device), **kwargs)
+                streams = layer(hidden, input_ids=ids[rows, self._shift(block):].to(self.device), **kwargs)
                 if out is not None:
-                    out[rows] = result.to("cpu")
+                    out[rows] = streams.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         finally:
             recorder.remove()
+        forwarded = time.perf_counter()
         report = None
         if o.report:
             report = block_errors(layer.mlp.experts, recorder.captured, stats, self._data_free(block),
@@ -276,7 +282,8 @@ class Calibrator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        result = BlockResult(block, time.perf_counter() - start, peak, o.num_sequences * seq, report)
+        result = BlockResult(block, time.perf_counter() - start, loaded - start, forwarded - loaded, peak,
+                             o.num_sequences * seq, report)
         atomic_write_json(self.result_path(block), result.as_dict())
         return result
 
