@@ -631,7 +631,14 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: about 1/12 of the output, so every run spans many shards)")
     parser.add_argument("--delays", type=int, default=6, help="random-moment kills per recipe")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--launcher", choices=("fork", "exec"), default="fork",
+                        help="fork: conversions forked from a pre-imported server (fast); exec: a fresh "
+                             "`python -m dsv4convert` per run. SIGTERM/Ctrl-C always use exec")
+    parser.add_argument("--sample-shards", action="store_true",
+                        help="shard-level kill points on the first, middle and last shard only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fuzz-examples", type=int, default=0,
+                        help="also run tests/test_fuzz_parsers.py with this many cases per fuzz test")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -642,18 +649,19 @@ def main(argv: list[str] | None = None) -> int:
     synthesize(src, args.preset)
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     shard_bytes = args.shard_size or max(200_000, source_bytes // 12)
-    launcher = Launcher(workdir)
-    report: dict = {"command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+    launcher = ForkLauncher(workdir) if args.launcher == "fork" else Launcher(workdir)
+    real = Launcher(workdir)
+    report: dict = {"command": " ".join(shlex.quote(a) for a in ["python", "bench/torture.py", *(argv or sys.argv[1:])]),
                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
                     "commit": _git_commit(), "preset": args.preset, "source_bytes": source_bytes,
-                    "shard_bytes": shard_bytes, "workers": args.workers, "recipes": {}}
+                    "shard_bytes": shard_bytes, "workers": args.workers, "launcher": args.launcher, "recipes": {}}
     t_start = time.monotonic()
     try:
-        for recipe in args.recipes.split(","):
+        for recipe in filter(None, args.recipes.split(",")):
             torture = Torture(launcher, src, workdir, recipe, shard_bytes=shard_bytes, workers=args.workers)
             torture.make_reference()
             points = trace_points(torture.trace, torture.sizes, torture.duration, seed=args.seed,
-                                  delays=args.delays, every_shard=True)
+                                  delays=args.delays, every_shard=not args.sample_shards)
             print(f"{recipe}: reference {torture.duration:.1f} s, {len(torture.sizes)} shards, "
                   f"{len(points)} kill points", flush=True)
             outcomes = []
@@ -664,9 +672,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {flag:4s} {point.strategy:5s} {point.phase:10s} {point.name} "
                       f"(killed={outcome.killed}, finished before resume {outcome.finished_before_resume})", flush=True)
             signals = []
+            by_exec = Torture(real, src, workdir, recipe, shard_bytes=shard_bytes, workers=args.workers)
+            by_exec.reference, by_exec.sizes = torture.reference, torture.sizes
             for sig, group in ((signal.SIGTERM, False), (signal.SIGINT, True)):
-                for label, when in (("first .partial open", any_partial), ("state lists 1 shard", state_lists(1))):
-                    result = torture.interrupt(workdir / f"sig-{recipe}", sig, when=when, group=group)
+                for label, when in (("first .partial open", any_partial), ("state lists 1 shard", state_lists(1)),
+                                    ("index written", _exists("model.safetensors.index.json"))):
+                    result = by_exec.interrupt(workdir / f"sig-{recipe}", sig, when=when, group=group)
                     result["when"] = label
                     signals.append(result)
                     print(f"  {result['signal']} at {label}: exit {result['exit_status']}, identical {result['identical']}, "
@@ -679,20 +690,42 @@ def main(argv: list[str] | None = None) -> int:
                 "outcomes": [dataclasses.asdict(o) for o in outcomes],
                 "signals": signals,
             }
+        if args.fuzz_examples:
+            report["fuzz"] = run_fuzz(args.fuzz_examples)
+            print(f"fuzz: {report['fuzz']}", flush=True)
     finally:
         launcher.close()
+        real.close()
     report["seconds"] = round(time.monotonic() - t_start, 1)
     report["summary"] = summarize(report)
     out = args.out or REPO / "bench" / "results" / f"torture-{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(render_markdown(report))
     print(json.dumps(report["summary"], indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0 if report["summary"]["failures"] == 0 else 1
+
+
+def _exists(name: str) -> Callable[[Path], bool]:
+    return lambda dst: (dst / name).exists()
 
 
 def any_partial(dst: Path) -> bool:
     return dst.exists() and any(dst.glob(".model-*.partial"))
+
+
+def run_fuzz(examples: int) -> dict:
+    """The CI fuzz tests with more cases (random, not derandomized, above 500 per test)."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz_parsers.py"],
+                          cwd=REPO, env={**os.environ, "DSV4_FUZZ_EXAMPLES": str(examples)},
+                          capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", tail)) else 0
+    failed = int(m.group(1)) if (m := re.search(r"(\d+) failed", tail)) else 0
+    return {"examples_per_test": examples, "tests": passed + failed, "passed": passed, "failed": failed,
+            "cases": (passed + failed) * examples, "seconds": round(time.monotonic() - t0, 1), "pytest": tail}
 
 
 def summarize(report: dict) -> dict:
@@ -711,8 +744,42 @@ def summarize(report: dict) -> dict:
         "bytes_lost": sum(o["bytes_lost"] for o in outcomes),
         "signals": len(signals),
         "signals_clean": len(signals) - len(bad_signals),
-        "failures": len(failures) + len(bad_signals),
+        "failures": len(failures) + len(bad_signals) + report.get("fuzz", {}).get("failed", 0),
     }
+
+
+def render_markdown(report: dict) -> str:
+    """The tables docs/reliability.md quotes: kill points per phase and strategy, signals, fuzzing."""
+    lines = [f"Command: `{report['command']}` (commit {report['commit']}, {report['machine']['cpus']} CPUs, "
+             f"{report['seconds']} s)", ""]
+    for recipe, result in report["recipes"].items():
+        lines += [f"**{recipe}** ({report['preset']} preset: {result['output_shards']} output shards, "
+                  f"{result['output_bytes']} bytes, uninterrupted run {result['reference_seconds']} s)", "",
+                  "| phase | strategy | kill points | killed | identical after resume | torn files | bytes lost |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for o in result["outcomes"]:
+            groups.setdefault((o["phase"], o["strategy"]), []).append(o)
+        for (phase, strategy), rows in groups.items():
+            lines.append(f"| {phase} | {strategy} | {len(rows)} | {sum(r['killed'] for r in rows)} | "
+                         f"{sum(r['identical'] for r in rows)} | {sum(len(r['problems_after_kill']) for r in rows)} | "
+                         f"{sum(r['bytes_lost'] for r in rows)} |")
+        failed = [o for o in result["outcomes"] if not o["identical"]]
+        lines += [""] + [f"- not identical: {o['point']}: {o['diffs'][0][:200]}" for o in failed]
+        lines += ["", "| signal | delivered when | exit | stderr | leftovers | identical after resume |",
+                  "|---|---|---:|---|---|---|"]
+        for sig in result["signals"]:
+            lines.append(f"| {sig['signal']} | {sig['when']}{'' if sig['delivered'] else ' (run had finished)'} | "
+                         f"{sig['exit_status']} | `{sig['stderr'][-150:]}` | {', '.join(sig['leftovers']) or 'none'} | "
+                         f"{sig['identical']} |")
+        lines.append("")
+    if "fuzz" in report:
+        fuzz = report["fuzz"]
+        lines += [f"Fuzzing: {fuzz['tests']} hypothesis tests x {fuzz['examples_per_test']} cases = {fuzz['cases']} "
+                  f"cases in {fuzz['seconds']} s: {fuzz['pytest']}", ""]
+    summary = report["summary"]
+    lines.append("Summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    return "\n".join(lines) + "\n"
 
 
 def _git_commit() -> str | None:
