@@ -174,10 +174,18 @@ class Launcher:
         if kill:
             env[KILL_ENV] = json.dumps(kill)
         out, err = self.workdir / f"run{self.count}.out", self.workdir / f"run{self.count}.err"
+
+        def prepare_child() -> None:
+            # A shell starts background jobs with SIGINT ignored, and exec keeps that: give the
+            # conversion Ctrl-C back, as in a terminal.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if preexec is not None:
+                preexec()
+
         with open(out, "wb") as o, open(err, "wb") as e:
             popen = subprocess.Popen([sys.executable, "-m", "dsv4convert", *argv], cwd=REPO, env=env,
                                      stdout=o, stderr=e, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=preexec)
+                                     start_new_session=True, preexec_fn=prepare_child)
         return Run(popen, out, err, time.monotonic())
 
     def close(self) -> None:
@@ -645,8 +653,10 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="torture-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    recipes = [r for r in args.recipes.split(",") if r]
     src = workdir / f"src-{args.preset}"
-    synthesize(src, args.preset)
+    if recipes:
+        synthesize(src, args.preset)
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     shard_bytes = args.shard_size or max(200_000, source_bytes // 12)
     launcher = ForkLauncher(workdir) if args.launcher == "fork" else Launcher(workdir)
@@ -657,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                     "shard_bytes": shard_bytes, "workers": args.workers, "launcher": args.launcher, "recipes": {}}
     t_start = time.monotonic()
     try:
-        for recipe in filter(None, args.recipes.split(",")):
+        for recipe in recipes:
             torture = Torture(launcher, src, workdir, recipe, shard_bytes=shard_bytes, workers=args.workers)
             torture.make_reference()
             points = trace_points(torture.trace, torture.sizes, torture.duration, seed=args.seed,
@@ -673,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(killed={outcome.killed}, finished before resume {outcome.finished_before_resume})", flush=True)
             signals = []
             by_exec = Torture(real, src, workdir, recipe, shard_bytes=shard_bytes, workers=args.workers)
-            by_exec.reference, by_exec.sizes = torture.reference, torture.sizes
+            by_exec.make_reference()  # its own: a fork server keeps the code it imported at start
             for sig, group in ((signal.SIGTERM, False), (signal.SIGINT, True)):
                 for label, when in (("first .partial open", any_partial), ("state lists 1 shard", state_lists(1)),
                                     ("index written", _exists("model.safetensors.index.json"))):

@@ -122,6 +122,15 @@ def test_header_length_field_cuts_the_json(capsys, src):
     assert "header is not valid JSON" in convert(capsys, src)
 
 
+def test_header_nested_too_deeply(capsys, src):
+    path = shard(src, 2)
+    n, _, data = header_of(path)
+    raw = b"[" * 50_000 + b"]" * 50_000
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    err = convert(capsys, src)
+    assert path.name in err and "header JSON is nested too deeply" in err
+
+
 # ---------------------------------------------------------------- header entries that lie
 
 
