@@ -204,7 +204,8 @@ def main() -> None:
     h = with_h[0]
     lines.append(f"| {h['block']} + Hessians | ratio 4 | {h['load_seconds']:.1f} | {h['forward_seconds']:.1f} | "
                  f"{(h['peak_device_bytes'] or 0) / 2**30:.1f} |")
-    lines += ["", f"- amax only (NVFP4): **{amax_only['total_hours']:.2f} h**, peak {amax_only['peak_gpu_gib']:.1f} GiB",
+    lines += ["", f"- amax only (NVFP4): **{amax_only['total_hours']:.2f} h**, "
+                  f"peak {amax_only['peak_gpu_gib']:.1f} GiB",
               f"- with Hessians (GPTQ): **{hessian_hours:.2f} h**, peak "
               f"{result['extrapolated']['with_hessians']['peak_gpu_gib']:.1f} GiB, Hessian files "
               f"{result['extrapolated']['with_hessians']['hessian_disk_gib']:.0f} GiB", ""]

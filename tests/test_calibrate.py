@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
+from dsv4convert import dtypes
 from dsv4convert.calibrate import calibration_hessians, gptq_quantize_int4
 from dsv4convert.calibrate.data import calibration_tokens, read_documents
 from dsv4convert.calibrate.layers import COMPUTE_DTYPES, WeightSource, build_layer, hf_config
@@ -22,10 +24,18 @@ from dsv4convert.calibrate.stream import CalibrateOptions, Calibrator, batches, 
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.cli import main
 from dsv4convert.convert.input_scales import load_calibration
+from dsv4convert.convert.modules import dequantize_source
 from dsv4convert.errors import DSV4Error, FormatError
-from dsv4convert.formats import dequantize_int4, dequantize_nvfp4, input_scale_from_amax, quantize_int4_weight, quantize_nvfp4
+from dsv4convert.formats import (
+    dequantize_int4,
+    dequantize_nvfp4,
+    input_scale_from_amax,
+    quantize_int4_weight,
+    quantize_nvfp4,
+)
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import ModelConfig
+from dsv4convert.storage import Format, linear_storage
 from transformers_oracle import load
 
 WORDS = ("the quick brown fox jumps over lazy dog model layer expert token weight scale calibration data "
@@ -70,9 +80,9 @@ def _oracle_stats(model, ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]
     def hook(layer_index):
         def observe(experts, args):
             x, top_k_index = args[0], args[1]
-            n, hidden = experts.num_experts, x.shape[1]
+            n = experts.num_experts
             out = {"w13": torch.zeros(n), "w2": torch.zeros(n), "tokens": torch.zeros(n, dtype=torch.int64),
-                   "h13": torch.zeros(n, hidden, hidden), "h2": {}}
+                   "h13": {}, "h2": {}}
             for e in range(n):
                 routed = (top_k_index == e).any(dim=-1)
                 if routed.any():
@@ -80,6 +90,7 @@ def _oracle_stats(model, ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]
                     x2 = experts._apply_gate(F.linear(x13, experts.gate_up_proj[e]))
                     out["w13"][e], out["w2"][e] = x13.abs().max(), x2.abs().max()
                     out["tokens"][e] = int(routed.sum())
+                    x13, x2 = x13.float(), x2.float()
                     out["h13"][e] = x13.T @ x13
                     out["h2"][e] = x2.T @ x2
             seen[layer_index] = out
@@ -123,6 +134,21 @@ def test_streamed_statistics_equal_one_full_transformers_forward(streamed, full_
             torch.testing.assert_close(hessians(f"{name}.w2"), want["h2"][e], rtol=1e-5, atol=1e-4)
 
 
+def test_bf16_streaming_equals_the_bf16_transformers_forward(tiny_ckpt, data_file, tmp_path):
+    """BF16, as on the GPU: the same equality against from_pretrained's own BF16 model."""
+    output = tmp_path / "calib.json"
+    Calibrator(_opts(tiny_ckpt, output, data_file, num_sequences=1, seq_len=48, batch_size=1, dtype="bfloat16",
+                     hessians=False, mtp=False)).run()
+    model = DeepseekV4ForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.bfloat16,
+                                                  quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    ids, _ = calibration_tokens(tiny_ckpt, data_file, num_sequences=1, seq_len=48)
+    for layer_index, want in _oracle_stats(model, ids).items():
+        got = ExpertStats.load_scalars(work_dir(output) / f"layers.{layer_index}.safetensors")
+        assert torch.equal(got.tokens, want["tokens"]) and torch.equal(got.w13_amax, want["w13"]), layer_index
+        assert torch.equal(got.w2_amax, want["w2"]), layer_index
+
+
 def test_layers_hold_exactly_what_transformers_loads(full_model, tiny_ckpt):
     ckpt = Checkpoint.open(tiny_ckpt)
     cfg = ModelConfig.from_dict(ckpt.config)
@@ -155,6 +181,23 @@ def test_calibration_file_is_what_to_nvfp4_reads(streamed):
     assert load_calibration(output) == content["experts"]
     total = len(content["experts"]) + content["uncalibrated_experts"]["count"]
     assert total == 6 * 8 and content["data"]["tokens"] == N_SEQ * SEQ_LEN
+
+
+def test_gptq_from_the_calibration_file_gives_the_w4a16_layout(streamed, tiny_ckpt):
+    """What ``to-w4a16 --calibration FILE --gptq`` does per expert: the stored tensors are the ones
+    the INT4 format plans (same names, dtypes, shapes as round-to-nearest), the codes are not."""
+    _, output = streamed
+    ckpt = Checkpoint.open(tiny_ckpt)
+    hessians = calibration_hessians(output)
+    for proj in ("w1", "w2"):
+        module = f"layers.3.ffn.experts.5.{proj}"
+        src = {p: ckpt.read(f"{module}.{p}") for p in ("weight", "scale")}
+        w = dequantize_source(Format.MXFP4, src, f"{module}.weight")
+        q = gptq_quantize_int4(w, hessians(module), group_size=128, name=module)
+        planned = {p.suffix: (p.dtype, p.shape) for p in linear_storage(Format.INT4, *w.shape, group_size=128)}
+        stored = {"weight_packed": q.weight_packed, "weight_scale": q.weight_scale, "weight_shape": q.weight_shape}
+        assert {k: (dtypes.of_tensor(v).name, dtypes.safetensors_shape(v)) for k, v in stored.items()} == planned
+        assert not torch.equal(q.weight_packed, quantize_int4_weight(w).weight_packed)
 
 
 def test_interrupted_run_resumes_to_the_same_result(streamed, tiny_ckpt, data_file, tmp_path):
@@ -309,3 +352,15 @@ def test_cli_reports_bad_options_in_one_line(tiny_ckpt, data_file, tmp_path, cap
     assert main(["calibrate", "--src", str(tiny_ckpt), "--output", str(tmp_path / "c.json"), "--device", "tpu",
                  "--calibration-data", str(data_file)]) == 2
     assert "--device must be cpu or cuda" in capsys.readouterr().err
+
+
+def test_cli_writes_the_file_and_prints_the_report(tiny_ckpt, data_file, tmp_path, capsys):
+    output = tmp_path / "c.json"
+    assert main(["calibrate", "--src", str(tiny_ckpt), "--output", str(output), "--calibration-data", str(data_file),
+                 "--device", "cpu", "--dtype", "float32", "--num-sequences", "1", "--seq-len", "32", "--no-mtp",
+                 "--report", "--holdout", "1", "--report-experts", "2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    content = json.loads(output.read_text())
+    assert f"{len(content['experts'])} experts calibrated" in printed
+    assert [r["block"] for r in content["report"]] == [f"layers.{i}" for i in range(5)]
+    assert all(f"\n{r['block']} " in printed for r in content["report"])

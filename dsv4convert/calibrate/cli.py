@@ -20,7 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, type=Path,
                    help="calibration file to write (JSON); per-block files go to OUTPUT.d/")
     p.add_argument("--calibration-data", required=True, type=Path, metavar="FILE",
-                   help="text file, or .jsonl with a \"text\" field per line; tokenized with the checkpoint's tokenizer")
+                   help="text file, or .jsonl with a \"text\" field per line; tokenized with the "
+                        "checkpoint's tokenizer")
     p.add_argument("--num-sequences", type=int, default=128, help="calibration sequences (default 128)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")

@@ -50,27 +50,28 @@ def _gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, da
                 name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes ``[N, K]``, BF16 scales ``[N, K/g]``) chosen by GPTQ."""
     n, k = weight.shape
-    w = weight.to(torch.float32).clone()
-    upper = _inverse_hessian_factor(hessian.to(w.device), damp, name)
-    codes = torch.empty((n, k), dtype=torch.int8, device=w.device)
-    scales = torch.empty((n, k // group_size), dtype=torch.bfloat16, device=w.device)
+    # Transposed, so the column GPTQ works on is a contiguous row.
+    wt = weight.to(torch.float32).T.contiguous()
+    upper = _inverse_hessian_factor(hessian.to(wt.device), damp, name)
+    codes = torch.empty((k, n), dtype=torch.int8, device=wt.device)
+    scales = torch.empty((k // group_size, n), dtype=torch.bfloat16, device=wt.device)
     for g, start in enumerate(range(0, k, group_size)):
         stop = start + group_size
-        block = w[:, start:stop]                       # a view: updated in place below
-        scale = int4_group_scales(block, group_size=group_size, name=name)[:, 0].to(torch.bfloat16)
-        scales[:, g] = scale
+        block = wt[start:stop]                         # a view: updated in place below
+        scale = int4_group_scales(block.T, group_size=group_size, name=name)[:, 0].to(torch.bfloat16)
+        scales[g] = scale
         scale = scale.float()
         inv = upper[start:stop, start:stop]
         errors = torch.empty_like(block)
         for j in range(group_size):
-            column = block[:, j]
-            q = round_to_int4(column / scale)
-            codes[:, start + j] = q
-            err = (column - q.float() * scale) / inv[j, j]
-            block[:, j:] -= err.unsqueeze(1) * inv[j, j:].unsqueeze(0)
-            errors[:, j] = err
-        w[:, stop:] -= errors @ upper[start:stop, stop:]
-    return codes, scales
+            q = round_to_int4(block[j] / scale)
+            codes[start + j] = q
+            err = (block[j] - q.float() * scale) / inv[j, j]
+            block[j:] -= inv[j, j:].unsqueeze(1) * err.unsqueeze(0)
+            errors[j] = err
+        wt[stop:] -= upper[start:stop, stop:].T @ errors
+    return codes.T.contiguous(), scales.T.contiguous()
+
 
 
 def gptq_quantize_int4(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: int = 128, damp: float = 0.01,

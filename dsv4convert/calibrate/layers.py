@@ -223,7 +223,7 @@ class Positions:
             position_ids = torch.arange(seq_len, device=self.device).unsqueeze(0)
             mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=probe, attention_mask=None,
                                                      past_key_values=None, position_ids=position_ids)
-            self._cache = {key: {
+            self._cache = {key: {          # one shape at a time: the last micro-batch may be smaller
                 "position_embeddings": {t: self.rotary(probe, position_ids=position_ids, layer_type=t)
                                         for t in ("main", "compress")},
                 "position_ids": position_ids,

@@ -24,7 +24,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +39,6 @@ from dsv4convert.checkpoint import Checkpoint, atomic_write_json, read_small_jso
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import ModelConfig
 
 SIGNATURE_FILE = "signature.json"
 
@@ -140,14 +139,11 @@ class _ExpertModule:
     module: str
 
 
-@dataclass
 class Calibrator:
-    opts: CalibrateOptions
-    ckpt: Checkpoint = field(init=False)
-    cfg: ModelConfig = field(init=False)
+    """One calibration run: checks everything up front, then :meth:`run` streams the blocks."""
 
-    def __post_init__(self):
-        o = self.opts
+    def __init__(self, opts: CalibrateOptions):
+        self.opts = o = opts
         if o.batch_size < 1:
             raise DSV4Error(f"--batch-size must be at least 1, got {o.batch_size}")
         if o.report and o.holdout < 1:
