@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dsv4convert.calibrate.report import METHODS
+from dsv4convert.errors import DSV4Error
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -46,8 +47,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # transformers is imported here, not when the CLI starts.
-    from dsv4convert.calibrate.stream import CalibrateOptions, Calibrator, work_dir
+    # transformers (the model code calibration runs) is imported here, not when the CLI starts,
+    # and only this command needs it.
+    try:
+        from dsv4convert.calibrate.stream import CalibrateOptions, Calibrator, work_dir
+    except ImportError as exc:
+        raise DSV4Error(f"dsv4convert calibrate needs transformers >= 5.19 with DeepSeek-V4 ({exc}); "
+                        "install it with: pip install 'dsv4convert[calibrate]'") from None
 
     holdout = args.holdout if args.holdout is not None else (4 if args.report else 0)
     opts = CalibrateOptions(
