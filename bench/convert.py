@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
     full_src = args.source.resolve() if args.source else work / f"src-{top}"
     result: dict = {"machine": _machine(args.device), "commit": _commit(), "command": shlex.join(sys.argv),
                     "device": args.device, "cold_cache": "posix_fadvise(DONTNEED) on every source file before "
-                    "each timed command", "runs": []}
+                    "each timed command", "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "runs": []}
     if args.source is None:
         result["synth_seconds"] = {top: round(synthesize(full_src, top), 1)}
     if ModelConfig.from_dict(Checkpoint.open(full_src).config).num_hidden_layers != top:
@@ -279,7 +279,8 @@ def markdown(result: dict) -> str:
              f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB" + (f", {m['gpu']}" if "gpu" in m else ""),
              f"- torch {m['torch']}, python {m['python']}; commit `{result['commit']}`",
              f"- command: `{result['command']}`",
-             f"- page cache: {result['cold_cache']}", ""]
+             f"- page cache: {result['cold_cache']}",
+             f"- OMP_WAIT_POLICY: {result.get('omp_wait_policy') or 'unset'}", ""]
     if "synth_seconds" in result:
         lines += [f"- synth: {result['synth_seconds']} s", ""]
     lines += ["| layers | source GB | command | workers | seconds | GB/s | x cp | peak RSS total GB | "
@@ -288,7 +289,7 @@ def markdown(result: dict) -> str:
     for r in result["runs"]:
         lines.append(f"| {r['layers']} | {r['source_bytes'] / GB:.2f} | {r['variant']} | {r['workers']} | "
                      f"{r['seconds']:.1f} | {r['source_gb_per_s']:.3f} | {r['ratio_to_cp']:.2f} | "
-                     f"{r['peak_rss_total'] / GB:.2f} | {r['peak_rss_single'] / GB:.2f} | "
+                     f"{r['peak_rss_total'] / GB:.3f} | {r['peak_rss_single'] / GB:.3f} | "
                      f"{r['output_bytes'] / GB:.2f} | {r['load_avg_1m_before']} |")
     ex = result["extrapolation"]
     lines += ["", f"Full model ({ex['full_model_shards']} shards, {ex['full_model_bytes'] / GB:.1f} GB), "
@@ -300,7 +301,7 @@ def markdown(result: dict) -> str:
 
 def save(args: argparse.Namespace, result: dict) -> None:
     """Write the JSON (after every run too, so an interrupted benchmark keeps what it measured)."""
-    name = "cpu" if args.device == "cpu" else args.device.split(":")[0]
+    name = args.name or ("cpu" if args.device == "cpu" else args.device.split(":")[0])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"convert-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     if "extrapolation" in result:
@@ -317,6 +318,7 @@ def main() -> None:
     p.add_argument("--source", type=Path, help="reuse a checkpoint made by synth with max(--layers) layers and --no-mtp")
     p.add_argument("--keep-source", action="store_true", help="keep the synthesized source")
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--name", help="results file stem after 'convert-' (default: the device type)")
     args = p.parse_args()
     result = run(args)
     save(args, result)
