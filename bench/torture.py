@@ -59,7 +59,7 @@ SHARD_FILE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 
 # --------------------------------------------------------------------------- child side: the kill hook
 
-_AUDITED = ("open", "os.rename", "os.remove", "os.mkdir", "shutil.copyfile")
+_AUDITED = ("open", "os.rename", "os.link", "os.remove", "os.mkdir", "shutil.copyfile")
 _FD_OPEN = re.compile(r"^open \d+ ")  # io.open of a descriptor, e.g. the lock file's os.fdopen
 
 
@@ -78,6 +78,8 @@ def describe_event(event: str, args: tuple, roots: dict[str, str]) -> str | None
         return f"open {short(args[0])} {mode}"
     if event == "os.rename":
         return f"rename {short(args[0])} -> {short(args[1])}"
+    if event == "os.link":
+        return f"link {short(args[0])} -> {short(args[1])}"
     if event == "os.remove":
         return f"remove {short(args[0])}"
     if event == "os.mkdir":
@@ -322,7 +324,8 @@ def problems_after_kill(dst: Path, reference: dict[str, str]) -> list[str]:
         if hashlib.sha256((dst / name).read_bytes()).hexdigest() != reference.get(name):
             problems.append(f"state.json lists {name} as finished but it differs from the reference")
     for leftover in (dst / ".dsv4convert").glob("*") if (dst / ".dsv4convert").exists() else []:
-        if leftover.name not in ("state.json", "lock", ".state.json.partial"):
+        if leftover.name not in ("state.json", "lock") and not (leftover.name.startswith(".") and
+                                                                leftover.name.endswith(".partial")):
             problems.append(f"unexpected file .dsv4convert/{leftover.name}")
     return problems
 
@@ -376,9 +379,9 @@ def fires_at(steps: tuple[str, ...], lines: list[str]) -> int | None:
 SOURCE_READ = r"^open SRC/model-\d+-of-\d+\.safetensors r$"
 STATE_WRITE = _esc("open DST/.dsv4convert/.state.json.partial w")
 STATE_RENAME = _esc("rename DST/.dsv4convert/.state.json.partial")
-# Kills between creating DST/.dsv4convert and the first state save leave a directory that
-# --resume refuses ("holds no dsv4convert run state"): see docs/reliability.md.
-NO_STATE_WINDOW = ("taking the lock", "lock file created, holder not yet written", "first resume-state write",
+# Kills between creating DST/.dsv4convert and the first state save leave our state directory
+# without a state file; a rerun (plain or --resume) must accept it.
+NO_STATE_WINDOW = ("taking the lock", "lock holder drafted, lock not yet linked", "first resume-state write",
                    "first resume-state rename")
 
 
@@ -395,8 +398,8 @@ def trace_points(trace: list[str], sizes: dict[str, int], duration: float, *, se
         (f"reading shard header {header_reads // 2 + 1} of {header_reads}", "reading",
          (SOURCE_READ,) * (header_reads // 2 + 1)),
         ("creating the destination", "prepare", (r"^mkdir DST$",)),
-        (NO_STATE_WINDOW[0], "lock", (_esc("open DST/.dsv4convert/lock os"),)),
-        (NO_STATE_WINDOW[1], "lock", (_esc("open DST/.dsv4convert/lock os"), r"^open \d+ w")),
+        (NO_STATE_WINDOW[0], "lock", (r"^open DST/\.dsv4convert/\.lock\.\d+\.partial w",)),
+        (NO_STATE_WINDOW[1], "lock", (r"^link DST/\.dsv4convert/\.lock\.\d+\.partial -> DST/\.dsv4convert/lock$",)),
         (NO_STATE_WINDOW[2], "state", (STATE_WRITE,)),
         (NO_STATE_WINDOW[3], "state", (STATE_RENAME,)),
     ]

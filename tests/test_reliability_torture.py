@@ -81,8 +81,6 @@ def test_sigkill_at_random_moments(nvfp4, tmp_path):
     assert_survived([nvfp4.survive(p, tmp_path / "dst") for p in points], minimum_points=1)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="execute._prepare_destination counts DST/.dsv4convert as content and refuses "
-                   "--resume before the first state save; the fix is in docs/reliability.md")
 @pytest.mark.parametrize("point", torture.NO_STATE_WINDOW)
 def test_sigkill_before_the_first_state_save_is_resumable(nvfp4, tmp_path, point):
     chosen = next(p for p in torture.trace_points(nvfp4.trace, nvfp4.sizes, nvfp4.duration, seed=0, delays=0,
@@ -264,8 +262,6 @@ def children_of(pid: int) -> list[int]:
     return sorted(out)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="execute._run_jobs lets BrokenProcessPool escape as a "
-                   "traceback when a worker dies (e.g. the OOM killer); the fix is in docs/reliability.md")
 def test_worker_killed_by_the_system_is_one_line_and_resumable(launchers, nvfp4, tmp_path):
     """The OOM killer takes one worker, not the whole run: the driver must say so in one line."""
     dst = tmp_path / "dst"

@@ -87,29 +87,42 @@ class DestinationLock:
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname()}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder and holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
-                        and not _pid_alive(holder["pid"]):
-                    print(f"warning: {self.path}: removing stale lock of dead process {holder['pid']}", file=sys.stderr)
-                    self.path.unlink(missing_ok=True)
-                    continue
-                if holder is None and self._age() > LOCK_WRITE_GRACE:
-                    print(f"warning: {self.path}: removing a lock with no holder recorded (left by a run killed "
-                          "while taking it)", file=sys.stderr)
-                    self.path.unlink(missing_ok=True)
-                    continue
-                who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "an unknown process"
-                raise DSV4Error(f"another conversion ({who}) is writing this destination; if it is gone, "
-                                f"delete {self.path}", file=self.path.parent.parent) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return
+        self._remove_dead_drafts()
+        # The holder is written to a draft first and the lock appears by link(), which fails if it
+        # exists: a lock file therefore always names its holder, even if we are killed midway.
+        draft = self.path.with_name(f".lock.{os.getpid()}.partial")
+        draft.write_text(json.dumps(me))
+        try:
+            for _ in range(2):
+                try:
+                    os.link(draft, self.path)
+                except FileExistsError:
+                    holder = self._holder()
+                    if holder and holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
+                            and not _pid_alive(holder["pid"]):
+                        print(f"warning: {self.path}: removing stale lock of dead process {holder['pid']}",
+                              file=sys.stderr)
+                        self.path.unlink(missing_ok=True)
+                        continue
+                    if holder is None and self._age() > LOCK_WRITE_GRACE:
+                        print(f"warning: {self.path}: removing a lock with no holder recorded (left by an older "
+                              "version killed while taking it)", file=sys.stderr)
+                        self.path.unlink(missing_ok=True)
+                        continue
+                    who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "an unknown process"
+                    raise DSV4Error(f"another conversion ({who}) is writing this destination; if it is gone, "
+                                    f"delete {self.path}", file=self.path.parent.parent) from None
+                self.held = True
+                return
+        finally:
+            draft.unlink(missing_ok=True)
         raise DSV4Error("could not take the destination lock", file=self.path)
+
+    def _remove_dead_drafts(self) -> None:
+        for draft in self.path.parent.glob(".lock.*.partial"):
+            pid = draft.name.split(".")[2]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                draft.unlink(missing_ok=True)
 
     def _holder(self) -> dict | None:
         try:
