@@ -25,6 +25,7 @@ import sys
 import time
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from functools import partial
 from datetime import datetime, timezone
@@ -271,7 +272,9 @@ def _check_paths(src_root: Path, dst: Path) -> None:
 def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
     dst = opts.dst
     state = RunState.load(dst) if dst.exists() else None
-    nonempty = dst.exists() and any(dst.iterdir())
+    # Our own state directory alone (a run killed before its first state save) is not user content;
+    # the lock still refuses a live concurrent run.
+    nonempty = dst.exists() and any(p.name != STATE_DIR for p in dst.iterdir())
     if opts.overwrite and nonempty:
         DestinationLock(dst).acquire()  # refuse to wipe a directory another run is writing
         shutil.rmtree(dst)
@@ -350,10 +353,15 @@ def convert(opts: ConvertOptions) -> ConvertResult:
                 _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources)
             finally:
                 sources.close()
+            stats = _finalize(plan, ckpt, opts, state, config, extra_files)
         except KeyboardInterrupt:
             raise DSV4Error(f"interrupted; {len(state.shards)} of {len(plan.shards)} shards are complete. "
                             "Run the same command with --resume to continue", file=opts.dst) from None
-        stats = _finalize(plan, ckpt, opts, state, config, extra_files)
+        except (BrokenProcessPool, EOFError, ConnectionError) as exc:
+            raise DSV4Error(f"a worker process died ({type(exc).__name__}: killed by the system, out of memory?); "
+                            f"{len(state.shards)} of {len(plan.shards)} shards are complete. Run the same command "
+                            "with --resume to continue (fewer --workers or a lower --max-memory use less memory)",
+                            file=opts.dst) from None
     result = ConvertResult(plan, opts.dst, stats, time.monotonic() - t0)
     print_stats(result)
     return result

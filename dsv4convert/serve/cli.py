@@ -280,9 +280,13 @@ def run(args: argparse.Namespace) -> int:
         start_and_wait(group, commands, args.startup_timeout)
         if args.role in ("prefill", "decode"):
             print(f"{args.role} server ready at {client_url}; Ctrl-C stops it")
-            _hold()
+            _hold(group)
             return 0
-        print(f"smoke request through {client_url}: {smoke_request(client_url)!r}")
+        try:
+            answer = smoke_request(client_url)
+        except ServeError as exc:
+            raise ServeError(f"{exc}{_exited_tails(group)}") from None
+        print(f"smoke request through {client_url}: {answer!r}")
         meta = _meta(args, commands)
         if args.check == "recall":
             _print_compare(args, run_recall(args, client_url, meta))
@@ -290,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             _print_compare(args, run_speed(args, client_url, meta))
         if not args.check or args.hold:
             print(f"serving at {client_url}; Ctrl-C stops every process")
-            _hold()
+            _hold(group)
     return 0
 
 
@@ -300,7 +304,19 @@ def _print_compare(args: argparse.Namespace, new_report: Path) -> None:
             print(line)
 
 
-def _hold() -> None:
+def _exited_tails(group: ProcessGroup) -> str:
+    """Log tails of every started process that has already exited (why a request failed)."""
+    return "".join(f"\n{p.name} exited with status {p.popen.poll()}; last lines of {p.log_path}:\n"
+                   f"{log_tail(p.log_path)}" for p in group.processes if p.popen.poll() is not None)
+
+
+def _hold(group: ProcessGroup) -> None:
+    """Serve until Ctrl-C, or until a server dies (then say why, and stop the rest)."""
     while True:
-        time.sleep(3600)
+        for p in group.processes:
+            code = p.popen.poll()
+            if code is not None:
+                raise ServeError(f"{p.name} exited with status {code} while serving; last lines of "
+                                 f"{p.log_path}:\n{log_tail(p.log_path)}")
+        time.sleep(1.0)
 
