@@ -50,6 +50,14 @@ def _nvfp4_inputs(p: argparse.ArgumentParser) -> None:
                    help="take NVFP4 activation input_scales from a calibration file (dsv4convert.calibration/1)")
 
 
+def _gptq_inputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", type=Path, metavar="FILE",
+                   help="calibration file written by 'dsv4convert calibrate --hessians' (with --gptq)")
+    p.add_argument("--gptq", action="store_true",
+                   help="quantize routed experts with GPTQ from the calibration Hessians (round-to-nearest "
+                        "without; experts that saw no calibration tokens stay round-to-nearest)")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for command, (recipe, summary) in SHIPPED_HELP.items():
         p = subparsers.add_parser(command, help=summary, description=(
@@ -59,6 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         _common(p)
         if recipe == "nvfp4":
             _nvfp4_inputs(p)
+        if recipe == "w4a16":
+            _gptq_inputs(p)
         if recipe == "fp8":
             p.add_argument("--scale-dtype", choices=["e8m0", "float32"], default="e8m0",
                            help="expert block scales as E8M0 powers of two (native, default) or F32")
@@ -69,6 +79,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", required=True, help="recipe file, or a shipped name: fp8, nvfp4, w4a16, bf16")
     _common(p)
     _nvfp4_inputs(p)
+    p.add_argument("--gptq", action="store_true",
+                   help="INT4 routed experts by GPTQ with the Hessians of --calibration (calibrate --hessians)")
     p.set_defaults(func=_run)
 
 
@@ -90,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         input_scales_from=getattr(args, "input_scales_from", None),
         calibration=getattr(args, "calibration", None),
+        gptq=getattr(args, "gptq", False),
         progress=not args.no_progress,
         device=args.device,
         revision=args.revision,

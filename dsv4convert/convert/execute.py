@@ -50,6 +50,7 @@ from dsv4convert.checkpoint import (
     read_tensor,
 )
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
+from dsv4convert.calibrate.calibfile import CalibrationHessians, calibration_hessians
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, ModuleResult, convert_module, read_module
 from dsv4convert.convert.plan import ModuleJob, Plan, ShardJob, build_plan, human_bytes
@@ -79,6 +80,7 @@ class ConvertOptions:
     calibration: Path | None = None
     progress: bool = True
     device: str = "cpu"
+    gptq: bool = False                        # INT4 experts by GPTQ with the Hessians of --calibration
     revision: str | None = None               # of a Hugging Face repo id source
     delete_source_shards: bool = False        # Hub sources: delete each shard from the cache after its last use
     remote: Remote | None = None              # stands in for the Hub (tests); None: huggingface_hub
@@ -167,10 +169,11 @@ class ShardPipeline:
     """Read ahead, convert, write behind: one module of each in flight, in plan order."""
 
     def __init__(self, job: ShardJob, partners: dict[str, dict], input_scales: InputScales | None,
-                 transfer: DeviceTransfer):
+                 transfer: DeviceTransfer, hessians: CalibrationHessians | None = None):
         self.job = job
         self.partners = partners
         self.input_scales = input_scales
+        self.hessians = hessians
         self.transfer = transfer
         self.pinned_read = partial(read_tensor, pin_memory=True)
 
@@ -179,7 +182,7 @@ class ShardPipeline:
         to_gpu = self.transfer.device.type == "cuda" and module.converts
         return ModuleContext(read=self.pinned_read if to_gpu else read_tensor,
                              partner_sources=self.partners.get(module.module, {}),
-                             input_scale=self.input_scales, device=self.transfer.device)
+                             input_scale=self.input_scales, device=self.transfer.device, hessian=self.hessians)
 
     def run(self, writer: ShardWriter, on_module: Callable[[ModuleJob, ModuleResult], None]) -> None:
         modules = self.job.modules
@@ -223,7 +226,7 @@ class ShardPipeline:
 
 def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scales: InputScales | None,
                   progress: "queue.Queue | None" = None, device: str = "cpu",
-                  transfer: DeviceTransfer | None = None) -> dict:
+                  transfer: DeviceTransfer | None = None, hessians: CalibrationHessians | None = None) -> dict:
     """Convert and write one output shard; returns its stats (picklable, for the resume state)."""
     stats: dict = {"roles": defaultdict(lambda: defaultdict(int)), "input_scale_sources": defaultdict(int)}
     transfer = transfer or DeviceTransfer(resolve_device(device))
@@ -242,7 +245,7 @@ def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scal
 
     path = Path(dst) / job.name
     with ShardWriter(path, job.planned, metadata={"format": "pt"}) as writer:
-        ShardPipeline(job, partners, input_scales, transfer).run(writer, record)
+        ShardPipeline(job, partners, input_scales, transfer, hessians).run(writer, record)
     return {"bytes": path.stat().st_size, "roles": {k: dict(v) for k, v in stats["roles"].items()},
             "input_scale_sources": dict(stats["input_scale_sources"])}
 
@@ -323,6 +326,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     _check_paths(ckpt.root, opts.dst)
     plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes)
     config, extra_files = build_quant_config(ckpt.config, plan.module_formats())
+    hessians = _gptq_hessians(plan, opts)
     needs_input_scales = any(m.target.format is Format.NVFP4 for m in plan.modules.values())
     input_scales = build_input_scales(ckpt, from_checkpoint=opts.input_scales_from,
                                       calibration=opts.calibration) if needs_input_scales else None
@@ -332,7 +336,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     if too_big:
         raise DSV4Error(f"shard job {too_big[0].name} needs about {human_bytes(pipeline_memory(too_big[0]))} of "
                         f"memory but --max-memory is {human_bytes(max_memory)}", file=opts.dst)
-    options = {"max_shard_bytes": opts.max_shard_bytes, "input_scales_from": opts.input_scales_from,
+    options = {"max_shard_bytes": opts.max_shard_bytes, "input_scales_from": opts.input_scales_from, "gptq": opts.gptq,
                "calibration": _file_digest(opts.calibration)}
     sig = signature(ckpt, canonical(opts.recipe), options)
     if opts.dry_run:
@@ -350,7 +354,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
         try:
             sources = SourceShards(ckpt, todo, input_scales, delete_after_use=opts.delete_source_shards)
             try:
-                _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources)
+                _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources, hessians)
             finally:
                 sources.close()
             stats = _finalize(plan, ckpt, opts, state, config, extra_files)
@@ -368,7 +372,8 @@ def convert(opts: ConvertOptions) -> ConvertResult:
 
 
 def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: RunState,
-              input_scales: InputScales | None, max_memory: int, sources: "SourceShards") -> None:
+              input_scales: InputScales | None, max_memory: int, sources: "SourceShards",
+              hessians: CalibrationHessians | None) -> None:
     bar = tqdm(total=sum(s.bytes_in for s in todo), unit="B", unit_scale=True, desc="convert",
                disable=not opts.progress, file=sys.stderr)
 
@@ -380,7 +385,8 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
         q: queue.Queue = queue.Queue()
         for shard in todo:
             sources.acquire(shard)
-            stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, q, opts.device)
+            stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, q, opts.device,
+                                  hessians=hessians)
             while not q.empty():
                 bar.update(q.get())
             finished(shard, stats)
@@ -404,7 +410,7 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
                     shard = pending.pop(0)
                     sources.acquire(shard)
                     fut = pool.submit(run_shard_job, str(opts.dst), shard, _partners(plan, shard), input_scales, q,
-                                      opts.device)
+                                      opts.device, hessians=hessians)
                     running[fut] = shard
                 done, _ = wait(running, timeout=0.2, return_when=FIRST_COMPLETED)
                 while not q.empty():
@@ -420,6 +426,17 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
             raise
         pool.shutdown(wait=True)
     bar.close()
+
+
+def _gptq_hessians(plan: Plan, opts: ConvertOptions) -> CalibrationHessians | None:
+    if not opts.gptq:
+        return None
+    if opts.calibration is None:
+        raise DSV4Error("--gptq needs --calibration FILE with Hessians (dsv4convert calibrate --hessians)")
+    if not any(m.target.format is Format.INT4 and m.role is Role.ROUTED_EXPERT for m in plan.modules.values()):
+        raise DSV4Error(f"--gptq applies to INT4 routed experts, and recipe '{plan.recipe.name}' makes none",
+                        file=plan.recipe.source)
+    return calibration_hessians(opts.calibration)
 
 
 class SourceShards:

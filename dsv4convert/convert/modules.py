@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from dsv4convert.calibrate.gptq import gptq_quantize_int4
 from dsv4convert.checkpoint import TensorEntry, read_tensor
 from dsv4convert.convert.plan import ModuleJob
 from dsv4convert.errors import FormatError
@@ -31,6 +32,7 @@ from dsv4convert.formats import (
     quantize_int4_weight,
     quantize_nvfp4,
 )
+from dsv4convert.layout import Role
 from dsv4convert.storage import Format
 
 Reader = Callable[[TensorEntry], torch.Tensor]
@@ -56,6 +58,7 @@ class ModuleContext:
     partner_sources: dict[str, TensorEntry] = field(default_factory=dict)
     input_scale: Callable[[ModuleJob], tuple[torch.Tensor, str]] | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    hessian: Callable[[str], torch.Tensor | None] | None = None  # GPTQ: calibrate --hessians, by module
 
 
 @dataclass
@@ -158,8 +161,13 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
     elif fmt is Format.BF16:
         tensors = [(weight_name, dequantize_source(source, src, weight_name).to(torch.bfloat16))]
     elif fmt is Format.INT4:
-        q = quantize_int4_weight(dequantize_source(source, src, weight_name),
-                                 group_size=job.target.params["group_size"], name=weight_name)
+        w = dequantize_source(source, src, weight_name)
+        group = job.target.params["group_size"]
+        hessian = ctx.hessian(m) if ctx.hessian is not None and job.role is Role.ROUTED_EXPERT else None
+        if hessian is not None:
+            q = gptq_quantize_int4(w, hessian, group_size=group, name=weight_name)
+        else:  # round-to-nearest (also for experts that saw no calibration tokens)
+            q = quantize_int4_weight(w, group_size=group, name=weight_name)
         tensors = [(f"{m}.weight_packed", q.weight_packed), (f"{m}.weight_scale", q.weight_scale),
                    (f"{m}.weight_shape", q.weight_shape)]
     elif fmt is Format.NVFP4:
