@@ -252,16 +252,16 @@ class ShardWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % _ALIGN)
         self.size = 8 + len(raw) + offset
+        self._file = None
         try:
             self._file = open(self.tmp, "wb")
-        except OSError as exc:
-            raise write_error(exc, self.path) from None
-        try:
             self._file.write(struct.pack("<Q", len(raw)))
             self._file.write(raw)
-        except OSError as exc:
+        except BaseException as exc:  # Ctrl-C/SIGTERM here comes before any ``with`` could clean up
             self.abort()
-            raise write_error(exc, self.path) from None
+            if isinstance(exc, OSError):
+                raise write_error(exc, self.path) from None
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self.planned):
@@ -304,7 +304,7 @@ class ShardWriter:
         fsync_dir(self.path.parent)
 
     def abort(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             try:
                 self._file.close()  # flushes: fails again when the disk is full
             except OSError:
