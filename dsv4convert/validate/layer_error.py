@@ -117,8 +117,14 @@ def layer_errors(dst: Checkpoint, src: Checkpoint, dst_info: Inspection, src_inf
                  shapes: dict[str, tuple[int, int]], device: str = "cpu", backend: kernels.Backend = "auto",
                  tokens: int = 8, chunk_bytes: int = 1 << 30,
                  progress: Callable[[int], None] | None = None) -> list[ModuleError]:
-    """Errors of every linear module of ``dst`` against ``src`` (see the module docstring)."""
+    """Errors of every linear module of ``dst`` against ``src`` (see the module docstring).
+
+    ``backend="auto"`` means the Triton kernels on a GPU and their torch references on the CPU
+    (Triton's CPU interpreter is a test harness, far too slow for a whole checkpoint).
+    """
     dev = torch.device(device)
+    if backend == "auto" and dev.type != "cuda":
+        backend = "torch"
     results: list[ModuleError] = []
     for key, modules in module_groups(dst_info, src_info):
         block, role, _proj, src_fmt, dst_fmt = key[:5]
