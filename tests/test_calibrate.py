@@ -379,6 +379,9 @@ def test_to_w4a16_gptq_uses_the_calibration_hessians(streamed, tiny_ckpt, output
     gptq, rtn, src = Checkpoint.open(dst), Checkpoint.open(outputs["w4a16"]), Checkpoint.open(tiny_ckpt)
     assert [(n, e.dtype, e.shape) for n, e in gptq.tensors.items()] == [(n, e.dtype, e.shape) for n, e in rtn.tensors.items()]
     assert inspect_checkpoint(gptq).ok
+    # The same quantization_config as round-to-nearest, which SGLang's own config classes accept
+    # module by module (tests/test_quant_config.py, tests/test_model_card.py).
+    assert json.loads((dst / "config.json").read_text()) == json.loads((outputs["w4a16"] / "config.json").read_text())
     hessians = calibration_hessians(calib)
     improved = 0
     for module in [n[: -len(".weight_packed")] for n in gptq.tensors if n.endswith(".weight_packed")]:
