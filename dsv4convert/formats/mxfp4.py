@@ -64,6 +64,21 @@ def quantize_mxfp4(w: torch.Tensor, *, name: str | None = None) -> tuple[torch.T
     return packed, exponent_to_e8m0(exponent, name=name)
 
 
+def mxfp4_shape(packed: torch.Tensor, scale: torch.Tensor, name: str | None) -> tuple[int, int]:
+    """Logical [N, K] of MXFP4 ``(codes [N, K/2], scale [N, K/32])``; FormatError if they disagree."""
+    if packed.ndim != 2 or packed.dtype not in (torch.int8, torch.uint8):
+        raise FormatError(f"MXFP4 codes must be int8/uint8 [N, K/2], got {packed.dtype} {list(packed.shape)}",
+                          tensor=name)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % MXFP4_BLOCK or tuple(scale.shape) != (n, k // MXFP4_BLOCK):
+        raise FormatError(
+            f"MXFP4 scale shape {list(scale.shape)} does not match codes {list(packed.shape)} "
+            f"(expected [{n}, {k // MXFP4_BLOCK}])",
+            tensor=name,
+        )
+    return n, k
+
+
 def dequantize_mxfp4(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -76,16 +91,7 @@ def dequantize_mxfp4(
     The products are computed in float32; a scale above 2**125 can overflow it (not seen
     in real weights, whose scales sit far below 1).
     """
-    if packed.ndim != 2 or packed.dtype not in (torch.int8, torch.uint8):
-        raise FormatError(f"MXFP4 codes must be int8/uint8 [N, K/2], got {packed.dtype} {list(packed.shape)}",
-                          tensor=name)
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if k % MXFP4_BLOCK or tuple(scale.shape) != (n, k // MXFP4_BLOCK):
-        raise FormatError(
-            f"MXFP4 scale shape {list(scale.shape)} does not match codes {list(packed.shape)} "
-            f"(expected [{n}, {k // MXFP4_BLOCK}])",
-            tensor=name,
-        )
+    n, k = mxfp4_shape(packed, scale, name)
     values = decode_e2m1_packed(packed).reshape(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
     values *= e8m0_to_float(scale, name=name)[..., None]
     return values.reshape(n, k).to(out_dtype)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4convert.errors import FormatError
-from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
+from dsv4convert.formats.mxfp4 import MXFP4_BLOCK, mxfp4_shape
 from dsv4convert.formats.numerics import (
     E4M3_MAX,
     E4M3_MAX_EXP,
@@ -85,21 +85,6 @@ class ExactnessReport:
         )
 
 
-def _mxfp4_shape(packed: torch.Tensor, scale: torch.Tensor, name: str | None) -> tuple[int, int]:
-    if packed.ndim != 2 or packed.dtype not in (torch.int8, torch.uint8):
-        raise FormatError(f"MXFP4 codes must be int8/uint8 [N, K/2], got {packed.dtype} {list(packed.shape)}",
-                          tensor=name)
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if k % MXFP4_BLOCK or tuple(scale.shape) != (n, k // MXFP4_BLOCK):
-        raise FormatError(
-            f"MXFP4 scale shape {list(scale.shape)} does not match codes {list(packed.shape)} "
-            f"(expected [{n}, {k // MXFP4_BLOCK}])",
-            tensor=name,
-        )
-    return n, k
-
-
-@functools.lru_cache(maxsize=None)
 def _fp8_byte_pairs(device: torch.device) -> torch.Tensor:
     """int16 ``[20 * 256]``: both E4M3 bytes of ``e2m1(byte) * 2**shift`` at ``(shift + 13) * 256 + byte``.
 
@@ -130,7 +115,7 @@ def mxfp4_to_fp8_block(
     clamped at E8M0's floor (-127) for tiles whose scales all sit near 2**-127, which keeps
     every shift at or below 6. Blocks of the report are the 128x128 tiles.
     """
-    n, k = _mxfp4_shape(packed, scale, name)
+    n, k = mxfp4_shape(packed, scale, name)
     if n % FP8_TILE or k % FP8_TILE:
         raise FormatError(f"MXFP4 -> FP8 block needs N and K multiples of {FP8_TILE}, got [{n}, {k}]",
                           tensor=name)
@@ -235,7 +220,7 @@ def mxfp4_to_nvfp4(
     Blocks outside the window get the nearest non-zero E4M3 scale and are reported; only
     those blocks' bytes are read. Blocks of the report are the 32-element MXFP4 blocks.
     """
-    n, k = _mxfp4_shape(packed, scale, name)
+    n, k = mxfp4_shape(packed, scale, name)
     exponent = e8m0_to_exponent(scale, name=name)
     m = nvfp4_global_exponent(scale, name=name) if global_exponent is None else int(global_exponent)
     if not _GLOBAL_EXP_MIN <= m <= _GLOBAL_EXP_MAX:
