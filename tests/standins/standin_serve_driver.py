@@ -31,7 +31,7 @@ def main() -> int:
         with ProcessGroup(Path(tempfile.mkdtemp(prefix="standin-logs-")), stop_grace=2.0) as group:
             start_and_wait(group, commands, timeout=20.0)
             pid_file.write_text("\n".join(str(p.popen.pid) for p in group.processes))
-            _hold()
+            _hold(group)
     except KeyboardInterrupt:
         return 130
     return 0
