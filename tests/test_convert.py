@@ -275,3 +275,26 @@ def test_fp8_with_float32_scales(tiny_ckpt, tmp_path, capsys):
     assert inspect_checkpoint(ckpt).variant == "fp8"
     ids = prompt_ids(tiny_ckpt)
     assert torch.equal(logits(dst, ids), logits(tiny_ckpt, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_check_finite_finds_nan_and_inf_anywhere(dtype, tmp_path):
+    from dsv4convert.checkpoint import TensorEntry
+    from dsv4convert.convert.modules import check_finite
+    from dsv4convert.errors import FormatError
+
+    entry = TensorEntry("w", "BF16", (1,), tmp_path / "s.safetensors", 0, 2)
+    for n in (1, 33, 4099):
+        check_finite(torch.randn(n).to(dtype), entry)
+        for pos in {0, n // 2, n - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                t = torch.randn(n).to(dtype)
+                t[pos] = bad
+                with pytest.raises(FormatError, match="NaN or Inf"):
+                    check_finite(t, entry)
+    for raw, dt in ((0xFF, torch.float8_e8m0fnu), (0x7F, torch.float8_e4m3fn), (0xFF, torch.float8_e4m3fn)):
+        t = torch.full((300,), 0x30, dtype=torch.uint8)
+        check_finite(t.view(dt), entry)
+        t[123] = raw
+        with pytest.raises(FormatError, match="NaN or Inf"):
+            check_finite(t.view(dt), entry)
