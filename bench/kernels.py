@@ -198,12 +198,9 @@ def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
 
 def _sweep_weight_only(rep_ms: int) -> list[dict]:
     rows = []
-    candidates = [configs.GemmConfig(16, bn, bk, split_k=s, num_warps=w, num_stages=st, variant=v)
-                  for v, bn, bk, s, w, st in [("tile", 32, 128, 4, 4, 4), ("pairs", 32, 128, 4, 4, 4),
-                                              ("pairs", 64, 256, 2, 4, 3), ("pairs_swap", 64, 128, 4, 4, 4),
-                                              ("pairs_swap", 64, 256, 2, 4, 3), ("pairs_swap", 128, 128, 2, 4, 3),
-                                              ("pairs_swap", 128, 256, 1, 4, 3), ("pairs_swap", 64, 512, 1, 4, 3),
-                                              ("pairs_swap", 128, 128, 4, 8, 3)]]
+    candidates = [configs.GemmConfig(16, bn, bk, split_k=s, num_warps=w, num_stages=st)
+                  for bn, bk, s, w, st in [(32, 128, 4, 4, 4), (32, 128, 2, 4, 3), (64, 128, 4, 4, 3),
+                                           (64, 256, 2, 4, 3), (128, 128, 2, 4, 3)]]
     for fmt, group in (("int4", 128), ("nvfp4", 16), ("mxfp4", 32)):
         for shape_name in ("expert_w1_w3", "square_8192"):
             n, k = SHAPES[shape_name]

@@ -18,13 +18,9 @@ from dataclasses import dataclass
 SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 * 1024, "interpreter": 1 << 30}
 
 
-# Weight-only kernel variants: "tile" decodes a [BLOCK_N, BLOCK_K] tile (interleaving the two
-# nibbles of each byte) for one dot; "pairs" keeps even and odd K apart as two dots; "pairs_swap"
-# also swaps the operands (Y^T = W X^T) so a small batch still fills Hopper's wgmma. On the H200
-# the pair variants measured 3-6x slower than "tile" at M=16 (bench/results/kernels-sweep-h200.json:
-# their per-byte scale gathers and stride-2 activation loads cost more than the interleave they
-# save), so every table uses "tile"; they stay selectable for the sweep on other devices.
-WEIGHT_ONLY_VARIANTS = ("tile", "pairs", "pairs_swap")
+# The weight-only kernel decodes a [BLOCK_N, BLOCK_K] tile (interleaving the two nibbles of each
+# byte) for one dot. Keeping even and odd K apart as two dots, with or without swapped operands,
+# measured 3-6x slower at M=16 on the H200 (bench/results/kernels-sweep-h200.json), so it was dropped.
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,6 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    variant: str = "tile"
     group_m: int = 1  # row tiles that share a column sweep (L2 reuse of the weights at large M)
 
     def shared_memory_bytes(self, weight_bits: int, activation_bytes: int = 2) -> int:

@@ -23,7 +23,6 @@ from dsv4convert.kernels.triton_kernels import (
     dequant_kernel,
     fp8_block_gemm_kernel,
     weight_only_gemm_kernel,
-    weight_only_pairs_gemm_kernel,
 )
 
 # Output dtypes the 4-bit pair kernel writes, with the integer word that holds two of them.
@@ -109,17 +108,6 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
             w_scale.stride(0), w_scale.stride(1), y.stride(0),
             SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split_k,
             GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    elif cfg.variant != "tile":
-        global_scale = weight.global_scale if weight.global_scale is not None else weight.scale
-        weight_only_pairs_gemm_kernel[grid](
-            x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
-            x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
-            weight.scale.stride(1), y.stride(0),
-            FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, 32),
-            SPLIT_K=split_k, SWAP_AB=cfg.variant == "pairs_swap", UPCAST_DOT=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
