@@ -157,16 +157,30 @@ def test_split_k_config_sums_every_slice(fmt):
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
 
 
+@pytest.mark.parametrize("variant", ["tile", "halves"])
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
-def test_weight_only_split_k_ragged_experts_match_reference(fmt, group):
-    # Two experts with ragged token counts, split-K, and N not a multiple of the tile.
-    tensors = _weight(fmt, group, "ue8m0", 80, 512, experts=2, seed=12)
-    weight = quantized_weight(fmt, tensors)
-    x = random_activations(21, 512, device=DEVICE, generator=_generator(13))
-    offsets = torch.tensor([0, 17, 21], dtype=torch.int32, device=DEVICE)
-    cfg = configs.GemmConfig(16, 32, 128, split_k=2, num_warps=4, num_stages=1)
-    y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
-    assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
+def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, variant):
+    # Two experts with ragged token counts, split-K, N not a multiple of the tile, and (K=384)
+    # a last split that runs past K.
+    for k, split_k in ((512, 2), (384, 2), (384, 1)):
+        tensors = _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=12)
+        weight = quantized_weight(fmt, tensors)
+        x = random_activations(21, k, device=DEVICE, generator=_generator(13))
+        offsets = torch.tensor([0, 17, 21], dtype=torch.int32, device=DEVICE)
+        block_n = 64 if variant == "halves" else 32
+        cfg = configs.GemmConfig(16, block_n, 128, split_k=split_k, num_warps=4, num_stages=1, variant=variant)
+        y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+        assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, (k, split_k)
+
+
+def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
+    if DEVICE != "cuda":
+        pytest.skip("split-K fitting counts the GPU's SMs")
+    cfg = configs.GemmConfig(16, 64, 256, split_k=4, variant="halves")
+    one = quantized_weight("int4", _weight("int4", 128, "ue8m0", 2048, 4096))
+    many = quantized_weight("int4", _weight("int4", 128, "ue8m0", 256, 512, experts=64))
+    assert launch._fit_split_k(cfg, one, 1).split_k == 4
+    assert launch._fit_split_k(cfg, many, 16).split_k == 1
 
 
 def test_fp8_block_gemm_with_grouped_tile_order():

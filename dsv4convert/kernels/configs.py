@@ -18,9 +18,13 @@ from dataclasses import dataclass
 SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 * 1024, "interpreter": 1 << 30}
 
 
-# The weight-only kernel decodes a [BLOCK_N, BLOCK_K] tile (interleaving the two nibbles of each
-# byte) for one dot. Keeping even and odd K apart as two dots, with or without swapped operands,
-# measured 3-6x slower at M=16 on the H200 (bench/results/kernels-sweep-h200.json), so it was dropped.
+# Weight-only variants: "tile" decodes a [BLOCK_N, BLOCK_K] tile in K order (interleaving the two
+# nibbles of each byte) in FP32 for one dot; "halves" keeps even and odd K as two half tiles decoded
+# with BF16 pair arithmetic, splits the activations instead, and puts the weights on the dot's left
+# (wgmma at M <= 16). An earlier even/odd variant gathered one scale per byte and read the
+# activations with stride 2, and was 3-6x slower; with broadcast scales "halves" is 1.3-2.2x faster
+# than "tile" at M <= 16 on the H200 (bench/results/kernels-sweep-h200.json). Split-K in the table
+# is a maximum: launch.py halves it while the grid already fills the GPU.
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 1  # row tiles that share a column sweep (L2 reuse of the weights at large M)
+    variant: str = "tile"  # weight-only: "tile" (interleaved K) or "halves" (even/odd K, swapped dot)
 
     def shared_memory_bytes(self, weight_bits: int, activation_bytes: int = 2) -> int:
         """Pipelined operand buffers plus one staging tile for the dequantized weights.
@@ -56,7 +61,7 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
-        (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
+        (16, GemmConfig(16, 64, 256, split_k=4, num_warps=4, num_stages=3, variant="halves")),
         (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),
     ),
@@ -88,7 +93,7 @@ SAFE_WEIGHT_ONLY = GemmConfig(32, 64, 64, split_k=1, num_warps=4, num_stages=2)
 SAFE_FP8_BLOCK = GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)
 
 _ELEMENTWISE = {
-    "sm_90": ElementwiseConfig(32, 256, num_warps=8),
+    "sm_90": ElementwiseConfig(16, 256, num_warps=4),
     "sm_120": ElementwiseConfig(32, 256, num_warps=8),
     "fallback": ElementwiseConfig(16, 256, num_warps=4),
     "interpreter": ElementwiseConfig(16, 64, num_warps=4),

@@ -19,14 +19,12 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
     act_quant_kernel,
-    dequant_4bit_pairs_kernel,
-    dequant_kernel,
+    dequant_4bit_kernel,
+    dequant_fp8_kernel,
     fp8_block_gemm_kernel,
     weight_only_gemm_kernel,
+    weight_only_halves_kernel,
 )
-
-# Output dtypes the 4-bit pair kernel writes, with the integer word that holds two of them.
-_PAIR_WORDS = {torch.bfloat16: torch.int32, torch.float32: torch.int64}
 
 # GEMM outputs are compared with the FP32 reference at BF16 rounding noise (formats.md §7
 # measured 1.7e-3 in a BF16 output); the config check allows a little more.
@@ -45,22 +43,26 @@ def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype,
         return torch.stack(parts)
     codes = weight.codes.reshape(rows, -1)
     scale = weight.scale.reshape(-1, weight.scale.shape[-1])
-    global_scale = weight.global_scale if weight.global_scale is not None else scale
-    block_k = max(cfg.block_cols, weight.group) if weight.fmt != "fp8_block" else cfg.block_cols
-    grid = (triton.cdiv(rows, cfg.block_rows), triton.cdiv(weight.k, block_k))
-    if weight.fmt != "fp8_block" and out_dtype in _PAIR_WORDS:
-        words = out.view(_PAIR_WORDS[out_dtype])
-        dequant_4bit_pairs_kernel[grid](
-            codes, scale, global_scale, words, rows, weight.k, weight.n, codes.stride(0), scale.stride(0),
-            words.stride(0), FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group, OUT_F32=out_dtype == torch.float32,
+    hw_round = not interpreting()
+    if weight.fmt == "fp8_block":
+        # A tile's rows must share one row of 128x128 scales, and its columns whole scale blocks.
+        block_n = min(cfg.block_rows, FP8_BLOCK)
+        block_k = triton.cdiv(cfg.block_cols, FP8_BLOCK) * FP8_BLOCK
+        grid = (triton.cdiv(rows, block_n), triton.cdiv(weight.k, block_k))
+        dequant_fp8_kernel[grid](
+            codes, scale, out, rows, weight.k, codes.stride(0), scale.stride(0), out.stride(0),
+            SCALE_E8M0=weight.scale_is_e8m0, HW_ROUND=hw_round, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=cfg.num_warps,
+        )
+    else:
+        global_scale = weight.global_scale if weight.global_scale is not None else scale
+        block_k = max(cfg.block_cols, weight.group)
+        grid = (triton.cdiv(rows, cfg.block_rows), triton.cdiv(weight.k, block_k))
+        dequant_4bit_kernel[grid](
+            codes, scale, global_scale, out, rows, weight.k, weight.n, codes.stride(0), scale.stride(0),
+            out.stride(0), FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group, HW_ROUND=hw_round,
             BLOCK_N=cfg.block_rows, BLOCK_K=block_k, num_warps=cfg.num_warps,
         )
-        return out.reshape(weight.experts, weight.n, weight.k) if weight.stacked else out
-    dequant_kernel[grid](
-        codes, scale, global_scale, out, rows, weight.k, weight.n, codes.stride(0), scale.stride(0), out.stride(0),
-        FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group, SCALE_E8M0=weight.scale_is_e8m0,
-        BLOCK_N=cfg.block_rows, BLOCK_K=block_k, num_warps=cfg.num_warps,
-    )
     return out.reshape(weight.experts, weight.n, weight.k) if weight.stacked else out
 
 
@@ -81,7 +83,7 @@ def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True) -> tup
     block_m = 16
     act_quant_kernel[(triton.cdiv(m, block_m), groups)](
         x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0), reference.ACTIVATION_EPS,
-        POW2_SCALE=pow2_scale, BLOCK_M=block_m, num_warps=4,
+        POW2_SCALE=pow2_scale, HW_ROUND=not interpreting(), BLOCK_M=block_m, num_warps=4,
     )
     return q, scale
 
@@ -112,15 +114,24 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
         )
     else:
         global_scale = weight.global_scale if weight.global_scale is not None else weight.scale
-        weight_only_gemm_kernel[grid](
-            x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
-            x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
-            weight.scale.stride(1), y.stride(0),
-            FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, weight.group),
-            SPLIT_K=split_k, UPCAST_DOT=interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        block_k = max(cfg.block_k, weight.group)
+        args = (x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
+                x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
+                weight.scale.stride(1), y.stride(0))
+        if cfg.variant == "halves":
+            weight_only_halves_kernel[grid](
+                *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                EVEN_K=k % (block_k * split_k) == 0, UPCAST_DOT=interpreting(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        else:
+            weight_only_gemm_kernel[grid](
+                *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+                SPLIT_K=split_k, UPCAST_DOT=interpreting(),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
     return y.to(torch.bfloat16) if split_k > 1 else y
 
 
@@ -146,12 +157,28 @@ def _config_passes(fmt: str, group: int, cfg: GemmConfig, device: torch.device) 
     return relative_error(reference.grouped_gemm(weight, x, offsets), y) <= GEMM_REL_TOLERANCE
 
 
+def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> GemmConfig:
+    """Halve the table's split-K while the grid would still hold more than ~4 programs per SM.
+
+    Splitting K only pays when there are too few output tiles to fill the GPU (one expert at
+    M <= 16); a large matrix or a grouped launch over experts runs unsplit, with no atomics.
+    """
+    if cfg.split_k == 1 or weight.device.type != "cuda":
+        return cfg
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    tiles = triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, cfg.block_n) * weight.experts
+    split = cfg.split_k
+    while split > 1 and tiles * split > 4 * sms:
+        split //= 2
+    return dataclasses.replace(cfg, split_k=split)
+
+
 def checked_config(weight: QuantizedWeight, max_rows: int) -> GemmConfig:
     """The table's config for this batch size, or the safe one if the table's fails its check."""
     device = weight.device
     arch = arch_of(device)
     kind = _gemm_kind(weight)
-    for cfg in (configs.gemm_config(kind, arch, max_rows), configs.SAFE_GEMM[kind]):
+    for cfg in (_fit_split_k(configs.gemm_config(kind, arch, max_rows), weight, max_rows), configs.SAFE_GEMM[kind]):
         key = (kind, weight.fmt, weight.group, cfg, arch, str(device))
         if configs.verified(key, lambda: _config_passes(weight.fmt, weight.group, cfg, device)):
             return cfg

@@ -1,7 +1,7 @@
 """The Triton kernels. Imported only when Triton is installed (see ``_runtime.triton_installed``).
 
-One weight-tile decoder (:func:`_dequant_tile`) serves every kernel here, so the dequantize
-kernels and the fused GEMMs compute the weights with the very same arithmetic. Layouts are
+The dequantize kernels and the fused GEMMs decode codes with the same formulas (FP32 for the
+bit-exact dequantization, BF16 pairs where a GEMM rounds the weights to BF16 anyway). Layouts are
 those of ``docs/formats`` (formats.md): W is ``[N, K]`` with K the reduction dim; 4-bit codes
 sit two per byte with the even element in the low nibble (INT4 ``int32 [N, K/8]`` is the same
 bytes viewed as ``uint8 [N, K/2]``); scales are per row, per ``GROUP`` columns, except FP8's
@@ -23,9 +23,8 @@ import triton.language as tl
 FMT_INT4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
 FMT_NVFP4 = tl.constexpr(2)
-FMT_FP8 = tl.constexpr(3)
 
-FORMAT_CODES = {"int4": 0, "mxfp4": 1, "nvfp4": 2, "fp8_block": 3}
+FORMAT_CODES = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 
 
 @triton.jit
@@ -71,6 +70,19 @@ def _store_cast(ptrs, value, mask):
 
 
 @triton.jit
+def _to_out(value, OUT_DTYPE: tl.constexpr, HW_ROUND: tl.constexpr):
+    """FP32 ``value`` in the output dtype; BF16 rounds to nearest even (a NaN stays a NaN).
+
+    ``HW_ROUND`` uses the hardware conversion (half an instruction per element instead of the
+    integer RNE's seven); the interpreter truncates, so it keeps the integer path.
+    """
+    if OUT_DTYPE == tl.bfloat16 and not HW_ROUND:
+        return _round_to_bf16(value)
+    else:
+        return value.to(OUT_DTYPE)
+
+
+@triton.jit
 def _e4m3_code(value):
     """uint8 E4M3 (fn) code of FP32 ``value`` with |value| <= 448, round to nearest even.
 
@@ -96,15 +108,6 @@ def _int4_to_f32(nibble):
 
 
 @triton.jit
-def _nibble_values(nibble, FMT: tl.constexpr):
-    """Float32 value of each 4-bit code before scaling (INT4 offset-8 integers or E2M1)."""
-    if FMT == FMT_INT4:
-        return _int4_to_f32(nibble)
-    else:
-        return _e2m1_to_f32(nibble)
-
-
-@triton.jit
 def _scale_values(scale_ptrs, mask, FMT: tl.constexpr):
     """Float32 group scales: E8M0 bytes for MXFP4, the stored float dtype otherwise."""
     if FMT == FMT_MXFP4:
@@ -122,72 +125,83 @@ def _unpack_nibbles(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _dequant_tile(w_ptr, s_ptr, global_scale, rn, k0, N, K, stride_wn, stride_sn,
-                  FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """FP32 tile W[rn, k0:k0+BLOCK_K], 0 outside [N, K]. ``global_scale`` is NVFP4's weight_scale_2."""
+                  FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """FP32 4-bit tile W[rn, k0:k0+BLOCK_K] in K order, 0 outside [N, K]. ``global_scale`` is NVFP4's weight_scale_2."""
     row_ok = rn < N
-    if FMT == FMT_FP8:
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (rk < K)[None, :]
-        codes = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask, other=0.0)
-        scale_ptrs = s_ptr + (rn // 128)[:, None] * stride_sn + (rk // 128)[None, :]
-        if SCALE_E8M0:
-            scale = _e8m0_to_f32(tl.load(scale_ptrs, mask=mask, other=127).to(tl.int32) & 0xFF)
-        else:
-            scale = tl.load(scale_ptrs, mask=mask, other=0.0)
-        return codes.to(tl.float32) * scale
+    rh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = row_ok[:, None] & (rh < K // 2)[None, :]
+    packed = tl.load(w_ptr + rn[:, None] * stride_wn + rh[None, :], mask=mask, other=0)
+    codes = _unpack_nibbles(packed, BLOCK_N, BLOCK_K)
+    rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    scale_mask = row_ok[:, None] & (rg < K // GROUP)[None, :]
+    scale = _scale_values(s_ptr + rn[:, None] * stride_sn + rg[None, :], scale_mask, FMT)
+    if FMT == FMT_INT4:
+        values = _int4_to_f32(codes)
     else:
-        rh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        mask = row_ok[:, None] & (rh < K // 2)[None, :]
-        packed = tl.load(w_ptr + rn[:, None] * stride_wn + rh[None, :], mask=mask, other=0)
-        codes = _unpack_nibbles(packed, BLOCK_N, BLOCK_K)
-        rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        scale_mask = row_ok[:, None] & (rg < K // GROUP)[None, :]
-        scale_ptrs = s_ptr + rn[:, None] * stride_sn + rg[None, :]
-        if FMT == FMT_INT4:
-            values = _int4_to_f32(codes)
-            scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float32)
-        elif FMT == FMT_MXFP4:
-            values = _e2m1_to_f32(codes)
-            scale = _e8m0_to_f32(tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.int32) & 0xFF)
-        else:
-            values = _e2m1_to_f32(codes)
-            scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0).to(tl.float32)
-        grouped = tl.reshape(values, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
-        if FMT == FMT_NVFP4:
-            # (code * block scale) is exact; one rounding on the global scale, as formats.nvfp4 does.
-            grouped = grouped * global_scale
-        return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, rows_per_global, stride_wn, stride_sn, stride_on,
-                   FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[N, K] = W dequantized; a stack of experts is passed as one [E*N, K] matrix."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
+        values = _e2m1_to_f32(codes)
+    grouped = tl.reshape(values, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
     if FMT == FMT_NVFP4:
-        global_scale = tl.load(g_ptr + rn // rows_per_global, mask=rn < N, other=0.0)[:, None, None]
-    else:
-        global_scale = 1.0
-    tile = _dequant_tile(w_ptr, s_ptr, global_scale, rn, k0, N, K, stride_wn, stride_sn,
-                         FMT, GROUP, SCALE_E8M0, BLOCK_N, BLOCK_K)
-    rk = k0 + tl.arange(0, BLOCK_K)
-    mask = (rn < N)[:, None] & (rk < K)[None, :]
-    _store_cast(out_ptr + rn[:, None] * stride_on + rk[None, :], tile, mask)
+        # (code * block scale) is exact; one rounding on the global scale, as formats.nvfp4 does.
+        grouped = grouped * global_scale
+    return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def dequant_4bit_pairs_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, rows_per_global, stride_wn, stride_sn,
-                              stride_on, FMT: tl.constexpr, GROUP: tl.constexpr, OUT_F32: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """4-bit weights to BF16/FP32 with no register interleaving: each code byte becomes one word.
+def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       SCALE_E8M0: tl.constexpr, HW_ROUND: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[N, K] = FP8 codes times their 128x128 block scale; a stack of experts is one [E*N, K] matrix.
 
-    The tile is ``[BLOCK_N, BLOCK_K/GROUP, GROUP/2]`` bytes, so a group's scale broadcasts along
-    the last axis; the low and high nibble's values are packed into one 32-bit (BF16 pair) or
-    64-bit (FP32 pair) word and stored through ``out_ptr``, the output viewed as ``[N, K/2]`` words.
-    Same arithmetic as :func:`_dequant_tile`, so the results are identical.
+    ``BLOCK_N`` divides 128 and ``BLOCK_K`` is a multiple of 128, so a tile's rows share one row of
+    scales: the tile loads ``BLOCK_K/128`` scales and broadcasts them, not one per element.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    codes = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask, other=0.0)
+    kb = pid_k * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
+    scale_ptrs = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn + kb
+    if SCALE_E8M0:
+        scale = _e8m0_to_f32(tl.load(scale_ptrs, mask=kb < tl.cdiv(K, 128), other=127).to(tl.int32) & 0xFF)
+    else:
+        scale = tl.load(scale_ptrs, mask=kb < tl.cdiv(K, 128), other=0.0)
+    tile = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 128, 128)) * scale[None, :, None]
+    tile = tl.reshape(tile, (BLOCK_N, BLOCK_K))
+    out = _to_out(tile, out_ptr.dtype.element_ty, HW_ROUND)
+    tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], out, mask=mask)
+
+
+@triton.jit
+def _e2m1_pair_to_f32(packed):
+    """E2M1 values of the low and high nibble of each byte (int32 0..255), without lookups.
+
+    For a code c the FP16 bits ``((c & 7) << 9) | ((c & 8) << 12)`` are exactly ``e2m1(c) * 2^-14``
+    (the 0.5 code lands on an FP16 subnormal), which FP32 represents exactly; 2^14 scales it back.
+    """
+    low = (((packed & 7) << 9) | ((packed & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+    high = (((packed & 0x70) << 5) | ((packed & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return low.to(tl.float32) * 16384.0, high.to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _nibble_pair_to_f32(packed, FMT: tl.constexpr):
+    """Float32 values of the low and high nibble of each byte, before scaling."""
+    if FMT == FMT_INT4:
+        return _int4_to_f32(packed & 0xF), _int4_to_f32(packed >> 4)
+    else:
+        return _e2m1_pair_to_f32(packed)
+
+
+@triton.jit
+def dequant_4bit_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, rows_per_global, stride_wn, stride_sn,
+                        stride_on, FMT: tl.constexpr, GROUP: tl.constexpr, HW_ROUND: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """4-bit weights to BF16/FP32, a tile of ``[BLOCK_N, BLOCK_K/GROUP, GROUP/2]`` code bytes at a time.
+
+    A group's scale broadcasts along the last axis (no per-element gather); the low and high
+    nibble's values are joined into K order in registers.
     """
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rg = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
@@ -198,20 +212,19 @@ def dequant_4bit_pairs_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, rows_per_globa
     mask = row_ok[:, None, None] & group_ok[None, :, None]
     packed = tl.load(w_ptr + rn[:, None, None] * stride_wn + column, mask=mask, other=0).to(tl.int32) & 0xFF
     scale = _scale_values(s_ptr + rn[:, None] * stride_sn + rg[None, :], row_ok[:, None] & group_ok[None, :], FMT)
-    scale = scale[:, :, None]
-    low = _nibble_values(packed & 0xF, FMT) * scale
-    high = _nibble_values(packed >> 4, FMT) * scale
+    low, high = _nibble_pair_to_f32(packed, FMT)
+    low = low * scale[:, :, None]
+    high = high * scale[:, :, None]
     if FMT == FMT_NVFP4:
+        # (code * block scale) is exact; one rounding on the global scale, as formats.nvfp4 does.
         global_scale = tl.load(g_ptr + rn // rows_per_global, mask=row_ok, other=0.0)[:, None, None]
         low = low * global_scale
         high = high * global_scale
-    ptrs = out_ptr + rn[:, None, None] * stride_on + column
-    if OUT_F32:
-        words = low.to(tl.uint32, bitcast=True).to(tl.uint64) | (high.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
-        tl.store(ptrs, words.to(tl.int64, bitcast=True), mask=mask)
-    else:
-        words = _bf16_bits(low) | (_bf16_bits(high) << 16)
-        tl.store(ptrs, words.to(tl.int32, bitcast=True), mask=mask)
+    values = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    out_mask = row_ok[:, None] & (rk < K)[None, :]
+    tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], _to_out(values, out_ptr.dtype.element_ty, HW_ROUND),
+             mask=out_mask)
 
 
 @triton.jit
@@ -252,13 +265,110 @@ def weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                         mask=(rm < row_end)[:, None] & (rk < K)[None, :], other=0.0)
             w = _dequant_tile(w_expert, s_expert, global_scale, rn, k0, N, K, stride_wn, stride_sn,
-                              FMT, GROUP, False, BLOCK_N, BLOCK_K)
+                              FMT, GROUP, BLOCK_N, BLOCK_K)
             if UPCAST_DOT:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w), acc)
             else:
                 acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
         mask = (rm < row_end)[:, None] & (rn < N)[None, :]
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        if SPLIT_K == 1:
+            _store_cast(y_ptrs, acc, mask)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _nibble_pair_to_bf16(packed, FMT: tl.constexpr):
+    """BF16 values of the low and high nibble of each byte (int32 0..255), before scaling.
+
+    INT4: the nibble ORed into the mantissa of 128.0, minus 136 (exact). E2M1: the BF16 bits
+    ``((c & 7) << 6) | ((c & 8) << 12)`` are ``e2m1(c) * 2^-126`` (the 0.5 code is a BF16
+    subnormal); one exact multiply by 2^126 brings it back. Both run as packed BF16 pairs on sm_90.
+    """
+    if FMT == FMT_INT4:
+        low = ((packed & 0xF) | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        high = ((packed >> 4) | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return low - 136.0, high - 136.0
+    else:
+        # One multiply places each nibble twice (no overlapping bits): magnitude at 6..8, sign at 15.
+        low = (((packed & 0xF) * 0x1040) & 0x81C0).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        high = (((packed & 0xF0) * 0x104) & 0x81C0).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return low * 8.507059173023462e37, high * 8.507059173023462e37
+
+
+@triton.jit
+def weight_only_halves_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
+                              stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                              FMT: tl.constexpr, GROUP: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Small-batch weight-only GEMM: ``Y^T = W X^T`` with the weights' even and odd K as two dots.
+
+    Byte j of a row holds W[:, 2j] (low nibble) and W[:, 2j+1] (high nibble), so the tile is
+    decoded as two half tiles that need no interleaving, and the *activations* are split into
+    their even and odd K in registers (a ``[BLOCK_M, BLOCK_K]`` tile, small next to the weights).
+    Group scales broadcast over a ``[BLOCK_N, BLOCK_K/GROUP, GROUP/2]`` view, so there is no
+    per-byte gather. The weight tile is the dot's left operand, so a 64-row tile runs on
+    Hopper's wgmma while the batch is only ``BLOCK_M`` wide. Decoding and scaling are BF16 pair
+    operations; (code * scale) rounds once to BF16, as the tile kernel's does. NVFP4's global
+    scale multiplies the FP32 accumulator.
+    """
+    pid_mn = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    expert = tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // num_n
+    pid_n = pid_mn % num_n
+    row_begin = tl.load(offsets_ptr + expert)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    if row_begin + pid_m * BLOCK_M < row_end:
+        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rh = tl.arange(0, BLOCK_K // 2)
+        rg = tl.arange(0, BLOCK_K // GROUP)
+        row_ok = rm < row_end
+        col_ok = rn < N
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn
+        s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn[:, None] * stride_sn
+        x_rows = x_ptr + rm[:, None] * stride_xm
+        k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+        k_begin = pid_k * k_per_split
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k_step in range(0, k_per_split, BLOCK_K):
+            k0 = k_begin + k_step
+            if EVEN_K:
+                packed = tl.load(w_rows + (k0 // 2 + rh)[None, :], mask=col_ok[:, None], other=0)
+                scale = _scale_values(s_rows + (k0 // GROUP + rg)[None, :], col_ok[:, None], FMT)
+                x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                h_ok = k0 // 2 + rh < K // 2
+                packed = tl.load(w_rows + (k0 // 2 + rh)[None, :], mask=col_ok[:, None] & h_ok[None, :], other=0)
+                g_ok = k0 // GROUP + rg < K // GROUP
+                scale = _scale_values(s_rows + (k0 // GROUP + rg)[None, :], col_ok[:, None] & g_ok[None, :], FMT)
+                k_ok = k0 + tl.arange(0, BLOCK_K) < K
+                x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+            if UPCAST_DOT:
+                # The interpreter has no BF16 arithmetic: decode in FP32 and multiply in FP32.
+                scale = tl.broadcast_to(scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2))
+                scale = tl.reshape(scale, (BLOCK_N, BLOCK_K // 2))
+                low, high = _nibble_pair_to_f32(packed.to(tl.int32) & 0xFF, FMT)
+                acc = tl.dot(low * scale, tl.trans(x_even.to(tl.float32)), acc)
+                acc = tl.dot(high * scale, tl.trans(x_odd.to(tl.float32)), acc)
+            else:
+                scale = tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2))
+                scale = tl.reshape(scale, (BLOCK_N, BLOCK_K // 2))
+                low, high = _nibble_pair_to_bf16(packed.to(tl.int32) & 0xFF, FMT)
+                low = low * scale
+                high = high * scale
+                acc = tl.dot(low, tl.trans(x_even), acc)
+                acc = tl.dot(high, tl.trans(x_odd), acc)
+        if FMT == FMT_NVFP4:
+            acc = acc * tl.load(g_ptr + expert)
+        mask = col_ok[:, None] & row_ok[None, :]
+        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
         if SPLIT_K == 1:
             _store_cast(y_ptrs, acc, mask)
         else:
@@ -275,8 +385,13 @@ def _pow2_ceil(scale):
 
 @triton.jit
 def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, eps,
-                     POW2_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per token, per 128 channels: s = max(amax, eps)/448 (rounded up to 2^k), q = e4m3(x/s)."""
+                     POW2_SCALE: tl.constexpr, HW_ROUND: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per token, per 128 channels: s = max(amax, eps)/448 (rounded up to 2^k), q = e4m3(x/s).
+
+    With a power-of-two scale, x/s is exactly x times 1/s, and |x/s| <= 448, so ``HW_ROUND``
+    lets the hardware's round-to-nearest-even E4M3 conversion replace the integer one (the
+    interpreter truncates, so it keeps the integer path); other scales divide correctly rounded.
+    """
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
     rk = group * 128 + tl.arange(0, 128)
@@ -286,7 +401,10 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
     scale = tl.math.div_rn(tl.maximum(amax, eps), tl.full(amax.shape, 448.0, tl.float32))
     if POW2_SCALE:
         scale = _pow2_ceil(scale)
-    q = _e4m3_code(tl.math.div_rn(x, scale[:, None]))
+    if POW2_SCALE and HW_ROUND:
+        q = (x * (1.0 / scale)[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        q = _e4m3_code(tl.math.div_rn(x, scale[:, None]))
     tl.store(q_ptr + rm[:, None] * stride_qm + rk[None, :], q, mask=mask)
     tl.store(s_ptr + rm * stride_sm + group, scale, mask=rm < M)
 
