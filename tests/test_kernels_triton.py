@@ -178,7 +178,7 @@ def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
         pytest.skip("split-K fitting counts the GPU's SMs")
     cfg = configs.GemmConfig(16, 64, 256, split_k=4, variant="halves")
     one = quantized_weight("int4", _weight("int4", 128, "ue8m0", 2048, 4096))
-    many = quantized_weight("int4", _weight("int4", 128, "ue8m0", 256, 512, experts=64))
+    many = quantized_weight("int4", _weight("int4", 128, "ue8m0", 1024, 256, experts=64))  # 1024 tiles
     assert launch._fit_split_k(cfg, one, 1).split_k == 4
     assert launch._fit_split_k(cfg, many, 16).split_k == 1
 
