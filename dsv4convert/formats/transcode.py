@@ -125,8 +125,9 @@ def mxfp4_to_fp8_block(
     shift = (sub_exp - tile_exp[:, None, :, None]).reshape(n, k // MXFP4_BLOCK)
 
     source = packed.view(torch.uint8).reshape(n, k // MXFP4_BLOCK, _BYTES_PER_SUB)
-    row = (shift.clamp(min=_FP8_SHIFT_MIN) - _FP8_SHIFT_MIN) * 256
-    index = (row[..., None] + source.to(torch.int32)).reshape(-1)
+    index = source.to(torch.int32)  # in place from here: the index is the largest temporary
+    index += ((shift.clamp(min=_FP8_SHIFT_MIN) - _FP8_SHIFT_MIN) * 256)[..., None]
+    index = index.reshape(-1)
     out_bytes = _fp8_byte_pairs(packed.device).index_select(0, index).view(torch.uint8)
     weight = out_bytes.reshape(n, k).view(torch.float8_e4m3fn)
 
@@ -194,15 +195,19 @@ def nvfp4_global_exponent(*scales: torch.Tensor, name: str | None = None) -> int
 
 
 @functools.lru_cache(maxsize=None)
-def _e4m3_power_bytes(device: torch.device) -> torch.Tensor:
-    """uint8 E4M3 bytes of ``clamp(2**t, 2**-9, 448)`` for t = -10 .. 9 (index t + 10).
+def _nvfp4_scale_pairs(global_exponent: int, device: torch.device) -> torch.Tensor:
+    """int16 ``[256]``: for each E8M0 byte, both E4M3 bytes of its NVFP4 block scale.
 
-    The ends stand for every t outside E4M3's exact window: below it the nearest non-zero
-    scale 2**-9 (ModelOpt clamps block scales to [2**-9, 448]; a zero scale would erase the
-    block), above it the largest finite value 448.
+    The scale is ``clamp(2**(byte - 127 - m), 2**-9, 448)``: outside E4M3's exact window
+    the nearest non-zero scale 2**-9 (ModelOpt clamps block scales to [2**-9, 448]; a zero
+    scale would erase the block) or the largest finite value 448. Each 32-element MXFP4
+    block becomes two 16-element NVFP4 blocks with the same scale, so one int16 gather per
+    source byte writes both output bytes. At most 254 exponents times the devices in use.
     """
-    t = torch.arange(E4M3_MIN_EXP - 1, E4M3_MAX_EXP + 2, device=device)
-    return exp2_float32(t).clamp(2.0**E4M3_MIN_EXP, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    t = torch.arange(256, device=device) - E8M0_BIAS - global_exponent
+    scale = exp2_float32(t.clamp(E4M3_MIN_EXP - 1, E4M3_MAX_EXP + 1)).clamp(2.0**E4M3_MIN_EXP, E4M3_MAX)
+    byte = scale.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.stack([byte, byte], dim=-1).view(torch.int16).reshape(256)
 
 
 def mxfp4_to_nvfp4(
@@ -219,29 +224,31 @@ def mxfp4_to_nvfp4(
     :func:`nvfp4_global_exponent` of this tensor alone; pass the shared value for w1/w3.
     Blocks outside the window get the nearest non-zero E4M3 scale and are reported; only
     those blocks' bytes are read. Blocks of the report are the 32-element MXFP4 blocks.
+    The scales go through one table gather per byte, and the exactness check is one
+    ``aminmax`` unless some byte falls outside the window (e.g. an all-zero block).
     """
     n, k = mxfp4_shape(packed, scale, name)
-    exponent = e8m0_to_exponent(scale, name=name)
+    raw = e8m0_bytes(scale, name=name)
     m = nvfp4_global_exponent(scale, name=name) if global_exponent is None else int(global_exponent)
     if not _GLOBAL_EXP_MIN <= m <= _GLOBAL_EXP_MAX:
         raise FormatError(f"global exponent {m} is outside float32's normal range "
                           f"[{_GLOBAL_EXP_MIN}, {_GLOBAL_EXP_MAX}]", tensor=name)
-    relative = exponent - m
-    table = _e4m3_power_bytes(packed.device)
-    block_scale = table[(relative.clamp(E4M3_MIN_EXP - 1, E4M3_MAX_EXP + 1) - (E4M3_MIN_EXP - 1)).long()]
-    weight_scale = block_scale.repeat_interleave(MXFP4_BLOCK // NVFP4_BLOCK, dim=1).view(torch.float8_e4m3fn)
+    pairs = _nvfp4_scale_pairs(m, packed.device).index_select(0, raw.reshape(-1).to(torch.int32))
+    weight_scale = pairs.view(torch.uint8).reshape(n, k // NVFP4_BLOCK).view(torch.float8_e4m3fn)
     weight_scale_2 = exp2_float32(torch.tensor(m, device=packed.device))
     result = NVFP4Weight(packed.view(torch.uint8), weight_scale, weight_scale_2)
 
-    outside = (relative < E4M3_MIN_EXP) | (relative > E4M3_MAX_EXP)
     blocks_total = n * (k // MXFP4_BLOCK)
-    if not bool(outside.any()):
+    exact_low, exact_high = E8M0_BIAS + m + E4M3_MIN_EXP, E8M0_BIAS + m + E4M3_MAX_EXP
+    low, high = (int(v) for v in torch.aminmax(raw)) if raw.numel() else (exact_low, exact_high)
+    if exact_low <= low and high <= exact_high:
         return result, ExactnessReport(blocks_total, blocks_total, n * k, n * k, 0.0)
+    outside = (raw < exact_low) | (raw > exact_high)
     rows, cols = outside.nonzero(as_tuple=True)
     magnitude = decode_e2m1_packed(packed.view(torch.uint8).reshape(n, -1, _BYTES_PER_SUB)[rows, cols]).abs()
     zero_codes = magnitude == 0
-    source_scale = torch.exp2(exponent[rows, cols].double())
-    new_scale = block_scale[rows, cols].view(torch.float8_e4m3fn).double() * 2.0**m
+    source_scale = torch.exp2(raw[rows, cols].double() - E8M0_BIAS)
+    new_scale = weight_scale[rows, 2 * cols].double() * 2.0**m
     error = magnitude.amax(dim=1).double() * (source_scale - new_scale).abs()
     inexact_blocks = int((~zero_codes.all(dim=1)).sum())
     return result, ExactnessReport(
