@@ -9,6 +9,7 @@ from dsv4convert.checkpoint.safetensors_io import (
     atomic_write_bytes,
     atomic_write_json,
     partial_path,
+    prefetch,
     read_header,
     read_tensor,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "atomic_write_json",
     "copy_small_files",
     "partial_path",
+    "prefetch",
     "read_header",
     "read_small_json",
     "read_tensor",

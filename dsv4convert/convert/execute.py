@@ -47,6 +47,7 @@ from dsv4convert.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
     partial_path,
+    prefetch,
     read_tensor,
 )
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
@@ -190,12 +191,12 @@ class ShardPipeline:
             torch.cuda.set_device(self.transfer.device)
         with ThreadPoolExecutor(1, thread_name_prefix="read") as reader, \
                 ThreadPoolExecutor(1, thread_name_prefix="write") as writer_thread:
-            next_read: Future | None = reader.submit(self._read, modules[0]) if modules else None
+            next_read: Future | None = reader.submit(self._read, 0) if modules else None
             pending_write: Future | None = None
             try:
                 for i, module in enumerate(modules):
                     inputs = next_read.result()
-                    next_read = reader.submit(self._read, modules[i + 1]) if i + 1 < len(modules) else None
+                    next_read = reader.submit(self._read, i + 1) if i + 1 < len(modules) else None
                     result = convert_module(module, self.context(module), inputs)
                     del inputs
                     staged, ready = self.transfer.to_host(result.tensors)
@@ -213,7 +214,12 @@ class ShardPipeline:
                         fut.cancel()
                         wait([fut])
 
-    def _read(self, module: ModuleJob) -> ModuleInputs:
+    def _read(self, index: int) -> ModuleInputs:
+        """Read module ``index``, having asked the kernel to fetch the one after it meanwhile."""
+        modules = self.job.modules
+        if index + 1 < len(modules):
+            prefetch(modules[index + 1].sources.values())
+        module = modules[index]
         return self.transfer.read(module, self.context(module))
 
     @staticmethod
