@@ -173,6 +173,20 @@ def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, variant)
         assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, (k, split_k)
 
 
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
+def test_asm_decode_matches_the_triton_decode_bit_for_bit(fmt, group, monkeypatch):
+    # Both round (code * scale) to BF16 once; NVFP4's 2^118 / 2^8 split of the scale is exact.
+    if not launch.asm_decode_runs_on(torch.device(DEVICE)):
+        pytest.skip("the inline-PTX decode runs compiled on sm_90 / sm_120 only")
+    weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 192, 1024, experts=2, seed=16))
+    x = random_activations(20, 1024, device=DEVICE, generator=_generator(17))
+    offsets = torch.tensor([0, 16, 20], dtype=torch.int32, device=DEVICE)
+    cfg = configs.GemmConfig(16, 64, 256, split_k=1, num_warps=4, num_stages=3, variant="halves")
+    with_asm = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+    monkeypatch.setattr(launch, "asm_decode_runs_on", lambda device: False)
+    assert torch.equal(with_asm.view(torch.int16), launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16))
+
+
 def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     if DEVICE != "cuda":
         pytest.skip("split-K fitting counts the GPU's SMs")

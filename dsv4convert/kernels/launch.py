@@ -123,6 +123,7 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
                 *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                 EVEN_K=k % (block_k * split_k) == 0, UPCAST_DOT=interpreting(),
+                ASM_DECODE=asm_decode_runs_on(weight.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         else:
@@ -133,6 +134,16 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
     return y.to(torch.bfloat16) if split_k > 1 else y
+
+
+def asm_decode_runs_on(device: torch.device) -> bool:
+    """Whether the halves kernel decodes with inline PTX here: compiled for sm_90 or sm_120 only.
+
+    The PTX (``prmt``, ``lop3``, ``fma.rn.bf16x2``) is valid from sm_80, but only these two have
+    been chosen for; the interpreter and other GPUs keep the pure-Triton decode. Either way the
+    config is checked against the reference once per device (``checked_config``).
+    """
+    return not interpreting() and device.type == "cuda" and arch_of(device) in ("sm_90", "sm_120")
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
