@@ -7,13 +7,15 @@ and the bytes against a real GPU in bench/convert.py's GPU run.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
-from dsv4convert.checkpoint import Checkpoint, ShardWriter
+from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, prefetch, read_tensor, safetensors_io
 from dsv4convert.cli import main
 from dsv4convert.convert import execute
 from dsv4convert.convert.execute import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
@@ -196,3 +198,39 @@ def test_spawned_workers_get_a_passive_openmp_wait_policy(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     execute.quiet_openmp_for_workers()
     assert execute.os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's choice is kept"
+
+
+def test_each_module_read_first_asks_the_kernel_for_the_next_one(plans, tmp_path, monkeypatch):
+    ckpt, by_recipe = plans
+    plan = by_recipe["nvfp4"]
+    shard = max(plan.shards, key=lambda s: len(s.modules))
+    hinted = []
+    monkeypatch.setattr(execute, "prefetch", lambda entries: hinted.append([e.name for e in entries]))
+    run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt))
+    assert hinted == [[e.name for e in m.sources.values()] for m in shard.modules[1:]]
+
+
+def test_prefetch_is_only_a_hint(plans, tmp_path):
+    ckpt, _ = plans
+    entries = [e for header in ckpt.headers.values() for e in header.entries.values()][:5]
+    prefetch(entries)  # real files: no effect on what is read
+    assert [torch.equal(read_tensor(e), read_tensor(e)) for e in entries] == [True] * 5
+    gone = dataclasses.replace(entries[0], path=tmp_path / "missing.safetensors")
+    prefetch([gone])  # a missing file is left for the real read to report
+
+
+def test_writer_hands_written_bytes_to_writeback_as_it_goes(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(safetensors_io, "_WRITEBACK_EVERY", 1000)
+    monkeypatch.setattr(safetensors_io, "_WRITE_CHUNK", 300)
+    monkeypatch.setattr(safetensors_io.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    tensors = [(f"t{i}", torch.arange(i * 100, i * 100 + 400, dtype=torch.int32)) for i in range(4)]  # 1600 B each
+    planned = [PlannedTensor(name, "I32", (400,)) for name, _ in tensors]
+    with ShardWriter(tmp_path / "s.safetensors", planned) as writer:
+        for name, t in tensors:
+            writer.write(name, t)
+    assert calls and all(advice == safetensors_io.os.POSIX_FADV_DONTNEED for _, _, advice in calls)
+    assert [off for off, _, _ in calls] == [0] + [off + n for off, n, _ in calls[:-1]]  # contiguous from 0
+    assert all(n >= 1000 for _, n, _ in calls)
+    loaded = safetensors.torch.load_file(tmp_path / "s.safetensors")
+    assert all(torch.equal(loaded[name], t) for name, t in tensors)
