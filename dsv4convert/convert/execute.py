@@ -166,6 +166,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+# How far ahead of the module being read the kernel is asked to fetch source bytes.
+PREFETCH_BYTES = 256 * 1024 * 1024
+
+
 class ShardPipeline:
     """Read ahead, convert, write behind: one module of each in flight, in plan order."""
 
@@ -177,6 +181,7 @@ class ShardPipeline:
         self.hessians = hessians
         self.transfer = transfer
         self.pinned_read = partial(read_tensor, pin_memory=True)
+        self._hinted = 0  # modules [0, _hinted) have been handed to prefetch
 
     def context(self, module: ModuleJob) -> ModuleContext:
         # Only tensors bound for the GPU are read into (cached, scarce) pinned memory.
@@ -215,10 +220,22 @@ class ShardPipeline:
                         wait([fut])
 
     def _read(self, index: int) -> ModuleInputs:
-        """Read module ``index``, having asked the kernel to fetch the one after it meanwhile."""
+        """Read module ``index``, having asked the kernel to fetch what follows it meanwhile.
+
+        The hint covers the next ``PREFETCH_BYTES`` of sources (at least the next module), so
+        the disk keeps a deep queue even while a run of small expert modules is read.
+        """
         modules = self.job.modules
-        if index + 1 < len(modules):
-            prefetch(modules[index + 1].sources.values())
+        self._hinted = max(self._hinted, index + 1)
+        ahead = sum(e.nbytes for m in modules[index + 1:self._hinted] for e in m.sources.values())
+        hint = []
+        while self._hinted < len(modules) and (ahead < PREFETCH_BYTES or self._hinted == index + 1):
+            entries = list(modules[self._hinted].sources.values())
+            hint += entries
+            ahead += sum(e.nbytes for e in entries)
+            self._hinted += 1
+        if hint:
+            prefetch(hint)
         module = modules[index]
         return self.transfer.read(module, self.context(module))
 
