@@ -200,14 +200,21 @@ def test_spawned_workers_get_a_passive_openmp_wait_policy(monkeypatch):
     assert execute.os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's choice is kept"
 
 
-def test_each_module_read_first_asks_the_kernel_for_the_next_one(plans, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ahead", [0, 1 << 20])
+def test_reads_ask_the_kernel_for_what_follows_once_each(plans, tmp_path, monkeypatch, ahead):
     ckpt, by_recipe = plans
     plan = by_recipe["nvfp4"]
     shard = max(plan.shards, key=lambda s: len(s.modules))
-    hinted = []
-    monkeypatch.setattr(execute, "prefetch", lambda entries: hinted.append([e.name for e in entries]))
+    hints = []
+    monkeypatch.setattr(execute, "PREFETCH_BYTES", ahead)
+    monkeypatch.setattr(execute, "prefetch", lambda entries: hints.append([e.name for e in entries]))
     run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt))
-    assert hinted == [[e.name for e in m.sources.values()] for m in shard.modules[1:]]
+    following = [[e.name for e in m.sources.values()] for m in shard.modules[1:]]
+    assert sum(hints, []) == sum(following, [])  # everything after the first module, once, in order
+    if ahead == 0:
+        assert hints == following  # at least the next module, one at a time
+    else:
+        assert len(hints) < len(following)  # a window of modules per hint
 
 
 def test_prefetch_is_only_a_hint(plans, tmp_path):

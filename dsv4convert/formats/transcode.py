@@ -85,6 +85,7 @@ class ExactnessReport:
         )
 
 
+@functools.lru_cache(maxsize=None)
 def _fp8_byte_pairs(device: torch.device) -> torch.Tensor:
     """int16 ``[20 * 256]``: both E4M3 bytes of ``e2m1(byte) * 2**shift`` at ``(shift + 13) * 256 + byte``.
 
@@ -127,8 +128,7 @@ def mxfp4_to_fp8_block(
     source = packed.view(torch.uint8).reshape(n, k // MXFP4_BLOCK, _BYTES_PER_SUB)
     index = source.to(torch.int32)  # in place from here: the index is the largest temporary
     index += ((shift.clamp(min=_FP8_SHIFT_MIN) - _FP8_SHIFT_MIN) * 256)[..., None]
-    index = index.reshape(-1)
-    out_bytes = _fp8_byte_pairs(packed.device).index_select(0, index).view(torch.uint8)
+    out_bytes = _fp8_byte_pairs(packed.device).index_select(0, index.reshape(-1)).view(torch.uint8)
     weight = out_bytes.reshape(n, k).view(torch.float8_e4m3fn)
 
     report = _fp8_report(source, shift, sub_exp.reshape(n, -1), tile_exp, out_bytes.reshape(n, -1, MXFP4_BLOCK))
