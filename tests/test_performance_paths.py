@@ -100,23 +100,48 @@ class RecordingTransfer(DeviceTransfer):
         return super().to_host(tensors)
 
 
-def test_reads_run_in_plan_order_at_most_one_module_ahead(plans, tmp_path):
+@pytest.mark.parametrize("queue_bytes", [0, 200_000])
+def test_reads_run_in_plan_order_within_the_read_ahead_bound(plans, tmp_path, monkeypatch, queue_bytes):
     ckpt, by_recipe = plans
     plan = by_recipe["nvfp4"]
     shard = max(plan.shards, key=lambda s: len(s.modules))
+    monkeypatch.setattr(execute, "QUEUE_BYTES", queue_bytes)
     transfer = RecordingTransfer()
     run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt), transfer=transfer)
     reads = [m for kind, m in transfer.events if kind == "read"]
     assert reads == [m.module for m in shard.modules]
-    converted = 0
-    started = 0
-    for kind, _ in transfer.events:
+    size = {m.module: sum(e.nbytes for e in m.sources.values()) for m in shard.modules}
+    converted, ahead, most_ahead = 0, [], 0
+    for kind, module in transfer.events:
         if kind == "read":
-            started += 1
-            assert started <= converted + 2, "read more than one module ahead of the converter"
+            ahead.append(size[module])
+            # Beyond the module being converted, at most one module or queue_bytes are read ahead.
+            assert len(ahead) <= 2 or sum(ahead[1:]) <= queue_bytes
+            most_ahead = max(most_ahead, len(ahead))
         else:
             converted += 1
+            ahead.pop(0)
     assert converted == len(shard.modules)
+    assert (most_ahead <= 2) == (queue_bytes == 0)  # the queue is used when allowed
+
+
+def test_a_failing_write_stops_the_job_and_leaves_no_file(plans, tmp_path, monkeypatch):
+    ckpt, by_recipe = plans
+    plan = by_recipe["fp8"]
+    shard = max(plan.shards, key=lambda s: len(s.modules))
+    bad = shard.planned[len(shard.planned) // 2].name
+    real_write = ShardWriter.write
+
+    def write(self, name, tensor):
+        if name == bad:
+            self.abort()
+            raise CheckpointError("disk full", file=self.path, tensor=name)
+        real_write(self, name, tensor)
+
+    monkeypatch.setattr(ShardWriter, "write", write)
+    with pytest.raises(CheckpointError, match="disk full"):
+        run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failing_read_stops_the_job_and_leaves_no_file(plans, tmp_path):
@@ -167,7 +192,7 @@ def test_pipeline_memory_counts_the_modules_in_flight(plans):
         for shard in plan.shards:
             largest = max(sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
                           for m in shard.modules)
-            assert pipeline_memory(shard) == shard.memory_estimate + largest
+            assert pipeline_memory(shard) == shard.memory_estimate + largest + 2 * execute.QUEUE_BYTES
 
 
 def test_realistic_mxfp4_is_deterministic_and_shaped_like_deepseeks_quantizer():

@@ -23,7 +23,7 @@ import shutil
 import signal
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -168,10 +168,18 @@ def resolve_device(name: str) -> torch.device:
 
 # How far ahead of the module being read the kernel is asked to fetch source bytes.
 PREFETCH_BYTES = 256 * 1024 * 1024
+# Modules read ahead of the converter, and converted modules waiting for the writer, may each
+# hold this many bytes beyond the one module always allowed: the queues absorb the disk's
+# stalls (a throttled write, a slow read) so the converter keeps working through them.
+QUEUE_BYTES = 128 * 1024 * 1024
+
+
+def _read_bytes(module: ModuleJob) -> int:
+    return sum(e.nbytes for e in module.sources.values())
 
 
 class ShardPipeline:
-    """Read ahead, convert, write behind: one module of each in flight, in plan order."""
+    """Read ahead, convert, write behind, in plan order, with byte-bounded queues between them."""
 
     def __init__(self, job: ShardJob, partners: dict[str, dict], input_scales: InputScales | None,
                  transfer: DeviceTransfer, hessians: CalibrationHessians | None = None):
@@ -194,30 +202,42 @@ class ShardPipeline:
         modules = self.job.modules
         if self.transfer.device.type == "cuda":
             torch.cuda.set_device(self.transfer.device)
+        reads: deque[tuple[int, Future]] = deque()   # (bytes, read) of modules not yet converted
+        writes: deque[tuple[int, Future]] = deque()  # (bytes, write) of modules not yet written
         with ThreadPoolExecutor(1, thread_name_prefix="read") as reader, \
                 ThreadPoolExecutor(1, thread_name_prefix="write") as writer_thread:
-            next_read: Future | None = reader.submit(self._read, 0) if modules else None
-            pending_write: Future | None = None
+            submitted = 0
+
+            def read_ahead() -> None:
+                nonlocal submitted
+                while submitted < len(modules) and (
+                        not reads or sum(b for b, _ in reads) + _read_bytes(modules[submitted]) <= QUEUE_BYTES):
+                    reads.append((_read_bytes(modules[submitted]), reader.submit(self._read, submitted)))
+                    submitted += 1
+
             try:
-                for i, module in enumerate(modules):
-                    inputs = next_read.result()
-                    next_read = reader.submit(self._read, i + 1) if i + 1 < len(modules) else None
+                for module in modules:
+                    read_ahead()
+                    inputs = reads.popleft()[1].result()
+                    read_ahead()
                     result = convert_module(module, self.context(module), inputs)
                     del inputs
                     staged, ready = self.transfer.to_host(result.tensors)
                     result.tensors = []
-                    if pending_write is not None:
-                        pending_write.result()
-                    pending_write = writer_thread.submit(self._write, writer, staged, ready)
+                    nbytes = sum(t.numel() * t.element_size() for _, t in staged)
+                    writes.append((nbytes, writer_thread.submit(self._write, writer, staged, ready)))
+                    del staged
+                    # Surface a failed write at once; wait only while the queue is over its bound.
+                    while writes and (writes[0][1].done() or sum(b for b, _ in writes) - nbytes > QUEUE_BYTES):
+                        writes.popleft()[1].result()
                     on_module(module, result)
-                if pending_write is not None:
-                    pending_write.result()
+                while writes:
+                    writes.popleft()[1].result()
             finally:
                 # On an error, let the threads finish what they hold before the writer is aborted.
-                for fut in (next_read, pending_write):
-                    if fut is not None:
-                        fut.cancel()
-                        wait([fut])
+                for _, fut in (*reads, *writes):
+                    fut.cancel()
+                    wait([fut])
 
     def _read(self, index: int) -> ModuleInputs:
         """Read module ``index``, having asked the kernel to fetch what follows it meanwhile.
@@ -274,10 +294,10 @@ def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scal
 
 
 def pipeline_memory(shard: ShardJob) -> int:
-    """Peak resident bytes of a job: its largest module converting, plus one read ahead and one being written."""
+    """Peak resident bytes of a job: its largest module in flight, plus the full read and write queues."""
     in_flight = max((sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
                      for m in shard.modules), default=0)
-    return shard.memory_estimate + in_flight
+    return shard.memory_estimate + in_flight + 2 * QUEUE_BYTES
 
 
 def _role_key(role: Role, is_mtp: bool) -> str:
