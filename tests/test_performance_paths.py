@@ -52,7 +52,9 @@ def _sequential(dst: Path, plan, shard, input_scales) -> bytes:
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8", "w4a16"])
-def test_pipeline_and_staged_transfer_write_the_sequential_bytes(plans, recipe, tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pipeline_and_staged_transfer_write_the_sequential_bytes(plans, recipe, threads, tmp_path, monkeypatch):
+    monkeypatch.setattr(execute, "CONVERT_THREADS", threads)
     ckpt, by_recipe = plans
     plan = by_recipe[recipe]
     scales = build_input_scales(ckpt)
@@ -106,6 +108,7 @@ def test_reads_run_in_plan_order_within_the_read_ahead_bound(plans, tmp_path, mo
     plan = by_recipe["nvfp4"]
     shard = max(plan.shards, key=lambda s: len(s.modules))
     monkeypatch.setattr(execute, "QUEUE_BYTES", queue_bytes)
+    threads = execute.CONVERT_THREADS
     transfer = RecordingTransfer()
     run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt), transfer=transfer)
     reads = [m for kind, m in transfer.events if kind == "read"]
@@ -115,14 +118,14 @@ def test_reads_run_in_plan_order_within_the_read_ahead_bound(plans, tmp_path, mo
     for kind, module in transfer.events:
         if kind == "read":
             ahead.append(size[module])
-            # Beyond the module being converted, at most one module or queue_bytes are read ahead.
-            assert len(ahead) <= 2 or sum(ahead[1:]) <= queue_bytes
+            # Beyond the modules being converted, at most one module or queue_bytes are read ahead.
+            assert len(ahead) <= threads + 1 or sum(ahead[threads:]) <= queue_bytes
             most_ahead = max(most_ahead, len(ahead))
         else:
             converted += 1
             ahead.pop(0)
     assert converted == len(shard.modules)
-    assert (most_ahead <= 2) == (queue_bytes == 0)  # the queue is used when allowed
+    assert (most_ahead <= threads + 1) == (queue_bytes == 0)  # the queue is used when allowed
 
 
 def test_a_failing_write_stops_the_job_and_leaves_no_file(plans, tmp_path, monkeypatch):
@@ -192,7 +195,8 @@ def test_pipeline_memory_counts_the_modules_in_flight(plans):
         for shard in plan.shards:
             largest = max(sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
                           for m in shard.modules)
-            assert pipeline_memory(shard) == shard.memory_estimate + largest + 2 * execute.QUEUE_BYTES
+            assert pipeline_memory(shard) == (shard.memory_estimate + execute.CONVERT_THREADS * largest
+                                              + 2 * execute.QUEUE_BYTES)
 
 
 def test_realistic_mxfp4_is_deterministic_and_shaped_like_deepseeks_quantizer():

@@ -172,6 +172,9 @@ PREFETCH_BYTES = 256 * 1024 * 1024
 # hold this many bytes beyond the one module always allowed: the queues absorb the disk's
 # stalls (a throttled write, a slow read) so the converter keeps working through them.
 QUEUE_BYTES = 128 * 1024 * 1024
+# Modules converted at once: a second thread keeps both cores busy where one module's conversion,
+# not the disk, is the slowest stage (MXFP4 -> FP8 on a 2-core machine).
+CONVERT_THREADS = 2
 
 
 def _read_bytes(module: ModuleJob) -> int:
@@ -200,11 +203,15 @@ class ShardPipeline:
 
     def run(self, writer: ShardWriter, on_module: Callable[[ModuleJob, ModuleResult], None]) -> None:
         modules = self.job.modules
-        if self.transfer.device.type == "cuda":
-            torch.cuda.set_device(self.transfer.device)
-        reads: deque[tuple[int, Future]] = deque()   # (bytes, read) of modules not yet converted
+        device = self.transfer.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        reads: deque[tuple[int, Future]] = deque()   # (bytes, read) of modules not yet converting
+        converting: deque[tuple[ModuleJob, Future]] = deque()
         writes: deque[tuple[int, Future]] = deque()  # (bytes, write) of modules not yet written
+        on_gpu = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         with ThreadPoolExecutor(1, thread_name_prefix="read") as reader, \
+                ThreadPoolExecutor(CONVERT_THREADS, "convert", *on_gpu) as converter, \
                 ThreadPoolExecutor(1, thread_name_prefix="write") as writer_thread:
             submitted = 0
 
@@ -215,27 +222,36 @@ class ShardPipeline:
                     reads.append((_read_bytes(modules[submitted]), reader.submit(self._read, submitted)))
                     submitted += 1
 
+            def write_behind(module: ModuleJob, result: ModuleResult) -> None:
+                staged, ready = self.transfer.to_host(result.tensors)
+                result.tensors = []
+                nbytes = sum(t.numel() * t.element_size() for _, t in staged)
+                writes.append((nbytes, writer_thread.submit(self._write, writer, staged, ready)))
+                del staged
+                # Surface a failed write at once; wait only while the queue is over its bound.
+                while writes and (writes[0][1].done() or sum(b for b, _ in writes) - nbytes > QUEUE_BYTES):
+                    writes.popleft()[1].result()
+                on_module(module, result)
+
             try:
                 for module in modules:
                     read_ahead()
                     inputs = reads.popleft()[1].result()
                     read_ahead()
-                    result = convert_module(module, self.context(module), inputs)
+                    converting.append((module, converter.submit(convert_module, module, self.context(module), inputs)))
                     del inputs
-                    staged, ready = self.transfer.to_host(result.tensors)
-                    result.tensors = []
-                    nbytes = sum(t.numel() * t.element_size() for _, t in staged)
-                    writes.append((nbytes, writer_thread.submit(self._write, writer, staged, ready)))
-                    del staged
-                    # Surface a failed write at once; wait only while the queue is over its bound.
-                    while writes and (writes[0][1].done() or sum(b for b, _ in writes) - nbytes > QUEUE_BYTES):
-                        writes.popleft()[1].result()
-                    on_module(module, result)
+                    # Results are written in plan order; wait for the oldest once every thread is busy.
+                    while converting and (len(converting) >= CONVERT_THREADS or converting[0][1].done()):
+                        done, result = converting.popleft()
+                        write_behind(done, result.result())
+                while converting:
+                    done, result = converting.popleft()
+                    write_behind(done, result.result())
                 while writes:
                     writes.popleft()[1].result()
             finally:
                 # On an error, let the threads finish what they hold before the writer is aborted.
-                for _, fut in (*reads, *writes):
+                for fut in (*(f for _, f in reads), *(f for _, f in converting), *(f for _, f in writes)):
                     fut.cancel()
                     wait([fut])
 
@@ -294,10 +310,10 @@ def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scal
 
 
 def pipeline_memory(shard: ShardJob) -> int:
-    """Peak resident bytes of a job: its largest module in flight, plus the full read and write queues."""
+    """Peak resident bytes of a job: its largest module in every converter thread, plus both full queues."""
     in_flight = max((sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
                      for m in shard.modules), default=0)
-    return shard.memory_estimate + in_flight + 2 * QUEUE_BYTES
+    return shard.memory_estimate + CONVERT_THREADS * in_flight + 2 * QUEUE_BYTES
 
 
 def _role_key(role: Role, is_mtp: bool) -> str:
