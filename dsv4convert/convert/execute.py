@@ -242,11 +242,11 @@ class ShardPipeline:
                     del inputs
                     # Results are written in plan order; wait for the oldest once every thread is busy.
                     while converting and (len(converting) >= CONVERT_THREADS or converting[0][1].done()):
-                        done, result = converting.popleft()
-                        write_behind(done, result.result())
+                        oldest, conversion = converting.popleft()
+                        write_behind(oldest, conversion.result())
                 while converting:
-                    done, result = converting.popleft()
-                    write_behind(done, result.result())
+                    oldest, conversion = converting.popleft()
+                    write_behind(oldest, conversion.result())
                 while writes:
                     writes.popleft()[1].result()
             finally:
