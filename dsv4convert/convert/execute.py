@@ -177,10 +177,6 @@ QUEUE_BYTES = 128 * 1024 * 1024
 CONVERT_THREADS = 2
 
 
-def _read_bytes(module: ModuleJob) -> int:
-    return sum(e.nbytes for e in module.sources.values())
-
-
 class ShardPipeline:
     """Read ahead, convert, write behind, in plan order, with byte-bounded queues between them."""
 
@@ -218,8 +214,8 @@ class ShardPipeline:
             def read_ahead() -> None:
                 nonlocal submitted
                 while submitted < len(modules) and (
-                        not reads or sum(b for b, _ in reads) + _read_bytes(modules[submitted]) <= QUEUE_BYTES):
-                    reads.append((_read_bytes(modules[submitted]), reader.submit(self._read, submitted)))
+                        not reads or sum(b for b, _ in reads) + modules[submitted].bytes_in <= QUEUE_BYTES):
+                    reads.append((modules[submitted].bytes_in, reader.submit(self._read, submitted)))
                     submitted += 1
 
             def write_behind(module: ModuleJob, result: ModuleResult) -> None:
@@ -263,12 +259,11 @@ class ShardPipeline:
         """
         modules = self.job.modules
         self._hinted = max(self._hinted, index + 1)
-        ahead = sum(e.nbytes for m in modules[index + 1:self._hinted] for e in m.sources.values())
+        ahead = sum(m.bytes_in for m in modules[index + 1:self._hinted])
         hint = []
         while self._hinted < len(modules) and (ahead < PREFETCH_BYTES or self._hinted == index + 1):
-            entries = list(modules[self._hinted].sources.values())
-            hint += entries
-            ahead += sum(e.nbytes for e in entries)
+            hint += modules[self._hinted].sources.values()
+            ahead += modules[self._hinted].bytes_in
             self._hinted += 1
         if hint:
             prefetch(hint)
@@ -300,7 +295,7 @@ def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scal
         if result.input_scale_source:
             stats["input_scale_sources"][result.input_scale_source] += 1
         if progress is not None:
-            progress.put(sum(e.nbytes for e in module.sources.values()))
+            progress.put(module.bytes_in)
 
     path = Path(dst) / job.name
     with ShardWriter(path, job.planned, metadata={"format": "pt"}) as writer:
@@ -311,8 +306,7 @@ def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scal
 
 def pipeline_memory(shard: ShardJob) -> int:
     """Peak resident bytes of a job: its largest module in every converter thread, plus both full queues."""
-    in_flight = max((sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
-                     for m in shard.modules), default=0)
+    in_flight = max((m.bytes_in + sum(p.nbytes for p in m.outputs) for m in shard.modules), default=0)
     return shard.memory_estimate + CONVERT_THREADS * in_flight + 2 * QUEUE_BYTES
 
 

@@ -58,9 +58,13 @@ class ModuleJob:
         return self.target.format if self.target.format is not None else self.source_format
 
     @property
+    def bytes_in(self) -> int:
+        return sum(e.nbytes for e in self.sources.values())
+
+    @property
     def work_bytes(self) -> int:
         if self.logical_shape is None or not self.converts:
-            return sum(e.nbytes for e in self.sources.values())
+            return self.bytes_in
         n, k = self.logical_shape
         return n * k * _WORK_BYTES_PER_ELEMENT * (2 if self.partner else 1)
 
@@ -77,7 +81,7 @@ class ShardJob:
 
     @property
     def bytes_in(self) -> int:
-        return sum(e.nbytes for m in self.modules for e in m.sources.values())
+        return sum(m.bytes_in for m in self.modules)
 
     @property
     def memory_estimate(self) -> int:
