@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dsv4convert.serve.process import live_processes
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import torture  # noqa: E402
 
@@ -250,16 +252,8 @@ def test_lock_without_a_holder_is_stale_only_after_the_grace_period(tmp_path, ca
 
 
 def children_of(pid: int) -> list[int]:
-    """Live child pids of ``pid``, oldest first, from /proc."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return sorted(out)
+    """Live child pids of ``pid``, oldest first."""
+    return sorted(child for child, parent, _ in live_processes() if parent == pid)
 
 
 def test_worker_killed_by_the_system_is_one_line_and_resumable(launchers, nvfp4, tmp_path):

@@ -191,18 +191,22 @@ def _signal_group(popen: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """PIDs in process group ``pgid`` that are still running (zombies excluded), from /proc."""
-    members = []
+def live_processes() -> list[tuple[int, int, int]]:
+    """``(pid, parent pid, process group)`` of every running process (zombies excluded), from /proc."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the command name may hold spaces
         except OSError:
             continue
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            members.append(int(stat.parent.name))
-    return members
+        if fields[0] != "Z":
+            found.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
+    return found
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs in process group ``pgid`` that are still running."""
+    return [pid for pid, _, group in live_processes() if group == pgid]
 
 
 def _wait_group_gone(pgid: int, timeout: float = 5.0) -> bool:
