@@ -6,7 +6,9 @@ log tail of the process that failed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import threading
@@ -27,22 +29,35 @@ def pd_commands(tmp_path, ports, router_extra=()):
     return commands, files
 
 
-def test_server_killed_after_it_was_healthy(tmp_path):
-    """SIGKILL reaches only the router's leader (the OOM killer's way): its child lives on in the
-    process group; the next request fails as a ServeError and leaving the group stops the rest."""
+@contextlib.contextmanager
+def pd_group_with_one_killed(tmp_path, index: int):
+    """Stand-in PD servers, all healthy, then SIGKILL to the leader of server ``index`` only (the
+    OOM killer's way: its own child lives on in the process group). Yields the group, the commands
+    and the child pids; once the group is left, every process, port and child must be gone,
+    whatever was raised."""
     ports = [free_port() for _ in range(3)]
     commands, files = pd_commands(tmp_path, ports)
-    with pytest.raises(ServeError, match=rf"POST http://127.0.0.1:{ports[2]}/generate failed"):
+    pgids, children = [], []
+    try:
         with ProcessGroup(tmp_path / "logs", stop_grace=2.0, echo=lambda line: None) as group:
             start_and_wait(group, commands, timeout=15.0)
-            pgids = [p.popen.pid for p in group.processes]
-            children = [int(f.read_text()) for f in files]
-            router = group.processes[-1]
-            os.kill(router.popen.pid, signal.SIGKILL)
-            assert wait_until(lambda: router.popen.poll() is not None)
-            assert pid_alive(children[2])  # orphaned inside the group, still holding resources
-            smoke_request(commands[-1].url, timeout=5.0)
-    assert_nothing_left(pgids, ports, children)
+            pgids += [p.popen.pid for p in group.processes]
+            children += [int(f.read_text()) for f in files]
+            victim = group.processes[index]
+            os.kill(victim.popen.pid, signal.SIGKILL)
+            assert wait_until(lambda: victim.popen.poll() is not None)
+            yield group, commands, children
+    finally:
+        assert_nothing_left(pgids, ports, children)
+
+
+def test_server_killed_after_it_was_healthy(tmp_path):
+    """The router's leader is killed: its child still holds resources inside the group; the next
+    request fails as a ServeError and leaving the group stops the rest."""
+    with pd_group_with_one_killed(tmp_path, 2) as (_, commands, children):
+        assert pid_alive(children[2])  # orphaned inside the group, still holding resources
+        with pytest.raises(ServeError, match=rf"POST {re.escape(commands[2].url)}/generate failed"):
+            smoke_request(commands[2].url, timeout=5.0)
 
 
 def test_router_never_healthy_stops_the_servers_too(tmp_path):
