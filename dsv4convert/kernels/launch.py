@@ -16,12 +16,11 @@ from dsv4convert.kernels.configs import GemmConfig
 from dsv4convert.kernels.operands import FP8_BLOCK, QuantizedWeight, quantized_weight
 from dsv4convert.kernels.samples import random_activations, random_weight
 from dsv4convert.errors import DSV4Error
+from dsv4convert.kernels.triton_fp8_gemm import act_quant_kernel, fp8_block_gemm_kernel
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
-    act_quant_kernel,
     dequant_4bit_kernel,
     dequant_fp8_kernel,
-    fp8_block_gemm_kernel,
     weight_only_gemm_kernel,
     weight_only_halves_kernel,
 )
@@ -95,45 +94,54 @@ def _gemm_kind(weight: QuantizedWeight) -> str:
 def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max_rows: int,
             cfg: GemmConfig) -> torch.Tensor:
     """Run the grouped GEMM with exactly ``cfg``; returns BF16 ``[T, N]``."""
-    tokens = x.shape[0]
-    n, k = weight.n, weight.k
     split_k = cfg.split_k
     y = (torch.zeros if split_k > 1 else torch.empty)(
-        tokens, n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k, weight.experts)
+        x.shape[0], weight.n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, cfg.block_n), split_k, weight.experts)
     if weight.fmt == "fp8_block":
-        xq, xs = quantize_activations_fp8(x)
-        w_scale = weight.scale
-        fp8_block_gemm_kernel[grid](
-            xq, xs, weight.codes, w_scale, y, offsets, n, k,
-            xq.stride(0), xs.stride(0), weight.codes.stride(0), weight.codes.stride(1),
-            w_scale.stride(0), w_scale.stride(1), y.stride(0),
-            SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split_k,
-            GROUP_M=cfg.group_m,
+        _launch_fp8_block(weight, x, offsets, y, grid, cfg)
+    else:
+        _launch_weight_only(weight, x, offsets, y, grid, cfg)
+    return y.to(torch.bfloat16) if split_k > 1 else y
+
+
+def _launch_fp8_block(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor,
+                      grid: tuple[int, int, int], cfg: GemmConfig) -> None:
+    xq, xs = quantize_activations_fp8(x)
+    w_scale = weight.scale
+    fp8_block_gemm_kernel[grid](
+        xq, xs, weight.codes, w_scale, y, offsets, weight.n, weight.k,
+        xq.stride(0), xs.stride(0), weight.codes.stride(0), weight.codes.stride(1),
+        w_scale.stride(0), w_scale.stride(1), y.stride(0),
+        SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor,
+                        grid: tuple[int, int, int], cfg: GemmConfig) -> None:
+    n, k = weight.n, weight.k
+    global_scale = weight.global_scale if weight.global_scale is not None else weight.scale
+    block_k = max(cfg.block_k, weight.group)
+    args = (x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
+            x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
+            weight.scale.stride(1), y.stride(0))
+    if cfg.variant == "halves":
+        weight_only_halves_kernel[grid](
+            *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
+            EVEN_K=k % (block_k * cfg.split_k) == 0, UPCAST_DOT=interpreting(),
+            ASM_DECODE=asm_decode_runs_on(weight.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
-        global_scale = weight.global_scale if weight.global_scale is not None else weight.scale
-        block_k = max(cfg.block_k, weight.group)
-        args = (x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
-                x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
-                weight.scale.stride(1), y.stride(0))
-        if cfg.variant == "halves":
-            weight_only_halves_kernel[grid](
-                *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                EVEN_K=k % (block_k * split_k) == 0, UPCAST_DOT=interpreting(),
-                ASM_DECODE=asm_decode_runs_on(weight.device),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-        else:
-            weight_only_gemm_kernel[grid](
-                *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                SPLIT_K=split_k, UPCAST_DOT=interpreting(),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-    return y.to(torch.bfloat16) if split_k > 1 else y
+        weight_only_gemm_kernel[grid](
+            *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            SPLIT_K=cfg.split_k, UPCAST_DOT=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
 
 
 def asm_decode_runs_on(device: torch.device) -> bool:
