@@ -269,10 +269,11 @@ def _sweep_weight_only(rep_ms: int) -> list[dict]:
 
 def _sweep_fp8(rep_ms: int) -> list[dict]:
     rows = []
-    candidates = [configs.GemmConfig(bm, bn, 128, num_warps=w, num_stages=st, group_m=g)
-                  for bm, bn, w, st, g in [(64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 128, 8, 4, 8),
-                                           (128, 256, 8, 3, 8), (128, 128, 4, 3, 8), (64, 256, 8, 3, 8),
-                                           (128, 64, 4, 4, 8)]]
+    candidates = [configs.GemmConfig(bm, bn, 128, num_warps=w, num_stages=st, group_m=g, variant=v)
+                  for bm, bn, w, st, g, v in [(128, 128, 8, 3, 16, "tma_rescale"), (64, 128, 4, 3, 8, "tma_rescale"),
+                                              (64, 128, 4, 3, 8, "tma"), (128, 128, 8, 4, 8, "tma"),
+                                              (128, 256, 8, 3, 8, "tma"), (64, 128, 4, 4, 8, "tile"),
+                                              (128, 128, 8, 3, 8, "tile")]]
     for shape_name in ("expert_w1_w3", "square_8192"):
         n, k = SHAPES[shape_name]
         weight = make_weights("fp8_block", n, k, 1)[0]

@@ -207,6 +207,35 @@ def test_fp8_block_gemm_with_grouped_tile_order():
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
 
 
+def test_fp8_block_gemm_256_wide_tiles_ragged_n_and_k():
+    # Two experts, N = 384 (the second tile's upper half lies past N), K = 320 (a partial K block).
+    tensors = _weight("fp8_block", 128, "float32", 384, 320, experts=2, seed=16)
+    weight = quantized_weight("fp8_block", tensors)
+    x = random_activations(37, 320, device=DEVICE, generator=_generator(17))
+    offsets = torch.tensor([0, 21, 37], dtype=torch.int32, device=DEVICE)
+    for cfg in (configs.GemmConfig(16, 256, 128, num_warps=4, num_stages=1, group_m=2),
+                configs.GemmConfig(16, 256, 128, split_k=2, num_warps=4, num_stages=1)):
+        y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+        assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, cfg
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "float32"])
+def test_fp8_block_gemm_rescaled_accumulator(scale_fmt):
+    # variant "rescale": with E8M0 weight scales the accumulator is rescaled between K blocks and fed
+    # to the dot; float32 scales keep the scale-after-dot path. Ragged experts, K blocks and split-K.
+    tensors = _weight("fp8_block", 128, scale_fmt, 160, 640, experts=2, seed=18)
+    if scale_fmt == "ue8m0":
+        tensors[1].view(torch.uint8)[0, 0, 2] = 0  # 2^-127: clamped for the ratios, must not overflow
+    weight = quantized_weight("fp8_block", tensors)
+    x = random_activations(50, 640, device=DEVICE, generator=_generator(19))
+    x[7] *= 1000.0  # one token's scales far from the others'
+    offsets = torch.tensor([0, 30, 50], dtype=torch.int32, device=DEVICE)
+    for split_k in (1, 2):
+        cfg = configs.GemmConfig(16, 32, 128, split_k=split_k, num_warps=4, num_stages=1, variant="rescale")
+        y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+        assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, cfg
+
+
 def test_table_configs_pass_their_check_on_this_device():
     arch = launch.arch_of(torch.device(DEVICE))
     for kind, table in configs.GEMM_TABLES.items():
