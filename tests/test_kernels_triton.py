@@ -7,6 +7,7 @@ Dequantization and quantization must match bit for bit; GEMMs to BF16 rounding (
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -187,6 +188,39 @@ def test_asm_decode_matches_the_triton_decode_bit_for_bit(fmt, group, monkeypatc
     assert torch.equal(with_asm.view(torch.int16), launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16))
 
 
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
+def test_planes_kernel_split_k_in_launch_matches_reference(fmt, group):
+    # Ragged experts and N; split-K reduced inside the launch (tickets handed back at zero); K=384
+    # leaves the last slice past K (masked path) and K=512 takes pre-permuted activations.
+    for k, split_k, variant in ((512, 2, "planes_xperm"), (384, 2, "planes"), (256, 1, "planes")):
+        tensors = _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=20)
+        weight = quantized_weight(fmt, tensors)
+        x = random_activations(21, k, device=DEVICE, generator=_generator(21))
+        offsets = torch.tensor([0, 17, 21], dtype=torch.int32, device=DEVICE)
+        cfg = configs.GemmConfig(16, 64, 128, split_k=split_k, num_warps=4, num_stages=1, variant=variant)
+        y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+        assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, (k, split_k)
+        if split_k > 1:
+            assert not bool(launch._TICKETS[y.device].any())
+            assert torch.equal(y.view(torch.int16), launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
+def test_planes_asm_decode_matches_the_triton_decode_bit_for_bit(fmt, group, monkeypatch):
+    if not launch.asm_decode_runs_on(torch.device(DEVICE)):
+        pytest.skip("the inline-PTX decode runs compiled on sm_90 / sm_120 only")
+    weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 256, 2048, experts=2, seed=22))
+    x = random_activations(20, 2048, device=DEVICE, generator=_generator(23))
+    offsets = torch.tensor([0, 16, 20], dtype=torch.int32, device=DEVICE)
+    for variant, split_k in (("planes", 1), ("planes_xperm", 2)):
+        cfg = configs.GemmConfig(16, 128, 256, split_k=split_k, num_warps=8, num_stages=3, variant=variant)
+        with_asm = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+        with monkeypatch.context() as patch:
+            patch.setattr(launch, "asm_decode_runs_on", lambda device: False)
+            plain = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+        assert torch.equal(with_asm.view(torch.int16), plain.view(torch.int16)), variant
+
+
 def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     if DEVICE != "cuda":
         pytest.skip("split-K fitting counts the GPU's SMs")
@@ -195,6 +229,13 @@ def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     many = quantized_weight("int4", _weight("int4", 128, "ue8m0", 1024, 256, experts=64))  # 1024 tiles
     assert launch._fit_split_k(cfg, one, 1).split_k == 4
     assert launch._fit_split_k(cfg, many, 16).split_k == 1
+    # planes: at most 2 programs per SM and two K tiles per slice; activations permuted for big matrices
+    planes = configs.GemmConfig(16, 128, 256, split_k=8, num_warps=8, variant="planes")
+    assert launch._fit_split_k(planes, one, 1) == dataclasses.replace(planes, split_k=8)
+    assert launch._fit_split_k(planes, many, 16).split_k == 1
+    big = quantized_weight("int4", _weight("int4", 128, "ue8m0", 8192, 4096))
+    assert launch._fit_split_k(planes, big, 1).variant == "planes"
+    assert launch._fit_split_k(planes, big, 16).variant == "planes_xperm"
 
 
 def test_fp8_block_gemm_with_grouped_tile_order():

@@ -23,6 +23,7 @@ from dsv4convert.kernels.triton_kernels import (
     dequant_fp8_kernel,
     weight_only_gemm_kernel,
     weight_only_halves_kernel,
+    weight_only_planes_kernel,
 )
 
 # GEMM outputs are compared with the FP32 reference at BF16 rounding noise (formats.md §7
@@ -108,9 +109,12 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
             cfg: GemmConfig) -> torch.Tensor:
     """Run the grouped GEMM with exactly ``cfg``; returns BF16 ``[T, N]``."""
     split_k = cfg.split_k
+    if cfg.variant in PLANES_VARIANTS:
+        split_k = 1  # reduces its K slices in the launch itself, into BF16 Y
     y = (torch.zeros if split_k > 1 else torch.empty)(
         x.shape[0], weight.n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, cfg.block_n), split_k, weight.experts)
+    grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, cfg.block_n), cfg.split_k,
+            weight.experts)
     if weight.fmt == "fp8_block":
         _launch_fp8_block(weight, x, offsets, y, grid, cfg)
     else:
@@ -153,6 +157,24 @@ def _launch_fp8_block(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.T
     )
 
 
+PLANES_VARIANTS = ("planes", "planes_xperm")
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, for the planes kernel's in-launch split-K.
+
+    Every launch leaves them at zero again (the last K slice of a tile resets its counter), so one
+    buffer per device serves every call, CUDA-graph replays included. Launches that may overlap
+    on different streams would share them: the kernels are used on one stream.
+    """
+    buffer = _TICKETS.get(device)
+    if buffer is None or buffer.numel() < count:
+        buffer = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
+        _TICKETS[device] = buffer
+    return buffer
+
+
 def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor,
                         grid: tuple[int, int, int], cfg: GemmConfig) -> None:
     n, k = weight.n, weight.k
@@ -161,7 +183,27 @@ def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch
     args = (x, weight.codes, weight.scale, global_scale, y, offsets, n, k,
             x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scale.stride(0),
             weight.scale.stride(1), y.stride(0))
-    if cfg.variant == "halves":
+    if cfg.variant in PLANES_VARIANTS:
+        codes = weight.codes.view(torch.int32)  # [E, N, K/8] words; K is a multiple of 8 in every format
+        even_k = k % (block_k * cfg.split_k) == 0
+        x_permuted = cfg.variant == "planes_xperm" and even_k
+        if x_permuted:
+            # Each BLOCK_K tile of X plane after plane: column i*BLOCK_K/8 + j holds K = 8j + i.
+            x = x.view(x.shape[0], k // block_k, block_k // 8, 8).transpose(2, 3).reshape(x.shape[0], k)
+        parts = torch.empty((cfg.split_k, *y.shape) if cfg.split_k > 1 else (1,), dtype=torch.float32,
+                            device=y.device)
+        tickets = _tickets(y.device, grid[0] * grid[2]) if cfg.split_k > 1 else parts
+        weight_only_planes_kernel[grid](
+            x, codes, weight.scale, global_scale, y, offsets, parts, tickets, n, k,
+            x.stride(0), codes.stride(0), codes.stride(1), weight.scale.stride(0), weight.scale.stride(1), y.stride(0),
+            parts.stride(0),
+            FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
+            EVEN_K=even_k, UPCAST_DOT=interpreting(),
+            ASM_DECODE=asm_decode_runs_on(weight.device), X_PERMUTED=x_permuted,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    elif cfg.variant == "halves":
         weight_only_halves_kernel[grid](
             *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
@@ -211,18 +253,33 @@ def _config_passes(fmt: str, group: int, cfg: GemmConfig, device: torch.device) 
 
 
 def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> GemmConfig:
-    """Halve the table's split-K while the grid would still hold more than ~4 programs per SM.
+    """Fit the table's config to this problem: halve its split-K while the grid overfills the GPU.
 
     Splitting K only pays when there are too few output tiles to fill the GPU (one expert at
-    M <= 16); a large matrix or a grouped launch over experts runs unsplit, with no atomics.
+    M <= 16); a large matrix or a grouped launch over experts runs unsplit. The halves kernel keeps
+    up to ~4 programs per SM (its slices meet through FP32 atomics); the planes kernel, whose
+    8-warp programs hold ~2 per SM, up to 2 per SM and at least two K tiles per slice. The planes
+    kernel also takes its activations pre-permuted (``planes_xperm``, one small torch copy) for
+    more than 4 rows on a matrix of 2^25 weights or more: on the H200 that copy saved more than it
+    cost there (8192^2 INT4 M=16 25.1 -> 21.8 us) and cost more than it saved on one expert.
     """
-    if cfg.split_k == 1 or weight.device.type != "cuda":
+    if weight.device.type != "cuda":
+        return cfg
+    planes = cfg.variant in PLANES_VARIANTS
+    if planes and max_rows > 4 and weight.n * weight.k >= 1 << 25:
+        cfg = dataclasses.replace(cfg, variant="planes_xperm")
+    if cfg.split_k == 1:
         return cfg
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
     tiles = triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, cfg.block_n) * weight.experts
     split = cfg.split_k
-    while split > 1 and tiles * split > 4 * sms:
-        split //= 2
+    if planes:
+        block_k = max(cfg.block_k, weight.group)
+        while split > 1 and (tiles * split > 2 * sms or weight.k < 2 * split * block_k):
+            split //= 2
+    else:
+        while split > 1 and tiles * split > 4 * sms:
+            split //= 2
     return dataclasses.replace(cfg, split_k=split)
 
 

@@ -430,3 +430,220 @@ def weight_only_halves_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N,
             _store_cast(y_ptrs, acc, mask)
         else:
             tl.atomic_add(y_ptrs, acc, mask=mask)
+
+
+def _planes_asm(fmt: int) -> str:
+    """Inline PTX: two 32-bit code words (eight nibbles each) to eight BF16 pairs, one per nibble plane.
+
+    Operands: ``$0..$7`` plane 0..7 (nibble i of word a in the low half, of word b in the high half,
+    times their scales), ``$8, $9`` the words a and b of two consecutive columns, ``$10`` their two BF16
+    scales. Two ``prmt`` put the low (high) 16 bits of a and b side by side, so nibble i of both
+    words sits at bits 4i and 16 + 4i after at most one shift; the rest is the pair decode of
+    :func:`_decode_asm`.
+    """
+    lines = [".reg .b32 t0, t1, u, one, off, big, nz;", "mov.b32 one, 0x3F803F80;", "mov.b32 off, 0xC308C308;",
+             "mov.b32 big, 0x7E807E80;", "mov.b32 nz, 0x80008000;"]
+    lines += ["prmt.b32 t0, $8, $9, 0x5410;", "prmt.b32 t1, $8, $9, 0x7632;"]
+    for plane in range(8):
+        source, shift = ("t0", "t1")[plane // 4], 4 * (plane % 4)
+        lines.append(f"shr.u32 u, {source}, {shift};" if shift else f"mov.b32 u, {source};")
+        if fmt == FORMAT_CODES["int4"]:
+            lines += ["lop3.b32 u, u, 0x000F000F, 0x43004300, 0xEA;", "fma.rn.bf16x2 u, u, one, off;"]
+        else:
+            lines += ["and.b32 u, u, 0x000F000F;", "mul.lo.u32 u, u, 0x1040;", "and.b32 u, u, 0x81C081C0;"]
+            if fmt == FORMAT_CODES["mxfp4"]:
+                lines.append("fma.rn.bf16x2 u, u, big, nz;")
+        lines.append(f"fma.rn.bf16x2 ${plane}, u, $10, nz;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_ASM_PLANES = tl.constexpr(tuple(_planes_asm(f) for f in range(3)))
+
+
+@triton.jit
+def _plane_values(words, plane: tl.constexpr, FMT: tl.constexpr, BF16: tl.constexpr):
+    """Value of nibble ``plane`` of each int32 code word, before scaling: FP32, or BF16 when ``BF16``."""
+    nibble = (words >> (4 * plane)) & 0xF
+    if BF16:
+        if FMT == FMT_INT4:
+            return (nibble | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True) - 136.0
+        else:
+            bits = ((nibble * 0x1040) & 0x81C0).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            return bits * 8.507059173023462e37
+    elif FMT == FMT_INT4:
+        return _int4_to_f32(nibble)
+    else:
+        return _e2m1_to_f32(nibble)
+
+
+@triton.jit
+def _x_planes8(x8, BLOCK_M: tl.constexpr, COLS: tl.constexpr):
+    """[BLOCK_M, COLS * 8] activations (runs of 8 consecutive K) as eight [BLOCK_M, COLS] tiles, plane i = K mod 8."""
+    x8 = tl.reshape(x8, (BLOCK_M, COLS, 2, 2, 2))
+    e, o = tl.split(x8)            # K bit 0
+    ee, eo = tl.split(e)           # K bit 1
+    oe, oo = tl.split(o)
+    x0, x4 = tl.split(ee)          # K bit 2
+    x2, x6 = tl.split(eo)
+    x1, x5 = tl.split(oe)
+    x3, x7 = tl.split(oo)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _x_planes(x_lo, x_hi, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activations as eight [BLOCK_M, BLOCK_K/8] tiles, plane i holding K = 8j + i.
+
+    ``x_lo`` / ``x_hi`` are ``[BLOCK_M, BLOCK_K/2]``: the K of the even and of the odd words.
+    Joining the two halves' planes keeps words j, j+1 of a plane in one thread, so each plane is
+    written to shared memory for the dot 32 bits at a time, not 16.
+    """
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x_planes8(x_lo, BLOCK_M, BLOCK_K // 16)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _x_planes8(x_hi, BLOCK_M, BLOCK_K // 16)
+    shape: tl.constexpr = (BLOCK_M, BLOCK_K // 8)
+    return (tl.reshape(tl.join(a0, b0), shape), tl.reshape(tl.join(a1, b1), shape),
+            tl.reshape(tl.join(a2, b2), shape), tl.reshape(tl.join(a3, b3), shape),
+            tl.reshape(tl.join(a4, b4), shape), tl.reshape(tl.join(a5, b5), shape),
+            tl.reshape(tl.join(a6, b6), shape), tl.reshape(tl.join(a7, b7), shape))
+
+
+@triton.jit
+def _concat_planes(p0, p1, p2, p3, p4, p5, p6, p7, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Eight [ROWS, COLS] planes side by side along K: [ROWS, 8 * COLS], plane i at columns i*COLS.
+
+    Each thread keeps its registers: in a dot operand's layout the plane index lands on register
+    bits, so the dot sees the same per-thread values as eight plane dots, in one dot.
+    """
+    j = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+    return tl.reshape(tl.permute(j, (0, 4, 3, 2, 1)), (ROWS, 8 * COLS))
+
+
+@triton.jit
+def weight_only_planes_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, part_ptr, ticket_ptr, N, K,
+                              stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym, stride_part,
+                              FMT: tl.constexpr, GROUP: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                              ASM_DECODE: tl.constexpr = False, X_PERMUTED: tl.constexpr = False):
+    """Small-batch weight-only GEMM on int32 code words: ``Y^T = W X^T`` with W decoded by nibble planes.
+
+    ``w_ptr`` is the codes viewed as int32 ``[E, N, K/8]`` (strides in words): word j of a row holds
+    K = 8j..8j+7, nibble i being K = 8j + i. Plane i is nibble i of every word of the tile; the eight
+    planes side by side along K (:func:`_concat_planes`) are one ``[BLOCK_N, BLOCK_K]`` dot operand,
+    and the activation tile is permuted the same way (in registers, or by the launcher when
+    ``X_PERMUTED``), which a sum over K allows. In the dot's register layout a thread then holds two
+    consecutive whole code words per row and decodes them with no byte shuffling (the halves kernel
+    gets 16-bit pieces and rebuilds them), and the whole tile is one wgmma chain with one wait.
+    A word lies in one scale group (GROUP is a multiple of 8), so a scale broadcasts per word;
+    scales are loaded one K tile ahead. Numerics as the halves kernel: (code * scale) rounds once
+    to BF16, NVFP4's global scale multiplies the FP32 accumulator. With ``SPLIT_K > 1`` the K
+    slices meet in this launch (FP32 partials, a ticket per tile, the last slice sums them in
+    order), so Y is written once, in BF16, with no zero-fill or cast kernels around it.
+    """
+    pid_mn = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    expert = tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // num_n
+    pid_n = pid_mn % num_n
+    row_begin = tl.load(offsets_ptr + expert)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    if row_begin + pid_m * BLOCK_M < row_end:
+        WORDS: tl.constexpr = BLOCK_K // 8
+        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.arange(0, WORDS)
+        rg = tl.arange(0, BLOCK_K // GROUP)
+        row_ok = rm < row_end
+        col_ok = rn < N
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn
+        s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn[:, None] * stride_sn
+        # The even words' K (x_lo; x_hi is +8): runs of 8 consecutive K, 16 apart.
+        x_cols = 16 * (tl.arange(0, BLOCK_K // 2) // 8) + tl.arange(0, BLOCK_K // 2) % 8
+        x_rows = x_ptr + rm[:, None] * stride_xm
+        x_rows3 = x_rows + x_cols[None, :]
+        k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+        k_begin = pid_k * k_per_split
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # Scales are read one K tile ahead into registers: Triton leaves their small loads out of its
+        # cp.async pipeline, and a load used in the same iteration would wait for memory every time.
+        s_next = _scale_values(s_rows + (k_begin // GROUP + rg)[None, :],
+                               col_ok[:, None] & (k_begin // GROUP + rg < K // GROUP)[None, :], FMT)
+        for k_step in range(0, k_per_split, BLOCK_K):
+            k0 = k_begin + k_step
+            scale = s_next
+            g_next = (k0 + BLOCK_K) // GROUP + rg
+            s_next = _scale_values(s_rows + g_next[None, :], col_ok[:, None] & (g_next < K // GROUP)[None, :], FMT)
+            if X_PERMUTED:
+                # The launcher laid each BLOCK_K tile of X out plane after plane (needs EVEN_K).
+                words = tl.load(w_rows + (k0 // 8 + rw)[None, :], mask=col_ok[:, None], other=0)
+                x_all = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_ok[:, None], other=0.0)
+            elif EVEN_K:
+                words = tl.load(w_rows + (k0 // 8 + rw)[None, :], mask=col_ok[:, None], other=0)
+                x_lo = tl.load(x_rows3 + k0, mask=row_ok[:, None], other=0.0)
+                x_hi = tl.load(x_rows3 + (k0 + 8), mask=row_ok[:, None], other=0.0)
+            else:
+                w_ok = k0 // 8 + rw < K // 8
+                words = tl.load(w_rows + (k0 // 8 + rw)[None, :], mask=col_ok[:, None] & w_ok[None, :], other=0)
+                x_lo = tl.load(x_rows3 + k0, mask=row_ok[:, None] & (k0 + x_cols < K)[None, :], other=0.0)
+                x_hi = tl.load(x_rows3 + (k0 + 8), mask=row_ok[:, None] & (k0 + 8 + x_cols < K)[None, :], other=0.0)
+            if not X_PERMUTED:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_lo, x_hi, BLOCK_M, BLOCK_K)
+                x_all = _concat_planes(x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_M, WORDS)
+            if UPCAST_DOT:
+                # The interpreter has no BF16 arithmetic: decode in FP32 and multiply in FP32.
+                scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)),
+                                   (BLOCK_N, WORDS))
+                w0 = _plane_values(words, 0, FMT, False) * scale
+                w1 = _plane_values(words, 1, FMT, False) * scale
+                w2 = _plane_values(words, 2, FMT, False) * scale
+                w3 = _plane_values(words, 3, FMT, False) * scale
+                w4 = _plane_values(words, 4, FMT, False) * scale
+                w5 = _plane_values(words, 5, FMT, False) * scale
+                w6 = _plane_values(words, 6, FMT, False) * scale
+                w7 = _plane_values(words, 7, FMT, False) * scale
+                w_all = _concat_planes(w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_N, WORDS)
+                acc = tl.dot(w_all, tl.trans(x_all.to(tl.float32)), acc)
+            else:
+                if ASM_DECODE and FMT == FMT_NVFP4:
+                    scale = scale * (2.0 ** NVFP4_ASM_SCALE_SHIFT)
+                scale = tl.reshape(tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None],
+                                                   (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), (BLOCK_N, WORDS))
+                if ASM_DECODE:
+                    w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                        _ASM_PLANES[FMT], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, scale],
+                        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+                else:
+                    w0 = _plane_values(words, 0, FMT, True) * scale
+                    w1 = _plane_values(words, 1, FMT, True) * scale
+                    w2 = _plane_values(words, 2, FMT, True) * scale
+                    w3 = _plane_values(words, 3, FMT, True) * scale
+                    w4 = _plane_values(words, 4, FMT, True) * scale
+                    w5 = _plane_values(words, 5, FMT, True) * scale
+                    w6 = _plane_values(words, 6, FMT, True) * scale
+                    w7 = _plane_values(words, 7, FMT, True) * scale
+                w_all = _concat_planes(w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_N, WORDS)
+                acc = tl.dot(w_all, tl.trans(x_all), acc)
+        if FMT == FMT_NVFP4:
+            if ASM_DECODE and not UPCAST_DOT:
+                acc = acc * (2.0 ** (126 - NVFP4_ASM_SCALE_SHIFT))
+            acc = acc * tl.load(g_ptr + expert)
+        mask = col_ok[:, None] & row_ok[None, :]
+        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        if SPLIT_K == 1:
+            _store_cast(y_ptrs, acc, mask)
+        else:
+            # Split-K in the same launch: each slice stores its FP32 partial, takes a ticket, and the
+            # last of the tile's slices sums the partials in slice order (deterministic) and writes
+            # BF16 Y, then hands the ticket counter back at zero for the next launch.
+            part = part_ptr + rm[None, :] * stride_ym + rn[:, None]
+            tl.store(part + pid_k * stride_part, acc, mask=mask)
+            tl.debug_barrier()
+            tile = expert * tl.num_programs(0) + pid_mn
+            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+            if ticket == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for other in range(SPLIT_K):
+                    total += tl.load(part + other * stride_part, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_cast(y_ptrs, total, mask)
+                tl.atomic_xchg(ticket_ptr + tile, 0)

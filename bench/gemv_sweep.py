@@ -1,0 +1,150 @@
+"""Small-batch (M <= 16) weight-only GEMMs against cuBLAS BF16 in one call, for choosing configs.
+
+    PYTHONPATH=. python bench/gemv_sweep.py --out /tmp/sweep.json [--mode final|sweep] [--m 1,4,16]
+        [--formats int4:128,nvfp4:16] [--shapes square_8192,wq_b]
+
+``final`` times the table's checked config against the previous ("halves") entry; ``sweep``
+times every candidate of :func:`candidates` as well.
+
+Compiles every variant first in parallel worker processes (one per format and shape, sharing
+Triton's cache), then times each in this process with CUDA-graph replays over enough weight
+copies to leave the L2 cache, as bench/kernels.py does, and checks it against the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.kernels import SHAPES, copies_for, make_weights, timed_over_copies, weight_bytes  # noqa: E402
+from dsv4convert.kernels import configs, launch, reference  # noqa: E402
+from dsv4convert.kernels.samples import random_activations  # noqa: E402
+
+G = configs.GemmConfig
+
+
+def candidates(n: int, k: int) -> list[configs.GemmConfig]:
+    shape = shape_of(n, k)
+    base = [("planes", 64, 512, 4, 3), ("planes", 128, 256, 8, 3), ("planes", 128, 256, 8, 4),
+            ("planes", 128, 512, 8, 3), ("planes_xperm", 64, 512, 4, 3), ("planes_xperm", 128, 256, 8, 3)]
+    splits = {"square_8192": (2, 4), "wq_b": (1, 2)}.get(shape, (4, 8))
+    out = []
+    for variant, bn, bk, warps, stages in base:
+        for split in splits:
+            if k % (split * bk) == 0 and n % bn == 0:
+                out.append(G(16, bn, bk, split_k=split, num_warps=warps, num_stages=stages, variant=variant))
+    return out
+
+
+HALVES = G(16, 64, 256, split_k=4, num_warps=4, num_stages=3, variant="halves")  # the table's entry before planes
+
+
+def configs_for(weight, m: int, mode: str) -> list[configs.GemmConfig]:
+    """``final``: the table's checked config and the previous halves entry; ``sweep``: every candidate."""
+    if mode == "final":
+        return [launch.checked_config(weight, m), launch._fit_split_k(HALVES, weight, m)]
+    return [launch.checked_config(weight, m)] + candidates(weight.n, weight.k)
+
+
+def shape_of(n: int, k: int) -> str:
+    return next(name for name, nk in SHAPES.items() if nk == (n, k))
+
+
+def cases(formats, shapes):
+    return [(fmt, group, shape) for fmt, group in formats for shape in shapes]
+
+
+def _compile_worker(args):
+    fmt, group, shape, ms, chunk, chunks, mode = args
+    n, k = SHAPES[shape]
+    weight = make_weights(fmt, n, k, 1, group=group)[0]
+    failures = []
+    for m in ms:
+        x = random_activations(m, k, device="cuda")
+        offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
+        for cfg in configs_for(weight, m, mode)[chunk::chunks]:
+            try:
+                launch._launch(weight, x, offsets, m, cfg)
+            except Exception as error:  # noqa: BLE001 - recorded
+                failures.append((repr(cfg), f"{type(error).__name__}: {str(error)[:200]}"))
+    torch.cuda.synchronize()
+    return fmt, shape, failures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--formats", default="int4:128,int4:32,nvfp4:16,mxfp4:32")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--m", default="1,4,16")
+    parser.add_argument("--rep-ms", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--mode", choices=("final", "sweep"), default="final")
+    args = parser.parse_args()
+    formats = [(f.split(":")[0], int(f.split(":")[1])) for f in args.formats.split(",")]
+    shapes = args.shapes.split(",")
+    ms = [int(m) for m in args.m.split(",")]
+    start = time.time()
+    chunks = 1 if args.mode == "final" else 4
+    work = [(fmt, group, shape, ms, c, chunks, args.mode) for fmt, group, shape in cases(formats, shapes)
+            for c in range(chunks)]
+    with mp.get_context("spawn").Pool(min(args.workers, len(work))) as pool:
+        for fmt, shape, failures in pool.imap_unordered(_compile_worker, work):
+            for cfg, err in failures:
+                print(f"compile-fail {fmt} {shape} {cfg} {err}", flush=True)
+    print(f"compiled in {time.time() - start:.0f} s", flush=True)
+    rows = []
+    for shape in shapes:
+        n, k = SHAPES[shape]
+        dense_count = copies_for(n * k * 2)
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(dense_count)]
+        for m in ms:
+            x = random_activations(m, k, device="cuda", generator=torch.Generator().manual_seed(m))
+            offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
+            cublas = timed_over_copies(lambda i: x @ dense[i].T, dense_count, args.rep_ms)
+            for fmt, group in formats:
+                probe = make_weights(fmt, n, k, 1, group=group)[0]
+                count = copies_for(weight_bytes(probe))
+                weights = [probe] + make_weights(fmt, n, k, count - 1, group=group)
+                want = reference.grouped_gemm(probe, x, offsets)
+                variants = configs_for(probe, m, args.mode)
+                current = variants[0]
+                for cfg in variants:
+                    try:
+                        err = launch.relative_error(want, launch._launch(probe, x, offsets, m, cfg))
+                        us = timed_over_copies(lambda i: launch._launch(weights[i], x, offsets, m, cfg), count,
+                                               args.rep_ms)
+                    except Exception as error:  # noqa: BLE001
+                        print(f"fail {fmt} {shape} {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                        continue
+                    gbps = weight_bytes(probe) / us / 1e3
+                    row = dict(format=fmt, group=group, shape=shape, m=m, cfg=repr(cfg), us=us, cublas_us=cublas,
+                               x=cublas / us, gbps=gbps, err=err, current=cfg is current)
+                    rows.append(row)
+                    print(f"{fmt}{group:<4d} {shape:13s} M={m:<3d} {us:7.2f} us x{cublas / us:5.2f} {gbps:6.0f} GB/s "
+                          f"err {err:.1e} {'CUR ' if cfg is current else ''}{cfg.variant} bn{cfg.block_n} bk{cfg.block_k} "
+                          f"s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}", flush=True)
+                del weights
+        del dense
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"total {time.time() - start:.0f} s", flush=True)
+    best = {}
+    for r in rows:
+        key = (r["format"], r["group"], r["shape"], r["m"])
+        if r["err"] < 5e-3 and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    for key, r in best.items():
+        print("BEST", key, f"{r['us']:.2f} us x{r['x']:.2f}", r["cfg"])
+
+
+if __name__ == "__main__":
+    main()
