@@ -28,6 +28,11 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # "halves" decodes four code bytes per inline-PTX block (launch.asm_decode_runs_on): on the H200
 # 15-20% faster for E2M1 on the large matrices, within 5% for INT4 and on one expert. The sm_120
 # entry is sized by calculation (no such GPU here): ~80 KB estimated, 34 KB as compiled, of 99 KB.
+# On sm_90, M <= 16 runs "planes" (triton_kernels.weight_only_planes_kernel: whole int32 code words
+# decoded per nibble plane, one dot per K tile, split-K reduced inside the launch); 128x256 tiles
+# with 8 warps were the best single choice over the four shapes in bench/gemv_sweep.py on the
+# H200 (a 64-wide tile with BLOCK_K 512 was within 5% at M=1 and 20-40% slower at M=16, where
+# every tile re-reads the activations). sm_120 keeps "halves": planes is untested there.
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 1  # row tiles that share a column sweep (L2 reuse of the weights at large M)
-    variant: str = "tile"  # weight-only: "tile" (interleaved K) or "halves" (even/odd K, swapped dot)
+    variant: str = "tile"  # weight-only: "tile" (interleaved K), "halves" (even/odd K, swapped dot), "planes"
 
     def shared_memory_bytes(self, weight_bits: int, activation_bytes: int = 2) -> int:
         """Pipelined operand buffers plus one staging tile for the dequantized weights.
@@ -64,7 +69,7 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
-        (16, GemmConfig(16, 64, 256, split_k=4, num_warps=4, num_stages=3, variant="halves")),
+        (16, GemmConfig(16, 128, 256, split_k=8, num_warps=8, num_stages=3, variant="planes")),
         (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),
     ),
