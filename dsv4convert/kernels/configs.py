@@ -31,8 +31,10 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # On sm_90, M <= 16 runs "planes" (triton_kernels.weight_only_planes_kernel: whole int32 code words
 # decoded per nibble plane, one dot per K tile, split-K reduced inside the launch); 128x256 tiles
 # with 8 warps were the best single choice over the four shapes in bench/gemv_sweep.py on the
-# H200 (a 64-wide tile with BLOCK_K 512 was within 5% at M=1 and 20-40% slower at M=16, where
-# every tile re-reads the activations). sm_120 keeps "halves": planes is untested there.
+# H200 (on 8192^2 INT4 a 64x512 tile with 4 warps was 16% slower at M=1 and 42% slower at M=16,
+# where every tile re-reads the activations; 256-wide tiles and 4 stages were no better). Its 128
+# registers per thread are the limit for two 8-warp programs per SM: an E2M1 decode that needed
+# 142 was 25% slower. sm_120 keeps "halves": planes is untested there.
 
 
 @dataclass(frozen=True)
