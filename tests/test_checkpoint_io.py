@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import write_plain_checkpoint
-from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, partial_path, read_header
+from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, SourceBytes, partial_path, read_header
+from dsv4convert.checkpoint import safetensors_io
 from dsv4convert.cli import main
 from dsv4convert.errors import CheckpointError
 
@@ -74,6 +75,50 @@ def test_writer_refuses_off_plan_tensors_and_leaves_no_partial_file(tmp_path):
         w.write("a", torch.zeros(2))
         w.commit()
     assert not path.exists() and not partial_path(path).exists()
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_source_bytes_are_copied_file_to_file_as_written(tmp_path, monkeypatch, kernel_copy):
+    """A SourceBytes output holds exactly the source tensor's bytes, under its planned dtype, by
+    ``copy_file_range`` or, where the kernel cannot copy between the files, through a buffer."""
+    import errno
+    import os
+
+    codes = torch.randint(-128, 128, (300, 77), dtype=torch.int8)
+    norm = torch.randn(77)
+    root = write_plain_checkpoint(tmp_path / "src", [{"w": codes, "n": norm}])
+    entry = Checkpoint.open(root).entry("w")
+    calls = []
+    if not kernel_copy:
+        def unsupported(*args):
+            calls.append(args)
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", unsupported)
+    monkeypatch.setattr(safetensors_io, "_WRITEBACK_EVERY", 4096)  # several pieces per tensor
+    path = tmp_path / "out.safetensors"
+    with ShardWriter(path, [PlannedTensor("n", "F32", (77,)), PlannedTensor("w", "U8", (300, 77))]) as w:
+        w.write("n", norm)
+        w.write("w", SourceBytes(entry, "U8", (300, 77)))
+    with safe_open(path, "pt") as f:
+        assert torch.equal(f.get_tensor("w"), codes.view(torch.uint8)) and torch.equal(f.get_tensor("n"), norm)
+    assert len(calls) == (0 if kernel_copy else 1)  # the fallback is chosen once, not per piece
+
+
+def test_source_bytes_from_a_shrunken_or_mismatched_source_fail_naming_both(tmp_path):
+    root = write_plain_checkpoint(tmp_path / "src", [{"w": torch.zeros(4096, dtype=torch.uint8)}])
+    entry = Checkpoint.open(root).entry("w")
+    path = tmp_path / "out.safetensors"
+    with pytest.raises(CheckpointError, match=r"planned 4000 bytes but the source tensor 'w' has 4096"):
+        with ShardWriter(path, [PlannedTensor("x", "U8", (4000,))]) as w:
+            w.write("x", SourceBytes(entry, "U8", (4000,)))
+    assert not partial_path(path).exists()
+    with open(entry.path, "r+b") as f:  # the source shrinks after it was opened and checked
+        f.truncate(entry.start + 1000)
+    with pytest.raises(CheckpointError, match=rf"{entry.path.name}: tensor 'w': file ends after 1000 of 4096 bytes"
+                                              rf".*while copying it to out\.safetensors"):
+        with ShardWriter(path, [PlannedTensor("x", "U8", (4096,))]) as w:
+            w.write("x", SourceBytes(entry, "U8", (4096,)))
+    assert not partial_path(path).exists() and not path.exists()
 
 
 def test_reading_is_lazy_and_memory_stays_near_one_tensor(tmp_path):

@@ -20,6 +20,8 @@ from dsv4convert.formats import (
     dequantize_nvfp4,
     mxfp4_to_fp8_block,
     mxfp4_to_nvfp4,
+    mxfp4_to_nvfp4_scales,
+    nvfp4_rescale_report,
     nvfp4_global_exponent,
     quantize_mxfp4,
 )
@@ -136,6 +138,22 @@ def test_nvfp4_report_agrees_with_full_decode(seed, spread):
     assert report.exact == torch.equal(source, result)
     if spread <= 17:  # formats.md §4: k_max - k_j <= 17 for every block
         assert report.exact
+
+
+@SETTINGS
+@given(st.integers(0, 2**31 - 1), st.integers(0, 30))
+def test_nvfp4_scales_alone_and_the_outside_codes_give_the_full_transcode(seed, spread):
+    """A converter copies the codes unread and reads only the outside blocks: same scales, same report."""
+    packed, scale = random_mxfp4(64, 256, seed, spread)
+    nv, report = mxfp4_to_nvfp4(packed, scale)
+    rescale = mxfp4_to_nvfp4_scales(scale)
+    assert torch.equal(rescale.weight_scale.view(torch.uint8), nv.weight_scale.view(torch.uint8))
+    assert torch.equal(rescale.weight_scale_2, nv.weight_scale_2)
+    rows, cols = rescale.outside
+    if spread <= 17:  # formats.md §4: within 17 binades no block leaves the window
+        assert rows.numel() == 0
+    codes = packed.view(torch.uint8).reshape(64, -1, 16)[rows, cols]
+    assert nvfp4_rescale_report(rescale, scale, codes) == report
 
 
 def test_nvfp4_out_of_window_block_is_rounded_and_counted():

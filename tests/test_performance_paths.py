@@ -15,16 +15,17 @@ import pytest
 import safetensors.torch
 import torch
 
-from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, prefetch, read_tensor, safetensors_io
+from dsv4convert.checkpoint import (Checkpoint, PlannedTensor, ShardWriter, SourceBytes, prefetch, read_tensor,
+                                   safetensors_io)
 from dsv4convert.cli import main
 from dsv4convert.convert import execute
 from dsv4convert.convert.execute import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
 from dsv4convert.convert.input_scales import build_input_scales
-from dsv4convert.convert.modules import ModuleContext, convert_module, partner_params, read_module
+from dsv4convert.convert.modules import ModuleContext, ModuleInputs, convert_module, partner_params, read_module
 from dsv4convert.convert.plan import build_plan
 from dsv4convert.convert.recipe import load_recipe
 from dsv4convert.errors import CheckpointError, DSV4Error
-from dsv4convert.formats import dequantize_mxfp4, mxfp4_to_fp8_block, mxfp4_to_nvfp4
+from dsv4convert.formats import dequantize_mxfp4, mxfp4_to_fp8_block, mxfp4_to_nvfp4, nvfp4_global_exponent
 from dsv4convert.synth import realistic_mxfp4
 
 CPU = torch.device("cpu")
@@ -173,6 +174,45 @@ def test_mxfp4_partner_reads_only_its_scale(plans):
     inputs = read_module(job, ModuleContext(read=counting_read, partner_sources=partner_sources))
     assert set(inputs.partner) == {"scale"}
     assert f"{job.partner}.weight" not in read and f"{job.partner}.scale" in read
+    # Its own codes are not read either: NVFP4 keeps them, and the writer copies them file to file.
+    assert f"{job.module}.weight" not in read and set(inputs.sources) == {"scale"}
+
+
+def test_nvfp4_reads_only_the_codes_of_blocks_outside_the_window(plans, monkeypatch):
+    """The codes are copied unread, except the few blocks whose exponent leaves E4M3's window:
+    synth stores one all-zero block per expert as DeepSeek does (exponent -126), and another
+    block pushed 30 binades down is inexact; the report must equal the full transcode's."""
+    from dsv4convert.convert import modules
+
+    ckpt, by_recipe = plans
+    plan = by_recipe["nvfp4"]
+    job = next(m for m in plan.modules.values() if m.partner)
+    read, pieces = [], []
+
+    def counting_read(entry):
+        read.append(entry.name)
+        return ckpt.read(entry.name)
+
+    def counting_pieces(entry, offsets, size):
+        pieces.append((entry.name, len(offsets)))
+        return safetensors_io.read_pieces(entry, offsets, size)
+
+    monkeypatch.setattr(modules, "read_pieces", counting_pieces)
+    ctx = ModuleContext(read=counting_read, partner_sources=plan.modules[job.partner].sources,
+                        input_scale=build_input_scales(ckpt))
+    packed, partner_scale = ckpt.read(f"{job.module}.weight"), ckpt.read(f"{job.partner}.scale")
+    scale = ckpt.read(f"{job.module}.scale").view(torch.uint8).clone()
+    for label, shift in (("synth", 0), ("one block 30 binades down", 30)):
+        scale[0, 1] -= shift
+        e8m0 = scale.view(torch.float8_e8m0fnu)
+        read.clear(), pieces.clear()
+        result = convert_module(job, ctx, ModuleInputs({"scale": e8m0}, {"scale": partner_scale}))
+        weight = dict(result.tensors)[f"{job.module}.weight"]
+        assert isinstance(weight, SourceBytes) and weight.entry == job.sources["weight"] and weight.dtype == "U8"
+        _, want = mxfp4_to_nvfp4(packed, e8m0, global_exponent=nvfp4_global_exponent(e8m0, partner_scale))
+        assert result.report == want, label
+        assert read == [] and pieces == [(f"{job.module}.weight", 1 if shift == 0 else 2)], label
+    assert not want.exact and want.blocks_total - want.blocks_exact == 1
 
 
 def test_device_is_checked_before_any_work(tiny_ckpt, tmp_path, capsys):

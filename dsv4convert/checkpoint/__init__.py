@@ -5,12 +5,14 @@ from dsv4convert.checkpoint.reader import INDEX_NAME, Checkpoint, read_small_jso
 from dsv4convert.checkpoint.safetensors_io import (
     PlannedTensor,
     ShardWriter,
+    SourceBytes,
     TensorEntry,
     atomic_write_bytes,
     atomic_write_json,
     partial_path,
     prefetch,
     read_header,
+    read_pieces,
     read_tensor,
 )
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
@@ -23,6 +25,7 @@ __all__ = [
     "Remote",
     "ShardFetcher",
     "ShardWriter",
+    "SourceBytes",
     "TensorEntry",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -30,6 +33,7 @@ __all__ = [
     "partial_path",
     "prefetch",
     "read_header",
+    "read_pieces",
     "read_small_json",
     "read_tensor",
     "write_index",

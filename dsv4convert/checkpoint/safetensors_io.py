@@ -7,7 +7,8 @@ error names the file and the tensor. Tensors are read with positioned reads into
 fresh buffer (no mmap), so resident memory stays at one tensor however large the shard.
 Writing is streaming too: the header is laid out from the planned tensor list, tensors
 are appended one by one, and the file only gets its final name once it is complete and
-fsynced.
+fsynced. A tensor whose bytes pass through unchanged (:class:`SourceBytes`) is copied file
+to file by the kernel and never enters this process's memory.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ _ALIGN = 8
 _WRITE_CHUNK = 1024 * 1024  # write() of 64 MB at once measured ~3x slower into the page cache than 1 MB pieces
 # Written bytes handed to the kernel's writeback at this interval (see ShardWriter._start_writeback).
 _WRITEBACK_EVERY = 64 * 1024 * 1024
+# copy_file_range errors that mean "not between these files": copy through a buffer instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,34 @@ def read_tensor(entry: TensorEntry, *, pin_memory: bool = False) -> torch.Tensor
     return buf.view(entry.torch_dtype).reshape(dtypes.torch_shape(entry.dtype, entry.shape))
 
 
+def read_pieces(entry: TensorEntry, offsets: list[int], size: int) -> torch.Tensor:
+    """``size`` bytes at each of ``offsets`` (from the tensor's start), as uint8 ``[len(offsets), size]``.
+
+    For the few blocks of a tensor a caller must see while the rest is copied unread.
+    """
+    out = torch.empty(len(offsets), size, dtype=torch.uint8)
+    for offset in offsets:
+        if not 0 <= offset <= entry.nbytes - size:
+            raise CheckpointError(f"bytes [{offset}, {offset + size}) lie outside this tensor's {entry.nbytes}",
+                                  file=entry.path, tensor=entry.name)
+    if not offsets:
+        return out
+    try:
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:
+            for row, offset in enumerate(offsets):
+                piece = os.pread(fd, size, entry.start + offset)
+                if len(piece) != size:
+                    raise CheckpointError("file ends inside this tensor (truncated shard)",
+                                          file=entry.path, tensor=entry.name)
+                out[row] = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+    return out
+
+
 def prefetch(entries: Iterable[TensorEntry]) -> None:
     """Ask the kernel to start reading these tensors' bytes now (``POSIX_FADV_WILLNEED``).
 
@@ -230,6 +261,20 @@ def prefetch(entries: Iterable[TensorEntry]) -> None:
             pass
         finally:
             os.close(fd)
+
+
+@dataclass(frozen=True)
+class SourceBytes:
+    """A source tensor's bytes, to be written unchanged under the output's ``dtype`` and ``shape``.
+
+    Lets a converter pass bulk bytes through (MXFP4 codes kept by NVFP4) without reading
+    them: the writer copies them file to file in the kernel, one copy instead of a read into
+    a fresh buffer and a write out of it.
+    """
+
+    entry: TensorEntry
+    dtype: str
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -283,23 +328,28 @@ class ShardWriter:
         self._file = None
         self._written_back = 0
         try:
-            self._file = open(self.tmp, "wb")
-            self._file.write(struct.pack("<Q", len(raw)))
-            self._file.write(raw)
+            self._file = open(self.tmp, "wb", buffering=0)  # tensors arrive in large pieces anyway
+            self._write_all(memoryview(struct.pack("<Q", len(raw)) + raw))
         except BaseException as exc:  # Ctrl-C/SIGTERM here comes before any ``with`` could clean up
             self.abort()
             if isinstance(exc, OSError):
                 raise write_error(exc, self.path) from None
             raise
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, data: torch.Tensor | SourceBytes) -> None:
+        """Append the next planned tensor: a tensor's bytes, or a source tensor's bytes copied file to file."""
         if self._next >= len(self.planned):
             raise CheckpointError("more tensors written than planned", file=self.path, tensor=name)
         want = self.planned[self._next]
         if name != want.name:
             raise CheckpointError(f"written out of order (expected '{want.name}')", file=self.path, tensor=name)
-        got_dtype = dtypes.of_tensor(tensor).name
-        got_shape = dtypes.safetensors_shape(tensor)
+        if isinstance(data, SourceBytes):
+            got_dtype, got_shape = data.dtype, tuple(data.shape)
+            if data.entry.nbytes != want.nbytes:
+                raise CheckpointError(f"planned {want.nbytes} bytes but the source tensor '{data.entry.name}' "
+                                      f"has {data.entry.nbytes}", file=self.path, tensor=name)
+        else:
+            got_dtype, got_shape = dtypes.of_tensor(data).name, dtypes.safetensors_shape(data)
         # F8_E8M0 scales may be planned as U8 views and vice versa only by explicit conversion.
         if got_dtype != want.dtype or got_shape != want.shape:
             raise CheckpointError(
@@ -307,16 +357,55 @@ class ShardWriter:
                 file=self.path,
                 tensor=name,
             )
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        mv = memoryview(data)
         try:
-            for i in range(0, len(mv), _WRITE_CHUNK):
-                self._file.write(mv[i : i + _WRITE_CHUNK])
+            if isinstance(data, SourceBytes):
+                self._copy(data.entry, name)
+            else:
+                self._write_all(memoryview(data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
             self._start_writeback()
         except OSError as exc:
             self.abort()
             raise write_error(exc, self.path, name) from None
         self._next += 1
+
+    def _write_all(self, mv: memoryview) -> None:
+        for i in range(0, len(mv), _WRITE_CHUNK):
+            piece = mv[i : i + _WRITE_CHUNK]
+            while piece:  # an unbuffered write may be short
+                piece = piece[self._file.write(piece):]
+
+    def _copy(self, entry: TensorEntry, name: str) -> None:
+        """Copy ``entry``'s bytes to the end of the file: ``copy_file_range``, or a buffer where unsupported."""
+        try:
+            src = os.open(entry.path, os.O_RDONLY)
+        except OSError as exc:
+            self.abort()
+            raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+        try:
+            done = 0
+            kernel_copy = hasattr(os, "copy_file_range")
+            while done < entry.nbytes:
+                want = min(entry.nbytes - done, _WRITEBACK_EVERY)
+                if kernel_copy:
+                    try:
+                        n = os.copy_file_range(src, self._file.fileno(), want, entry.start + done)
+                    except OSError as exc:
+                        if exc.errno not in _NO_KERNEL_COPY or done:
+                            raise
+                        kernel_copy = False
+                        continue
+                else:
+                    chunk = os.pread(src, min(want, _WRITE_CHUNK), entry.start + done)
+                    self._write_all(memoryview(chunk))
+                    n = len(chunk)
+                if n == 0:
+                    self.abort()
+                    raise CheckpointError(f"file ends after {done} of {entry.nbytes} bytes of this tensor "
+                                          f"(truncated shard) while copying it to {self.path.name}",
+                                          file=entry.path, tensor=entry.name)
+                done += n
+        finally:
+            os.close(src)
 
     def _start_writeback(self) -> None:
         """Start writing what was written since the last call to disk now, without waiting.
@@ -326,9 +415,8 @@ class ShardWriter:
         crowds out the page cache. ``POSIX_FADV_DONTNEED`` on dirty pages queues their
         writeback (it does not wait for it) and drops the pages already written.
         """
-        end = self._file.tell()  # writes past the buffer size go straight to the kernel
+        end = self._file.tell()
         if end - self._written_back >= _WRITEBACK_EVERY and hasattr(os, "posix_fadvise"):
-            self._file.flush()
             os.posix_fadvise(self._file.fileno(), self._written_back, end - self._written_back,
                              os.POSIX_FADV_DONTNEED)
             self._written_back = end
@@ -339,7 +427,6 @@ class ShardWriter:
             self.abort()
             raise CheckpointError(f"shard closed with tensor '{missing}' unwritten", file=self.path)
         try:
-            self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self.tmp, self.path)
@@ -351,7 +438,7 @@ class ShardWriter:
     def abort(self) -> None:
         if self._file is not None and not self._file.closed:
             try:
-                self._file.close()  # flushes: fails again when the disk is full
+                self._file.close()
             except OSError:
                 pass
         self.tmp.unlink(missing_ok=True)

@@ -44,6 +44,7 @@ from dsv4convert.checkpoint import (
     Remote,
     ShardFetcher,
     ShardWriter,
+    SourceBytes,
     atomic_write_bytes,
     atomic_write_json,
     partial_path,
@@ -128,11 +129,17 @@ class DeviceTransfer:
     def read(self, job: ModuleJob, ctx: ModuleContext) -> ModuleInputs:
         return read_module(job, ctx)
 
-    def to_host(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], object]:
-        """Host copies of ``tensors`` and what to wait on before reading them (None: nothing)."""
+    def to_host(self, tensors: list[tuple[str, torch.Tensor | SourceBytes]]
+                ) -> tuple[list[tuple[str, torch.Tensor | SourceBytes]], object]:
+        """Host copies of ``tensors`` and what to wait on before reading them (None: nothing).
+
+        Bytes copied file to file (:class:`SourceBytes`) pass as they are.
+        """
         staged, on_gpu = [], False
         for name, t in tensors:
-            if t.device.type == "cuda":
+            if isinstance(t, SourceBytes):
+                host = t
+            elif t.device.type == "cuda":
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
                 on_gpu = True
@@ -221,7 +228,7 @@ class ShardPipeline:
             def write_behind(module: ModuleJob, result: ModuleResult) -> None:
                 staged, ready = self.transfer.to_host(result.tensors)
                 result.tensors = []
-                nbytes = sum(t.numel() * t.element_size() for _, t in staged)
+                nbytes = sum(t.numel() * t.element_size() for _, t in staged if isinstance(t, torch.Tensor))
                 writes.append((nbytes, writer_thread.submit(self._write, writer, staged, ready)))
                 del staged
                 # Surface a failed write at once; wait only while the queue is over its bound.
@@ -271,7 +278,7 @@ class ShardPipeline:
         return self.transfer.read(module, self.context(module))
 
     @staticmethod
-    def _write(writer: ShardWriter, staged: list[tuple[str, torch.Tensor]], ready: object) -> None:
+    def _write(writer: ShardWriter, staged: list[tuple[str, torch.Tensor | SourceBytes]], ready: object) -> None:
         if ready is not None:
             ready.synchronize()
         for name, tensor in staged:

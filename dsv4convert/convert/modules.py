@@ -13,8 +13,9 @@ from typing import Callable
 
 import torch
 
+from dsv4convert import dtypes
 from dsv4convert.calibrate.gptq import gptq_quantize_int4
-from dsv4convert.checkpoint import TensorEntry, read_tensor
+from dsv4convert.checkpoint import SourceBytes, TensorEntry, read_pieces, read_tensor
 from dsv4convert.convert.plan import ModuleJob
 from dsv4convert.errors import FormatError
 from dsv4convert.formats import (
@@ -26,12 +27,14 @@ from dsv4convert.formats import (
     e8m0_scale_to_float32,
     float32_scale_to_e8m0,
     mxfp4_to_fp8_block,
-    mxfp4_to_nvfp4,
+    mxfp4_to_nvfp4_scales,
     nvfp4_global_exponent,
+    nvfp4_rescale_report,
     quantize_fp8_block,
     quantize_int4_weight,
     quantize_nvfp4,
 )
+from dsv4convert.formats.mxfp4 import MXFP4_BLOCK, mxfp4_shape
 from dsv4convert.layout import Role
 from dsv4convert.storage import Format
 
@@ -40,7 +43,7 @@ Reader = Callable[[TensorEntry], torch.Tensor]
 
 @dataclass
 class ModuleResult:
-    tensors: list[tuple[str, torch.Tensor]]
+    tensors: list[tuple[str, torch.Tensor | SourceBytes]]  # SourceBytes: copied file to file, never read
     report: ExactnessReport | None = None     # for transcodes: blocks kept bit-exact
     input_scale_source: str | None = None
 
@@ -65,12 +68,17 @@ class ModuleContext:
 class ModuleInputs:
     """A module's source tensors (and its NVFP4 partner's), read, checked and on their device."""
 
-    sources: dict[str, torch.Tensor]
+    sources: dict[str, torch.Tensor]  # all but the ``copied_params``
     partner: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.sources.values(), *self.partner.values()))
+
+
+def holds_nan(dtype: torch.dtype) -> bool:
+    """Whether values of this dtype can be NaN or Inf, so a source tensor of it must be checked."""
+    return dtype in (torch.float8_e8m0fnu, torch.float8_e4m3fn) or (dtype.is_floating_point and dtype.itemsize >= 2)
 
 
 def check_finite(tensor: torch.Tensor, entry: TensorEntry) -> None:
@@ -80,17 +88,15 @@ def check_finite(tensor: torch.Tensor, entry: TensorEntry) -> None:
     an end): no bool copy of the tensor, about 30x faster than ``isfinite().all()`` on the
     1 GB BF16 embedding.
     """
-    if tensor.numel() == 0:
+    if tensor.numel() == 0 or not holds_nan(tensor.dtype):
         return
     if tensor.dtype == torch.float8_e8m0fnu:
         bad = int(tensor.view(torch.uint8).amax()) == 0xFF
     elif tensor.dtype == torch.float8_e4m3fn:
         bad = int((tensor.view(torch.uint8) & 0x7F).amax()) == 0x7F
-    elif tensor.is_floating_point() and tensor.dtype.itemsize >= 2:
+    else:
         low, high = torch.aminmax(tensor)
         bad = not (bool(torch.isfinite(low)) and bool(torch.isfinite(high)))
-    else:
-        return
     if bad:
         raise FormatError("source tensor holds NaN or Inf", file=entry.path, tensor=entry.name)
 
@@ -117,11 +123,33 @@ def partner_params(job: ModuleJob, partner_sources: dict[str, TensorEntry]) -> d
     return dict(partner_sources)
 
 
+def copied_params(job: ModuleJob) -> set[str]:
+    """Source tensors whose bytes the output keeps unchanged and nobody needs to see.
+
+    They are never read: the writer copies them file to file (:class:`SourceBytes`). These
+    are the MXFP4 codes under NVFP4 scales (the routed experts' bulk), and the tensors of a
+    kept module that cannot hold a NaN (packed or integer codes).
+    """
+    if not job.converts:
+        return {p for p, e in job.sources.items() if not holds_nan(e.torch_dtype)}
+    if job.target.format is Format.NVFP4 and job.source_format is Format.MXFP4:
+        return {"weight"}
+    return set()
+
+
+def _copied(entry: TensorEntry, dtype: str | None = None) -> SourceBytes:
+    """``entry``'s bytes as an output tensor (``dtype`` reinterprets them, keeping the byte shape)."""
+    if dtype is None:
+        return SourceBytes(entry, entry.dtype, entry.shape)
+    return SourceBytes(entry, dtype, dtypes.torch_shape(entry.dtype, entry.shape))
+
+
 def read_module(job: ModuleJob, ctx: ModuleContext) -> ModuleInputs:
     """Read and check everything ``convert_module`` needs, so reading can run ahead of converting."""
     device = ctx.device if job.converts else torch.device("cpu")
     partner = _read(partner_params(job, ctx.partner_sources), ctx, device) if job.partner else {}
-    return ModuleInputs(_read(job.sources, ctx, device), partner)
+    copied = copied_params(job)
+    return ModuleInputs(_read({p: e for p, e in job.sources.items() if p not in copied}, ctx, device), partner)
 
 
 def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -146,7 +174,7 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
     inputs = read_module(job, ctx) if inputs is None else inputs
     src = inputs.sources
     if not job.converts:
-        return ModuleResult([(e.name, src[p]) for p, e in job.sources.items()])
+        return ModuleResult([(e.name, src[p] if p in src else _copied(e)) for p, e in job.sources.items()])
     fmt, source, m = job.target.format, job.source_format, job.module
     extra = [(e.name, src[p]) for p, e in job.sources.items() if p not in _WEIGHT_KEYS[source]]
     weight_name = f"{m}.weight"
@@ -183,18 +211,28 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
             raise FormatError("no input_scale source for an NVFP4 module", tensor=weight_name)
         input_scale, input_scale_source = ctx.input_scale(job)
         partner = inputs.partner
-        if source is Format.MXFP4:
+        if source is Format.MXFP4:  # the codes stay, copied unread; only the scales are rewritten
             scales = [src["scale"]] + ([partner["scale"]] if partner else [])
             exponent = nvfp4_global_exponent(*scales, name=weight_name)
-            q, report = mxfp4_to_nvfp4(src["weight"], src["scale"], global_exponent=exponent, name=weight_name)
+            codes = job.sources["weight"]
+            codes_shape = dtypes.torch_shape(codes.dtype, codes.shape)
+            mxfp4_shape(torch.empty(codes_shape, dtype=codes.torch_dtype, device="meta"), src["scale"], weight_name)
+            rescale = mxfp4_to_nvfp4_scales(src["scale"], global_exponent=exponent, name=weight_name)
+            weight_scale, weight_scale_2 = rescale.weight_scale, rescale.weight_scale_2
+            rows, cols = (t.tolist() for t in rescale.outside)  # blocks whose codes decide the error: few
+            outside_codes = read_pieces(codes, [r * codes_shape[-1] + c * MXFP4_BLOCK // 2 for r, c in zip(rows, cols)],
+                                        MXFP4_BLOCK // 2)
+            report = nvfp4_rescale_report(rescale, src["scale"], outside_codes.to(src["scale"].device))
+            weight = _copied(codes, "U8")
         else:
             w = dequantize_source(source, src, weight_name)
             amax = w.abs().amax()
             if partner:
                 amax = torch.maximum(amax, dequantize_source(source, partner, weight_name).abs().amax())
             q = quantize_nvfp4(w, global_amax=amax, name=weight_name)
-        tensors = [(weight_name, q.weight), (f"{m}.weight_scale", q.weight_scale),
-                   (f"{m}.weight_scale_2", q.weight_scale_2.reshape(())),
+            weight, weight_scale, weight_scale_2 = q.weight, q.weight_scale, q.weight_scale_2
+        tensors = [(weight_name, weight), (f"{m}.weight_scale", weight_scale),
+                   (f"{m}.weight_scale_2", weight_scale_2.reshape(())),
                    (f"{m}.input_scale", input_scale.to(torch.float32).reshape(()))]
     else:
         raise FormatError(f"no conversion from {source} to {fmt}", tensor=weight_name)

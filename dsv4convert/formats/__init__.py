@@ -39,18 +39,22 @@ from dsv4convert.formats.numerics import (
 from dsv4convert.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, input_scale_from_amax, quantize_nvfp4
 from dsv4convert.formats.transcode import (
     ExactnessReport,
+    NVFP4Rescale,
     mxfp4_to_fp8_block,
     mxfp4_to_nvfp4,
+    mxfp4_to_nvfp4_scales,
     nvfp4_global_exponent,
+    nvfp4_rescale_report,
 )
 
 __all__ = [
     "E2M1_MAX", "E2M1_VALUES", "E4M3_MAX", "E4M3_MAX_EXP", "E4M3_MIN_EXP",
-    "ErrorMetrics", "ExactnessReport", "Int4Weight", "NVFP4Weight",
+    "ErrorMetrics", "ExactnessReport", "Int4Weight", "NVFP4Rescale", "NVFP4Weight",
     "decode_e2m1", "dequantize_fp8_block", "dequantize_int4", "dequantize_mxfp4", "dequantize_nvfp4",
     "e8m0_scale_to_float32", "e8m0_to_exponent", "e8m0_to_float", "encode_e2m1", "error_metrics",
     "exponent_to_e8m0", "float32_scale_to_e8m0", "input_scale_from_amax", "int4_group_scales",
-    "lossless_block_fraction", "mxfp4_to_fp8_block", "mxfp4_to_nvfp4", "nvfp4_global_exponent",
+    "lossless_block_fraction", "mxfp4_to_fp8_block", "mxfp4_to_nvfp4", "mxfp4_to_nvfp4_scales",
+    "nvfp4_global_exponent", "nvfp4_rescale_report",
     "pack_int4", "pack_nibbles", "quantize_fp8_block", "quantize_int4", "quantize_int4_weight",
     "quantize_mxfp4", "quantize_nvfp4", "round_to_int4", "unpack_int4", "unpack_nibbles",
 ]

@@ -210,6 +210,74 @@ def _nvfp4_scale_pairs(global_exponent: int, device: torch.device) -> torch.Tens
     return torch.stack([byte, byte], dim=-1).view(torch.int16).reshape(256)
 
 
+@dataclass
+class NVFP4Rescale:
+    """NVFP4 scales for MXFP4 codes kept as they are, found from the E8M0 scales alone.
+
+    ``outside`` lists the 32-blocks (rows, block columns) whose exponent leaves E4M3's
+    power-of-two window; only their codes (:data:`MXFP4_BLOCK` // 2 bytes each) decide how far
+    the result is from the source, see :func:`nvfp4_rescale_report`.
+    """
+
+    weight_scale: torch.Tensor     # float8_e4m3fn [N, K/16]
+    weight_scale_2: torch.Tensor   # float32, 0-dim: 2**global_exponent
+    global_exponent: int
+    outside: tuple[torch.Tensor, torch.Tensor]
+
+
+def mxfp4_to_nvfp4_scales(scale: torch.Tensor, *, global_exponent: int | None = None,
+                          name: str | None = None) -> NVFP4Rescale:
+    """The scale half of :func:`mxfp4_to_nvfp4`: one table gather per E8M0 byte, no codes needed.
+
+    Lets a converter copy the code bytes without reading them. The exactness check is one
+    ``aminmax`` unless some byte falls outside the window (e.g. an all-zero block).
+    """
+    raw = e8m0_bytes(scale, name=name)
+    n, k = raw.shape[0], raw.shape[1] * MXFP4_BLOCK
+    m = nvfp4_global_exponent(scale, name=name) if global_exponent is None else int(global_exponent)
+    if not _GLOBAL_EXP_MIN <= m <= _GLOBAL_EXP_MAX:
+        raise FormatError(f"global exponent {m} is outside float32's normal range "
+                          f"[{_GLOBAL_EXP_MIN}, {_GLOBAL_EXP_MAX}]", tensor=name)
+    pairs = _nvfp4_scale_pairs(m, scale.device).index_select(0, raw.reshape(-1).to(torch.int32))
+    weight_scale = pairs.view(torch.uint8).reshape(n, k // NVFP4_BLOCK).view(torch.float8_e4m3fn)
+    weight_scale_2 = exp2_float32(torch.tensor(m, device=scale.device))
+    exact_low, exact_high = E8M0_BIAS + m + E4M3_MIN_EXP, E8M0_BIAS + m + E4M3_MAX_EXP
+    low, high = (int(v) for v in torch.aminmax(raw)) if raw.numel() else (exact_low, exact_high)
+    if exact_low <= low and high <= exact_high:
+        none = torch.empty(0, dtype=torch.long, device=scale.device)
+        outside = (none, none)
+    else:
+        outside = ((raw < exact_low) | (raw > exact_high)).nonzero(as_tuple=True)
+    return NVFP4Rescale(weight_scale, weight_scale_2, m, outside)
+
+
+def nvfp4_rescale_report(rescale: NVFP4Rescale, scale: torch.Tensor, outside_codes: torch.Tensor) -> ExactnessReport:
+    """Exactness of a rescale, given the code bytes (uint8 ``[len(outside), 16]``) of its outside blocks.
+
+    Blocks of the report are the 32-element MXFP4 blocks; an outside block whose codes are
+    all zero is still exact.
+    """
+    raw = scale.view(torch.uint8)
+    n, k = raw.shape[0], raw.shape[1] * MXFP4_BLOCK
+    blocks_total = n * (k // MXFP4_BLOCK)
+    rows, cols = rescale.outside
+    if not rows.numel():
+        return ExactnessReport(blocks_total, blocks_total, n * k, n * k, 0.0)
+    magnitude = decode_e2m1_packed(outside_codes.view(torch.uint8).reshape(-1, _BYTES_PER_SUB)).abs()
+    zero_codes = magnitude == 0
+    source_scale = torch.exp2(raw[rows, cols].double() - E8M0_BIAS)
+    new_scale = rescale.weight_scale[rows, 2 * cols].double() * 2.0**rescale.global_exponent
+    error = magnitude.amax(dim=1).double() * (source_scale - new_scale).abs()
+    inexact_blocks = int((~zero_codes.all(dim=1)).sum())
+    return ExactnessReport(
+        blocks_total=blocks_total,
+        blocks_exact=blocks_total - inexact_blocks,
+        elements_total=n * k,
+        elements_exact=n * k - int((~zero_codes).sum()),
+        max_abs_error=float(error.max()),
+    )
+
+
 def mxfp4_to_nvfp4(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -223,38 +291,11 @@ def mxfp4_to_nvfp4(
     and nibble order are identical in both formats). ``global_exponent`` defaults to
     :func:`nvfp4_global_exponent` of this tensor alone; pass the shared value for w1/w3.
     Blocks outside the window get the nearest non-zero E4M3 scale and are reported; only
-    those blocks' bytes are read. Blocks of the report are the 32-element MXFP4 blocks.
-    The scales go through one table gather per byte, and the exactness check is one
-    ``aminmax`` unless some byte falls outside the window (e.g. an all-zero block).
+    those blocks' bytes are read.
     """
-    n, k = mxfp4_shape(packed, scale, name)
-    raw = e8m0_bytes(scale, name=name)
-    m = nvfp4_global_exponent(scale, name=name) if global_exponent is None else int(global_exponent)
-    if not _GLOBAL_EXP_MIN <= m <= _GLOBAL_EXP_MAX:
-        raise FormatError(f"global exponent {m} is outside float32's normal range "
-                          f"[{_GLOBAL_EXP_MIN}, {_GLOBAL_EXP_MAX}]", tensor=name)
-    pairs = _nvfp4_scale_pairs(m, packed.device).index_select(0, raw.reshape(-1).to(torch.int32))
-    weight_scale = pairs.view(torch.uint8).reshape(n, k // NVFP4_BLOCK).view(torch.float8_e4m3fn)
-    weight_scale_2 = exp2_float32(torch.tensor(m, device=packed.device))
-    result = NVFP4Weight(packed.view(torch.uint8), weight_scale, weight_scale_2)
-
-    blocks_total = n * (k // MXFP4_BLOCK)
-    exact_low, exact_high = E8M0_BIAS + m + E4M3_MIN_EXP, E8M0_BIAS + m + E4M3_MAX_EXP
-    low, high = (int(v) for v in torch.aminmax(raw)) if raw.numel() else (exact_low, exact_high)
-    if exact_low <= low and high <= exact_high:
-        return result, ExactnessReport(blocks_total, blocks_total, n * k, n * k, 0.0)
-    outside = (raw < exact_low) | (raw > exact_high)
-    rows, cols = outside.nonzero(as_tuple=True)
-    magnitude = decode_e2m1_packed(packed.view(torch.uint8).reshape(n, -1, _BYTES_PER_SUB)[rows, cols]).abs()
-    zero_codes = magnitude == 0
-    source_scale = torch.exp2(raw[rows, cols].double() - E8M0_BIAS)
-    new_scale = weight_scale[rows, 2 * cols].double() * 2.0**m
-    error = magnitude.amax(dim=1).double() * (source_scale - new_scale).abs()
-    inexact_blocks = int((~zero_codes.all(dim=1)).sum())
-    return result, ExactnessReport(
-        blocks_total=blocks_total,
-        blocks_exact=blocks_total - inexact_blocks,
-        elements_total=n * k,
-        elements_exact=n * k - int((~zero_codes).sum()),
-        max_abs_error=float(error.max()),
-    )
+    n, _ = mxfp4_shape(packed, scale, name)
+    rescale = mxfp4_to_nvfp4_scales(scale, global_exponent=global_exponent, name=name)
+    rows, cols = rescale.outside
+    outside_codes = packed.view(torch.uint8).reshape(n, -1, _BYTES_PER_SUB)[rows, cols]
+    result = NVFP4Weight(packed.view(torch.uint8), rescale.weight_scale, rescale.weight_scale_2)
+    return result, nvfp4_rescale_report(rescale, scale, outside_codes)
