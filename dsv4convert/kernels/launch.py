@@ -158,20 +158,21 @@ def _launch_fp8_block(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.T
 
 
 PLANES_VARIANTS = ("planes", "planes_xperm")
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _tickets(device: torch.device, count: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile, for the planes kernel's in-launch split-K.
 
     Every launch leaves them at zero again (the last K slice of a tile resets its counter), so one
-    buffer per device serves every call, CUDA-graph replays included. Launches that may overlap
-    on different streams would share them: the kernels are used on one stream.
+    buffer per stream serves every call on it, CUDA-graph replays included; launches on different
+    streams, which may overlap, get different buffers.
     """
-    buffer = _TICKETS.get(device)
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    buffer = _TICKETS.get(key)
     if buffer is None or buffer.numel() < count:
         buffer = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
-        _TICKETS[device] = buffer
+        _TICKETS[key] = buffer
     return buffer
 
 
