@@ -215,6 +215,43 @@ def test_nvfp4_reads_only_the_codes_of_blocks_outside_the_window(plans, monkeypa
     assert not want.exact and want.blocks_total - want.blocks_exact == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_kept_tensors_are_checked_piece_by_piece_and_copied_unread(tmp_path, monkeypatch, dtype):
+    """A kept tensor streams through one small reused buffer for its NaN check (no tensor-sized
+    read), then goes out as SourceBytes; a NaN in any piece, or a short file, names the tensor."""
+    from conftest import write_plain_checkpoint
+    from dsv4convert.convert import modules
+
+    monkeypatch.setattr(modules, "_SCAN_BYTES", 64)  # pieces of 64 bytes: many per tensor
+    values = torch.randn(1000).to(dtype)
+    bad = values.clone()
+    bad.view(torch.uint8)[-values.element_size():] = 0x7F if dtype == torch.float8_e4m3fn else 0xFF  # NaN last
+    root = write_plain_checkpoint(tmp_path / "src", [{"good": values, "bad": bad}])
+    ckpt = Checkpoint.open(root)
+    modules.check_source_finite(ckpt.entry("good"))
+    with pytest.raises(DSV4Error, match=r"tensor 'bad'.*NaN or Inf"):
+        modules.check_source_finite(ckpt.entry("bad"))
+    entry = ckpt.entry("good")
+    with open(entry.path, "r+b") as f:
+        f.truncate(entry.start + entry.nbytes - 1)
+    with pytest.raises(CheckpointError, match=rf"{entry.path.name}: tensor 'good': file ends after"):
+        modules.check_source_finite(entry)
+
+
+def test_kept_modules_go_out_as_source_bytes_without_a_tensor_read(plans):
+    ckpt, by_recipe = plans
+    read: list[str] = []
+    ctx = ModuleContext(read=lambda entry: read.append(entry.name) or ckpt.read(entry.name))
+    kept = [m for m in by_recipe["nvfp4"].modules.values() if not m.converts]
+    assert len(kept) > 10
+    for job in kept:
+        result = convert_module(job, ctx)
+        assert [(n, t.entry) for n, t in result.tensors] == [(e.name, e) for e in job.sources.values()]
+        assert all(isinstance(t, SourceBytes) and (t.dtype, t.shape) == (t.entry.dtype, t.entry.shape)
+                   for _, t in result.tensors)
+    assert read == []
+
+
 def test_device_is_checked_before_any_work(tiny_ckpt, tmp_path, capsys):
     assert resolve_device("cpu") == CPU
     for bad in ("tpu", "not a device"):

@@ -19,7 +19,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Iterable, Iterator
 
 import torch
 
@@ -207,6 +207,37 @@ def read_tensor(entry: TensorEntry, *, pin_memory: bool = False) -> torch.Tensor
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
     return buf.view(entry.torch_dtype).reshape(dtypes.torch_shape(entry.dtype, entry.shape))
+
+
+def read_chunks(entry: TensorEntry, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensor's bytes, read piece by piece into ``buffer`` (uint8; each piece is a view of it,
+    valid until the next one). Lets a caller look at every byte without a tensor-sized allocation:
+    no fresh pages to fault in and zero. Pieces hold whole elements when ``buffer``'s size is a
+    multiple of the element size.
+    """
+    view = memoryview(buffer.numpy())
+    try:
+        fd = os.open(entry.path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+    try:
+        done = 0
+        while done < entry.nbytes:
+            want, got = min(len(view), entry.nbytes - done), 0
+            while got < want:  # a piece is yielded whole
+                try:
+                    n = os.preadv(fd, [view[got:want]], entry.start + done + got)
+                except OSError as exc:
+                    raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path,
+                                          tensor=entry.name) from None
+                if not n:
+                    raise CheckpointError(f"file ends after {done + got} of {entry.nbytes} bytes of this tensor "
+                                          "(truncated shard)", file=entry.path, tensor=entry.name)
+                got += n
+            yield buffer[:want]
+            done += want
+    finally:
+        os.close(fd)
 
 
 def read_pieces(entry: TensorEntry, offsets: list[int], size: int) -> torch.Tensor:

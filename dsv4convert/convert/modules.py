@@ -8,6 +8,7 @@ FP8) dequantize to float32 first.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,7 +16,7 @@ import torch
 
 from dsv4convert import dtypes
 from dsv4convert.calibrate.gptq import gptq_quantize_int4
-from dsv4convert.checkpoint import SourceBytes, TensorEntry, read_pieces, read_tensor
+from dsv4convert.checkpoint import SourceBytes, TensorEntry, read_chunks, read_pieces, read_tensor
 from dsv4convert.convert.plan import ModuleJob
 from dsv4convert.errors import FormatError
 from dsv4convert.formats import (
@@ -124,17 +125,32 @@ def partner_params(job: ModuleJob, partner_sources: dict[str, TensorEntry]) -> d
 
 
 def copied_params(job: ModuleJob) -> set[str]:
-    """Source tensors whose bytes the output keeps unchanged and nobody needs to see.
+    """Source tensors whose bytes the output keeps unchanged: the writer copies them file to file.
 
-    They are never read: the writer copies them file to file (:class:`SourceBytes`). These
-    are the MXFP4 codes under NVFP4 scales (the routed experts' bulk), and the tensors of a
-    kept module that cannot hold a NaN (packed or integer codes).
+    These are every tensor of a kept module, and the MXFP4 codes under NVFP4 scales (the routed
+    experts' bulk). None is read into a tensor: a kept tensor that can hold a NaN is checked by
+    :func:`check_source_finite` on the way, the codes need no check.
     """
     if not job.converts:
-        return {p for p, e in job.sources.items() if not holds_nan(e.torch_dtype)}
+        return set(job.sources)
     if job.target.format is Format.NVFP4 and job.source_format is Format.MXFP4:
         return {"weight"}
     return set()
+
+
+_SCAN_BYTES = 8 * 1024 * 1024
+_scan_buffers = threading.local()
+
+
+def check_source_finite(entry: TensorEntry) -> None:
+    """:func:`check_finite` over a source tensor's bytes, read through one reused per-thread buffer."""
+    if not holds_nan(entry.torch_dtype):
+        return
+    buffer = getattr(_scan_buffers, "buffer", None)
+    if buffer is None or buffer.numel() != _SCAN_BYTES:
+        buffer = _scan_buffers.buffer = torch.empty(_SCAN_BYTES, dtype=torch.uint8)
+    for piece in read_chunks(entry, buffer):
+        check_finite(piece.view(entry.torch_dtype), entry)
 
 
 def _copied(entry: TensorEntry, dtype: str | None = None) -> SourceBytes:
@@ -149,6 +165,9 @@ def read_module(job: ModuleJob, ctx: ModuleContext) -> ModuleInputs:
     device = ctx.device if job.converts else torch.device("cpu")
     partner = _read(partner_params(job, ctx.partner_sources), ctx, device) if job.partner else {}
     copied = copied_params(job)
+    if not job.converts:
+        for entry in job.sources.values():
+            check_source_finite(entry)
     return ModuleInputs(_read({p: e for p, e in job.sources.items() if p not in copied}, ctx, device), partner)
 
 
@@ -174,7 +193,7 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
     inputs = read_module(job, ctx) if inputs is None else inputs
     src = inputs.sources
     if not job.converts:
-        return ModuleResult([(e.name, src[p] if p in src else _copied(e)) for p, e in job.sources.items()])
+        return ModuleResult([(e.name, _copied(e)) for e in job.sources.values()])
     fmt, source, m = job.target.format, job.source_format, job.module
     extra = [(e.name, src[p]) for p, e in job.sources.items() if p not in _WEIGHT_KEYS[source]]
     weight_name = f"{m}.weight"
