@@ -245,41 +245,6 @@ def _empty_kernel(out_ptr):
     pass
 
 
-def _sweep_weight_only(rep_ms: int) -> list[dict]:
-    """Small-batch weight-only candidates: the tile kernel and the halves kernel, per shape."""
-    rows = []
-    halves = [configs.GemmConfig(16, bn, bk, split_k=s, num_warps=w, num_stages=st, variant="halves")
-              for bn, bk, s, w, st in [(64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 4, 4),
-                                       (128, 256, 1, 8, 3), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4),
-                                       (64, 256, 4, 4, 3), (128, 128, 4, 4, 4), (64, 512, 2, 4, 3)]]
-    tile = [configs.GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)]
-    for fmt, group in (("int4", 128), ("nvfp4", 16), ("mxfp4", 32), ("int4", 32)):
-        for shape_name, (n, k) in SHAPES.items():
-            probe = make_weights(fmt, n, k, 1, group=group)[0]
-            count = copies_for(weight_bytes(probe))
-            weights = [probe] + make_weights(fmt, n, k, count - 1, group=group)
-            for m in (1, 16):
-                x = random_activations(m, k, device="cuda")
-                offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
-                want = reference.grouped_gemm(probe, x, offsets)
-                for cfg in tile + halves:
-                    try:
-                        ok = launch._config_passes(fmt, group, cfg, torch.device("cuda"))
-                        err = launch.relative_error(want, launch._launch(probe, x, offsets, m, cfg))
-                        us = timed_over_copies(lambda i: launch._launch(weights[i], x, offsets, m, cfg), count,
-                                               rep_ms)
-                    except Exception as error:  # a candidate may fail to compile; record it and go on
-                        ok, us, err = False, float("nan"), float("nan")
-                        print(f"sweep {fmt} {cfg}: {type(error).__name__}: {str(error)[:300]}", flush=True)
-                    rows.append({"kind": "weight_only", "format": fmt, "group": group, "shape": shape_name, "m": m,
-                                 "config": repr(cfg), "us": us, "correct": ok, "rel_error": err,
-                                 "weight_gbps": weight_bytes(probe) / us / 1e3})
-                    print(f"sweep {fmt} g{group} {shape_name} M={m} {cfg} {us:7.1f} us "
-                          f"{weight_bytes(probe) / us / 1e3:6.0f} GB/s ok={ok} err={err:.1e}", flush=True)
-            del weights
-    return rows
-
-
 def _sweep_fp8(rep_ms: int) -> list[dict]:
     rows = []
     candidates = [configs.GemmConfig(bm, bn, 128, num_warps=w, num_stages=st, group_m=g, variant=v)
@@ -338,9 +303,11 @@ def _sweep_dequant(rep_ms: int, copy_gbps: float) -> list[dict]:
 
 
 def sweep(rep_ms: int, copy_gbps: float) -> list[dict]:
-    """Candidate configs (small-batch weight-only, FP8 at M=4096, dequant tiles), for choosing the tables."""
-    return ([_launch_floor(rep_ms)] + _sweep_weight_only(rep_ms) + _sweep_fp8(rep_ms)
-            + _sweep_dequant(rep_ms, copy_gbps))
+    """Candidate configs (FP8 at M=4096, dequant tiles), for choosing the tables.
+
+    The small-batch weight-only candidates have their own script: bench/gemv_sweep.py --mode sweep.
+    """
+    return [_launch_floor(rep_ms)] + _sweep_fp8(rep_ms) + _sweep_dequant(rep_ms, copy_gbps)
 
 
 def bench_quantize(copy_gbps: float, rep_ms: int) -> list[dict]:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import write_plain_checkpoint
-from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, SourceBytes, partial_path, read_header
+from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, SourceBytes, partial_path
 from dsv4convert.checkpoint import safetensors_io
 from dsv4convert.cli import main
 from dsv4convert.errors import CheckpointError

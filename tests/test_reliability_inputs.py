@@ -97,7 +97,6 @@ def test_bit_flipped_header(capsys, src, what):
     path = shard(src, 2)
     n, header, data = header_of(path)
     raw = data[8 : 8 + n]
-    tensor = first_tensor(path)
     at = {
         "opening brace": 0,
         "quote": raw.index(b'"'),

@@ -48,7 +48,6 @@ from dsv4convert.checkpoint import (
     SourceBytes,
     atomic_write_bytes,
     atomic_write_json,
-    partial_path,
     prefetch,
     read_tensor,
 )
