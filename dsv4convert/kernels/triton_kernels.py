@@ -309,18 +309,24 @@ def _decode_asm(fmt: int, high: bool) -> str:
     exactly, NVFP4's scale carries 2^118 and the accumulator the other 2^8.
     """
     shifts = (4, 12) if high else (0, 8)
-    lines = [".reg .b32 t, u, one, off, big, nz;", "mov.b32 one, 0x3F803F80;", "mov.b32 off, 0xC308C308;",
-             "mov.b32 big, 0x7E807E80;", "mov.b32 nz, 0x80008000;", "prmt.b32 t, $2, $2, 0x3120;"]
+    lines = [".reg .b32 t, u, one, off, big, nz;", *_PTX_CONSTANTS, "prmt.b32 t, $2, $2, 0x3120;"]
     for out, shift in enumerate(shifts):
-        lines.append(f"shr.u32 u, t, {shift};")
-        if fmt == FORMAT_CODES["int4"]:
-            lines += ["lop3.b32 u, u, 0x000F000F, 0x43004300, 0xEA;", "fma.rn.bf16x2 u, u, one, off;"]
-        else:
-            lines += ["and.b32 u, u, 0x000F000F;", "mul.lo.u32 u, u, 0x1040;", "and.b32 u, u, 0x81C081C0;"]
-            if fmt == FORMAT_CODES["mxfp4"]:
-                lines.append("fma.rn.bf16x2 u, u, big, nz;")
-        lines.append(f"fma.rn.bf16x2 ${out}, u, ${3 + out}, nz;")
+        lines += [f"shr.u32 u, t, {shift};", *_ptx_pair_decode(fmt), f"fma.rn.bf16x2 ${out}, u, ${3 + out}, nz;"]
     return "{\n" + "\n".join(lines) + "\n}"
+
+
+_PTX_CONSTANTS = ("mov.b32 one, 0x3F803F80;", "mov.b32 off, 0xC308C308;", "mov.b32 big, 0x7E807E80;",
+                  "mov.b32 nz, 0x80008000;")
+
+
+def _ptx_pair_decode(fmt: int) -> list[str]:
+    """PTX turning the nibbles at bits 0 and 16 of ``u`` into an unscaled BF16 pair (see _decode_asm)."""
+    if fmt == FORMAT_CODES["int4"]:
+        return ["lop3.b32 u, u, 0x000F000F, 0x43004300, 0xEA;", "fma.rn.bf16x2 u, u, one, off;"]
+    lines = ["and.b32 u, u, 0x000F000F;", "mul.lo.u32 u, u, 0x1040;", "and.b32 u, u, 0x81C081C0;"]
+    if fmt == FORMAT_CODES["mxfp4"]:
+        lines.append("fma.rn.bf16x2 u, u, big, nz;")
+    return lines
 
 
 _ASM_LOW = tl.constexpr(tuple(_decode_asm(f, False) for f in range(3)))
@@ -441,19 +447,12 @@ def _planes_asm(fmt: int) -> str:
     words sits at bits 4i and 16 + 4i after at most one shift; the rest is the pair decode of
     :func:`_decode_asm`.
     """
-    lines = [".reg .b32 t0, t1, u, one, off, big, nz;", "mov.b32 one, 0x3F803F80;", "mov.b32 off, 0xC308C308;",
-             "mov.b32 big, 0x7E807E80;", "mov.b32 nz, 0x80008000;"]
-    lines += ["prmt.b32 t0, $8, $9, 0x5410;", "prmt.b32 t1, $8, $9, 0x7632;"]
+    lines = [".reg .b32 t0, t1, u, one, off, big, nz;", *_PTX_CONSTANTS,
+             "prmt.b32 t0, $8, $9, 0x5410;", "prmt.b32 t1, $8, $9, 0x7632;"]
     for plane in range(8):
         source, shift = ("t0", "t1")[plane // 4], 4 * (plane % 4)
-        lines.append(f"shr.u32 u, {source}, {shift};" if shift else f"mov.b32 u, {source};")
-        if fmt == FORMAT_CODES["int4"]:
-            lines += ["lop3.b32 u, u, 0x000F000F, 0x43004300, 0xEA;", "fma.rn.bf16x2 u, u, one, off;"]
-        else:
-            lines += ["and.b32 u, u, 0x000F000F;", "mul.lo.u32 u, u, 0x1040;", "and.b32 u, u, 0x81C081C0;"]
-            if fmt == FORMAT_CODES["mxfp4"]:
-                lines.append("fma.rn.bf16x2 u, u, big, nz;")
-        lines.append(f"fma.rn.bf16x2 ${plane}, u, $10, nz;")
+        lines += [f"shr.u32 u, {source}, {shift};" if shift else f"mov.b32 u, {source};", *_ptx_pair_decode(fmt),
+                  f"fma.rn.bf16x2 ${plane}, u, $10, nz;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
