@@ -285,8 +285,15 @@ class ShardPipeline:
             writer.write(name, tensor)
 
 
+class _BarFeed:
+    """In one process the bar advances module by module, as the queue of worker processes would."""
+
+    def __init__(self, bar: tqdm):
+        self.put = bar.update
+
+
 def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scales: InputScales | None,
-                  progress: "queue.Queue | None" = None, device: str = "cpu",
+                  progress: "queue.Queue | _BarFeed | None" = None, device: str = "cpu",
                   transfer: DeviceTransfer | None = None, hessians: CalibrationHessians | None = None) -> dict:
     """Convert and write one output shard; returns its stats (picklable, for the resume state)."""
     stats: dict = {"roles": defaultdict(lambda: defaultdict(int)), "input_scale_sources": defaultdict(int)}
@@ -445,13 +452,10 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
         state.save()
 
     if opts.workers <= 1:
-        q: queue.Queue = queue.Queue()
         for shard in todo:
             sources.acquire(shard)
-            stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, q, opts.device,
-                                  hessians=hessians)
-            while not q.empty():
-                bar.update(q.get())
+            stats = run_shard_job(str(opts.dst), shard, _partners(plan, shard), input_scales, _BarFeed(bar),
+                                  opts.device, hessians=hessians)
             finished(shard, stats)
             sources.done(shard)
         bar.close()
