@@ -71,6 +71,34 @@ def test_pipeline_and_staged_transfer_write_the_sequential_bytes(plans, recipe, 
         assert stats["bytes"] == len(reference)
 
 
+def test_without_kernel_copies_the_shard_is_the_same(plans, tmp_path, monkeypatch):
+    """Where copy_file_range cannot copy between the files (another filesystem, overlayfs, an old
+    kernel) the writer falls back to a buffer, once per tensor, and writes the same bytes."""
+    import errno
+    import os
+
+    ckpt, by_recipe = plans
+    plan = by_recipe["nvfp4"]
+    scales = build_input_scales(ckpt)
+    shard = max(plan.shards, key=lambda s: len(s.modules))
+    (tmp_path / "seq").mkdir()
+    reference = _sequential(tmp_path / "seq", plan, shard, scales)
+    refused = []
+
+    def cross_device(*args):
+        refused.append(args)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", cross_device)
+    (tmp_path / "fallback").mkdir()
+    run_shard_job(str(tmp_path / "fallback"), shard, _partners(plan, shard), scales)
+    assert (tmp_path / "fallback" / shard.name).read_bytes() == reference
+    copied = sum(isinstance(t, SourceBytes) for m in shard.modules
+                 for _, t in convert_module(m, ModuleContext(partner_sources=_partners(plan, shard).get(m.module, {}),
+                                                             input_scale=scales)).tensors)
+    assert copied > 20 and len(refused) == copied
+
+
 def test_staging_copies_cpu_outputs_and_leaves_them_equal():
     source = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(2, 2, dtype=torch.bfloat16))]
     staged, ready = DeviceTransfer(CPU, stage_host=True).to_host(source)
