@@ -184,28 +184,23 @@ def _check_no_overlap(where: str | Path, entries: Iterable[TensorEntry]) -> None
             raise CheckpointError(f"byte range overlaps tensor '{prev.name}'", file=where, tensor=cur.name)
 
 
+def _read_error(exc: OSError, entry: TensorEntry) -> CheckpointError:
+    return CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name)
+
+
+def _truncated(entry: TensorEntry, got: int, detail: str = "") -> CheckpointError:
+    return CheckpointError(f"file ends after {got} of {entry.nbytes} bytes of this tensor (truncated shard){detail}",
+                           file=entry.path, tensor=entry.name)
+
+
 def read_tensor(entry: TensorEntry, *, pin_memory: bool = False) -> torch.Tensor:
     """Read one tensor into a fresh CPU tensor of its on-disk dtype (F4 as float4_e2m1fn_x2).
 
     ``pin_memory`` reads into page-locked memory, from which a GPU copies asynchronously.
     """
     buf = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
-    try:
-        with open(entry.path, "rb", buffering=0) as f:
-            f.seek(entry.start)
-            view = memoryview(buf.numpy())
-            got = 0
-            while got < entry.nbytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise CheckpointError(
-                        f"file ends after {got} of {entry.nbytes} bytes of this tensor (truncated shard)",
-                        file=entry.path,
-                        tensor=entry.name,
-                    )
-                got += n
-    except OSError as exc:
-        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+    for _ in read_chunks(entry, buf):  # a buffer of the tensor's size: one piece, the whole tensor
+        pass
     return buf.view(entry.torch_dtype).reshape(dtypes.torch_shape(entry.dtype, entry.shape))
 
 
@@ -219,7 +214,7 @@ def read_chunks(entry: TensorEntry, buffer: torch.Tensor) -> Iterator[torch.Tens
     try:
         fd = os.open(entry.path, os.O_RDONLY)
     except OSError as exc:
-        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+        raise _read_error(exc, entry) from None
     try:
         done = 0
         while done < entry.nbytes:
@@ -228,11 +223,9 @@ def read_chunks(entry: TensorEntry, buffer: torch.Tensor) -> Iterator[torch.Tens
                 try:
                     n = os.preadv(fd, [view[got:want]], entry.start + done + got)
                 except OSError as exc:
-                    raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path,
-                                          tensor=entry.name) from None
+                    raise _read_error(exc, entry) from None
                 if not n:
-                    raise CheckpointError(f"file ends after {done + got} of {entry.nbytes} bytes of this tensor "
-                                          "(truncated shard)", file=entry.path, tensor=entry.name)
+                    raise _truncated(entry, done + got)
                 got += n
             yield buffer[:want]
             done += want
@@ -258,13 +251,12 @@ def read_pieces(entry: TensorEntry, offsets: list[int], size: int) -> torch.Tens
             for row, offset in enumerate(offsets):
                 piece = os.pread(fd, size, entry.start + offset)
                 if len(piece) != size:
-                    raise CheckpointError("file ends inside this tensor (truncated shard)",
-                                          file=entry.path, tensor=entry.name)
+                    raise _truncated(entry, offset + len(piece))
                 out[row] = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
         finally:
             os.close(fd)
     except OSError as exc:
-        raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+        raise _read_error(exc, entry) from None
     return out
 
 
@@ -390,13 +382,16 @@ class ShardWriter:
             )
         try:
             if isinstance(data, SourceBytes):
-                self._copy(data.entry, name)
+                self._copy(data.entry)
             else:
                 self._write_all(memoryview(data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
             self._start_writeback()
         except OSError as exc:
             self.abort()
             raise write_error(exc, self.path, name) from None
+        except CheckpointError:  # the source failed (missing, truncated)
+            self.abort()
+            raise
         self._next += 1
 
     def _write_all(self, mv: memoryview) -> None:
@@ -405,36 +400,34 @@ class ShardWriter:
             while piece:  # an unbuffered write may be short
                 piece = piece[self._file.write(piece):]
 
-    def _copy(self, entry: TensorEntry, name: str) -> None:
-        """Copy ``entry``'s bytes to the end of the file: ``copy_file_range``, or a buffer where unsupported."""
+    def _copy(self, entry: TensorEntry) -> None:
+        """Append ``entry``'s bytes: file to file in the kernel, else through a buffer."""
+        if not self._kernel_copy(entry):
+            for piece in read_chunks(entry, torch.empty(min(entry.nbytes, _WRITE_CHUNK), dtype=torch.uint8)):
+                self._write_all(memoryview(piece.numpy()))
+
+    def _kernel_copy(self, entry: TensorEntry) -> bool:
+        """``copy_file_range``; False, having written nothing, where it cannot copy between these files."""
+        if not hasattr(os, "copy_file_range"):
+            return False
         try:
             src = os.open(entry.path, os.O_RDONLY)
         except OSError as exc:
-            self.abort()
-            raise CheckpointError(f"cannot read: {exc.strerror or exc}", file=entry.path, tensor=entry.name) from None
+            raise _read_error(exc, entry) from None
         try:
             done = 0
-            kernel_copy = hasattr(os, "copy_file_range")
             while done < entry.nbytes:
-                want = min(entry.nbytes - done, _WRITEBACK_EVERY)
-                if kernel_copy:
-                    try:
-                        n = os.copy_file_range(src, self._file.fileno(), want, entry.start + done)
-                    except OSError as exc:
-                        if exc.errno not in _NO_KERNEL_COPY or done:
-                            raise
-                        kernel_copy = False
-                        continue
-                else:
-                    chunk = os.pread(src, min(want, _WRITE_CHUNK), entry.start + done)
-                    self._write_all(memoryview(chunk))
-                    n = len(chunk)
+                try:
+                    n = os.copy_file_range(src, self._file.fileno(), min(entry.nbytes - done, _WRITEBACK_EVERY),
+                                           entry.start + done)
+                except OSError as exc:
+                    if exc.errno in _NO_KERNEL_COPY and not done:
+                        return False
+                    raise
                 if n == 0:
-                    self.abort()
-                    raise CheckpointError(f"file ends after {done} of {entry.nbytes} bytes of this tensor "
-                                          f"(truncated shard) while copying it to {self.path.name}",
-                                          file=entry.path, tensor=entry.name)
+                    raise _truncated(entry, done, f" while copying it to {self.path.name}")
                 done += n
+            return True
         finally:
             os.close(src)
 
