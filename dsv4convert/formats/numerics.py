@@ -106,14 +106,22 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def e8m0_bytes(scale: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
-    """The raw bytes of an E8M0 scale (float8_e8m0fnu or uint8), rejecting the NaN byte."""
+def e8m0_max_byte(scale: torch.Tensor, *, name: str | None = None) -> int:
+    """The largest raw byte of an E8M0 scale (float8_e8m0fnu or uint8; 0 if empty), rejecting the
+    NaN byte: 0xFF is the largest byte, so one max does both."""
     if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise FormatError(f"E8M0 scale must be float8_e8m0fnu or uint8, got {scale.dtype}", tensor=name)
     raw = scale.view(torch.uint8)
-    if raw.numel() and int(raw.amax()) == E8M0_NAN_BYTE:  # 0xFF is the largest byte: one max, no mask
+    top = int(raw.amax()) if raw.numel() else 0
+    if top == E8M0_NAN_BYTE:
         raise FormatError("E8M0 scale holds the NaN byte 0xFF", tensor=name)
-    return raw
+    return top
+
+
+def e8m0_bytes(scale: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """The raw bytes of an E8M0 scale (float8_e8m0fnu or uint8), rejecting the NaN byte."""
+    e8m0_max_byte(scale, name=name)
+    return scale.view(torch.uint8)
 
 
 def e8m0_to_exponent(scale: torch.Tensor, *, name: str | None = None) -> torch.Tensor:

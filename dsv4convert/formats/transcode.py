@@ -31,6 +31,7 @@ from dsv4convert.formats.numerics import (
     decode_e2m1_packed,
     e2m1_table,
     e8m0_bytes,
+    e8m0_max_byte,
     e8m0_to_exponent,
     exp2_float32,
     exponent_to_e8m0,
@@ -184,11 +185,8 @@ def nvfp4_global_exponent(*scales: torch.Tensor, name: str | None = None) -> int
     With no usable block the choice is free and 0 is returned. m is kept within float32's
     normal range [-126, 127].
     """
-    top_byte = 0
-    for index, scale in enumerate(scales):
-        raw = e8m0_bytes(scale, name=name if len(scales) == 1 else f"{name or 'scale'}[{index}]")
-        if raw.numel():
-            top_byte = max(top_byte, int(raw.max()))
+    top_byte = max((e8m0_max_byte(scale, name=name if len(scales) == 1 else f"{name or 'scale'}[{index}]")
+                    for index, scale in enumerate(scales)), default=0)
     if top_byte == 0:  # only sentinels (or nothing): every block is zero
         return 0
     return max(top_byte - E8M0_BIAS - E4M3_MAX_EXP, _GLOBAL_EXP_MIN)
