@@ -132,9 +132,9 @@ def _launch_fp8_block(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.T
                       grid: tuple[int, int, int], cfg: GemmConfig) -> None:
     """``cfg.block_n`` is the tile width: 256 runs as two 128-column halves (one weight scale each).
 
-    ``cfg.variant``: ``tile`` (pointer loads), ``tma`` (tensor descriptors on sm_90), ``*_ws``
-    (also asks Triton to warp-specialize the K loop), ``*rescale*`` (E8M0 weight scales: the
-    accumulator is rescaled between K blocks and fed to the dot, see the kernel).
+    ``cfg.variant``: ``tile`` (pointer loads), ``tma`` (tensor descriptors on sm_90), ``*rescale*``
+    (E8M0 weight scales: the accumulator is rescaled between K blocks and fed to the dot, see the
+    kernel).
     """
     xq, xs = quantize_activations_fp8(x)
     w_scale = weight.scale
@@ -151,8 +151,7 @@ def _launch_fp8_block(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.T
         w_scale.stride(0), w_scale.stride(1), y.stride(0),
         SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, N_HALVES=halves,
         SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, EVEN_K=weight.k % FP8_BLOCK == 0,
-        USE_TMA=x_desc is not None, WARP_SPECIALIZE=cfg.variant.endswith("_ws") and not interpreting(),
-        RESCALE="rescale" in cfg.variant and weight.scale_is_e8m0 and halves == 1,
+        USE_TMA=x_desc is not None, RESCALE="rescale" in cfg.variant and weight.scale_is_e8m0 and halves == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -69,7 +69,7 @@ def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, x_d
                           stride_ym,
                           SCALE_E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           N_HALVES: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                          EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                           RESCALE: tl.constexpr):
     """Grouped FP8 x FP8 GEMM with 1x128 activation scales (FP32) and 128x128 weight scales.
 
@@ -145,7 +145,7 @@ def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, x_d
         if RESCALE:
             w_scale = tl.maximum(w_scale, RESCALE_MIN_WEIGHT_SCALE)
         ratio = tl.full((BLOCK_M,), 1.0, tl.float32)  # RESCALE: previous block's scales / this one's
-        for kb in tl.range(kb_begin, kb_end, warp_specialize=WARP_SPECIALIZE):
+        for kb in tl.range(kb_begin, kb_end):
             k0 = kb * 128
             if USE_TMA:
                 x = x_desc.load([row0, k0])
