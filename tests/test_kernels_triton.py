@@ -158,67 +158,48 @@ def test_split_k_config_sums_every_slice(fmt):
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
 
 
-@pytest.mark.parametrize("variant", ["tile", "halves"])
+# Per kernel: its tile width and (K, split-K, variant) cases. K=384 leaves the last split past K
+# (masked path); for planes K=512 takes pre-permuted activations and split-K meets in the launch.
+SPLIT_K_CASES = {
+    "tile": (32, ((512, 2, "tile"), (384, 2, "tile"), (384, 1, "tile"))),
+    "halves": (64, ((512, 2, "halves"), (384, 2, "halves"), (384, 1, "halves"))),
+    "planes": (64, ((512, 2, "planes_xperm"), (384, 2, "planes"), (256, 1, "planes"))),
+}
+
+
+@pytest.mark.parametrize("kernel", list(SPLIT_K_CASES))
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
-def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, variant):
-    # Two experts with ragged token counts, split-K, N not a multiple of the tile, and (K=384)
-    # a last split that runs past K.
-    for k, split_k in ((512, 2), (384, 2), (384, 1)):
-        tensors = _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=12)
-        weight = quantized_weight(fmt, tensors)
+def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, kernel):
+    # Two experts with ragged token counts, split-K, N not a multiple of the tile.
+    block_n, cases = SPLIT_K_CASES[kernel]
+    for k, split_k, variant in cases:
+        weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=12))
         x = random_activations(21, k, device=DEVICE, generator=_generator(13))
         offsets = torch.tensor([0, 17, 21], dtype=torch.int32, device=DEVICE)
-        block_n = 64 if variant == "halves" else 32
         cfg = configs.GemmConfig(16, block_n, 128, split_k=split_k, num_warps=4, num_stages=1, variant=variant)
         y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
         assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, (k, split_k)
-
-
-@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
-def test_asm_decode_matches_the_triton_decode_bit_for_bit(fmt, group, monkeypatch):
-    # Both round (code * scale) to BF16 once; NVFP4's 2^118 / 2^8 split of the scale is exact.
-    if not launch.asm_decode_runs_on(torch.device(DEVICE)):
-        pytest.skip("the inline-PTX decode runs compiled on sm_90 / sm_120 only")
-    weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 192, 1024, experts=2, seed=16))
-    x = random_activations(20, 1024, device=DEVICE, generator=_generator(17))
-    offsets = torch.tensor([0, 16, 20], dtype=torch.int32, device=DEVICE)
-    cfg = configs.GemmConfig(16, 64, 256, split_k=1, num_warps=4, num_stages=3, variant="halves")
-    with_asm = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
-    monkeypatch.setattr(launch, "asm_decode_runs_on", lambda device: False)
-    assert torch.equal(with_asm.view(torch.int16), launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16))
-
-
-@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
-def test_planes_kernel_split_k_in_launch_matches_reference(fmt, group):
-    # Ragged experts and N; split-K reduced inside the launch (tickets handed back at zero); K=384
-    # leaves the last slice past K (masked path) and K=512 takes pre-permuted activations.
-    for k, split_k, variant in ((512, 2, "planes_xperm"), (384, 2, "planes"), (256, 1, "planes")):
-        tensors = _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=20)
-        weight = quantized_weight(fmt, tensors)
-        x = random_activations(21, k, device=DEVICE, generator=_generator(21))
-        offsets = torch.tensor([0, 17, 21], dtype=torch.int32, device=DEVICE)
-        cfg = configs.GemmConfig(16, 64, 128, split_k=split_k, num_warps=4, num_stages=1, variant=variant)
-        y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
-        assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, (k, split_k)
-        if split_k > 1:
+        if kernel == "planes" and split_k > 1:  # tickets handed back at zero; the sum order is fixed
             assert not bool(launch._tickets(y.device, 1).any())
             assert torch.equal(y.view(torch.int16), launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16))
 
 
+@pytest.mark.parametrize("cfg", [
+    configs.GemmConfig(16, 64, 256, split_k=1, num_warps=4, num_stages=3, variant="halves"),
+    configs.GemmConfig(16, 128, 256, split_k=1, num_warps=8, num_stages=3, variant="planes"),
+    configs.GemmConfig(16, 128, 256, split_k=2, num_warps=8, num_stages=3, variant="planes_xperm"),
+], ids=lambda cfg: cfg.variant)
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
-def test_planes_asm_decode_matches_the_triton_decode_bit_for_bit(fmt, group, monkeypatch):
+def test_asm_decode_matches_the_triton_decode_bit_for_bit(fmt, group, cfg, monkeypatch):
+    # Both round (code * scale) to BF16 once; NVFP4's 2^118 / 2^8 split of the scale is exact.
     if not launch.asm_decode_runs_on(torch.device(DEVICE)):
         pytest.skip("the inline-PTX decode runs compiled on sm_90 / sm_120 only")
     weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 256, 2048, experts=2, seed=22))
     x = random_activations(20, 2048, device=DEVICE, generator=_generator(23))
     offsets = torch.tensor([0, 16, 20], dtype=torch.int32, device=DEVICE)
-    for variant, split_k in (("planes", 1), ("planes_xperm", 2)):
-        cfg = configs.GemmConfig(16, 128, 256, split_k=split_k, num_warps=8, num_stages=3, variant=variant)
-        with_asm = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
-        with monkeypatch.context() as patch:
-            patch.setattr(launch, "asm_decode_runs_on", lambda device: False)
-            plain = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
-        assert torch.equal(with_asm.view(torch.int16), plain.view(torch.int16)), variant
+    with_asm = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+    monkeypatch.setattr(launch, "asm_decode_runs_on", lambda device: False)
+    assert torch.equal(with_asm.view(torch.int16), launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16))
 
 
 def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
