@@ -60,6 +60,7 @@ SHARD_FILE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 
 _AUDITED = ("open", "os.rename", "os.link", "os.remove", "os.mkdir", "shutil.copyfile")
 _FD_OPEN = re.compile(r"^open \d+ ")  # io.open of a descriptor, e.g. the lock file's os.fdopen
+_OS_OPEN_MODES = {os.O_RDONLY: "r", os.O_WRONLY: "w", os.O_RDWR: "r+"}
 
 
 def describe_event(event: str, args: tuple, roots: dict[str, str]) -> str | None:
@@ -72,8 +73,8 @@ def describe_event(event: str, args: tuple, roots: dict[str, str]) -> str | None
                 return label + text[len(root):]
         return text
 
-    if event == "open":
-        mode = args[1] if isinstance(args[1], str) else "os"
+    if event == "open":  # io.open passes its mode; os.open None and its flags, shown as the same letters
+        mode = args[1] if isinstance(args[1], str) else _OS_OPEN_MODES[args[2] & os.O_ACCMODE]
         return f"open {short(args[0])} {mode}"
     if event == "os.rename":
         return f"rename {short(args[0])} -> {short(args[1])}"
