@@ -1,10 +1,12 @@
 """Small-batch (M <= 16) weight-only GEMMs against cuBLAS BF16 in one call, for choosing configs.
 
-    PYTHONPATH=. python bench/gemv_sweep.py --out /tmp/sweep.json [--mode final|sweep] [--m 1,4,16]
+    PYTHONPATH=. python bench/gemv_sweep.py --out /tmp/sweep.json [--mode final|sweep] [--bound] [--m 1,4,16]
         [--formats int4:128,nvfp4:16] [--shapes square_8192,wq_b]
 
-``final`` times the table's checked config against the previous ("halves") entry; ``sweep``
-times every candidate of :func:`candidates` as well.
+``final`` times the table's checked config against the previous (tensor-core "planes") entry;
+``sweep`` times every candidate of :func:`candidates` as well. ``--bound`` first times a Triton
+kernel that only streams the same code words (a sum of every word, no decode, no activations):
+what a kernel of this shape can reach on the device.
 
 Compiles every variant first in parallel worker processes (one per format and shape, sharing
 Triton's cache), then times each in this process with CUDA-graph replays over enough weight
@@ -21,6 +23,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,27 +35,65 @@ from dsv4convert.kernels.samples import random_activations  # noqa: E402
 G = configs.GemmConfig
 
 
-def candidates(n: int, k: int) -> list[configs.GemmConfig]:
-    shape = shape_of(n, k)
-    base = [("planes", 64, 512, 4, 3), ("planes", 128, 256, 8, 3), ("planes", 128, 256, 8, 4),
-            ("planes", 128, 512, 8, 3), ("planes_xperm", 64, 512, 4, 3), ("planes_xperm", 128, 256, 8, 3)]
-    splits = {"square_8192": (2, 4), "wq_b": (1, 2)}.get(shape, (4, 8))
-    out = []
-    for variant, bn, bk, warps, stages in base:
-        for split in splits:
-            if k % (split * bk) == 0 and n % bn == 0:
-                out.append(G(16, bn, bk, split_k=split, num_warps=warps, num_stages=stages, variant=variant))
-    return out
+# (BLOCK_N, BLOCK_K, warps, stages) per row tile of 1 and of 4 tokens, as swept on the H200
+# (bench/results/gemv-h200-cudacore.md); 2-warp tiles and 1024-wide K at 16+ rows were far slower.
+GEMV_TILES = {1: ((16, 512, 4, 1), (32, 512, 4, 1), (32, 512, 2, 1), (16, 1024, 2, 1), (64, 256, 4, 1),
+                  (64, 256, 2, 1), (32, 256, 2, 1), (8, 1024, 4, 1), (32, 1024, 4, 1)),
+              4: ((8, 512, 4, 1), (16, 512, 4, 1))}
 
 
-HALVES = G(16, 64, 256, split_k=4, num_warps=4, num_stages=3, variant="halves")  # the table's entry before planes
+def candidates(m: int) -> list[configs.GemmConfig]:
+    """CUDA-core GEMV tiles at M <= 4 (one row tile of 1 or 4 tokens); none at M = 16 (registers)."""
+    if m > 4:
+        return []
+    block_m = 1 if m == 1 else 4
+    return [G(block_m, bn, bk, num_warps=w, num_stages=st, variant="gemv") for bn, bk, w, st in GEMV_TILES[block_m]]
+
+
+PLANES = G(16, 128, 256, split_k=8, num_warps=8, num_stages=3, variant="planes")  # the table's M <= 16 entry before gemv
 
 
 def configs_for(weight, m: int, mode: str) -> list[configs.GemmConfig]:
-    """``final``: the table's checked config and the previous halves entry; ``sweep``: every candidate."""
+    """``final``: the table's checked config and the previous planes entry; ``sweep``: every candidate too."""
+    before = launch._fit_split_k(PLANES, weight, m)
     if mode == "final":
-        return [launch.checked_config(weight, m), launch._fit_split_k(HALVES, weight, m)]
-    return [launch.checked_config(weight, m)] + candidates(weight.n, weight.k)
+        return [launch.checked_config(weight, m), before]
+    return [launch.checked_config(weight, m), before] + candidates(m)
+
+
+@triton.jit
+def _stream_words_kernel(w_ptr, out_ptr, K_WORDS, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """out[row] = the sum of a row's int32 words, in [BLOCK_N, WORDS] tiles: a read with nothing else."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.int32)
+    for k in range(0, K_WORDS, WORDS):
+        acc += tl.load(w_ptr + rows[:, None] * K_WORDS + k + tl.arange(0, WORDS)[None, :])
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1))
+
+
+STREAM_TILES = ((4, 128, 4, 1), (8, 128, 4, 1), (8, 64, 4, 3), (16, 128, 4, 1), (16, 128, 8, 3),
+                (16, 256, 8, 1), (32, 128, 8, 1), (32, 64, 4, 3))  # (BLOCK_N, words, warps, stages)
+
+
+def stream_bound(shapes, rep_ms: int) -> list[dict]:
+    """Microseconds to stream each shape's 4-bit codes (N x K/8 int32 words) with every tile of STREAM_TILES."""
+    rows = []
+    for shape in shapes:
+        n, k = SHAPES[shape]
+        count = copies_for(n * k // 2)
+        words = [torch.randint(-1000, 1000, (n, k // 8), dtype=torch.int32, device="cuda") for _ in range(count)]
+        out = torch.empty(n, dtype=torch.int32, device="cuda")
+        for bn, w, warps, stages in STREAM_TILES:
+            def run(i, bn=bn, w=w, warps=warps, stages=stages):
+                _stream_words_kernel[(n // bn,)](words[i], out, k // 8, BLOCK_N=bn, WORDS=min(w, k // 8),
+                                                 num_warps=warps, num_stages=stages)
+            us = timed_over_copies(run, count, rep_ms)
+            rows.append(dict(kind="stream_bound", shape=shape, tile=(bn, w, warps, stages), us=us,
+                             gbps=n * k / 2 / us / 1e3))
+            print(f"bound {shape:13s} tile {bn}x{w} w{warps} st{stages}: {us:7.2f} us {n * k / 2 / us / 1e3:6.0f} GB/s",
+                  flush=True)
+        del words
+    return rows
 
 
 def shape_of(n: int, k: int) -> str:
@@ -88,11 +130,13 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=5)
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--mode", choices=("final", "sweep"), default="final")
+    parser.add_argument("--bound", action="store_true", help="time a read-only kernel over the same code words first")
     args = parser.parse_args()
     formats = [(f.split(":")[0], int(f.split(":")[1])) for f in args.formats.split(",")]
     shapes = args.shapes.split(",")
     ms = [int(m) for m in args.m.split(",")]
     start = time.time()
+    rows = stream_bound(shapes, args.rep_ms) if args.bound else []
     chunks = 1 if args.mode == "final" else 4
     work = [(fmt, group, shape, ms, c, chunks, args.mode) for fmt, group, shape in cases(formats, shapes)
             for c in range(chunks)]
@@ -101,7 +145,6 @@ def main() -> None:
             for cfg, err in failures:
                 print(f"compile-fail {fmt} {shape} {cfg} {err}", flush=True)
     print(f"compiled in {time.time() - start:.0f} s", flush=True)
-    rows = []
     for shape in shapes:
         n, k = SHAPES[shape]
         dense_count = copies_for(n * k * 2)
@@ -138,11 +181,11 @@ def main() -> None:
         json.dump(rows, f, indent=1)
     print(f"total {time.time() - start:.0f} s", flush=True)
     best = {}
-    for r in rows:
+    for r in (r for r in rows if "format" in r):
         key = (r["format"], r["group"], r["shape"], r["m"])
         if r["err"] < 5e-3 and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
-    for key, r in best.items():
+    for key, r in sorted(best.items()):
         print("BEST", key, f"{r['us']:.2f} us x{r['x']:.2f}", r["cfg"])
 
 

@@ -158,12 +158,14 @@ def test_split_k_config_sums_every_slice(fmt):
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
 
 
-# Per kernel: its tile width and (K, split-K, variant) cases. K=384 leaves the last split past K
-# (masked path); for planes K=512 takes pre-permuted activations and split-K meets in the launch.
+# Per kernel: its tile (width, K) and (K, split-K, variant) cases. K=384 leaves the last split past K
+# (masked path); for planes K=512 takes pre-permuted activations and split-K meets in the launch;
+# the GEMV owns whole rows (no split-K), K=384 ends in half a 256-wide tile.
 SPLIT_K_CASES = {
-    "tile": (32, ((512, 2, "tile"), (384, 2, "tile"), (384, 1, "tile"))),
-    "halves": (64, ((512, 2, "halves"), (384, 2, "halves"), (384, 1, "halves"))),
-    "planes": (64, ((512, 2, "planes_xperm"), (384, 2, "planes"), (256, 1, "planes"))),
+    "tile": (32, 128, ((512, 2, "tile"), (384, 2, "tile"), (384, 1, "tile"))),
+    "halves": (64, 128, ((512, 2, "halves"), (384, 2, "halves"), (384, 1, "halves"))),
+    "planes": (64, 128, ((512, 2, "planes_xperm"), (384, 2, "planes"), (256, 1, "planes"))),
+    "gemv": (32, 256, ((512, 1, "gemv"), (384, 1, "gemv"))),
 }
 
 
@@ -171,12 +173,12 @@ SPLIT_K_CASES = {
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
 def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, kernel):
     # Two experts with ragged token counts, split-K, N not a multiple of the tile.
-    block_n, cases = SPLIT_K_CASES[kernel]
+    block_n, block_k, cases = SPLIT_K_CASES[kernel]
     for k, split_k, variant in cases:
         weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=12))
         x = random_activations(21, k, device=DEVICE, generator=_generator(13))
         offsets = torch.tensor([0, 17, 21], dtype=torch.int32, device=DEVICE)
-        cfg = configs.GemmConfig(16, block_n, 128, split_k=split_k, num_warps=4, num_stages=1, variant=variant)
+        cfg = configs.GemmConfig(16, block_n, block_k, split_k=split_k, num_warps=4, num_stages=1, variant=variant)
         y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
         assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, (k, split_k)
         if kernel == "planes" and split_k > 1:  # tickets handed back at zero; the sum order is fixed
@@ -188,6 +190,7 @@ def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, kernel):
     configs.GemmConfig(16, 64, 256, split_k=1, num_warps=4, num_stages=3, variant="halves"),
     configs.GemmConfig(16, 128, 256, split_k=1, num_warps=8, num_stages=3, variant="planes"),
     configs.GemmConfig(16, 128, 256, split_k=2, num_warps=8, num_stages=3, variant="planes_xperm"),
+    configs.GemmConfig(1, 16, 512, split_k=1, num_warps=4, num_stages=1, variant="gemv"),
 ], ids=lambda cfg: cfg.variant)
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
 def test_asm_decode_matches_the_triton_decode_bit_for_bit(fmt, group, cfg, monkeypatch):
@@ -217,6 +220,12 @@ def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     big = quantized_weight("int4", _weight("int4", 128, "ue8m0", 8192, 4096))
     assert launch._fit_split_k(planes, big, 1).variant == "planes"
     assert launch._fit_split_k(planes, big, 16).variant == "planes_xperm"
+    # gemv: 8 x 1024 tiles when 16-row tiles leave SMs idle; tensor cores for rows of fewer than 4 K tiles
+    gemv = configs.GemmConfig(1, 16, 512, num_warps=4, num_stages=1, variant="gemv")
+    assert launch._fit_split_k(gemv, big, 1) == gemv
+    assert launch._fit_split_k(gemv, one, 1) == dataclasses.replace(gemv, block_n=8, block_k=1024)
+    short = quantized_weight("int4", _weight("int4", 128, "ue8m0", 4096, 1024))
+    assert launch._fit_split_k(gemv, short, 1).variant == "planes"
 
 
 def test_fp8_block_gemm_with_grouped_tile_order():

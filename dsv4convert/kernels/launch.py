@@ -22,6 +22,7 @@ from dsv4convert.kernels.triton_kernels import (
     dequant_4bit_kernel,
     dequant_fp8_kernel,
     weight_only_gemm_kernel,
+    weight_only_gemv_kernel,
     weight_only_halves_kernel,
     weight_only_planes_kernel,
 )
@@ -203,6 +204,15 @@ def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch
             ASM_DECODE=asm_decode_runs_on(weight.device), X_PERMUTED=x_permuted,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+    elif cfg.variant == "gemv":
+        codes = weight.codes.view(torch.int32)
+        weight_only_gemv_kernel[grid](
+            x, codes, weight.scale, global_scale, y, offsets, n, k,
+            x.stride(0), codes.stride(0), codes.stride(1), weight.scale.stride(0),
+            weight.scale.stride(1), y.stride(0), FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     elif cfg.variant == "halves":
         weight_only_halves_kernel[grid](
             *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
@@ -265,6 +275,8 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
     """
     if weight.device.type != "cuda":
         return cfg
+    if cfg.variant == "gemv":
+        return _fit_gemv(cfg, weight)
     planes = cfg.variant in PLANES_VARIANTS
     if planes and max_rows > 4 and weight.n * weight.k >= 1 << 25:
         cfg = dataclasses.replace(cfg, variant="planes_xperm")
@@ -281,6 +293,19 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
         while split > 1 and tiles * split > 4 * sms:
             split //= 2
     return dataclasses.replace(cfg, split_k=split)
+
+
+def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig:
+    """Fit the GEMV tile: half the rows and twice the K per program while the GPU has fewer programs than SMs
+    (one expert's 2048 rows: 8 x 1024 tiles), and the next table entry (tensor cores) for rows of fewer
+    than four K tiles, where the GEMV's per-program setup is not repaid (wq_b, K=1024, on the H200)."""
+    if weight.k < 4 * cfg.block_k:
+        return _fit_split_k(configs.gemm_config("weight_only", arch_of(weight.device), cfg.block_m + 1), weight,
+                            cfg.block_m)
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    while cfg.block_n > 8 and triton.cdiv(weight.n, cfg.block_n) * weight.experts < sms:
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2, block_k=cfg.block_k * 2)
+    return cfg
 
 
 def checked_config(weight: QuantizedWeight, max_rows: int) -> GemmConfig:

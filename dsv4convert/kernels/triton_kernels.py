@@ -17,6 +17,8 @@ exponent), so results that must be bit-exact are rounded by :func:`_round_to_bf1
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -646,3 +648,181 @@ def weight_only_planes_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, pa
                     total += tl.load(part + other * stride_part, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_cast(y_ptrs, total, mask)
                 tl.atomic_xchg(ticket_ptr + tile, 0)
+
+
+@triton.jit
+def _shift(value, bits: tl.constexpr):
+    """``value << bits``, or ``>> -bits`` when ``bits`` is negative (the caller masks what it keeps)."""
+    if bits >= 0:
+        return value << bits
+    else:
+        return value >> -bits
+
+
+@triton.jit
+def _gemv_plane(words, plane: tl.constexpr, FMT: tl.constexpr):
+    """FP32 value of nibble ``plane`` of each int32 code word, before scaling (the portable decode).
+
+    INT4: the nibble, at bits 4p..4p+3 of ``words`` (p = plane) or of ``words >> 12`` (p = plane - 3
+    for planes 5-7), stays in place inside the mantissa of 2^23: the float is 2^23 + c * 2^4p, and
+    ``f * 2^-4p - (2^23 * 2^-4p + 8)`` is c - 8 exactly. E2M1: the FP16 bits
+    ``((c & 7) << 9) | ((c & 8) << 12)`` are e2m1(c) * 2^-14 (the 0.5 code an FP16 subnormal),
+    widened to FP32; the kernel multiplies its sums by 2^14.
+    """
+    if FMT == FMT_INT4:
+        position: tl.constexpr = plane - 3 * (plane // 5)
+        if plane < 5:
+            source = words
+        else:
+            source = words >> 12
+        bits = (source & (0xF << (4 * position))) | 0x4B000000
+        unit: tl.constexpr = 1.0 / (1 << (4 * position))
+        return bits.to(tl.float32, bitcast=True) * unit - (8388608.0 * unit + 8.0)
+    else:
+        bits = (_shift(words, 9 - 4 * plane) & 0x0E00) | (_shift(words, 12 - 4 * plane) & 0x8000)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+def _f32_hex(value: float) -> str:
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _ptx_shift(out: str, source: str, bits: int) -> str:
+    return f"shl.b32 {out}, {source}, {bits};" if bits >= 0 else f"shr.u32 {out}, {source}, {-bits};"
+
+
+def _gemv_decode_asm(fmt: int) -> str:
+    """Inline PTX: one int32 code word (``$8``) to the FP32 values of its eight nibbles (``$0..$7``).
+
+    The same values as :func:`_gemv_plane`, in fewer instructions (Triton's ``(a & m) | c`` compiles
+    to two LOP3s, here one): INT4 one ``lop3`` and one ``fma`` per nibble; E2M1 one ``lop3`` pair,
+    two shifts and two FP16 -> FP32 conversions per two nibbles 16 bits apart (planes p and p + 4).
+    """
+    if fmt == FORMAT_CODES["int4"]:
+        lines = [".reg .b32 high, t;", "shr.u32 high, $8, 12;"]
+        for plane in range(8):
+            source, position = ("$8", plane) if plane < 5 else ("high", plane - 3)
+            unit = 2.0 ** (-4 * position)
+            lines += [f"lop3.b32 t, {source}, {0xF << 4 * position}, 0x4B000000, 0xEA;",
+                      f"fma.rn.f32 ${plane}, t, {_f32_hex(unit)}, {_f32_hex(-(8388608.0 * unit + 8.0))};"]
+        return "{\n" + "\n".join(lines) + "\n}"
+    lines = [".reg .b32 magnitude, sign;", ".reg .b16 low, high;"]
+    for plane in range(4):
+        lines += [_ptx_shift("magnitude", "$8", 9 - 4 * plane), _ptx_shift("sign", "$8", 12 - 4 * plane),
+                  "and.b32 sign, sign, 0x80008000;", "lop3.b32 magnitude, magnitude, 0x0E000E00, sign, 0xEA;",
+                  "mov.b32 {low, high}, magnitude;", f"cvt.f32.f16 ${plane}, low;", f"cvt.f32.f16 ${plane + 4}, high;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_ASM_GEMV = tl.constexpr(tuple(_gemv_decode_asm(f) for f in range(3)))
+
+
+@triton.jit
+def _gemv_planes(words, FMT: tl.constexpr, ASM_DECODE: tl.constexpr):
+    """The eight FP32 nibble planes of int32 ``words``: inline PTX when compiled, :func:`_gemv_plane` otherwise."""
+    if ASM_DECODE:
+        return tl.inline_asm_elementwise(_ASM_GEMV[FMT], "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        return (_gemv_plane(words, 0, FMT), _gemv_plane(words, 1, FMT), _gemv_plane(words, 2, FMT),
+                _gemv_plane(words, 3, FMT), _gemv_plane(words, 4, FMT), _gemv_plane(words, 5, FMT),
+                _gemv_plane(words, 6, FMT), _gemv_plane(words, 7, FMT))
+
+
+@triton.jit
+def _x_word_planes(x_words, mask, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
+    """FP32 activations ``[BLOCK_M, 1, WORDS]`` of the eight nibble planes (K = 8j + plane for word j).
+
+    One 16-byte load per word's eight activations, split in registers (eight 2-byte loads cost
+    more load instructions than the decode has arithmetic).
+    """
+    x = tl.load(x_words[:, :, :, None] + tl.arange(0, 8)[None, None, None, :], mask=mask[:, :, :, None], other=0.0)
+    x = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, WORDS, 2, 2, 2))
+    even, odd = tl.split(x)
+    x04, x26 = tl.split(even)
+    x15, x37 = tl.split(odd)
+    x0, x4 = tl.split(x04)
+    x2, x6 = tl.split(x26)
+    x1, x5 = tl.split(x15)
+    x3, x7 = tl.split(x37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _gemv_weight_tile(w_rows, s_rows, kw, K, col_ok, FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Code words ``[1, BLOCK_N, BLOCK_K/8]`` from word ``kw`` on and their FP32 scales, one per word; 0 past K."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    rw = tl.arange(0, WORDS)
+    rg = tl.arange(0, BLOCK_K // GROUP)
+    if EVEN_K:  # whole tiles: one condition per tile keeps the 16-byte loads
+        w_ok = col_ok[None, :, None] & (kw < K // 8)
+        s_ok = col_ok[:, None] & (kw < K // 8)
+    else:
+        w_ok = col_ok[None, :, None] & (kw + rw < K // 8)[None, None, :]
+        s_ok = col_ok[:, None] & (kw // (GROUP // 8) + rg < K // GROUP)[None, :]
+    words = tl.load(w_rows + (kw + rw)[None, None, :], mask=w_ok, other=0)
+    scale = _scale_values(s_rows + (kw // (GROUP // 8) + rg)[None, :], s_ok, FMT)
+    return words, tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)),
+                             (1, BLOCK_N, WORDS))
+
+
+@triton.jit
+def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
+                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                            FMT: tl.constexpr, GROUP: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_K: tl.constexpr, ASM_DECODE: tl.constexpr = False):
+    """Weight-only GEMV on CUDA cores for one token (or a few): every program owns ``BLOCK_N`` whole rows of W.
+
+    At M = 1 a GEMM is a stream over the weights and a tensor-core tile is 1/16 used: this kernel
+    reads int32 code words ``[BLOCK_N, BLOCK_K/8]`` (16-byte loads along K), decodes each of the
+    eight nibble planes with one or two integer instructions and one FP32 instruction
+    (:func:`_gemv_planes`), multiplies by the activations of that plane, sums the eight planes of a
+    word and applies the word's group scale (a word lies in one group), all in FP32. Partial sums
+    stay per word until the end, so the only cross-thread reduction is one per program, and whole
+    rows per program need no split-K. The products are exact FP32 (the halves and planes kernels
+    round code * scale to BF16). Each decoded weight costs one FMA per token, so at M = 4 the
+    planes kernel is faster (configs.py).
+    """
+    pid_mn = tl.program_id(0)
+    expert = tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // num_n
+    pid_n = pid_mn % num_n
+    row_begin = tl.load(offsets_ptr + expert)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    if row_begin + pid_m * BLOCK_M < row_end:
+        WORDS: tl.constexpr = BLOCK_K // 8
+        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.arange(0, WORDS)
+        row_ok = rm < row_end
+        col_ok = rn < N
+        # Every operand is 3D [tokens, rows, words] from its load on, so Triton keeps one register layout.
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :, None] * stride_wn
+        s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn[:, None] * stride_sn
+        x_rows = x_ptr + rm[:, None, None] * stride_xm
+        x_ok = row_ok[:, None, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
+        # The code words and scales of the next K tile are loaded before this one is decoded (Triton does
+        # not pipeline loads that stay in registers); on the H200 this measured within 5% either way.
+        words_next, scale_next = _gemv_weight_tile(w_rows, s_rows, 0, K, col_ok, FMT, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
+        for kw in range(0, tl.cdiv(K, 8), WORDS):
+            kw = tl.multiple_of(kw, WORDS)
+            words = words_next
+            scale = scale_next
+            words_next, scale_next = _gemv_weight_tile(w_rows, s_rows, kw + WORDS, K, col_ok, FMT, GROUP, BLOCK_N,
+                                                       BLOCK_K, EVEN_K)
+            if not EVEN_K:
+                x_ok = row_ok[:, None, None] & (kw + rw < K // 8)[None, None, :]
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_planes(x_rows + 8 * (kw + rw)[None, None, :], x_ok, BLOCK_M, WORDS)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _gemv_planes(words, FMT, ASM_DECODE)
+            words_sum = v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+            acc += words_sum * scale
+        y = tl.sum(acc, axis=2)
+        if FMT != FMT_INT4:
+            y = y * 16384.0
+        if FMT == FMT_NVFP4:
+            y = y * tl.load(g_ptr + expert)
+        _store_cast(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, row_ok[:, None] & col_ok[None, :])
