@@ -276,7 +276,7 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
     if weight.device.type != "cuda":
         return cfg
     if cfg.variant == "gemv":
-        return _fit_gemv(cfg, weight)
+        return _fit_gemv(cfg, weight, max_rows)
     planes = cfg.variant in PLANES_VARIANTS
     if planes and max_rows > 4 and weight.n * weight.k >= 1 << 25:
         cfg = dataclasses.replace(cfg, variant="planes_xperm")
@@ -295,13 +295,13 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
     return dataclasses.replace(cfg, split_k=split)
 
 
-def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig:
+def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> GemmConfig:
     """Fit the GEMV tile: half the rows and twice the K per program while the GPU has fewer programs than SMs
-    (one expert's 2048 rows: 8 x 1024 tiles), and the next table entry (tensor cores) for rows of fewer
-    than four K tiles, where the GEMV's per-program setup is not repaid (wq_b, K=1024, on the H200)."""
+    (one expert's 2048 rows: 8 x 1024 tiles), and the table's entry for more tokens (tensor cores) for rows
+    of fewer than four K tiles (wq_b, K=1024: on the H200 no GEMV tile beat planes on every format)."""
     if weight.k < 4 * cfg.block_k:
         return _fit_split_k(configs.gemm_config("weight_only", arch_of(weight.device), cfg.block_m + 1), weight,
-                            cfg.block_m)
+                            max_rows)
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
     while cfg.block_n > 8 and triton.cdiv(weight.n, cfg.block_n) * weight.experts < sms:
         cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2, block_k=cfg.block_k * 2)
