@@ -334,6 +334,29 @@ def test_spawned_workers_get_a_passive_openmp_wait_policy(monkeypatch):
     assert execute.os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's choice is kept"
 
 
+@pytest.mark.parametrize("cores, workers, threads", [(2, 1, 1), (16, 1, 8), (16, 4, 2), (4, 8, 1), (None, 1, 1)])
+def test_torch_threads_leave_one_core_per_converter_thread(monkeypatch, cores, workers, threads):
+    monkeypatch.setattr(execute, "CONVERT_THREADS", 2)
+    monkeypatch.setattr(execute.os, "cpu_count", lambda: cores)
+    assert execute.intra_op_threads(workers) == threads
+
+
+def test_one_worker_converts_with_those_threads_and_gives_the_old_count_back(tiny_ckpt, tmp_path, monkeypatch):
+    seen = []
+    real_job = execute.run_shard_job
+    monkeypatch.setattr(execute, "run_shard_job", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                                   real_job(*a, **k))[1])
+    monkeypatch.setattr(execute, "intra_op_threads", lambda workers: 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert main(["to-nvfp4", "--src", str(tiny_ckpt), "--dst", str(tmp_path / "o"), "--no-progress"]) == 0
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("ahead", [0, 1 << 20])
 def test_reads_ask_the_kernel_for_what_follows_once_each(plans, tmp_path, monkeypatch, ahead):
     ckpt, by_recipe = plans
