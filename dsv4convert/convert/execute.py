@@ -635,14 +635,15 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
     atomic_write_json(dst / "provenance.json", provenance)
     # The index goes last; inspect the finished directory before declaring it done.
     write_index(dst, weight_map, plan.bytes_out)
-    result = inspect_checkpoint(Checkpoint.open(dst))
+    output = Checkpoint.open(dst)
+    result = inspect_checkpoint(output)
     if not result.ok:
         (dst / INDEX_NAME).unlink()
         problem = (result.missing + result.mismatched + result.unexpected + result.problems)[0]
         raise DSV4Error(f"output failed its layout check ({problem}); the index was removed", file=dst)
     card = render_model_card(
         variant=result.variant, base_model=str(opts.src), recipe_name=plan.recipe.name, recipe_text=plan.recipe.text,
-        formats_by_role=result.formats_by_role(), stats=stats, launch=default_launch(dst, result.variant))
+        formats_by_role=result.formats_by_role(), stats=stats, launch=default_launch(dst, result.variant, opened=(output, result)))
     atomic_write_bytes(dst / "README.md", card.encode("utf-8"))
     state.complete = True
     state.save()

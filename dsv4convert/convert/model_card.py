@@ -10,10 +10,15 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.quant_config import serving_env
 from dsv4convert.storage import Format
+
+if TYPE_CHECKING:
+    from dsv4convert.checkpoint import Checkpoint
+    from dsv4convert.inspection import Inspection
 
 # GPU families a card covers: SGLang's family name and the memory of one GPU in bytes.
 GPU_FAMILIES: dict[str, tuple[str, int]] = {
@@ -58,20 +63,24 @@ def _served_like(variant: str, module_formats: dict[str, tuple[Format, dict]]) -
     return "fp8"
 
 
-def default_launch(model_dir: str | Path, variant: str) -> dict[str, dict]:
+def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
+                   ) -> dict[str, dict]:
     """Single-server SGLang commands for a converted checkpoint, per GPU family.
 
     The argv comes from ``dsv4convert.serve.launch`` (the same rules ``serve`` uses), the
     environment from what the checkpoint stores (``quant_config.serving_env``), and the TP
     size from the weights' size. A family whose 8 GPUs cannot hold the weights gets a note
-    instead of a command.
+    instead of a command. ``opened``: the checkpoint and its inspection where the caller has
+    them already (the converter, which has just inspected its output).
     """
     from dsv4convert.checkpoint import Checkpoint
     from dsv4convert.inspection import inspect_checkpoint
     from dsv4convert.serve.launch import LaunchOptions, plan_single
 
-    ckpt = Checkpoint.open(model_dir)
-    inspection = inspect_checkpoint(ckpt)
+    if opened is None:
+        ckpt = Checkpoint.open(model_dir)
+        opened = ckpt, inspect_checkpoint(ckpt)
+    ckpt, inspection = opened
     formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
     env = serving_env(ckpt.config, formats)
     like = _served_like(variant, formats)
