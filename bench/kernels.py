@@ -275,6 +275,34 @@ def _sweep_fp8(rep_ms: int) -> list[dict]:
     return rows
 
 
+def _sweep_fp8_small(rep_ms: int) -> list[dict]:
+    """FP8 block GEMM tiles at M <= 16 on one expert: the table's 64-wide tile gives only 32 programs."""
+    rows = []
+    candidates = [configs.GemmConfig(16, bn, 128, split_k=split, num_warps=4, num_stages=4)
+                  for bn, split in [(64, 1), (32, 1), (16, 1), (64, 2), (64, 4), (32, 2), (32, 4), (128, 4)]]
+    for shape_name in ("expert_w1_w3", "expert_w2"):
+        n, k = SHAPES[shape_name]
+        probe = make_weights("fp8_block", n, k, 1)[0]
+        count = copies_for(weight_bytes(probe))
+        weights = [probe] + make_weights("fp8_block", n, k, count - 1)
+        for m in (4, 16):
+            x = random_activations(m, k, device="cuda")
+            offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
+            want = reference.grouped_gemm(probe, x, offsets)
+            for cfg in candidates:
+                try:
+                    err = launch.relative_error(want, launch._launch(probe, x, offsets, m, cfg))
+                    us = timed_over_copies(lambda i: launch._launch(weights[i], x, offsets, m, cfg), count, rep_ms)
+                except Exception as error:  # record compile failures of a candidate
+                    err, us = float("nan"), float("nan")
+                    print(f"sweep fp8 small {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                rows.append({"kind": "fp8_block_small", "shape": shape_name, "m": m, "config": repr(cfg), "us": us,
+                             "rel_err": err})
+                print(f"sweep fp8 {shape_name} M={m} {cfg} {us:7.2f} us err {err:.1e}", flush=True)
+        del weights
+    return rows
+
+
 def _sweep_dequant(rep_ms: int, copy_gbps: float) -> list[dict]:
     rows = []
     candidates = [configs.ElementwiseConfig(r, c, num_warps=w)
@@ -303,11 +331,11 @@ def _sweep_dequant(rep_ms: int, copy_gbps: float) -> list[dict]:
 
 
 def sweep(rep_ms: int, copy_gbps: float) -> list[dict]:
-    """Candidate configs (FP8 at M=4096, dequant tiles), for choosing the tables.
+    """Candidate configs (FP8 at M=4096 and M <= 16, dequant tiles), for choosing the tables.
 
     The small-batch weight-only candidates have their own script: bench/gemv_sweep.py --mode sweep.
     """
-    return [_launch_floor(rep_ms)] + _sweep_fp8(rep_ms) + _sweep_dequant(rep_ms, copy_gbps)
+    return [_launch_floor(rep_ms)] + _sweep_fp8(rep_ms) + _sweep_fp8_small(rep_ms) + _sweep_dequant(rep_ms, copy_gbps)
 
 
 def bench_quantize(copy_gbps: float, rep_ms: int) -> list[dict]:
