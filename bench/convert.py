@@ -14,13 +14,21 @@ embedding, first layers and head shards under a new index and config: ``synth`` 
 every tensor from (seed, name) alone, so these are the bytes ``synth --num-layers N`` would
 write (only the shard file names differ).
 
-Recorded per run: wall seconds, source GB/s, the ratio to the mean cp time of the same
-source, peak RSS (sum over the process tree, and the largest single process, polled every
-50 ms with psutil), output bytes, and the machine load average. Results go to
-``<out-dir>/convert-<device>.json`` and ``.md``; the full 46-shard model is extrapolated from
-the per-layer difference between layer counts.
+With ``--repeat R`` the converters run R rounds, each bracketed by cp runs (cp, round 1,
+cp, round 2, ..., cp): a shared disk's throughput drifts by tens of percent within minutes,
+so each converter run is compared with the mean of the two cp runs around it, and the summary
+gives the median ratio over the rounds with its range.
+
+Recorded per run: wall seconds, source GB/s, that ratio to cp, CPU seconds (user and
+system, of the command and its children), the bytes the source's disk read and wrote
+(``/proc/diskstats``; other processes' I/O counts too), peak RSS (sum over the process tree,
+and the largest single process, polled every 50 ms with psutil), output bytes, and the
+machine load average. Results go to ``<out-dir>/convert-<device>.json`` and ``.md``; the full
+46-shard model is extrapolated from the per-layer difference between layer counts of the
+median times.
 
     python bench/convert.py --layers 1 2                         # CPU, all variants, 1 and 2 workers
+    python bench/convert.py --layers 1 2 --variants nvfp4 --workers 1 --repeat 3
     python bench/convert.py --layers 1 --device cuda --workers 1
 """
 
@@ -30,6 +38,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import statistics
 import shlex
 import shutil
 import subprocess
@@ -140,12 +150,29 @@ class PeakRSS:
         self._thread.join()
 
 
+def disk_bytes(path: Path) -> tuple[int, int] | None:
+    """Bytes read and written so far by the block device holding ``path`` (None: not found)."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    try:
+        lines = Path("/proc/diskstats").read_text().splitlines()
+    except OSError:
+        return None
+    stats = {(int(f[0]), int(f[1])): f for f in (line.split() for line in lines)}
+    fields = stats.get((major, minor))
+    if fields is None:  # a file system on no block device (tmpfs, overlay)
+        return None
+    return int(fields[5]) * 512, int(fields[9]) * 512
+
+
 def timed(cmd: list[str], src: Path, dst: Path, *, then_sync: bool = False) -> dict:
-    """Run ``cmd`` on a cold ``src`` into a fresh ``dst``; wall time, peak RSS, output size."""
+    """Run ``cmd`` on a cold ``src`` into a fresh ``dst``; wall and CPU time, disk I/O, peak RSS, output size."""
     if dst.exists():
         shutil.rmtree(dst)
     resident = evict(src)
     load = os.getloadavg()[0]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    disk0 = disk_bytes(src)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rss = PeakRSS(proc.pid)
@@ -153,11 +180,17 @@ def timed(cmd: list[str], src: Path, dst: Path, *, then_sync: bool = False) -> d
     if then_sync and proc.returncode == 0:
         os.sync()
     seconds = time.monotonic() - t0
+    disk1 = disk_bytes(src)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     rss.stop()
     if proc.returncode:
         raise SystemExit(f"command failed ({proc.returncode}): {shlex.join(cmd)}\n{output[-3000:]}")
     row = {"command": shlex.join(cmd), "seconds": round(seconds, 2), "peak_rss_total": rss.peak_total,
            "peak_rss_single": rss.peak_single, "output_bytes": _size(dst), "load_avg_1m_before": round(load, 2),
+           "cpu_user_seconds": round(cpu1.ru_utime - cpu0.ru_utime, 2),
+           "cpu_system_seconds": round(cpu1.ru_stime - cpu0.ru_stime, 2),
+           "disk_read_bytes": None if disk0 is None else disk1[0] - disk0[0],
+           "disk_written_bytes": None if disk0 is None else disk1[1] - disk0[1],
            "source_resident_fraction_before": None if resident is None else round(resident, 4)}
     shutil.rmtree(dst)
     return row
@@ -216,29 +249,34 @@ def run(args: argparse.Namespace) -> dict:
         def cp() -> dict:
             return timed(["cp", "-r", str(src), str(work / "cp-out")], src, work / "cp-out", then_sync=True)
 
-        cps = [cp()]   # cp before and after the converters: the machine's load drifts
+        cps = [cp()]   # cp around every round of converters: the machine's load and disk drift
         conversions = []
-        for variant in args.variants:
-            for workers in args.workers:
-                cmd = [sys.executable, "-m", "dsv4convert", f"to-{variant}", "--src", str(src),
-                       "--dst", str(work / "out"), "--workers", str(workers), "--no-progress", "--device", args.device]
-                row = timed(cmd, src, work / "out")
-                row.update(variant=variant, workers=workers)
-                conversions.append(row)
-                save(args, result | {"partial_runs": conversions})
-                print(f"L={layers} {variant} w={workers}: {row['seconds']} s, "
-                      f"peak RSS {row['peak_rss_total'] / GB:.2f} GB", flush=True)
-        cps.append(cp())
-        cp_seconds = sum(c["seconds"] for c in cps) / len(cps)
-        for row in cps:
-            row.update(variant="cp", workers=1)
+        for round_ in range(args.repeat):
+            for variant in args.variants:
+                for workers in args.workers:
+                    cmd = [sys.executable, "-m", "dsv4convert", f"to-{variant}", "--src", str(src), "--dst",
+                           str(work / "out"), "--workers", str(workers), "--no-progress", "--device", args.device]
+                    row = timed(cmd, src, work / "out")
+                    row.update(variant=variant, workers=workers, round=round_)
+                    conversions.append(row)
+                    save(args, result | {"partial_runs": conversions})
+                    print(f"L={layers} {variant} w={workers} round {round_}: {row['seconds']} s, "
+                          f"peak RSS {row['peak_rss_total'] / GB:.2f} GB", flush=True)
+            cps.append(cp())
+        for round_, row in enumerate(cps):
+            row.update(variant="cp", workers=1, round=round_)
         for row in cps + conversions:
+            if row["variant"] == "cp":
+                around = [c["seconds"] for c in cps]
+            else:
+                around = [cps[row["round"]]["seconds"], cps[row["round"] + 1]["seconds"]]
             row.update(layers=layers, source_bytes=source_bytes,
                        source_gb_per_s=round(source_bytes / GB / row["seconds"], 3),
-                       ratio_to_cp=round(row["seconds"] / cp_seconds, 2))
+                       ratio_to_cp=round(row["seconds"] / statistics.mean(around), 2))
             result["runs"].append(row)
         if layers != top:
             shutil.rmtree(src)
+    result["summary"] = summarize(result["runs"])
     result["extrapolation"] = extrapolate(result["runs"])
     if args.source is None and not args.keep_source:
         shutil.rmtree(full_src)
@@ -249,13 +287,13 @@ def extrapolate(runs: list[dict]) -> dict:
     """Full-model seconds per (variant, workers) from the per-layer difference between layer counts."""
     full_bytes, shards = full_model_bytes()
     out: dict = {"full_model_bytes": full_bytes, "full_model_shards": shards, "method": None, "seconds": {}}
-    by_key: dict[tuple[str, int], dict[int, tuple[float, int]]] = {}
+    times: dict[tuple[str, int], dict[int, list[float]]] = {}
+    source_bytes: dict[int, int] = {}
     for row in runs:
-        seconds = by_key.setdefault((row["variant"], row["workers"]), {})
-        prev = seconds.get(row["layers"])
-        # cp ran twice per layer count: keep the mean.
-        seconds[row["layers"]] = (row["seconds"] if prev is None else (prev[0] + row["seconds"]) / 2,
-                                  row["source_bytes"])
+        times.setdefault((row["variant"], row["workers"]), {}).setdefault(row["layers"], []).append(row["seconds"])
+        source_bytes[row["layers"]] = row["source_bytes"]
+    by_key = {key: {layers: (statistics.median(seconds), source_bytes[layers]) for layers, seconds in per.items()}
+              for key, per in times.items()}
     counts = sorted({row["layers"] for row in runs})
     if len(counts) >= 2:
         out["method"] = (f"t(L={counts[0]}) + (full bytes - bytes(L={counts[0]})) x per-byte time of the "
@@ -273,6 +311,27 @@ def extrapolate(runs: list[dict]) -> dict:
     return out
 
 
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per layer count, command and worker count: the median ratio to cp over the rounds, and its range."""
+    groups: dict[tuple[int, str, int], list[dict]] = {}
+    for row in runs:
+        groups.setdefault((row["layers"], row["variant"], row["workers"]), []).append(row)
+    out = []
+    for (layers, variant, workers), rows in groups.items():
+        ratios = [r["ratio_to_cp"] for r in rows]
+        out.append({"layers": layers, "variant": variant, "workers": workers, "runs": len(rows),
+                    "median_seconds": round(statistics.median(r["seconds"] for r in rows), 2),
+                    "median_ratio_to_cp": round(statistics.median(ratios), 2),
+                    "min_ratio_to_cp": min(ratios), "max_ratio_to_cp": max(ratios),
+                    "median_cpu_seconds": round(statistics.median(r["cpu_user_seconds"] + r["cpu_system_seconds"]
+                                                                  for r in rows), 1)})
+    return out
+
+
+def _gb(value: int | None) -> str:
+    return "" if value is None else f"{value / GB:.2f}"
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [f"# Conversion vs cp ({result['device']})", "",
@@ -283,14 +342,24 @@ def markdown(result: dict) -> str:
              f"- OMP_WAIT_POLICY: {result.get('omp_wait_policy') or 'unset'}", ""]
     if "synth_seconds" in result:
         lines += [f"- synth: {result['synth_seconds']} s", ""]
-    lines += ["| layers | source GB | command | workers | seconds | GB/s | x cp | peak RSS total GB | "
-              "largest process GB | output GB | load 1m |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
+    lines += ["Median over the rounds (each converter run against the mean of the cp runs just before and "
+              "after it; cp against the mean of all its runs):", "",
+              "| layers | command | workers | runs | median seconds | median x cp | range x cp | median CPU s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in result["summary"]:
+        lines.append(f"| {r['layers']} | {r['variant']} | {r['workers']} | {r['runs']} | {r['median_seconds']:.1f} | "
+                     f"{r['median_ratio_to_cp']:.2f} | {r['min_ratio_to_cp']:.2f}-{r['max_ratio_to_cp']:.2f} | "
+                     f"{r['median_cpu_seconds']} |")
+    lines += ["", "Every run, in the order it ran:", "",
+              "| layers | source GB | command | workers | round | seconds | GB/s | x cp | CPU user s | CPU sys s | "
+              "disk read GB | disk written GB | peak RSS total GB | largest process GB | output GB | load 1m |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(result["runs"], key=lambda r: (r["layers"], r["round"], r["variant"] != "cp")):
         lines.append(f"| {r['layers']} | {r['source_bytes'] / GB:.2f} | {r['variant']} | {r['workers']} | "
-                     f"{r['seconds']:.1f} | {r['source_gb_per_s']:.3f} | {r['ratio_to_cp']:.2f} | "
-                     f"{r['peak_rss_total'] / GB:.3f} | {r['peak_rss_single'] / GB:.3f} | "
-                     f"{r['output_bytes'] / GB:.2f} | {r['load_avg_1m_before']} |")
+                     f"{r['round']} | {r['seconds']:.1f} | {r['source_gb_per_s']:.3f} | {r['ratio_to_cp']:.2f} | "
+                     f"{r['cpu_user_seconds']} | {r['cpu_system_seconds']} | {_gb(r['disk_read_bytes'])} | "
+                     f"{_gb(r['disk_written_bytes'])} | {r['peak_rss_total'] / GB:.3f} | "
+                     f"{r['peak_rss_single'] / GB:.3f} | {r['output_bytes'] / GB:.2f} | {r['load_avg_1m_before']} |")
     ex = result["extrapolation"]
     lines += ["", f"Full model ({ex['full_model_shards']} shards, {ex['full_model_bytes'] / GB:.1f} GB), "
               f"{ex['method']}:", "", "| command | minutes |", "|---|---|"]
@@ -314,6 +383,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--device", default="cpu", help="--device of the converters (cpu, cuda)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of converter runs, each followed by a cp run (default 1: cp, converters, cp)")
     p.add_argument("--work", type=Path, default=Path("bench-convert-work"), help="scratch directory")
     p.add_argument("--source", type=Path, help="reuse a checkpoint made by synth with max(--layers) layers and --no-mtp")
     p.add_argument("--keep-source", action="store_true", help="keep the synthesized source")
