@@ -226,6 +226,12 @@ def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     assert launch._fit_split_k(gemv, one, 1) == dataclasses.replace(gemv, block_n=8, block_k=1024)
     short = quantized_weight("int4", _weight("int4", 128, "ue8m0", 4096, 1024))
     assert launch._fit_split_k(gemv, short, 1).variant == "planes"
+    # FP8 block: narrow split tiles for one expert; twice as wide, unsplit, where those fill the GPU
+    fp8 = configs.GemmConfig(16, 32, 128, split_k=4, num_stages=4)
+    expert = quantized_weight("fp8_block", _weight("fp8_block", 128, "ue8m0", 2048, 4096))
+    assert launch._fit_split_k(fp8, expert, 4) == fp8
+    wide = quantized_weight("fp8_block", _weight("fp8_block", 128, "ue8m0", 32768, 1024))
+    assert launch._fit_split_k(fp8, wide, 4) == dataclasses.replace(fp8, block_n=64, split_k=1)
 
 
 def test_fp8_block_gemm_with_grouped_tile_order():
