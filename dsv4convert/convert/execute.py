@@ -643,7 +643,8 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         raise DSV4Error(f"output failed its layout check ({problem}); the index was removed", file=dst)
     card = render_model_card(
         variant=result.variant, base_model=str(opts.src), recipe_name=plan.recipe.name, recipe_text=plan.recipe.text,
-        formats_by_role=result.formats_by_role(), stats=stats, launch=default_launch(dst, result.variant, opened=(output, result)))
+        formats_by_role=result.formats_by_role(), stats=stats,
+        launch=default_launch(dst, result.variant, opened=(output, result)))
     atomic_write_bytes(dst / "README.md", card.encode("utf-8"))
     state.complete = True
     state.save()
