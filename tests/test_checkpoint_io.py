@@ -77,10 +77,31 @@ def test_writer_refuses_off_plan_tensors_and_leaves_no_partial_file(tmp_path):
     assert not path.exists() and not partial_path(path).exists()
 
 
-@pytest.mark.parametrize("kernel_copy", [True, False])
-def test_source_bytes_are_copied_file_to_file_as_written(tmp_path, monkeypatch, kernel_copy):
-    """A SourceBytes output holds exactly the source tensor's bytes, under its planned dtype, by
-    ``copy_file_range`` or, where the kernel cannot copy between the files, through a buffer."""
+def _takes_direct_writes(directory: Path) -> bool:
+    """Whether ``directory``'s file system takes an aligned O_DIRECT write (what the writer probes)."""
+    import mmap
+    import os
+
+    probe = directory / "probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        os.pwritev(fd, [mmap.mmap(-1, 4096)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+@pytest.mark.parametrize("writer", ["direct", "page cache, kernel copy", "page cache, buffered copy"])
+def test_source_bytes_are_copied_as_written(tmp_path, monkeypatch, writer):
+    """A SourceBytes output holds exactly the source tensor's bytes, under its planned dtype: read
+    into the O_DIRECT writer's chunks, or through the page cache by ``copy_file_range`` or, where
+    the kernel cannot copy between the files, through a buffer."""
     import errno
     import os
 
@@ -89,19 +110,74 @@ def test_source_bytes_are_copied_file_to_file_as_written(tmp_path, monkeypatch, 
     root = write_plain_checkpoint(tmp_path / "src", [{"w": codes, "n": norm}])
     entry = Checkpoint.open(root).entry("w")
     calls = []
-    if not kernel_copy:
+    if writer != "direct":
+        monkeypatch.setattr(safetensors_io, "DIRECT_IO", False)
+    if writer == "page cache, buffered copy":
         def unsupported(*args):
             calls.append(args)
             raise OSError(errno.EXDEV, "cross-device")
         monkeypatch.setattr(os, "copy_file_range", unsupported)
     monkeypatch.setattr(safetensors_io, "_WRITEBACK_EVERY", 4096)  # several pieces per tensor
+    monkeypatch.setattr(safetensors_io, "_DIRECT_CHUNK", 8192)  # several chunks per tensor
     path = tmp_path / "out.safetensors"
     with ShardWriter(path, [PlannedTensor("n", "F32", (77,)), PlannedTensor("w", "U8", (300, 77))]) as w:
+        direct = writer == "direct" and _takes_direct_writes(tmp_path)
+        assert isinstance(w._out, safetensors_io._DirectOutput) == direct
         w.write("n", norm)
         w.write("w", SourceBytes(entry, "U8", (300, 77)))
     with safe_open(path, "pt") as f:
         assert torch.equal(f.get_tensor("w"), codes.view(torch.uint8)) and torch.equal(f.get_tensor("n"), norm)
-    assert len(calls) == (0 if kernel_copy else 1)  # the fallback is chosen once, not per piece
+    assert path.stat().st_size == w.size
+    assert len(calls) == (1 if writer == "page cache, buffered copy" else 0)  # the fallback is chosen once
+
+
+def test_the_direct_writer_falls_back_where_direct_writes_are_refused(tmp_path, monkeypatch):
+    """A file system that takes O_DIRECT at open but refuses the writes gets the page-cache writer."""
+    import errno
+    import fcntl
+    import os
+
+    real = os.pwritev
+
+    def refuse_direct(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", refuse_direct)
+    path = tmp_path / "out.safetensors"
+    with ShardWriter(path, [PlannedTensor("a", "F32", (3,))]) as w:
+        assert isinstance(w._out, safetensors_io._PageCacheOutput)
+        w.write("a", torch.tensor([1.0, 2.0, 3.0]))
+    with safe_open(path, "pt") as f:
+        assert torch.equal(f.get_tensor("a"), torch.tensor([1.0, 2.0, 3.0]))
+
+
+@pytest.mark.parametrize("fail_at", ["put", "commit"])
+def test_a_direct_chunk_write_that_fails_later_stops_the_shard_and_leaves_nothing(tmp_path, monkeypatch, fail_at):
+    """Chunks go to disk in the background; a failure surfaces at a later write or at commit, as one error."""
+    import errno
+    import os
+
+    if not _takes_direct_writes(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT writes: the page-cache writer is tested instead")
+    real, calls = os.pwritev, []
+
+    def full_disk(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) > 1:  # the writer's probe passes
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    monkeypatch.setattr(safetensors_io, "_DIRECT_CHUNK", 8192)
+    path = tmp_path / "s.safetensors"
+    big = (40000,) if fail_at == "put" else (1000,)  # several chunks, or one: then only commit writes
+    with pytest.raises(CheckpointError, match=r"s\.safetensors: .*cannot write \(ENOSPC"):
+        with ShardWriter(path, [PlannedTensor("a", "F32", big), PlannedTensor("b", "F32", big)]) as w:
+            w.write("a", torch.zeros(big))
+            w.write("b", torch.zeros(big))
+    assert not path.exists() and not partial_path(path).exists()
 
 
 def test_source_bytes_from_a_shrunken_or_mismatched_source_fail_naming_both(tmp_path):

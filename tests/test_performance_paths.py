@@ -72,8 +72,9 @@ def test_pipeline_and_staged_transfer_write_the_sequential_bytes(plans, recipe, 
 
 
 def test_without_kernel_copies_the_shard_is_the_same(plans, tmp_path, monkeypatch):
-    """Where copy_file_range cannot copy between the files (another filesystem, overlayfs, an old
-    kernel) the writer falls back to a buffer, once per tensor, and writes the same bytes."""
+    """The page-cache writer (file systems without O_DIRECT) writes what the direct writer writes, and
+    where copy_file_range cannot copy between the files (another filesystem, overlayfs, an old kernel)
+    it falls back to a buffer, once per tensor, and still writes the same bytes."""
     import errno
     import os
 
@@ -83,6 +84,10 @@ def test_without_kernel_copies_the_shard_is_the_same(plans, tmp_path, monkeypatc
     shard = max(plan.shards, key=lambda s: len(s.modules))
     (tmp_path / "seq").mkdir()
     reference = _sequential(tmp_path / "seq", plan, shard, scales)
+    monkeypatch.setattr(safetensors_io, "DIRECT_IO", False)
+    (tmp_path / "page-cache").mkdir()
+    run_shard_job(str(tmp_path / "page-cache"), shard, _partners(plan, shard), scales)
+    assert (tmp_path / "page-cache" / shard.name).read_bytes() == reference
     refused = []
 
     def cross_device(*args):
@@ -301,7 +306,7 @@ def test_pipeline_memory_counts_the_modules_in_flight(plans):
             largest = max(sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
                           for m in shard.modules)
             assert pipeline_memory(shard) == (shard.memory_estimate + execute.CONVERT_THREADS * largest
-                                              + 2 * execute.QUEUE_BYTES)
+                                              + 2 * execute.QUEUE_BYTES + execute.WRITER_MEMORY)
 
 
 def test_realistic_mxfp4_is_deterministic_and_shaped_like_deepseeks_quantizer():
@@ -383,7 +388,8 @@ def test_prefetch_is_only_a_hint(plans, tmp_path):
     prefetch([gone])  # a missing file is left for the real read to report
 
 
-def test_writer_hands_written_bytes_to_writeback_as_it_goes(tmp_path, monkeypatch):
+def test_page_cache_writer_hands_written_bytes_to_writeback_as_it_goes(tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_io, "DIRECT_IO", False)
     calls = []
     monkeypatch.setattr(safetensors_io, "_WRITEBACK_EVERY", 1000)
     monkeypatch.setattr(safetensors_io, "_WRITE_CHUNK", 300)

@@ -3,6 +3,7 @@
 from dsv4convert.checkpoint.hub import HubRemote, Remote, ShardFetcher
 from dsv4convert.checkpoint.reader import INDEX_NAME, Checkpoint, read_small_json
 from dsv4convert.checkpoint.safetensors_io import (
+    WRITER_MEMORY,
     PlannedTensor,
     ShardWriter,
     SourceBytes,
@@ -28,6 +29,7 @@ __all__ = [
     "ShardWriter",
     "SourceBytes",
     "TensorEntry",
+    "WRITER_MEMORY",
     "atomic_write_bytes",
     "atomic_write_json",
     "copy_small_files",

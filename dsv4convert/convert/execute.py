@@ -46,6 +46,7 @@ from dsv4convert.checkpoint import (
     ShardFetcher,
     ShardWriter,
     SourceBytes,
+    WRITER_MEMORY,
     atomic_write_bytes,
     atomic_write_json,
     prefetch,
@@ -322,9 +323,10 @@ def run_shard_job(dst: str, job: ShardJob, partners: dict[str, dict], input_scal
 
 
 def pipeline_memory(shard: ShardJob) -> int:
-    """Peak resident bytes of a job: its largest module in every converter thread, plus both full queues."""
+    """Peak resident bytes of a job: its largest module in every converter thread, both full queues and
+    the shard writer's staging chunks."""
     in_flight = max((m.bytes_in + sum(p.nbytes for p in m.outputs) for m in shard.modules), default=0)
-    return shard.memory_estimate + CONVERT_THREADS * in_flight + 2 * QUEUE_BYTES
+    return shard.memory_estimate + CONVERT_THREADS * in_flight + 2 * QUEUE_BYTES + WRITER_MEMORY
 
 
 def _role_key(role: Role, is_mtp: bool) -> str:
