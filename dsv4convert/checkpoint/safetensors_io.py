@@ -462,13 +462,12 @@ def _open_output(path: Path) -> "_DirectOutput | _PageCacheOutput":
             if exc.errno != errno.EINVAL:
                 raise
         else:
-            output = _DirectOutput(fd, path)
             try:
-                os.pwritev(fd, [memoryview(output.chunk)[:_DIRECT_ALIGN]], 0)
+                os.pwritev(fd, [mmap.mmap(-1, _DIRECT_ALIGN)], 0)  # anonymous maps are page aligned
                 os.ftruncate(fd, 0)
-                return output
+                return _DirectOutput(fd, path)
             except OSError as exc:
-                output.close()
+                os.close(fd)
                 if exc.errno != errno.EINVAL:
                     raise
     return _PageCacheOutput(open(path, "wb", buffering=0))  # tensors arrive in large pieces anyway
@@ -492,8 +491,7 @@ class _DirectOutput:
         self._pool = ThreadPoolExecutor(_DIRECT_DEPTH, thread_name_prefix="direct-write")
         self._free = [mmap.mmap(-1, _DIRECT_CHUNK) for _ in range(_DIRECT_DEPTH + 1)]  # page aligned
         self._writing: deque[Future] = deque()
-        self.chunk = self._free.pop()
-        self._view = memoryview(self.chunk)
+        self._view = memoryview(self._free.pop())
         self._filled = 0
         self._offset = 0  # of the chunk being filled
 
@@ -529,8 +527,7 @@ class _DirectOutput:
         self._offset += self._filled
         while not self._free:
             self._free.append(self._written(self._writing.popleft()))
-        self.chunk = self._free.pop()
-        self._view = memoryview(self.chunk)
+        self._view = memoryview(self._free.pop())
         self._filled = 0
 
     def _written(self, write: Future) -> mmap.mmap:
