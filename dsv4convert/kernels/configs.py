@@ -104,11 +104,17 @@ _WEIGHT_ONLY: dict[str, GemmTable] = {
 # H200): the 16x64 tile left one expert's 2048 rows 32 programs; 16x32 tiles split 4 ways over K (halved
 # by launch._fit_split_k where the grid fills the GPU) took expert_w1_w3 M=4/16 from 18.0/18.4 to
 # 11.0/11.3 us and expert_w2 from 11.3/11.4 to 11.2/10.6 us.
+# M > 64, the order of the programs (session 5, H200, M=4096): sweeping all 64 row tiles of one
+# 128-column strip before the next (group_m=64: consecutive programs share one strip of weights)
+# instead of 8 row tiles at a time took square_8192 from 66% to 78% of row-wise _scaled_mm,
+# expert_w2 68% -> 78%, wq_b 76% -> 86%, expert_w1_w3 63% -> 67% (its 1024 tiles are 2.6 waves
+# of 3 CTAs x 132 SMs). Wider or taller tiles (64x256, 128x128 with 8 warps, 128x64) were slower
+# at every shape.
 _FP8_BLOCK: dict[str, GemmTable] = {
     "sm_90": (
         (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
         (64, GemmConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)),
-        (1 << 62, GemmConfig(64, 128, 128, split_k=1, num_warps=4, num_stages=3, group_m=8, variant="tma")),
+        (1 << 62, GemmConfig(64, 128, 128, split_k=1, num_warps=4, num_stages=3, group_m=64, variant="tma")),
     ),
     "sm_120": (
         (64, GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=3)),
@@ -126,11 +132,25 @@ FAST_ACCUM_FP8_BLOCK = GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_sta
 SAFE_WEIGHT_ONLY = GemmConfig(32, 64, 64, split_k=1, num_warps=4, num_stages=2)
 SAFE_FP8_BLOCK = GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)
 
-_ELEMENTWISE = {
-    "sm_90": ElementwiseConfig(16, 256, num_warps=4),
-    "sm_120": ElementwiseConfig(32, 256, num_warps=8),
-    "fallback": ElementwiseConfig(16, 256, num_warps=4),
-    "interpreter": ElementwiseConfig(16, 64, num_warps=4),
+# Dequantization tiles (rows x columns per program), per format family. FP8: bench/kernels.py
+# --sweep on the H200, all tiles within 1% of 16x256. 4-bit: the same sweep (session 5) put 2 x 1024
+# with 2 warps first on average over 15 cases (expert, wq_b, 8192^2, and 256 stacked experts);
+# the stacked experts went from 79% to 88% of copy bandwidth (mxfp4), 76% to 88% (nvfp4), 79% to
+# 88% (int4); larger tiles (16 x 512 and up) were slower. sm_120 and the fallback take 4 x
+# 1024 with 4 warps (second on the H200, 128-thread programs), unmeasured there.
+_DEQUANT_TILES = {
+    "fp8_block": {
+        "sm_90": ElementwiseConfig(16, 256, num_warps=4),
+        "sm_120": ElementwiseConfig(32, 256, num_warps=8),
+        "fallback": ElementwiseConfig(16, 256, num_warps=4),
+        "interpreter": ElementwiseConfig(16, 64, num_warps=4),
+    },
+    "4bit": {
+        "sm_90": ElementwiseConfig(2, 1024, num_warps=2),
+        "sm_120": ElementwiseConfig(4, 1024, num_warps=4),
+        "fallback": ElementwiseConfig(4, 1024, num_warps=4),
+        "interpreter": ElementwiseConfig(16, 64, num_warps=4),
+    },
 }
 
 GEMM_TABLES: dict[str, dict[str, GemmTable]] = {"weight_only": _WEIGHT_ONLY, "fp8_block": _FP8_BLOCK}
@@ -145,8 +165,9 @@ def gemm_config(kind: str, arch: str, tokens_per_expert: int) -> GemmConfig:
     raise AssertionError("every table ends with a catch-all entry")
 
 
-def elementwise_config(arch: str) -> ElementwiseConfig:
-    return _ELEMENTWISE[arch]
+def dequant_config(arch: str, fmt: str) -> ElementwiseConfig:
+    """The dequantization tile for ``fmt`` (``fp8_block`` or a 4-bit format) on ``arch``."""
+    return _DEQUANT_TILES["fp8_block" if fmt == "fp8_block" else "4bit"][arch]
 
 
 _verdicts: dict[Hashable, bool] = {}

@@ -35,7 +35,7 @@ GEMM_REL_TOLERANCE = 5e-3
 def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype,
                cfg: configs.ElementwiseConfig | None = None) -> torch.Tensor:
     """All experts at once: the stack is one [E*N, K] matrix to the kernel."""
-    cfg = cfg or configs.elementwise_config(arch_of(weight.device))
+    cfg = cfg or configs.dequant_config(arch_of(weight.device), weight.fmt)
     rows = weight.experts * weight.n
     out = torch.empty(rows, weight.k, dtype=out_dtype, device=weight.device)
     if weight.fmt == "fp8_block" and weight.n % FP8_BLOCK and weight.experts > 1:
