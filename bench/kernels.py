@@ -407,10 +407,18 @@ def summarize(result: dict) -> str:
     if deq:
         met = all(r["fraction_of_copy_bw"] >= 0.8 for r in deq)
         hits = sum(r["fraction_of_copy_bw"] >= 0.8 for r in deq)
+        misses = [r for r in deq if r["fraction_of_copy_bw"] < 0.8 and "fraction_of_same_size_copy" in r]
+        miss_note = ""
+        if misses:
+            shapes = sorted({f"{r['shape']} E={r.get('experts', 1)}" for r in misses})
+            low = min(r["fraction_of_same_size_copy"] for r in misses)
+            high = max(r["fraction_of_same_size_copy"] for r in misses)
+            miss_note = (f"; the rows below 80% ({', '.join(shapes)}) run at x{low:.2f}-x{high:.2f} the speed of a "
+                         f"copy of their own number of bytes")
         verdicts.append(f"- Dequant >= 80% of copy bandwidth: **{'MET' if met else 'NOT MET'}** "
                         f"({hits}/{len(deq)} rows; worst {worst['format']}/{worst['scale_fmt']} {worst['shape']} "
-                        f"E={worst.get('experts', 1)}: {worst['fraction_of_copy_bw']:.0%}); bit-exact everywhere: "
-                        f"{all(r['bit_exact'] for r in deq)}")
+                        f"E={worst.get('experts', 1)}: {worst['fraction_of_copy_bw']:.0%}{miss_note}); bit-exact "
+                        f"everywhere: {all(r['bit_exact'] for r in deq)}")
     gem = [r for r in result["gemm"] if r["format"] != "fp8_block"]
     small = [r for r in gem if r["m"] <= 16]
     if small:
@@ -430,7 +438,7 @@ def summarize(result: dict) -> str:
                      if fast else "")
         verdicts.append(f"- FP8 block GEMM >= 70% of torch._scaled_mm TFLOP/s at M=4096 (default, exact two-level "
                         f"accumulation): **{'MET' if met else 'NOT MET'}** "
-                        f"({', '.join(r['shape'] + ' ' + format(r['fraction_of_scaled_mm'], '.0%') for r in fp8)}; "
+                        f"({', '.join(r['shape'] + ' ' + format(r['fraction_of_scaled_mm'], '.1%') for r in fp8)}; "
                         f"_scaled_mm mode: {fp8[0]['scaled_mm']['mode']}; against block-wise _scaled_mm: "
                         f"{', '.join(r['shape'] + ' ' + format(r.get('fraction_of_blockwise_scaled_mm', float('nan')), '.0%') for r in fp8)}"
                         f"{fast_note})")
