@@ -230,6 +230,22 @@ def dequant_4bit_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, rows_per_global, str
 
 
 @triton.jit
+def _expert_tile(offsets_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile in a grouped launch: ``(expert, first row, row end, rm, rn)``.
+
+    Grid axis 0 walks an expert's row tiles x column tiles (columns fastest), axis 2 the experts;
+    expert ``e``'s tokens are rows ``offsets[e]:offsets[e+1]`` of X and Y. A tile whose first row
+    is at or past the end has no work.
+    """
+    pid_mn = tl.program_id(0)
+    expert = tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    row0 = tl.load(offsets_ptr + expert) + (pid_mn // num_n) * BLOCK_M
+    row_end = tl.load(offsets_ptr + expert + 1)
+    return expert, row0, row_end, row0 + tl.arange(0, BLOCK_M), (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                             stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                             FMT: tl.constexpr, GROUP: tl.constexpr,
@@ -240,17 +256,9 @@ def weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
     Expert e owns token rows ``offsets[e]:offsets[e+1]`` of X and Y. With ``SPLIT_K > 1`` each
     program sums a slice of K into a zeroed FP32 Y with atomics.
     """
-    pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
-    expert = tl.program_id(2)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
-    row_begin = tl.load(offsets_ptr + expert)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    if row_begin + pid_m * BLOCK_M < row_end:
-        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, row0, row_end, rm, rn = _expert_tile(offsets_ptr, N, BLOCK_M, BLOCK_N)
+    if row0 < row_end:
         w_expert = w_ptr + expert.to(tl.int64) * stride_we
         s_expert = s_ptr + expert.to(tl.int64) * stride_se
         if FMT == FMT_NVFP4:
@@ -353,6 +361,16 @@ def _nibble_pair_to_bf16_asm(packed, scale, FMT: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_global_scaled(acc, g_ptr, expert, FMT: tl.constexpr, ASM_DECODED: tl.constexpr):
+    """NVFP4 sums times the expert's global scale, and back from the asm decode's exponent bias; others as they are."""
+    if FMT == FMT_NVFP4:
+        if ASM_DECODED:
+            acc = acc * (2.0 ** (126 - NVFP4_ASM_SCALE_SHIFT))
+        acc = acc * tl.load(g_ptr + expert)
+    return acc
+
+
+@triton.jit
 def weight_only_halves_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                               stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                               FMT: tl.constexpr, GROUP: tl.constexpr,
@@ -370,17 +388,9 @@ def weight_only_halves_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N,
     operations; (code * scale) rounds once to BF16, as the tile kernel's does. NVFP4's global
     scale multiplies the FP32 accumulator.
     """
-    pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
-    expert = tl.program_id(2)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
-    row_begin = tl.load(offsets_ptr + expert)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    if row_begin + pid_m * BLOCK_M < row_end:
-        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, row0, row_end, rm, rn = _expert_tile(offsets_ptr, N, BLOCK_M, BLOCK_N)
+    if row0 < row_end:
         rh = tl.arange(0, BLOCK_K // 2)
         rg = tl.arange(0, BLOCK_K // GROUP)
         row_ok = rm < row_end
@@ -428,10 +438,7 @@ def weight_only_halves_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N,
                 high = high * scale
                 acc = tl.dot(low, tl.trans(x_even), acc)
                 acc = tl.dot(high, tl.trans(x_odd), acc)
-        if FMT == FMT_NVFP4:
-            if ASM_DECODE and not UPCAST_DOT:
-                acc = acc * (2.0 ** (126 - NVFP4_ASM_SCALE_SHIFT))
-            acc = acc * tl.load(g_ptr + expert)
+        acc = _nvfp4_global_scaled(acc, g_ptr, expert, FMT, ASM_DECODE and not UPCAST_DOT)
         mask = col_ok[:, None] & row_ok[None, :]
         y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
         if SPLIT_K == 1:
@@ -541,18 +548,10 @@ def weight_only_planes_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, pa
     slices meet in this launch (FP32 partials, a ticket per tile, the last slice sums them in
     order), so Y is written once, in BF16, with no zero-fill or cast kernels around it.
     """
-    pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
-    expert = tl.program_id(2)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
-    row_begin = tl.load(offsets_ptr + expert)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    if row_begin + pid_m * BLOCK_M < row_end:
+    expert, row0, row_end, rm, rn = _expert_tile(offsets_ptr, N, BLOCK_M, BLOCK_N)
+    if row0 < row_end:
         WORDS: tl.constexpr = BLOCK_K // 8
-        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rw = tl.arange(0, WORDS)
         rg = tl.arange(0, BLOCK_K // GROUP)
         row_ok = rm < row_end
@@ -625,10 +624,7 @@ def weight_only_planes_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, pa
                     w7 = _plane_values(words, 7, FMT, True) * scale
                 w_all = _concat_planes(w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_N, WORDS)
                 acc = tl.dot(w_all, tl.trans(x_all), acc)
-        if FMT == FMT_NVFP4:
-            if ASM_DECODE and not UPCAST_DOT:
-                acc = acc * (2.0 ** (126 - NVFP4_ASM_SCALE_SHIFT))
-            acc = acc * tl.load(g_ptr + expert)
+        acc = _nvfp4_global_scaled(acc, g_ptr, expert, FMT, ASM_DECODE and not UPCAST_DOT)
         mask = col_ok[:, None] & row_ok[None, :]
         y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
         if SPLIT_K == 1:
@@ -640,7 +636,7 @@ def weight_only_planes_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, pa
             part = part_ptr + rm[None, :] * stride_ym + rn[:, None]
             tl.store(part + pid_k * stride_part, acc, mask=mask)
             tl.debug_barrier()
-            tile = expert * tl.num_programs(0) + pid_mn
+            tile = expert * tl.num_programs(0) + tl.program_id(0)
             ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
             if ticket == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -785,17 +781,9 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
     round code * scale to BF16). Each decoded weight costs one FMA per token, so at M = 4 the
     planes kernel is faster (configs.py).
     """
-    pid_mn = tl.program_id(0)
-    expert = tl.program_id(2)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
-    row_begin = tl.load(offsets_ptr + expert)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    if row_begin + pid_m * BLOCK_M < row_end:
+    expert, row0, row_end, rm, rn = _expert_tile(offsets_ptr, N, BLOCK_M, BLOCK_N)
+    if row0 < row_end:
         WORDS: tl.constexpr = BLOCK_K // 8
-        rm = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rw = tl.arange(0, WORDS)
         row_ok = rm < row_end
         col_ok = rn < N
