@@ -106,9 +106,9 @@ _WEIGHT_ONLY: dict[str, GemmTable] = {
 # 11.0/11.3 us and expert_w2 from 11.3/11.4 to 11.2/10.6 us.
 # M > 64, the order of the programs (session 5, H200, M=4096): sweeping all 64 row tiles of one
 # 128-column strip before the next (group_m=64: consecutive programs share one strip of weights)
-# instead of 8 row tiles at a time took square_8192 from 66% to 78% of row-wise _scaled_mm,
-# expert_w2 68% -> 78%, wq_b 76% -> 86%, expert_w1_w3 63% -> 67% (its 1024 tiles are 2.6 waves
-# of 3 CTAs x 132 SMs). Wider or taller tiles (64x256, 128x128 with 8 warps, 128x64) were slower
+# instead of 8 row tiles at a time took square_8192 from 69% to 78% of row-wise _scaled_mm,
+# expert_w2 70% -> 76%, wq_b 76% -> 84%, expert_w1_w3 66% -> 70% (its 1024 tiles are 2.6 waves
+# of 3 CTAs x 132 SMs; bench/results/kernels-h200.json, sweep). Wider or taller tiles (64x256, 128x128 with 8 warps, 128x64) were slower
 # at every shape.
 _FP8_BLOCK: dict[str, GemmTable] = {
     "sm_90": (
@@ -133,10 +133,11 @@ SAFE_WEIGHT_ONLY = GemmConfig(32, 64, 64, split_k=1, num_warps=4, num_stages=2)
 SAFE_FP8_BLOCK = GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)
 
 # Dequantization tiles (rows x columns per program), per format family. FP8: bench/kernels.py
-# --sweep on the H200, all tiles within 1% of 16x256. 4-bit: the same sweep (session 5) put 2 x 1024
-# with 2 warps first on average over 15 cases (expert, wq_b, 8192^2, and 256 stacked experts);
-# the stacked experts went from 79% to 88% of copy bandwidth (mxfp4), 76% to 88% (nvfp4), 79% to
-# 88% (int4); larger tiles (16 x 512 and up) were slower. sm_120 and the fallback take 4 x
+# --sweep on the H200, nine tiles within 3% of each other on average (16 x 256: 85%, and the
+# best worst case, 78%). 4-bit: the same sweep (session 5) put 2 x 1024
+# with 2 warps first on average over 15 cases (expert, wq_b, 8192^2, and 256 stacked experts): 80%
+# of copy bandwidth against 74% for the old 16 x 256; the stacked experts went from 79% to 89%
+# (mxfp4), 76% to 88% (nvfp4), 79% to 89% (int4). sm_120 and the fallback take 4 x
 # 1024 with 4 warps (second on the H200, 128-thread programs), unmeasured there.
 _DEQUANT_TILES = {
     "fp8_block": {
