@@ -92,15 +92,17 @@ _WEIGHT_ONLY: dict[str, GemmTable] = {
     "interpreter": ((1 << 62, GemmConfig(16, 32, 64, split_k=1, num_warps=4, num_stages=1)),),
 }
 
-# FP8 block, M > 64 on sm_90 (H200, M=4096, a one-off sweep of 20 variants, script not kept): the
+# FP8 block, M > 64 on sm_90 (H200, M=4096; a first one-off sweep of 20 variants, then
+# bench/kernels.py --sweep, _sweep_fp8): the
 # exact two-level accumulation (every 128-wide K slice's dot scaled into an FP32 accumulator, as
 # DeepSeek's kernels and SGLang's run it) is best as "tma": TMA operand loads, 64x128 tiles,
 # 4 warps, 3 stages (three CTAs per SM), measured 64-76% of row-wise torch._scaled_mm including
 # the activation quantization; the earlier 64x128 pointer-load kernel 50-54%. FAST_ACCUM_FP8_BLOCK
 # below ("tma_rescale": the accumulator rescaled between K blocks and fed to the dot, so the sum
 # runs in the tensor core's reduced-precision FP8 accumulation, like use_fast_accum=True) measured
-# 70-75%, but its error grows with K (1.7e-3 -> 2.6e-3 at K=8192), so it is benchmarked, never the
-# default: the validator must run the numerics a server runs. M <= 16 (bench/kernels.py _sweep_fp8_small,
+# 70-75% then (69-76% since the default's group_m=64: no longer faster), and its error grows with K
+# (1.7e-3 -> 2.6e-3 at K=8192), so it is benchmarked, never the default: the validator must run
+# the numerics a server runs. M <= 16 (bench/kernels.py _sweep_fp8_small,
 # H200): the 16x64 tile left one expert's 2048 rows 32 programs; 16x32 tiles split 4 ways over K (halved
 # by launch._fit_split_k where the grid fills the GPU) took expert_w1_w3 M=4/16 from 18.0/18.4 to
 # 11.0/11.3 us and expert_w2 from 11.3/11.4 to 11.2/10.6 us.
@@ -108,8 +110,8 @@ _WEIGHT_ONLY: dict[str, GemmTable] = {
 # 128-column strip before the next (group_m=64: consecutive programs share one strip of weights)
 # instead of 8 row tiles at a time took square_8192 from 69% to 78% of row-wise _scaled_mm,
 # expert_w2 70% -> 76%, wq_b 76% -> 84%, expert_w1_w3 66% -> 70% (its 1024 tiles are 2.6 waves
-# of 3 CTAs x 132 SMs; bench/results/kernels-h200.json, sweep). Wider or taller tiles (64x256, 128x128 with 8 warps, 128x64) were slower
-# at every shape.
+# of 3 CTAs x 132 SMs; bench/results/kernels-h200.json, sweep). Wider or taller tiles (64x256,
+# 128x128 with 8 warps, 128x64) were slower at every shape.
 _FP8_BLOCK: dict[str, GemmTable] = {
     "sm_90": (
         (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
