@@ -1,11 +1,12 @@
-"""Compile the launchers' Triton kernels for a GPU this machine does not have (sm_120, sm_90).
+"""Compile the launchers' Triton kernels for a GPU this machine does not have (sm_90, sm_100, sm_120).
 
 Test helper only (not part of the package). No sm_120 GPU is at hand, and an sm_120 config that
 asks for more than the 99 KB of shared memory a block may use fails only at launch. Triton
 compiles for any target without a GPU (its bundled ``ptxas`` included), so this runs each
-config of a table through the real launcher (``launch._launch``) on CPU tensors with the kernels
-replaced by recorders, then compiles every recorded launch (same arguments, same constexprs,
-same ``num_warps``/``num_stages``) for the target, and reports what ``ptxas`` allotted.
+config of the table the target's GPUs get (``family_of_capability``: B200's sm_100 takes the
+H200's) through the real launcher (``launch._launch``) on CPU tensors with the kernels replaced
+by recorders, then compiles every recorded launch (same arguments, same constexprs, same
+``num_warps``/``num_stages``) for the target, and reports what ``ptxas`` allotted.
 
 Runs in its own process with ``TRITON_INTERPRET`` unset (the interpreter's kernels cannot be
 compiled)::
@@ -34,10 +35,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dsv4convert.kernels import configs, launch  # noqa: E402
+from dsv4convert.kernels._runtime import family_of_capability  # noqa: E402
 from dsv4convert.kernels.operands import quantized_weight  # noqa: E402
 from dsv4convert.kernels.samples import random_activations, random_weight  # noqa: E402
 
-CAPABILITY = {"sm_90": 90, "sm_120": 120}
+CAPABILITY = {"sm_90": 90, "sm_100": 100, "sm_120": 120}
 FORMATS = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32), ("fp8_block", 128))
 KERNELS = ("act_quant_kernel", "fp8_block_gemm_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel",
            "weight_only_gemm_kernel", "weight_only_halves_kernel", "weight_only_planes_kernel",
@@ -97,7 +99,7 @@ def _resources(cubin: bytes) -> dict:
 
 
 def _record_launches(arch: str) -> list[tuple[str, object, object, tuple, dict]]:
-    """(format, config, kernel, args, kwargs) of every launch the tables make on ``arch``."""
+    """(format, config, kernel, args, kwargs) of every launch the tables make on ``arch``'s config family."""
     calls: list = []
     for name in KERNELS:
         setattr(launch, name, _Recorder(getattr(launch, name), calls))
@@ -127,13 +129,14 @@ def compile_all(arch: str) -> list[dict]:
     """Compile every recorded launch for ``arch``; one row per launch."""
     rows = []
     target = GPUTarget("cuda", CAPABILITY[arch], 32)
-    for fmt, cfg, kernel, args, kwargs in _record_launches(arch):
+    family = family_of_capability(CAPABILITY[arch] // 10)
+    for fmt, cfg, kernel, args, kwargs in _record_launches(family):
         options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
         signature, constexprs, attributes = _signature(kernel, args, kwargs)
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attributes), target=target,
                                   options=options)
-        rows.append({"arch": arch, "format": fmt, "config": repr(cfg), "kernel": kernel.fn.__name__,
-                     "shared_bytes": compiled.metadata.shared, "shared_limit": configs.SHARED_MEMORY_LIMIT[arch],
+        rows.append({"arch": arch, "family": family, "format": fmt, "config": repr(cfg), "kernel": kernel.fn.__name__,
+                     "shared_bytes": compiled.metadata.shared, "shared_limit": configs.SHARED_MEMORY_LIMIT[family],
                      **options, **_resources(compiled.asm["cubin"])})
     return rows
 

@@ -1,8 +1,9 @@
-"""Every config table compiles for its GPU and fits it, checked on CPU (tests/kernel_compile.py).
+"""Every config table compiles for the GPUs that get it and fits them, checked on CPU (tests/kernel_compile.py).
 
 The kernel tests run in Triton's interpreter here and compiled only where a GPU is present (an
 H200 so far), so a config that asks sm_120 for more than its 99 KB of shared memory per block, or
-spills registers, would otherwise first fail on a user's RTX PRO 6000.
+spills registers, or that B200's sm_100 (which takes the H200's tables) cannot compile, would
+otherwise first fail on a user's GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dsv4convert.kernels import configs
+from dsv4convert.kernels._runtime import family_of_capability
 
 HELPER = Path(__file__).resolve().parent / "kernel_compile.py"
 
@@ -31,18 +33,20 @@ def _compiled_rows(arch: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
-def test_every_table_config_compiles_and_fits(arch):
+@pytest.mark.parametrize("arch,capability", [("sm_120", 12), ("sm_90", 9), ("sm_100", 10)])
+def test_every_table_config_compiles_and_fits(arch, capability):
     rows = _compiled_rows(arch)
+    family = family_of_capability(capability)
+    assert {row["family"] for row in rows} == {family}
     compiled = {row["config"] for row in rows}
-    expected = {repr(cfg) for kind in ("weight_only", "fp8_block") for _, cfg in configs.GEMM_TABLES[kind][arch]}
+    expected = {repr(cfg) for kind in ("weight_only", "fp8_block") for _, cfg in configs.GEMM_TABLES[kind][family]}
     expected |= {repr(cfg) for cfg in configs.SAFE_GEMM.values()}
-    expected |= {repr(configs.dequant_config(arch, fmt)) for fmt in ("fp8_block", "int4")}
+    expected |= {repr(configs.dequant_config(family, fmt)) for fmt in ("fp8_block", "int4")}
     assert expected <= compiled, f"not compiled: {sorted(expected - compiled)}"
     kernels = {row["kernel"] for row in rows}
     assert {"fp8_block_gemm_kernel", "act_quant_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel"} <= kernels
     for row in rows:
         where = f"{row['kernel']} {row['format']} {row['config']}"
-        assert 0 <= row["shared_bytes"] <= configs.SHARED_MEMORY_LIMIT[arch], where
+        assert 0 <= row["shared_bytes"] <= configs.SHARED_MEMORY_LIMIT[family], where
         assert row["local_bytes"] == 0, f"{where}: spills {row['local_bytes']} bytes per thread"
         assert 0 < row["registers"] <= 255, where

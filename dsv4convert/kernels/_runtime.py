@@ -34,14 +34,18 @@ def triton_can_run_on(device: torch.device) -> bool:
 
 
 def arch_of(device: torch.device) -> str:
-    """The config family for ``device``: ``sm_90``, ``sm_120``, ``interpreter`` or ``fallback``.
+    """The config family for ``device``: ``sm_90``, ``sm_120``, ``interpreter`` or ``fallback``."""
+    if device.type != "cuda":
+        return "interpreter"
+    return family_of_capability(torch.cuda.get_device_capability(device)[0])
+
+
+def family_of_capability(major: int) -> str:
+    """The config family of a GPU of compute capability ``major.x``.
 
     sm_100 (datacenter Blackwell) shares Hopper's large shared memory, so it gets Hopper's
     tiles; consumer/workstation Blackwell (sm_120, 99 KB of shared memory per block) gets its own.
     """
-    if device.type != "cuda":
-        return "interpreter"
-    major, _minor = torch.cuda.get_device_capability(device)
     if major in (9, 10):
         return "sm_90"
     if major == 12:
