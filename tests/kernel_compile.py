@@ -6,7 +6,8 @@ compiles for any target without a GPU (its bundled ``ptxas`` included), so this 
 config of the table the target's GPUs get (``family_of_capability``: B200's sm_100 takes the
 H200's) through the real launcher (``launch._launch``) on CPU tensors with the kernels replaced
 by recorders, then compiles every recorded launch (same arguments, same constexprs, same
-``num_warps``/``num_stages``) for the target, and reports what ``ptxas`` allotted.
+``num_warps``/``num_stages``) for the target, and reports what ``ptxas`` allotted. The
+converters' ``--device cuda`` kernels (``quantize_launch``) are recorded and compiled the same way.
 
 Runs in its own process with ``TRITON_INTERPRET`` unset (the interpreter's kernels cannot be
 compiled)::
@@ -34,7 +35,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4convert.kernels import configs, launch  # noqa: E402
+from dsv4convert.errors import DSV4Error  # noqa: E402
+from dsv4convert.kernels import configs, launch, quantize_launch  # noqa: E402
 from dsv4convert.kernels._runtime import family_of_capability  # noqa: E402
 from dsv4convert.kernels.operands import quantized_weight  # noqa: E402
 from dsv4convert.kernels.samples import random_activations, random_weight  # noqa: E402
@@ -44,9 +46,10 @@ FORMATS = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32), ("fp8_bloc
 KERNELS = ("act_quant_kernel", "fp8_block_gemm_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel",
            "weight_only_gemm_kernel", "weight_only_halves_kernel", "weight_only_planes_kernel",
            "weight_only_gemv_kernel")
+CONVERTER_KERNELS = ("fp8_block_quant_kernel", "int4_quant_kernel", "mxfp4_to_nvfp4_kernel", "mxfp4_to_fp8_block_kernel")
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
                 torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-                torch.float8_e4m3fn: "fp8e4nv", torch.float8_e8m0fnu: "u8"}
+                torch.float64: "fp64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e8m0fnu: "u8"}
 
 
 class _Recorder:
@@ -103,6 +106,8 @@ def _record_launches(arch: str) -> list[tuple[str, object, object, tuple, dict]]
     calls: list = []
     for name in KERNELS:
         setattr(launch, name, _Recorder(getattr(launch, name), calls))
+    for name in CONVERTER_KERNELS:
+        setattr(quantize_launch, name, _Recorder(getattr(quantize_launch, name), calls))
     launch.arch_of = lambda device: arch
     launch.asm_decode_runs_on = lambda device: True
     launch.interpreting = lambda: False
@@ -122,6 +127,18 @@ def _record_launches(arch: str) -> list[tuple[str, object, object, tuple, dict]]
         first = len(calls)
         launch.dequantize(weight, torch.bfloat16)
         launches += [(fmt, configs.dequant_config(arch, fmt), *call) for call in calls[first:]]
+    # The converters' --device cuda kernels (fixed launch settings, no table).
+    dense = torch.randn(256, 1024, generator=generator).to(torch.bfloat16)
+    packed, scale = random_weight("mxfp4", 256, 1024, generator=generator)
+    for convert in (lambda: quantize_launch.quantize_fp8_block(dense), lambda: quantize_launch.quantize_int4_weight(dense),
+                    lambda: quantize_launch.mxfp4_to_nvfp4(packed, scale),
+                    lambda: quantize_launch.mxfp4_to_fp8_block(packed, scale)):
+        first = len(calls)
+        try:
+            convert()
+        except DSV4Error:
+            pass  # its checks read outputs that the recorder never wrote; the launch is recorded
+        launches += [("converter", "converter", *call) for call in calls[first:]]
     return launches
 
 

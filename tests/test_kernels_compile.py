@@ -44,7 +44,8 @@ def test_every_table_config_compiles_and_fits(arch, capability):
     expected |= {repr(configs.dequant_config(family, fmt)) for fmt in ("fp8_block", "int4")}
     assert expected <= compiled, f"not compiled: {sorted(expected - compiled)}"
     kernels = {row["kernel"] for row in rows}
-    assert {"fp8_block_gemm_kernel", "act_quant_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel"} <= kernels
+    assert {"fp8_block_gemm_kernel", "act_quant_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel",
+            "fp8_block_quant_kernel", "int4_quant_kernel", "mxfp4_to_nvfp4_kernel", "mxfp4_to_fp8_block_kernel"} <= kernels
     for row in rows:
         where = f"{row['kernel']} {row['format']} {row['config']}"
         assert 0 <= row["shared_bytes"] <= configs.SHARED_MEMORY_LIMIT[family], where
