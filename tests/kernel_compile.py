@@ -101,23 +101,22 @@ def _resources(cubin: bytes) -> dict:
     return {"registers": int(found[1]), "local_bytes": int(found[2])} if found else {}
 
 
-def _record_launches(arch: str) -> list[tuple[str, object, object, tuple, dict]]:
-    """(format, config, kernel, args, kwargs) of every launch the tables make on ``arch``'s config family."""
+def _record_launches(family: str) -> list[tuple[str, object, object, tuple, dict]]:
+    """(format, config, kernel, args, kwargs) of every launch the tables of config ``family`` make."""
     calls: list = []
     for name in KERNELS:
         setattr(launch, name, _Recorder(getattr(launch, name), calls))
     for name in CONVERTER_KERNELS:
         setattr(quantize_launch, name, _Recorder(getattr(quantize_launch, name), calls))
-    launch.arch_of = lambda device: arch
-    launch.asm_decode_runs_on = lambda device: True
+    launch.arch_of = lambda device: family  # the launcher's own choices follow (TMA on sm_90, ...)
+    launch.asm_decode_runs_on = lambda device: True  # it asks for a CUDA device too
     launch.interpreting = lambda: False
-    launch._fp8_uses_tma = lambda cfg, weight: cfg.variant.startswith("tma") and arch == "sm_90"
     launches = []
     generator = torch.Generator().manual_seed(0)
     for fmt, group in FORMATS:
         weight = quantized_weight(fmt, random_weight(fmt, 256, 1024, group_size=group, generator=generator))
         kind = "fp8_block" if fmt == "fp8_block" else "weight_only"
-        tables = [cfg for _, cfg in configs.GEMM_TABLES[kind][arch]] + [configs.SAFE_GEMM[kind]]
+        tables = [cfg for _, cfg in configs.GEMM_TABLES[kind][family]] + [configs.SAFE_GEMM[kind]]
         for cfg in tables:
             x = random_activations(2 * cfg.block_m, weight.k, generator=generator)
             offsets = torch.tensor([0, x.shape[0]], dtype=torch.int32)
@@ -126,7 +125,7 @@ def _record_launches(arch: str) -> list[tuple[str, object, object, tuple, dict]]
             launches += [(fmt, cfg, *call) for call in calls[first:]]
         first = len(calls)
         launch.dequantize(weight, torch.bfloat16)
-        launches += [(fmt, configs.dequant_config(arch, fmt), *call) for call in calls[first:]]
+        launches += [(fmt, configs.dequant_config(family, fmt), *call) for call in calls[first:]]
     # The converters' --device cuda kernels (fixed launch settings, no table).
     dense = torch.randn(256, 1024, generator=generator).to(torch.bfloat16)
     packed, scale = random_weight("mxfp4", 256, 1024, generator=generator)

@@ -36,7 +36,7 @@ from dsv4convert.errors import CheckpointError
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 _ALIGN = 8
 _WRITE_CHUNK = 1024 * 1024  # write() of 64 MB at once measured ~3x slower into the page cache than 1 MB pieces
-# Written bytes handed to the kernel's writeback at this interval (see ShardWriter._start_writeback).
+# Written bytes handed to the kernel's writeback at this interval (see _PageCacheOutput._start_writeback).
 _WRITEBACK_EVERY = 64 * 1024 * 1024
 # copy_file_range errors that mean "not between these files": copy through a buffer instead.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
