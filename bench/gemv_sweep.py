@@ -35,19 +35,15 @@ from dsv4convert.kernels.samples import random_activations  # noqa: E402
 G = configs.GemmConfig
 
 
-# (BLOCK_N, BLOCK_K, warps, stages) per row tile of 1 and of 4 tokens, as swept on the H200
-# (bench/results/gemv-h200-cudacore.md); 2-warp tiles and 1024-wide K at 16+ rows were far slower.
-GEMV_TILES = {1: ((16, 512, 4, 1), (32, 512, 4, 1), (32, 512, 2, 1), (16, 1024, 2, 1), (64, 256, 4, 1),
-                  (64, 256, 2, 1), (32, 256, 2, 1), (8, 1024, 4, 1), (32, 1024, 4, 1)),
-              4: ((8, 512, 4, 1), (16, 512, 4, 1))}
+# (BLOCK_N, BLOCK_K, warps) of the GEMV, swept on the H200 (bench/results/gemv-h200-cudacore.md).
+GEMV_TILES = ((8, 1024, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 4), (32, 512, 4), (64, 256, 4), (8, 1024, 8))
 
 
 def candidates(m: int) -> list[configs.GemmConfig]:
-    """CUDA-core GEMV tiles at M <= 4 (one row tile of 1 or 4 tokens); none at M = 16 (registers)."""
-    if m > 4:
+    """CUDA-core GEMV tiles at M = 1 (the GEMV runs one token per program; tensor cores win from M = 2)."""
+    if m > 1:
         return []
-    block_m = 1 if m == 1 else 4
-    return [G(block_m, bn, bk, num_warps=w, num_stages=st, variant="gemv") for bn, bk, w, st in GEMV_TILES[block_m]]
+    return [G(1, bn, bk, num_warps=w, num_stages=1, variant="gemv") for bn, bk, w in GEMV_TILES]
 
 
 PLANES = G(16, 128, 256, split_k=8, num_warps=8, num_stages=3, variant="planes")  # the table's M <= 16 entry before gemv

@@ -276,7 +276,7 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
     if weight.device.type != "cuda":
         return cfg
     if cfg.variant == "gemv":
-        return _fit_gemv(cfg, weight, max_rows)
+        return _fit_gemv(cfg, weight)
     planes = cfg.variant in PLANES_VARIANTS
     if planes and max_rows > 4 and weight.n * weight.k >= 1 << 25:
         cfg = dataclasses.replace(cfg, variant="planes_xperm")
@@ -300,16 +300,13 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
     return dataclasses.replace(cfg, split_k=split)
 
 
-def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> GemmConfig:
-    """Fit the GEMV tile: half the rows and twice the K per program while the GPU has fewer programs than SMs
-    (one expert's 2048 rows: 8 x 1024 tiles), and the table's entry for more tokens (tensor cores) for rows
-    of fewer than four K tiles (wq_b, K=1024: on the H200 no GEMV tile beat planes on every format)."""
-    if weight.k < 4 * cfg.block_k:
-        return _fit_split_k(configs.gemm_config("weight_only", arch_of(weight.device), cfg.block_m + 1), weight,
-                            max_rows)
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    while cfg.block_n > 8 and triton.cdiv(weight.n, cfg.block_n) * weight.experts < sms:
-        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2, block_k=cfg.block_k * 2)
+def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig:
+    """Fit the GEMV tile: rows of fewer than two K tiles (wq_b, K=1024) take tiles 4x as tall and 4x as short
+    (64 x 256 from 16 x 1024, the same codes per tile). On the H200 (bench/results/gemv-h200-cudacore.md)
+    16 x 1024 was 1.8-2.9x faster than 64 x 256 on one expert and on 8192^2, and 64 x 256 1.15-1.27x
+    faster on wq_b."""
+    if weight.k < 2 * cfg.block_k and cfg.block_k >= 1024:
+        return dataclasses.replace(cfg, block_n=4 * cfg.block_n, block_k=cfg.block_k // 4)
     return cfg
 
 

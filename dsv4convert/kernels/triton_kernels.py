@@ -687,53 +687,85 @@ def _ptx_shift(out: str, source: str, bits: int) -> str:
     return f"shl.b32 {out}, {source}, {bits};" if bits >= 0 else f"shr.u32 {out}, {source}, {-bits};"
 
 
-def _gemv_decode_asm(fmt: int) -> str:
-    """Inline PTX: one int32 code word (``$8``) to the FP32 values of its eight nibbles (``$0..$7``).
+# The order in which a code word's eight products are summed, the same compiled and interpreted
+# (bit-identical results): E2M1 decodes planes p and p + 4 together.
+_GEMV_PLANE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+# Scale dtypes of the word-dot PTX, by index: INT4's three float dtypes, then MXFP4's E8M0, NVFP4's E4M3.
+_GEMV_SCALE_KINDS = ("bf16", "f16", "f32", "e8m0", "e4m3")
 
-    The same values as :func:`_gemv_plane`, in fewer instructions (Triton's ``(a & m) | c`` compiles
-    to two LOP3s, here one): INT4 one ``lop3`` and one ``fma`` per nibble; E2M1 one ``lop3`` pair,
-    two shifts and two FP16 -> FP32 conversions per two nibbles 16 bits apart (planes p and p + 4).
+
+def _gemv_word_dot_asm(fmt: int, scale: str) -> str:
+    """Inline PTX: ``$0 = scale * sum_p x[8j + p] * value(nibble p of code word $1)`` in FP32.
+
+    ``$2`` is the address of the word's eight BF16 activations (one 16-byte load), ``$3`` that of
+    its group scale. Loading both inside the PTX, per code word, keeps every operand in the code
+    words' register layout: Triton's own loads of the activations needed a layout conversion
+    through shared memory (8 barriers per K tile). Repeated loads of one address (the same
+    activations for another row) are merged by ``ptxas``. INT4 decodes one ``lop3`` and one
+    ``fma`` per nibble (the nibble in place in the mantissa of 2^23); E2M1 one ``lop3`` pair,
+    two shifts and two FP16 -> FP32 conversions per two nibbles (values times 2^-14, as
+    :func:`_gemv_plane`). The products are exact; the sum runs in ``_GEMV_PLANE_ORDER``.
     """
+    lines = [".reg .b32 hw, t, m, sg, xa, xb, xc, xd, xv, s, acc, v;", ".reg .b16 lo16, hi16, sb, z;",
+             "ld.global.nc.v4.b32 {xa, xb, xc, xd}, [$2];"]
+    values = {}
     if fmt == FORMAT_CODES["int4"]:
-        lines = [".reg .b32 high, t;", "shr.u32 high, $8, 12;"]
+        lines.append("shr.u32 hw, $1, 12;")
         for plane in range(8):
-            source, position = ("$8", plane) if plane < 5 else ("high", plane - 3)
+            source, position = ("$1", plane) if plane < 5 else ("hw", plane - 3)
             unit = 2.0 ** (-4 * position)
-            lines += [f"lop3.b32 t, {source}, {0xF << 4 * position}, 0x4B000000, 0xEA;",
-                      f"fma.rn.f32 ${plane}, t, {_f32_hex(unit)}, {_f32_hex(-(8388608.0 * unit + 8.0))};"]
-        return "{\n" + "\n".join(lines) + "\n}"
-    lines = [".reg .b32 magnitude, sign;", ".reg .b16 low, high;"]
-    for plane in range(4):
-        lines += [_ptx_shift("magnitude", "$8", 9 - 4 * plane), _ptx_shift("sign", "$8", 12 - 4 * plane),
-                  "and.b32 sign, sign, 0x80008000;", "lop3.b32 magnitude, magnitude, 0x0E000E00, sign, 0xEA;",
-                  "mov.b32 {low, high}, magnitude;", f"cvt.f32.f16 ${plane}, low;", f"cvt.f32.f16 ${plane + 4}, high;"]
+            values[plane] = [f"lop3.b32 t, {source}, {0xF << 4 * position}, 0x4B000000, 0xEA;",
+                             f"fma.rn.f32 v, t, {_f32_hex(unit)}, {_f32_hex(-(8388608.0 * unit + 8.0))};"]
+    else:
+        for plane in range(4):
+            pair = [_ptx_shift("m", "$1", 9 - 4 * plane), _ptx_shift("sg", "$1", 12 - 4 * plane),
+                    "and.b32 sg, sg, 0x80008000;", "lop3.b32 m, m, 0x0E000E00, sg, 0xEA;", "mov.b32 {lo16, hi16}, m;"]
+            values[plane] = pair + ["cvt.f32.f16 v, lo16;"]
+            values[plane + 4] = ["cvt.f32.f16 v, hi16;"]
+    for index, plane in enumerate(_GEMV_PLANE_ORDER):
+        pair_register = ("xa", "xb", "xc", "xd")[plane // 2]  # K = 8j + plane: BF16 pairs, the even one low
+        x_bits = f"shl.b32 xv, {pair_register}, 16;" if plane % 2 == 0 else f"and.b32 xv, {pair_register}, 0xFFFF0000;"
+        lines += values[plane] + [x_bits, "mul.f32 acc, v, xv;" if index == 0 else "fma.rn.f32 acc, v, xv, acc;"]
+    lines += {
+        "bf16": ["ld.global.nc.b16 sb, [$3];", "mov.b16 z, 0;", "mov.b32 s, {z, sb};"],
+        "f16": ["ld.global.nc.b16 sb, [$3];", "cvt.f32.f16 s, sb;"],
+        "f32": ["ld.global.nc.b32 s, [$3];"],
+        "e8m0": [".reg .pred zero, nan;", "ld.global.nc.u8 sb, [$3];", "cvt.u32.u16 t, sb;", "shl.b32 s, t, 23;",
+                 "setp.eq.u32 zero, t, 0;", "setp.eq.u32 nan, t, 255;", "selp.b32 s, 0x00400000, s, zero;",
+                 "selp.b32 s, 0x7FC00000, s, nan;"],  # as _e8m0_to_f32
+        "e4m3": ["ld.global.nc.u8 sb, [$3];", "cvt.rn.f16x2.e4m3x2 t, sb;", "mov.b32 {lo16, hi16}, t;",
+                 "cvt.f32.f16 s, lo16;"],
+    }[scale]
+    lines.append("fma.rn.f32 $0, acc, s, 0f00000000;")  # an fma, as the portable path's (no contraction there)
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_ASM_GEMV = tl.constexpr(tuple(_gemv_decode_asm(f) for f in range(3)))
+_ASM_WORD_DOT = tl.constexpr(tuple(
+    _gemv_word_dot_asm(FORMAT_CODES["int4"] if kind in ("bf16", "f16", "f32") else
+                       FORMAT_CODES["mxfp4" if kind == "e8m0" else "nvfp4"], kind) for kind in _GEMV_SCALE_KINDS))
 
 
 @triton.jit
-def _gemv_planes(words, FMT: tl.constexpr, ASM_DECODE: tl.constexpr):
-    """The eight FP32 nibble planes of int32 ``words``: inline PTX when compiled, :func:`_gemv_plane` otherwise."""
-    if ASM_DECODE:
-        return tl.inline_asm_elementwise(_ASM_GEMV[FMT], "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
-                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+def _gemv_word_dots_asm(words, x_addresses, s_addresses, FMT: tl.constexpr):
+    """:func:`_gemv_word_dot_asm` on every code word, its PTX picked by format and scale dtype."""
+    operands = [words, x_addresses.to(tl.int64, bitcast=True), s_addresses.to(tl.int64, bitcast=True)]
+    if FMT == FMT_MXFP4:
+        return tl.inline_asm_elementwise(_ASM_WORD_DOT[3], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+    elif FMT == FMT_NVFP4:
+        return tl.inline_asm_elementwise(_ASM_WORD_DOT[4], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+    elif s_addresses.dtype.element_ty == tl.bfloat16:
+        return tl.inline_asm_elementwise(_ASM_WORD_DOT[0], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+    elif s_addresses.dtype.element_ty == tl.float16:
+        return tl.inline_asm_elementwise(_ASM_WORD_DOT[1], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return (_gemv_plane(words, 0, FMT), _gemv_plane(words, 1, FMT), _gemv_plane(words, 2, FMT),
-                _gemv_plane(words, 3, FMT), _gemv_plane(words, 4, FMT), _gemv_plane(words, 5, FMT),
-                _gemv_plane(words, 6, FMT), _gemv_plane(words, 7, FMT))
+        return tl.inline_asm_elementwise(_ASM_WORD_DOT[2], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _x_word_planes(x_words, mask, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
-    """FP32 activations ``[BLOCK_M, 1, WORDS]`` of the eight nibble planes (K = 8j + plane for word j).
-
-    One 16-byte load per word's eight activations, split in registers (eight 2-byte loads cost
-    more load instructions than the decode has arithmetic).
-    """
+def _x_word_planes(x_words, mask, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """FP32 activations ``[1, BLOCK_N, WORDS]`` of the eight nibble planes (K = 8j + plane for word j)."""
     x = tl.load(x_words[:, :, :, None] + tl.arange(0, 8)[None, None, None, :], mask=mask[:, :, :, None], other=0.0)
-    x = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, WORDS, 2, 2, 2))
+    x = tl.reshape(x.to(tl.float32), (1, BLOCK_N, WORDS, 2, 2, 2))
     even, odd = tl.split(x)
     x04, x26 = tl.split(even)
     x15, x37 = tl.split(odd)
@@ -745,22 +777,20 @@ def _x_word_planes(x_words, mask, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_weight_tile(w_rows, s_rows, kw, K, col_ok, FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Code words ``[1, BLOCK_N, BLOCK_K/8]`` from word ``kw`` on and their FP32 scales, one per word; 0 past K."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    rw = tl.arange(0, WORDS)
-    rg = tl.arange(0, BLOCK_K // GROUP)
-    if EVEN_K:  # whole tiles: one condition per tile keeps the 16-byte loads
-        w_ok = col_ok[None, :, None] & (kw < K // 8)
-        s_ok = col_ok[:, None] & (kw < K // 8)
-    else:
-        w_ok = col_ok[None, :, None] & (kw + rw < K // 8)[None, None, :]
-        s_ok = col_ok[:, None] & (kw // (GROUP // 8) + rg < K // GROUP)[None, :]
-    words = tl.load(w_rows + (kw + rw)[None, None, :], mask=w_ok, other=0)
-    scale = _scale_values(s_rows + (kw // (GROUP // 8) + rg)[None, :], s_ok, FMT)
-    return words, tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)),
-                             (1, BLOCK_N, WORDS))
+def _gemv_word_dots_portable(words, x_row, s_addresses, index, k_ok, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                             WORDS: tl.constexpr):
+    """What :func:`_gemv_word_dots_asm` computes, in Triton (the interpreter and other GPUs), in the same order."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_planes(x_row + 8 * index, k_ok, BLOCK_N, WORDS)
+    acc = _gemv_plane(words, 0, FMT) * x0
+    acc = tl.fma(_gemv_plane(words, 4, FMT), x4, acc)
+    acc = tl.fma(_gemv_plane(words, 1, FMT), x1, acc)
+    acc = tl.fma(_gemv_plane(words, 5, FMT), x5, acc)
+    acc = tl.fma(_gemv_plane(words, 2, FMT), x2, acc)
+    acc = tl.fma(_gemv_plane(words, 6, FMT), x6, acc)
+    acc = tl.fma(_gemv_plane(words, 3, FMT), x3, acc)
+    acc = tl.fma(_gemv_plane(words, 7, FMT), x7, acc)
+    # fma(., ., 0), not a product: a product would be contracted into the caller's sum, unlike the PTX's
+    return tl.fma(acc, _scale_values(s_addresses, k_ok, FMT), 0.0)
 
 
 @triton.jit
@@ -769,49 +799,51 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
                             FMT: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             EVEN_K: tl.constexpr, ASM_DECODE: tl.constexpr = False):
-    """Weight-only GEMV on CUDA cores for one token (or a few): every program owns ``BLOCK_N`` whole rows of W.
+    """Weight-only GEMV on CUDA cores, one token per program: every program owns ``BLOCK_N`` whole rows of W.
 
     At M = 1 a GEMM is a stream over the weights and a tensor-core tile is 1/16 used: this kernel
-    reads int32 code words ``[BLOCK_N, BLOCK_K/8]`` (16-byte loads along K), decodes each of the
-    eight nibble planes with one or two integer instructions and one FP32 instruction
-    (:func:`_gemv_planes`), multiplies by the activations of that plane, sums the eight planes of a
-    word and applies the word's group scale (a word lies in one group), all in FP32. Partial sums
-    stay per word until the end, so the only cross-thread reduction is one per program, and whole
+    reads int32 code words ``[BLOCK_N, BLOCK_K/8]`` (16-byte loads along K), the next K tile's
+    before this one is used (Triton does not pipeline loads that stay in registers), and adds
+    each word's scaled dot product with the activations (:func:`_gemv_word_dot_asm`) to that
+    word's FP32 running sum. So the only cross-thread reduction is one per program, and whole
     rows per program need no split-K. The products are exact FP32 (the halves and planes kernels
-    round code * scale to BF16). Each decoded weight costs one FMA per token, so at M = 4 the
+    round code * scale to BF16). Each decoded weight costs one FMA per token, so at M >= 2 the
     planes kernel is faster (configs.py).
     """
+    tl.static_assert(BLOCK_M == 1, "the GEMV runs one token per program")
     expert, row0, row_end, rm, rn = _expert_tile(offsets_ptr, N, BLOCK_M, BLOCK_N)
     if row0 < row_end:
         WORDS: tl.constexpr = BLOCK_K // 8
         rw = tl.arange(0, WORDS)
-        row_ok = rm < row_end
         col_ok = rn < N
-        # Every operand is 3D [tokens, rows, words] from its load on, so Triton keeps one register layout.
-        w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :, None] * stride_wn
-        s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn[:, None] * stride_sn
-        x_rows = x_ptr + rm[:, None, None] * stride_xm
-        acc = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
-        # The code words and scales of the next K tile are loaded before this one is decoded (Triton does
-        # not pipeline loads that stay in registers); on the H200 this measured within 5% either way.
-        words_next, scale_next = _gemv_weight_tile(w_rows, s_rows, 0, K, col_ok, FMT, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
-        for kw in range(0, tl.cdiv(K, 8), WORDS):
+        rows = tl.minimum(rn, N - 1)  # rows past N read row N-1 (their results are not stored)
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + rows[None, :, None] * stride_wn
+        s_rows = s_ptr + expert.to(tl.int64) * stride_se + rows[None, :, None] * stride_sn
+        x_row = x_ptr + row0 * stride_xm
+        k_words = tl.cdiv(K, 8)
+        acc = tl.zeros((1, BLOCK_N, WORDS), dtype=tl.float32)
+        words_next = tl.load(w_rows + rw[None, None, :], mask=rw[None, None, :] < k_words, other=0)
+        for kw in range(0, k_words, WORDS):
             kw = tl.multiple_of(kw, WORDS)
             words = words_next
-            scale = scale_next
-            words_next, scale_next = _gemv_weight_tile(w_rows, s_rows, kw + WORDS, K, col_ok, FMT, GROUP, BLOCK_N,
-                                                       BLOCK_K, EVEN_K)
-            if EVEN_K:
-                x_ok = row_ok[:, None, None]
+            words_next = tl.load(w_rows + (kw + WORDS + rw)[None, None, :],
+                                 mask=(kw + WORDS + rw)[None, None, :] < k_words, other=0)
+            # Word indices in the code words' own register layout (``words & 0``): no layout conversion.
+            index = (kw + rw)[None, None, :] + (words & 0)
+            k_ok = index < k_words
+            if not EVEN_K:
+                index = tl.minimum(index, k_words - 1)
+            s_addresses = s_rows + index // (GROUP // 8)
+            if ASM_DECODE:
+                dots = _gemv_word_dots_asm(words, x_row + 8 * index, s_addresses, FMT)
             else:
-                x_ok = row_ok[:, None, None] & (kw + rw < K // 8)[None, None, :]
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_planes(x_rows + 8 * (kw + rw)[None, None, :], x_ok, BLOCK_M, WORDS)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _gemv_planes(words, FMT, ASM_DECODE)
-            words_sum = v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
-            acc += words_sum * scale
+                dots = _gemv_word_dots_portable(words, x_row, s_addresses, index, k_ok, FMT, BLOCK_N, WORDS)
+            if not EVEN_K:
+                dots = tl.where(k_ok, dots, 0.0)
+            acc += dots
         y = tl.sum(acc, axis=2)
         if FMT != FMT_INT4:
             y = y * 16384.0
         if FMT == FMT_NVFP4:
             y = y * tl.load(g_ptr + expert)
-        _store_cast(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, row_ok[:, None] & col_ok[None, :])
+        _store_cast(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, (rm < row_end)[:, None] & col_ok[None, :])
