@@ -240,12 +240,12 @@ def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     big = quantized_weight("int4", _weight("int4", 128, "ue8m0", 8192, 4096))
     assert launch._fit_split_k(planes, big, 1).variant == "planes"
     assert launch._fit_split_k(planes, big, 16).variant == "planes_xperm"
-    # gemv: 16 x 1024 tiles, and 64 x 256 for rows of fewer than two 1024-wide K tiles
-    gemv = configs.GemmConfig(1, 16, 1024, num_warps=4, num_stages=1, variant="gemv")
+    # gemv: 8 x 1024 tiles, and 32 x 256 for rows of fewer than two 1024-wide K tiles
+    gemv = configs.GemmConfig(1, 8, 1024, num_warps=4, num_stages=1, variant="gemv")
     assert launch._fit_split_k(gemv, big, 1) == gemv
     assert launch._fit_split_k(gemv, one, 1) == gemv
     short = quantized_weight("int4", _weight("int4", 128, "ue8m0", 4096, 1024))
-    assert launch._fit_split_k(gemv, short, 1) == dataclasses.replace(gemv, block_n=64, block_k=256)
+    assert launch._fit_split_k(gemv, short, 1) == dataclasses.replace(gemv, block_n=32, block_k=256)
     # FP8 block: narrow split tiles for one expert; twice as wide, unsplit, where those fill the GPU
     fp8 = configs.GemmConfig(16, 32, 128, split_k=4, num_stages=4)
     expert = quantized_weight("fp8_block", _weight("fp8_block", 128, "ue8m0", 2048, 4096))

@@ -36,10 +36,10 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # registers per thread are the limit for two 8-warp programs per SM: an E2M1 decode that needed
 # 142 was 25% slower. sm_120 keeps "halves": planes is untested there.
 # On sm_90, M = 1 runs "gemv" (triton_kernels.weight_only_gemv_kernel: CUDA cores, whole rows per
-# program, each code word's scaled dot product in one inline-PTX block): 16 rows x 1024 K, 4 warps
-# was the best single tile over the four shapes in bench/gemv_sweep.py on the H200
-# (bench/results/gemv-h200-cudacore.md); launch.py gives rows of fewer than two K tiles (wq_b,
-# K=1024) 64 x 256 tiles. At M = 4 an earlier GEMV measured 1.3-3x slower than planes (every
+# program, each code word's scaled dot product in one inline-PTX block): 8 rows x 1024 K, 4 warps
+# was the best single tile over the four shapes in bench/gemv_sweep.py on the H200 (16 x 1024 was
+# 0-6% faster on 8192^2, 1-19% slower on one expert; bench/results/gemv-h200-cudacore.md);
+# launch.py gives rows of fewer than two K tiles (wq_b, K=1024) 32 x 256 tiles. At M = 4 an earlier GEMV measured 1.3-3x slower than planes (every
 # decoded weight is multiplied four times on CUDA cores), so M >= 2 stays on tensor cores.
 
 
@@ -77,7 +77,7 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
-        (1, GemmConfig(1, 16, 1024, split_k=1, num_warps=4, num_stages=1, variant="gemv")),
+        (1, GemmConfig(1, 8, 1024, split_k=1, num_warps=4, num_stages=1, variant="gemv")),
         (16, GemmConfig(16, 128, 256, split_k=8, num_warps=8, num_stages=3, variant="planes")),
         (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),

@@ -302,9 +302,9 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
 
 def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig:
     """Fit the GEMV tile: rows of fewer than two K tiles (wq_b, K=1024) take tiles 4x as tall and 4x as short
-    (64 x 256 from 16 x 1024, the same codes per tile). On the H200 (bench/results/gemv-h200-cudacore.md)
-    16 x 1024 was 1.8-2.9x faster than 64 x 256 on one expert and on 8192^2, and 64 x 256 1.15-1.27x
-    faster on wq_b."""
+    (32 x 256 from 8 x 1024, the same codes per tile). On the H200 (bench/results/gemv-h200-cudacore.md)
+    8 x 1024 was 1.6-2.7x faster than 32 x 256 on one expert and on 8192^2, and 32 x 256 1.2x faster
+    on wq_b."""
     if weight.k < 2 * cfg.block_k and cfg.block_k >= 1024:
         return dataclasses.replace(cfg, block_n=4 * cfg.block_n, block_k=cfg.block_k // 4)
     return cfg

@@ -794,6 +794,16 @@ def _gemv_word_dots_portable(words, x_row, s_addresses, index, k_ok, FMT: tl.con
 
 
 @triton.jit
+def _gemv_words(w_rows, kw, k_words, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Code words ``[1, BLOCK_N, WORDS]`` from word ``kw`` on; 0 past K."""
+    offsets = kw + tl.arange(0, WORDS)
+    if EVEN_K:  # whole tiles: one condition per tile keeps the 16-byte loads (a per-word mask splits them)
+        return tl.load(w_rows + offsets[None, None, :], mask=kw < k_words, other=0)
+    else:
+        return tl.load(w_rows + offsets[None, None, :], mask=offsets[None, None, :] < k_words, other=0)
+
+
+@triton.jit
 def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                             stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                             FMT: tl.constexpr, GROUP: tl.constexpr,
@@ -822,12 +832,11 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
         x_row = x_ptr + row0 * stride_xm
         k_words = tl.cdiv(K, 8)
         acc = tl.zeros((1, BLOCK_N, WORDS), dtype=tl.float32)
-        words_next = tl.load(w_rows + rw[None, None, :], mask=rw[None, None, :] < k_words, other=0)
+        words_next = _gemv_words(w_rows, 0, k_words, WORDS, EVEN_K)
         for kw in range(0, k_words, WORDS):
             kw = tl.multiple_of(kw, WORDS)
             words = words_next
-            words_next = tl.load(w_rows + (kw + WORDS + rw)[None, None, :],
-                                 mask=(kw + WORDS + rw)[None, None, :] < k_words, other=0)
+            words_next = _gemv_words(w_rows, kw + WORDS, k_words, WORDS, EVEN_K)
             # Word indices in the code words' own register layout (``words & 0``): no layout conversion.
             index = (kw + rw)[None, None, :] + (words & 0)
             k_ok = index < k_words
