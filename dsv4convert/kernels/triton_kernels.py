@@ -687,11 +687,11 @@ def _ptx_shift(out: str, source: str, bits: int) -> str:
     return f"shl.b32 {out}, {source}, {bits};" if bits >= 0 else f"shr.u32 {out}, {source}, {-bits};"
 
 
-# The order in which a code word's eight products are summed, the same compiled and interpreted
-# (bit-identical results): E2M1 decodes planes p and p + 4 together.
+# The order in which a code word's eight products are summed, the same compiled and interpreted, so
+# the per-word sums are bit-identical: E2M1 decodes planes p and p + 4 together.
 _GEMV_PLANE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-# Scale dtypes of the word-dot PTX, by index: INT4's three float dtypes, then MXFP4's E8M0, NVFP4's E4M3.
-_GEMV_SCALE_KINDS = ("bf16", "f16", "f32", "e8m0", "e4m3")
+# The word-dot PTX's variants, by index: (format, scale dtype); INT4 scales may be any float dtype.
+_GEMV_WORD_DOT_VARIANTS = (("int4", "bf16"), ("int4", "f16"), ("int4", "f32"), ("mxfp4", "e8m0"), ("nvfp4", "e4m3"))
 
 
 def _gemv_word_dot_asm(fmt: int, scale: str) -> str:
@@ -740,25 +740,26 @@ def _gemv_word_dot_asm(fmt: int, scale: str) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_ASM_WORD_DOT = tl.constexpr(tuple(
-    _gemv_word_dot_asm(FORMAT_CODES["int4"] if kind in ("bf16", "f16", "f32") else
-                       FORMAT_CODES["mxfp4" if kind == "e8m0" else "nvfp4"], kind) for kind in _GEMV_SCALE_KINDS))
+_ASM_WORD_DOT = tl.constexpr(tuple(_gemv_word_dot_asm(FORMAT_CODES[fmt], scale) for fmt, scale in _GEMV_WORD_DOT_VARIANTS))
 
 
 @triton.jit
 def _gemv_word_dots_asm(words, x_addresses, s_addresses, FMT: tl.constexpr):
     """:func:`_gemv_word_dot_asm` on every code word, its PTX picked by format and scale dtype."""
-    operands = [words, x_addresses.to(tl.int64, bitcast=True), s_addresses.to(tl.int64, bitcast=True)]
     if FMT == FMT_MXFP4:
-        return tl.inline_asm_elementwise(_ASM_WORD_DOT[3], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+        VARIANT: tl.constexpr = 3
     elif FMT == FMT_NVFP4:
-        return tl.inline_asm_elementwise(_ASM_WORD_DOT[4], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+        VARIANT: tl.constexpr = 4
     elif s_addresses.dtype.element_ty == tl.bfloat16:
-        return tl.inline_asm_elementwise(_ASM_WORD_DOT[0], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+        VARIANT: tl.constexpr = 0
     elif s_addresses.dtype.element_ty == tl.float16:
-        return tl.inline_asm_elementwise(_ASM_WORD_DOT[1], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+        VARIANT: tl.constexpr = 1
     else:
-        return tl.inline_asm_elementwise(_ASM_WORD_DOT[2], "=r,r,l,l", operands, dtype=tl.float32, is_pure=True, pack=1)
+        VARIANT: tl.constexpr = 2
+    return tl.inline_asm_elementwise(_ASM_WORD_DOT[VARIANT], "=r,r,l,l",
+                                     [words, x_addresses.to(tl.int64, bitcast=True),
+                                      s_addresses.to(tl.int64, bitcast=True)],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -813,7 +814,7 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
 
     At M = 1 a GEMM is a stream over the weights and a tensor-core tile is 1/16 used: this kernel
     reads int32 code words ``[BLOCK_N, BLOCK_K/8]`` (16-byte loads along K), the next K tile's
-    before this one is used (Triton does not pipeline loads that stay in registers), and adds
+    while this one is decoded (Triton does not pipeline loads that stay in registers), and adds
     each word's scaled dot product with the activations (:func:`_gemv_word_dot_asm`) to that
     word's FP32 running sum. So the only cross-thread reduction is one per program, and whole
     rows per program need no split-K. The products are exact FP32 (the halves and planes kernels
