@@ -231,11 +231,12 @@ def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch
 
 
 def asm_decode_runs_on(device: torch.device) -> bool:
-    """Whether the halves kernel decodes with inline PTX here: compiled for sm_90 or sm_120 only.
+    """Whether the weight-only kernels decode with inline PTX here: compiled for sm_90 or sm_120 only.
 
-    The PTX (``prmt``, ``lop3``, ``fma.rn.bf16x2``) is valid from sm_80, but only these two have
-    been chosen for; the interpreter and other GPUs keep the pure-Triton decode. Either way the
-    config is checked against the reference once per device (``checked_config``).
+    The halves and planes kernels' PTX (``prmt``, ``lop3``, ``fma.rn.bf16x2``) is valid from
+    sm_80, the GEMV's (``cvt.rn.f16x2.e4m3x2`` for NVFP4 scales) from sm_89, but only these two
+    have been chosen for; the interpreter and other GPUs keep the pure-Triton decode. Either way
+    the config is checked against the reference once per device (``checked_config``).
     """
     return not interpreting() and device.type == "cuda" and arch_of(device) in ("sm_90", "sm_120")
 
