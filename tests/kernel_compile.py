@@ -6,7 +6,8 @@ compiles for any target without a GPU (its bundled ``ptxas`` included), so this 
 config of the table the target's GPUs get (``family_of_capability``: B200's sm_100 takes the
 H200's) through the real launcher (``launch._launch``) on CPU tensors with the kernels replaced
 by recorders, then compiles every recorded launch (same arguments, same constexprs, same
-``num_warps``/``num_stages``) for the target, and reports what ``ptxas`` allotted. The
+``num_warps``/``num_stages``) for the target, and reports what ``ptxas`` allotted, with the PTX's
+barriers and global loads by width. The
 converters' ``--device cuda`` kernels (``quantize_launch``) are recorded and compiled the same way.
 
 Runs in its own process with ``TRITON_INTERPRET`` unset (the interpreter's kernels cannot be
@@ -101,6 +102,14 @@ def _resources(cubin: bytes) -> dict:
     return {"registers": int(found[1]), "local_bytes": int(found[2])} if found else {}
 
 
+def _ptx_counts(ptx: str) -> dict:
+    """Barriers, and global loads by width: a layout conversion through shared memory adds barriers,
+    and a mask that varies along a vector splits its loads into 32-bit ones."""
+    return {"barriers": len(re.findall(r"\bbar\.sync\b", ptx)),
+            "global_loads_128": len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.b32\b", ptx)),
+            "global_loads_32": len(re.findall(r"\bld\.global(?:\.nc)?\.b32\b", ptx))}
+
+
 def _record_launches(family: str) -> list[tuple[str, object, object, tuple, dict]]:
     """(format, config, kernel, args, kwargs) of every launch the tables of config ``family`` make."""
     calls: list = []
@@ -153,7 +162,7 @@ def compile_all(arch: str) -> list[dict]:
                                   options=options)
         rows.append({"arch": arch, "family": family, "format": fmt, "config": repr(cfg), "kernel": kernel.fn.__name__,
                      "shared_bytes": compiled.metadata.shared, "shared_limit": configs.SHARED_MEMORY_LIMIT[family],
-                     **options, **_resources(compiled.asm["cubin"])})
+                     **options, **_resources(compiled.asm["cubin"]), **_ptx_counts(compiled.asm["ptx"])})
     return rows
 
 

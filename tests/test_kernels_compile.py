@@ -3,7 +3,8 @@
 The kernel tests run in Triton's interpreter here and compiled only where a GPU is present (an
 H200 so far), so a config that asks sm_120 for more than its 99 KB of shared memory per block, or
 spills registers, or that B200's sm_100 (which takes the H200's tables) cannot compile, would
-otherwise first fail on a user's GPU.
+otherwise first fail on a user's GPU. The PTX also shows whether the M = 1 GEMV kept what makes it
+fast (no shared-memory layout conversion, 16-byte code-word loads).
 """
 
 from __future__ import annotations
@@ -51,3 +52,13 @@ def test_every_table_config_compiles_and_fits(arch, capability):
         assert 0 <= row["shared_bytes"] <= configs.SHARED_MEMORY_LIMIT[family], where
         assert row["local_bytes"] == 0, f"{where}: spills {row['local_bytes']} bytes per thread"
         assert 0 < row["registers"] <= 255, where
+    # The GEMV's speed rests on two things a Triton upgrade or an edit could silently undo: no layout
+    # conversion through shared memory (one barrier: the final cross-thread sum) and 16-byte code-word
+    # loads (32-bit loads only for the expert offsets and NVFP4's global scale).
+    gemv = [row for row in rows if row["kernel"] == "weight_only_gemv_kernel"]
+    assert bool(gemv) == any(cfg.variant == "gemv" for _, cfg in configs.GEMM_TABLES["weight_only"][family])
+    for row in gemv:
+        where = f"GEMV {row['format']} {row['config']}"
+        assert row["barriers"] <= 1, f"{where}: {row['barriers']} barriers"
+        assert row["global_loads_32"] <= 3 and row["global_loads_128"] > 0, f"{where}: {row}"
+
