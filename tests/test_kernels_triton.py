@@ -225,6 +225,19 @@ def test_gemv_reads_int4_scales_of_every_float_dtype(scale_dtype):
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
 
 
+def test_gemv_takes_activations_at_any_address():
+    # A row slice of a bigger buffer may start 2 bytes past a 16-byte boundary; the GEMV's PTX loads
+    # each word's activations as one 16-byte vector, so the launcher hands it an aligned copy.
+    weight = quantized_weight("nvfp4", _weight("nvfp4", 16, "ue8m0", 48, 512, seed=26))
+    storage = random_activations(1, 3 * 512 + 1, device=DEVICE, generator=_generator(27)).flatten()
+    x = storage[1:].view(3, 512)
+    assert x.data_ptr() % 16 != 0
+    offsets = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    cfg = configs.GemmConfig(1, 16, 256, num_warps=4, num_stages=1, variant="gemv")
+    y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+    assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
+
+
 def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     if DEVICE != "cuda":
         pytest.skip("split-K fitting counts the GPU's SMs")

@@ -206,6 +206,8 @@ def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch
         )
     elif cfg.variant == "gemv":
         codes = weight.codes.view(torch.int32)
+        if x.data_ptr() % 16:  # its PTX reads a code word's eight activations as one 16-byte vector
+            x = x.clone()
         weight_only_gemv_kernel[grid](
             x, codes, weight.scale, global_scale, y, offsets, n, k,
             x.stride(0), codes.stride(0), codes.stride(1), weight.scale.stride(0),
