@@ -39,8 +39,9 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # program, each code word's scaled dot product in one inline-PTX block): 8 rows x 1024 K, 4 warps
 # was the best single tile over the four shapes in bench/gemv_sweep.py on the H200 (16 x 1024 was
 # 0-6% faster on 8192^2, 1-19% slower on one expert; bench/results/gemv-h200-cudacore.md);
-# launch.py gives rows of fewer than two K tiles (wq_b, K=1024) 32 x 256 tiles. At M = 4 an earlier GEMV measured 1.3-3x slower than planes (every
-# decoded weight is multiplied four times on CUDA cores), so M >= 2 stays on tensor cores.
+# launch.py gives rows of fewer than two K tiles (wq_b, K=1024) 32 x 256 tiles. At M = 4 an
+# earlier GEMV measured 1.3-3x slower than planes (every decoded weight is multiplied four times on
+# CUDA cores), so M >= 2 stays on tensor cores.
 
 
 @dataclass(frozen=True)

@@ -746,6 +746,7 @@ _ASM_WORD_DOT = tl.constexpr(tuple(_gemv_word_dot_asm(FORMAT_CODES[fmt], scale) 
 @triton.jit
 def _gemv_word_dots_asm(words, x_addresses, s_addresses, FMT: tl.constexpr):
     """:func:`_gemv_word_dot_asm` on every code word, its PTX picked by format and scale dtype."""
+    # VARIANT indexes _GEMV_WORD_DOT_VARIANTS
     if FMT == FMT_MXFP4:
         VARIANT: tl.constexpr = 3
     elif FMT == FMT_NVFP4:
@@ -782,6 +783,7 @@ def _gemv_word_dots_portable(words, x_row, s_addresses, index, k_ok, FMT: tl.con
                              WORDS: tl.constexpr):
     """What :func:`_gemv_word_dots_asm` computes, in Triton (the interpreter and other GPUs), in the same order."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_planes(x_row + 8 * index, k_ok, BLOCK_N, WORDS)
+    # planes in _GEMV_PLANE_ORDER: 0, 4, 1, 5, 2, 6, 3, 7
     acc = _gemv_plane(words, 0, FMT) * x0
     acc = tl.fma(_gemv_plane(words, 4, FMT), x4, acc)
     acc = tl.fma(_gemv_plane(words, 1, FMT), x1, acc)
