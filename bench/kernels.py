@@ -229,8 +229,12 @@ def bench_gemms(rep_ms: int, tokens: tuple[int, ...]) -> list[dict]:
 
 
 def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
+    """One launch over ``experts`` stacked experts against one launch per expert, and against cuBLAS
+    BF16 ``bmm`` over the same experts densely (a batched GEMM: one launch too). Where the table's
+    config is the tensor-core GEMV ("mma"), the next table entry is timed beside it."""
     rows = []
     n, k = SHAPES["expert_w1_w3"]
+    dense = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
     for fmt, group in WEIGHT_ONLY[::2] + (("mxfp4", 32), ("fp8_block", 128)):
         stack = make_weights(fmt, n, k, 1, group=group, experts=experts)[0]
         singles = [launch._one_expert(stack, e) for e in range(experts)]
@@ -245,13 +249,23 @@ def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
                               for e in range(experts)]
         graph_us = median_us(per_expert, rep_ms)
         eager_us = triton.testing.do_bench(per_expert, rep=rep_ms, return_mode="median") * 1e3
-        rows.append({"format": fmt, "group": group, "experts": experts, "tokens_per_expert": tokens, "n": n, "k": k,
-                     "grouped_us": grouped_us, "per_expert_graph_us": graph_us, "per_expert_eager_us": eager_us,
-                     "speedup_vs_per_expert_graph": graph_us / grouped_us,
-                     "speedup_vs_per_expert_eager": eager_us / grouped_us,
-                     "weight_gbps": weight_bytes(stack) / grouped_us / 1e3, "rel_error_vs_fp32_reference": error})
+        x3 = x.view(experts, tokens, k)
+        bmm_us = median_us(lambda: torch.bmm(x3, dense.transpose(1, 2)), rep_ms)
+        row = {"format": fmt, "group": group, "experts": experts, "tokens_per_expert": tokens, "n": n, "k": k,
+               "config": repr(cfg), "grouped_us": grouped_us, "per_expert_graph_us": graph_us,
+               "per_expert_eager_us": eager_us, "speedup_vs_per_expert_graph": graph_us / grouped_us,
+               "speedup_vs_per_expert_eager": eager_us / grouped_us, "cublas_bmm_us": bmm_us,
+               "speedup_vs_cublas_bmm": bmm_us / grouped_us,
+               "weight_gbps": weight_bytes(stack) / grouped_us / 1e3, "rel_error_vs_fp32_reference": error}
+        if cfg.variant == "mma":
+            before = launch._fit_split_k(configs.next_gemm_config("weight_only", launch.arch_of(stack.device), cfg),
+                                         stack, tokens)
+            row["next_entry"] = repr(before)
+            row["next_entry_us"] = median_us(lambda: launch._launch(stack, x, offsets, tokens, before), rep_ms)
+        rows.append(row)
         print(f"grouped {fmt:9s} E={experts} M={tokens}: {grouped_us:8.1f} us, per-expert graph {graph_us:8.1f} us, "
-              f"eager {eager_us:8.1f} us, err {error:.1e}", flush=True)
+              f"eager {eager_us:8.1f} us, cuBLAS bmm {bmm_us:8.1f} us, next entry {row.get('next_entry_us', 0):8.1f} us, "
+              f"err {error:.1e}", flush=True)
     return rows
 
 
@@ -393,6 +407,15 @@ def bench_quantize(copy_gbps: float, rep_ms: int) -> list[dict]:
     return rows
 
 
+def _grouped_line(r: dict) -> str:
+    variant = r["config"].split("variant='")[1].split("'")[0]
+    next_entry = f"{r['next_entry_us']:.1f}" if "next_entry_us" in r else ""
+    return (f"| {r['format']} | {r['experts']} | {r['tokens_per_expert']} | {variant} | {r['grouped_us']:.1f} | "
+            f"{r['per_expert_graph_us']:.1f} | {r['per_expert_eager_us']:.1f} | {r['speedup_vs_per_expert_graph']:.2f} | "
+            f"{r['speedup_vs_per_expert_eager']:.2f} | {r['cublas_bmm_us']:.1f} | {r['speedup_vs_cublas_bmm']:.2f} | "
+            f"{next_entry} |")
+
+
 def summarize(result: dict) -> str:
     copy = result["copy_bandwidth"]["gbps"]
     lines = [f"# Kernel benchmark: {result['device']}", "",
@@ -494,13 +517,13 @@ def summarize(result: dict) -> str:
                          f"{r.get('fast_accum', {}).get('rel_error_vs_fp32_reference', float('nan')):.1e} |")
         lines.append("")
     if result["grouped"]:
-        lines += ["## All experts in one launch vs one launch per expert", "",
-                  "| format | E | M/expert | grouped us | per-expert (graph) us | per-expert (eager) us | x graph | x eager |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['format']} | {r['experts']} | {r['tokens_per_expert']} | {r['grouped_us']:.1f} | "
-                  f"{r['per_expert_graph_us']:.1f} | {r['per_expert_eager_us']:.1f} | "
-                  f"{r['speedup_vs_per_expert_graph']:.2f} | {r['speedup_vs_per_expert_eager']:.2f} |"
-                  for r in result["grouped"]]
+        lines += ["## All experts in one launch vs one launch per expert, and vs cuBLAS BF16 bmm", "",
+                  "M = 8 per expert is what `validate` runs. The last column: the next table entry (planes), "
+                  "where the table's config is the tensor-core GEMV.", "",
+                  "| format | E | M/expert | variant | grouped us | per-expert (graph) us | per-expert (eager) us | "
+                  "x graph | x eager | cuBLAS bmm us | x cuBLAS bmm | next entry us |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [_grouped_line(r) for r in result["grouped"]]
         lines.append("")
     lines += ["## Config checks (once per process)", ""]
     lines += [f"- {key}: {'pass' if ok else 'FAIL'}" for key, ok in result["config_verdicts"].items()]
@@ -541,7 +564,8 @@ def main() -> None:
     result["quantize"] = bench_quantize(result["copy_bandwidth"]["gbps"], args.rep_ms)
     result["dequant"] = bench_dequant(result["copy_bandwidth"]["gbps"], args.rep_ms)
     result["gemm"] = bench_gemms(args.rep_ms, (1, 16) if args.quick else TOKENS)
-    result["grouped"] = bench_grouped(args.rep_ms, 8 if args.quick else args.experts, 16)
+    result["grouped"] = [row for tokens in (8, 16) for row in bench_grouped(args.rep_ms, 8 if args.quick else args.experts,
+                                                                               tokens)]
     result["config_verdicts"] = {repr(k): v for k, v in configs.verdicts().items()}
     result["wall_seconds"] = time.time() - start
     with open(args.out + ".json", "w") as f:

@@ -7,7 +7,7 @@ config of the table the target's GPUs get (``family_of_capability``: B200's sm_1
 H200's) through the real launcher (``launch._launch``) on CPU tensors with the kernels replaced
 by recorders, then compiles every recorded launch (same arguments, same constexprs, same
 ``num_warps``/``num_stages``) for the target, and reports what ``ptxas`` allotted, with the PTX's
-barriers and global loads by width. The
+barriers, global loads by width and ``mma.sync`` instructions. The
 converters' ``--device cuda`` kernels (``quantize_launch``) are recorded and compiled the same way.
 
 Runs in its own process with ``TRITON_INTERPRET`` unset (the interpreter's kernels cannot be
@@ -46,7 +46,7 @@ CAPABILITY = {"sm_90": 90, "sm_100": 100, "sm_120": 120}
 FORMATS = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32), ("fp8_block", 128))
 KERNELS = ("act_quant_kernel", "fp8_block_gemm_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel",
            "weight_only_gemm_kernel", "weight_only_halves_kernel", "weight_only_planes_kernel",
-           "weight_only_gemv_kernel")
+           "weight_only_gemv_kernel", "weight_only_mma_kernel")
 CONVERTER_KERNELS = ("fp8_block_quant_kernel", "int4_quant_kernel", "mxfp4_to_nvfp4_kernel", "mxfp4_to_fp8_block_kernel")
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
                 torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
@@ -107,7 +107,8 @@ def _ptx_counts(ptx: str) -> dict:
     and a mask that varies along a vector splits its loads into 32-bit ones."""
     return {"barriers": len(re.findall(r"\bbar\.sync\b", ptx)),
             "global_loads_128": len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.b32\b", ptx)),
-            "global_loads_32": len(re.findall(r"\bld\.global(?:\.nc)?\.b32\b", ptx))}
+            "global_loads_32": len(re.findall(r"\bld\.global(?:\.nc)?\.b32\b", ptx)),
+            "mma_sync": len(re.findall(r"\bmma\.sync\b", ptx))}
 
 
 def _record_launches(family: str) -> list[tuple[str, object, object, tuple, dict]]:

@@ -4,7 +4,8 @@ The kernel tests run in Triton's interpreter here and compiled only where a GPU 
 H200 so far), so a config that asks sm_120 for more than its 99 KB of shared memory per block, or
 spills registers, or that B200's sm_100 (which takes the H200's tables) cannot compile, would
 otherwise first fail on a user's GPU. The PTX also shows whether the M = 1 GEMV kept what makes it
-fast (no shared-memory layout conversion, 16-byte code-word loads).
+fast (no shared-memory layout conversion, 16-byte code-word loads), and the M <= 8 tensor-core
+GEMV its one chunk of eight MMAs per loop step.
 """
 
 from __future__ import annotations
@@ -61,4 +62,10 @@ def test_every_table_config_compiles_and_fits(arch, capability):
         where = f"GEMV {row['format']} {row['config']}"
         assert row["barriers"] <= 1, f"{where}: {row['barriers']} barriers"
         assert row["global_loads_32"] <= 3 and row["global_loads_128"] > 0, f"{where}: {row}"
-
+    # The tensor-core GEMV: one 128-K chunk per loop step is eight MMAs (two per code word), code
+    # words and activations in 16-byte loads; its barriers are the K shares' final sum only.
+    mma = [row for row in rows if row["kernel"] == "weight_only_mma_kernel"]
+    assert bool(mma) == any(cfg.variant == "mma" for _, cfg in configs.GEMM_TABLES["weight_only"][family])
+    for row in mma:
+        where = f"mma {row['format']} {row['config']}"
+        assert row["mma_sync"] == 8 and row["global_loads_128"] >= 6, f"{where}: {row}"

@@ -166,6 +166,8 @@ SPLIT_K_CASES = {
     "halves": (64, 128, ((512, 2, "halves"), (384, 2, "halves"), (384, 1, "halves"))),
     "planes": (64, 128, ((512, 2, "planes_xperm"), (384, 2, "planes"), (256, 1, "planes"))),
     "gemv": (32, 256, ((512, 1, "gemv"), (384, 1, "gemv"))),
+    # two row groups x two K shares of 128-wide chunks (4 warps): K=512 two chunks per share, K=256 one
+    "mma": (16, 128, ((512, 1, "mma"), (256, 1, "mma"))),
 }
 
 
@@ -192,7 +194,9 @@ def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, kernel):
     configs.GemmConfig(16, 128, 256, split_k=1, num_warps=8, num_stages=3, variant="planes"),
     configs.GemmConfig(16, 128, 256, split_k=2, num_warps=8, num_stages=3, variant="planes_xperm"),
     configs.GemmConfig(1, 16, 1024, split_k=1, num_warps=4, num_stages=1, variant="gemv"),
-], ids=lambda cfg: cfg.variant)
+    configs.GemmConfig(8, 8, 128, split_k=1, num_warps=8, num_stages=1, variant="mma"),
+    configs.GemmConfig(16, 16, 128, split_k=1, num_warps=4, num_stages=1, variant="mma"),
+], ids=lambda cfg: f"{cfg.variant}-m{cfg.block_m}")
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
 def test_asm_decode_matches_the_triton_decode(fmt, group, cfg, monkeypatch):
     # Both round (code * scale) to BF16 once; NVFP4's 2^118 / 2^8 split of the scale is exact. The GEMV's
@@ -206,7 +210,7 @@ def test_asm_decode_matches_the_triton_decode(fmt, group, cfg, monkeypatch):
     with_asm = launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16)
     monkeypatch.setattr(launch, "asm_decode_runs_on", lambda device: False)
     portable = launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16)
-    if cfg.variant == "gemv":
+    if cfg.variant in ("gemv", "mma"):
         steps = (with_asm.int() - portable.int()).abs()
         assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 0.05
     else:
@@ -236,6 +240,37 @@ def test_gemv_takes_activations_at_any_address():
     cfg = configs.GemmConfig(1, 16, 256, num_warps=4, num_stages=1, variant="gemv")
     y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
+
+
+def test_mma_takes_tokens_in_eights_and_refuses_what_it_cannot_tile():
+    # BLOCK_M = 8 fills only A's rows g (tokens 0-7 of a tile); 11 tokens need a second row tile.
+    weight = quantized_weight("nvfp4", _weight("nvfp4", 16, "ue8m0", 40, 1024, experts=2, seed=28))
+    x = random_activations(14, 1024, device=DEVICE, generator=_generator(29))
+    offsets = torch.tensor([0, 11, 14], dtype=torch.int32, device=DEVICE)
+    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=1, variant="mma")
+    y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+    assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
+    # eight K shares of 128-wide chunks do not divide K=512: an error, not a partial sum
+    short = quantized_weight("nvfp4", _weight("nvfp4", 16, "ue8m0", 40, 512, seed=30))
+    with pytest.raises(DSV4Error, match="multiple of 1024"):
+        launch.grouped_gemm(short, x[:, :512], offsets[:2], cfg=cfg)
+
+
+def test_mma_fits_its_k_shares_or_hands_over_to_the_next_entry():
+    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=1, variant="mma")
+    expert = quantized_weight("int4", _weight("int4", 128, "ue8m0", 2048, 4096))
+    assert launch._fit_mma(cfg, expert) == cfg
+    # K=384: three chunks, so one share of 8 rows: one warp
+    ragged = quantized_weight("int4", _weight("int4", 128, "ue8m0", 64, 384))
+    assert launch._fit_mma(cfg, ragged) == dataclasses.replace(cfg, num_warps=1)
+    # K not a multiple of 128, or a matrix of 2^25 weights: not served
+    assert launch._fit_mma(cfg, quantized_weight("int4", _weight("int4", 32, "ue8m0", 64, 160))) is None
+    big = quantized_weight("int4", _weight("int4", 128, "ue8m0", 8192, 4096))
+    assert launch._fit_mma(cfg, big) is None
+    table = [entry for _, entry in configs.GEMM_TABLES["weight_only"]["sm_90"]]
+    mma = next(entry for entry in table if entry.variant == "mma")
+    assert configs.next_gemm_config("weight_only", "sm_90", mma) == table[table.index(mma) + 1]
+    assert configs.next_gemm_config("weight_only", "sm_90", mma).variant == "planes"
 
 
 def test_split_k_is_reduced_when_the_grid_fills_the_gpu():

@@ -42,6 +42,13 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # launch.py gives rows of fewer than two K tiles (wq_b, K=1024) 32 x 256 tiles. At M = 4 an
 # earlier GEMV measured 1.3-3x slower than planes (every decoded weight is multiplied four times on
 # CUDA cores), so M >= 2 stays on tensor cores.
+# On sm_90, 2 <= M <= 8 runs "mma" (triton_kernels.weight_only_mma_kernel: each warp streams 8 rows
+# of W through mma.sync fed lane by lane, no tiles, no shared memory in the loop): 8 rows x 8 warps
+# (K in 8 shares) was the best tile on one expert in bench/gemv_sweep.py on the H200, 1.14-1.38x
+# faster than planes at M=4 (bench/results/mma-h200.md). On matrices of 2^25 weights or more
+# (wq_b, 8192^2) it was 0.6-1.1x planes at M=4, and at M=16 0.3-1.0x (each 8-row program re-reads
+# all the activations from L2), so launch.py gives those, and rows whose K is not a multiple of
+# 128, the next entry.
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 1  # row tiles that share a column sweep (L2 reuse of the weights at large M)
-    variant: str = "tile"  # weight-only: "tile" (interleaved K), "halves" (even/odd K, swapped dot), "planes", "gemv"
+    variant: str = "tile"  # weight-only: "tile" (interleaved K), "halves" (even/odd K, swapped dot), "planes", "gemv", "mma"
 
     def shared_memory_bytes(self, weight_bits: int, activation_bytes: int = 2) -> int:
         """Pipelined operand buffers plus one staging tile for the dequantized weights.
@@ -79,6 +86,7 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
         (1, GemmConfig(1, 8, 1024, split_k=1, num_warps=4, num_stages=1, variant="gemv")),
+        (8, GemmConfig(8, 8, 128, split_k=1, num_warps=8, num_stages=1, variant="mma")),
         (16, GemmConfig(16, 128, 256, split_k=8, num_warps=8, num_stages=3, variant="planes")),
         (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),
@@ -166,6 +174,12 @@ def gemm_config(kind: str, arch: str, tokens_per_expert: int) -> GemmConfig:
         if tokens_per_expert <= max_tokens:
             return config
     raise AssertionError("every table ends with a catch-all entry")
+
+
+def next_gemm_config(kind: str, arch: str, config: GemmConfig) -> GemmConfig:
+    """The entry after ``config`` in its table: what a problem the entry does not serve runs instead."""
+    table = [entry for _, entry in GEMM_TABLES[kind][arch]]
+    return table[table.index(config) + 1]
 
 
 def dequant_config(arch: str, fmt: str) -> ElementwiseConfig:

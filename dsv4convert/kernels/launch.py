@@ -19,11 +19,13 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels.triton_fp8_gemm import act_quant_kernel, fp8_block_gemm_kernel
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
+    MMA_CHUNK_K,
     dequant_4bit_kernel,
     dequant_fp8_kernel,
     weight_only_gemm_kernel,
     weight_only_gemv_kernel,
     weight_only_halves_kernel,
+    weight_only_mma_kernel,
     weight_only_planes_kernel,
 )
 
@@ -215,6 +217,21 @@ def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+    elif cfg.variant == "mma":
+        codes = weight.codes.view(torch.int32)
+        shares = cfg.num_warps // (cfg.block_n // 8)
+        if k % (MMA_CHUNK_K * shares) or codes.data_ptr() % 16:
+            raise DSV4Error(f"{cfg} needs K a multiple of {MMA_CHUNK_K * shares} and 16-byte aligned code words "
+                            f"(K={k}, code words at byte {codes.data_ptr() % 16} of 16)")
+        if x.data_ptr() % 16:  # its PTX reads a code word's eight activations as one 16-byte vector
+            x = x.clone()
+        weight_only_mma_kernel[grid](
+            x, codes, weight.scale, global_scale, y, offsets, n, k,
+            x.stride(0), codes.stride(0), codes.stride(1), weight.scale.stride(0),
+            weight.scale.stride(1), y.stride(0), FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WARPS=cfg.num_warps, ASM_DECODE=asm_decode_runs_on(weight.device),
+            num_warps=cfg.num_warps, num_stages=1,
+        )
     elif cfg.variant == "halves":
         weight_only_halves_kernel[grid](
             *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
@@ -256,6 +273,8 @@ def _config_passes(fmt: str, group: int, cfg: GemmConfig, device: torch.device) 
     generator = torch.Generator().manual_seed(1234)
     block_k = FP8_BLOCK if fmt == "fp8_block" else max(cfg.block_k, group)
     n, k = 2 * cfg.block_n, 2 * cfg.split_k * block_k
+    if cfg.variant == "mma":  # two chunks per K share
+        k = 2 * MMA_CHUNK_K * cfg.num_warps // (cfg.block_n // 8)
     tensors = random_weight(fmt, n, k, experts=2, group_size=group, device=device, generator=generator)
     weight = quantized_weight(fmt, tensors)
     rows = (cfg.block_m + 3, 1)
@@ -280,6 +299,11 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
         return cfg
     if cfg.variant == "gemv":
         return _fit_gemv(cfg, weight)
+    if cfg.variant == "mma":
+        fitted = _fit_mma(cfg, weight)
+        if fitted is None:
+            return _fit_split_k(configs.next_gemm_config("weight_only", arch_of(weight.device), cfg), weight, max_rows)
+        return fitted
     planes = cfg.variant in PLANES_VARIANTS
     if planes and max_rows > 4 and weight.n * weight.k >= 1 << 25:
         cfg = dataclasses.replace(cfg, variant="planes_xperm")
@@ -311,6 +335,22 @@ def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig:
     if weight.k < 2 * cfg.block_k and cfg.block_k >= 1024:
         return dataclasses.replace(cfg, block_n=4 * cfg.block_n, block_k=cfg.block_k // 4)
     return cfg
+
+
+MMA_MAX_WEIGHTS = 1 << 25  # per matrix; bigger ones run the next table entry (configs.py)
+
+
+def _fit_mma(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig | None:
+    """Fit the tensor-core GEMV: as many K shares (of ``num_warps``) as divide K's 128-wide chunks;
+    ``None`` where it does not serve: K not a multiple of 128, code words off a 16-byte boundary
+    (its PTX loads four at once), or a matrix of ``MMA_MAX_WEIGHTS`` or more."""
+    if weight.k % MMA_CHUNK_K or weight.codes.data_ptr() % 16 or weight.n * weight.k >= MMA_MAX_WEIGHTS:
+        return None
+    row_groups = cfg.block_n // 8
+    shares = cfg.num_warps // row_groups
+    while (weight.k // MMA_CHUNK_K) % shares:
+        shares //= 2
+    return dataclasses.replace(cfg, num_warps=row_groups * shares)
 
 
 def checked_config(weight: QuantizedWeight, max_rows: int) -> GemmConfig:

@@ -859,3 +859,230 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
         if FMT == FMT_NVFP4:
             y = y * tl.load(g_ptr + expert)
         _store_cast(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, (rm < row_end)[:, None] & col_ok[None, :])
+
+
+# ---- Tensor-core GEMV: mma.sync fed lane by lane (M <= 16) ------------------------------------
+#
+# mma.sync.m16n8k16 (BF16 in, FP32 accumulate) puts lane 4g + t's operands at fixed places:
+# B[k][n] for n = g and k in {2t, 2t+1, 2t+8, 2t+9}, A[m][k] for m in {g, g+8} and the same k,
+# C[m][n] for m in {g, g+8} and n in {2t, 2t+1}. The kernel gives each lane whole code words of
+# W row g: lane 4g + t holds words 4t..4t+3 of a 16-word (128-K) chunk, and for each word feeds
+# two MMAs, nibbles (0,2 | 1,3) and (4,6 | 5,7) in the k slots 2t,2t+1 | 2t+8,2t+9. Which K a
+# slot holds depends on t only, so A, loaded by every lane for its own tokens g and g+8, lines up
+# with B for all eight rows at once: no data moves between lanes, and one MMA multiplies 128
+# weights by up to 16 tokens. A dot product does not depend on the order of its K, so the MMA's
+# k slots need not be K order.
+MMA_CHUNK_K = 128  # K per warp step: 4 lanes x 4 words x 8 nibbles
+_CHUNK_K = tl.constexpr(MMA_CHUNK_K)
+# (format, scale dtype) of the chunk PTX, as _GEMV_WORD_DOT_VARIANTS; times 1 or 2 token rows (M <= 8, M <= 16).
+_MMA_VARIANTS = _GEMV_WORD_DOT_VARIANTS
+
+
+def _mma_scale_ptx(scale: str, register: str, address: str) -> list[str]:
+    """PTX: the BF16 pair (s, s) of one group scale into ``register``.
+
+    NVFP4's E4M3 scale carries 2^118, as the halves kernel's (NVFP4_ASM_SCALE_SHIFT); E8M0 is
+    built from bits as :func:`_e8m0_to_f32` (0 is the subnormal 2^-127, 255 NaN).
+    """
+    if scale == "bf16":
+        lines = [f"ld.global.nc.b16 sb, [{address}];"]
+    elif scale == "f16":
+        lines = [f"ld.global.nc.b16 sb, [{address}];", "cvt.f32.f16 f, sb;", "cvt.rn.bf16.f32 sb, f;"]
+    elif scale == "f32":
+        lines = [f"ld.global.nc.f32 f, [{address}];", "cvt.rn.bf16.f32 sb, f;"]
+    elif scale == "e8m0":
+        lines = [f"ld.global.nc.u8 sb, [{address}];", "cvt.u32.u16 t, sb;", "shl.b32 u, t, 7;",
+                 "setp.eq.u32 zero, t, 0;", "setp.eq.u32 nan, t, 255;", "selp.b32 u, 0x0040, u, zero;",
+                 "selp.b32 u, 0x7FC0, u, nan;", "cvt.u16.u32 sb, u;"]
+    else:  # e4m3
+        lines = [f"ld.global.nc.u8 sb, [{address}];", "cvt.rn.f16x2.e4m3x2 u, sb;", "mov.b32 {sb, hb}, u;",
+                 "cvt.f32.f16 f, sb;", f"mul.f32 f, f, {_f32_hex(2.0 ** 118)};", "cvt.rn.bf16.f32 sb, f;"]
+    return lines + [f"mov.b32 {register}, {{sb, sb}};"]
+
+
+def _mma_chunk_asm(fmt: int, scale: str, token_rows: int) -> str:
+    """Inline PTX for one lane's share of a 128-K chunk: ``$0..$3 = C + A @ B`` over its four code words.
+
+    ``$8..$11`` C (FP32), ``$12..$15`` the four code words, ``$16`` the address of the next chunk's
+    words (loaded here into ``$4..$7``, one chunk ahead), ``$17``/``$18`` the activations of
+    tokens g and g+8 at this lane's first word (a word's eight BF16 in one 16-byte load; with one
+    token row, A's rows g+8 are zero), ``$19`` the group scale of row g. The weights are decoded
+    as the halves kernel's (``_ptx_pair_decode``) and multiplied by the scale as BF16 pairs, so
+    (code * scale) rounds once to BF16, as a serving kernel's dequantized weights do.
+    """
+    lines = [".reg .b32 xa, xb, xc, xd, ya, yb, yc, yd, a0, a1, a2, a3, b0, b1, t, u, s2, s2b, one, off, big, nz;",
+             ".reg .b32 c0, c1, c2, c3, n0, n1, n2, n3;", ".reg .b16 sb, hb;", ".reg .f32 f;", ".reg .pred zero, nan;",
+             *_PTX_CONSTANTS,
+             # into temporaries: an output may share a register with an input (the loop-carried words do)
+             "ld.global.nc.v4.b32 {n0, n1, n2, n3}, [$16];",
+             "mov.b32 c0, $8;", "mov.b32 c1, $9;", "mov.b32 c2, $10;", "mov.b32 c3, $11;"]
+    lines += _mma_scale_ptx(scale, "s2", "$19")
+    if scale == "e4m3":  # GROUP 16: words 2-3 of the lane's four are the next group
+        lines += _mma_scale_ptx(scale, "s2b", "$19+1")
+    if token_rows == 1:
+        lines += ["mov.b32 a1, 0;", "mov.b32 a3, 0;"]
+    for word in range(4):
+        lines.append(f"ld.global.nc.v4.b32 {{xa, xb, xc, xd}}, [$17+{16 * word}];")
+        if token_rows == 2:
+            lines.append(f"ld.global.nc.v4.b32 {{ya, yb, yc, yd}}, [$18+{16 * word}];")
+        lines.append(f"prmt.b32 t, ${12 + word}, ${12 + word}, 0x3120;")  # bytes (0, 2, 1, 3), as _decode_asm
+        group_scale = "s2b" if scale == "e4m3" and word >= 2 else "s2"
+        for half, (x_lo, x_hi, y_lo, y_hi) in enumerate((("xa", "xb", "ya", "yb"), ("xc", "xd", "yc", "yd"))):
+            for operand, shift in (("b0", 8 * half), ("b1", 8 * half + 4)):
+                lines += [f"shr.u32 u, t, {shift};", *_ptx_pair_decode(fmt), f"fma.rn.bf16x2 {operand}, u, {group_scale}, nz;"]
+            lines += [f"prmt.b32 a0, {x_lo}, {x_hi}, 0x5410;", f"prmt.b32 a2, {x_lo}, {x_hi}, 0x7632;"]
+            if token_rows == 2:
+                lines += [f"prmt.b32 a1, {y_lo}, {y_hi}, 0x5410;", f"prmt.b32 a3, {y_lo}, {y_hi}, 0x7632;"]
+            lines.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                         "{c0, c1, c2, c3}, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3};")
+    lines += ["mov.b32 $0, c0;", "mov.b32 $1, c1;", "mov.b32 $2, c2;", "mov.b32 $3, c3;",
+              "mov.b32 $4, n0;", "mov.b32 $5, n1;", "mov.b32 $6, n2;", "mov.b32 $7, n3;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_ASM_MMA_CHUNK = tl.constexpr(tuple(_mma_chunk_asm(FORMAT_CODES[fmt], scale, rows)
+                                    for rows in (1, 2) for fmt, scale in _MMA_VARIANTS))
+
+
+@triton.jit
+def _mma_chunk(acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_next, x_lo, x_hi, s_address,
+               FMT: tl.constexpr, TOKEN_ROWS: tl.constexpr):
+    """:func:`_mma_chunk_asm` for one chunk, its PTX picked by format, scale dtype and token rows."""
+    # VARIANT indexes _ASM_MMA_CHUNK: _MMA_VARIANTS' index, plus 5 for two token rows
+    if FMT == FMT_MXFP4:
+        VARIANT: tl.constexpr = 3 + 5 * (TOKEN_ROWS - 1)
+    elif FMT == FMT_NVFP4:
+        VARIANT: tl.constexpr = 4 + 5 * (TOKEN_ROWS - 1)
+    elif s_address.dtype.element_ty == tl.bfloat16:
+        VARIANT: tl.constexpr = 0 + 5 * (TOKEN_ROWS - 1)
+    elif s_address.dtype.element_ty == tl.float16:
+        VARIANT: tl.constexpr = 1 + 5 * (TOKEN_ROWS - 1)
+    else:
+        VARIANT: tl.constexpr = 2 + 5 * (TOKEN_ROWS - 1)
+    return tl.inline_asm_elementwise(
+        _ASM_MMA_CHUNK[VARIANT], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,l,l,l,l",
+        [acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_next.to(tl.int64, bitcast=True), x_lo.to(tl.int64, bitcast=True),
+         x_hi.to(tl.int64, bitcast=True), s_address.to(tl.int64, bitcast=True)],
+        dtype=(tl.float32,) * 4 + (tl.int32,) * 4, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_lane_guard(lane_index):
+    """0.0 where element ``lane_index`` runs in thread ``lane_index`` of the block, NaN elsewhere.
+
+    The chunk PTX relies on it (an MMA's operands are placed by lane); Triton gives a 1-D tensor
+    of one element per thread that layout, and a NaN in the result would fail the config check.
+    """
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 t;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.ne.u32 p, t, $1;\nselp.b32 $0, 0x7FC00000, 0, p;\n}",
+        "=r,r", [lane_index], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_load_words(address):
+    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                     [address.to(tl.int64, bitcast=True)], dtype=(tl.int32,) * 4, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _mma_portable_rows(acc_lo, acc_hi, w_row, s_row, x_lo, x_hi, kk, FMT: tl.constexpr, GROUP: tl.constexpr):
+    """What the MMAs add to one C column (W row ``w_row``) for the K indices ``kk`` ``[T, 128]``, in Triton."""
+    words = tl.load(w_row[:, None] + kk // 8)
+    nibble = (words >> (4 * (kk % 8))) & 0xF
+    if FMT == FMT_INT4:
+        values = _int4_to_f32(nibble)
+    else:
+        values = _e2m1_to_f32(nibble)
+    # (code * scale) rounded to BF16, as the PTX's pair arithmetic does
+    values = _round_to_bf16(values * _scale_values(s_row[:, None] + kk // GROUP, kk >= 0, FMT))
+    acc_lo += tl.sum(x_lo * values, axis=1)
+    acc_hi += tl.sum(x_hi * values, axis=1)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
+                           stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                           FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           WARPS: tl.constexpr, ASM_DECODE: tl.constexpr = False):
+    """Weight-only GEMM for M <= 16 on tensor cores without tiles: each warp streams 8 rows of W.
+
+    A program owns ``BLOCK_N`` rows of W and up to 16 tokens (the MMA's m). Its ``WARPS`` warps
+    are ``BLOCK_N / 8`` row groups (the MMA's n; they read the same activations, which L1 then
+    serves once) times K shares that take 128-K chunks in turn; the shares' FP32 sums meet in one
+    reduction at the end. No lane ever exchanges operands and nothing is staged through shared
+    memory in the loop (see the note above ``MMA_CHUNK_K``). Code words are loaded one chunk
+    ahead. Needs K a multiple of 128 x the K shares and 16-byte aligned rows (the launcher
+    checks). Compiled on sm_90/sm_120 the chunk is :func:`_mma_chunk_asm`; elsewhere each element
+    computes the same sums in Triton.
+    """
+    tl.static_assert(BLOCK_M == 8 or BLOCK_M == 16, "A holds tokens g (and g + 8)")
+    TOKEN_ROWS: tl.constexpr = BLOCK_M // 8
+    ROW_GROUPS: tl.constexpr = BLOCK_N // 8
+    SHARES: tl.constexpr = WARPS // ROW_GROUPS
+    tl.static_assert(ROW_GROUPS * SHARES == WARPS, "the warps are row groups x K shares")
+    THREADS: tl.constexpr = 32 * WARPS
+    expert, row0, row_end, rm, rn = _expert_tile(offsets_ptr, N, BLOCK_M, BLOCK_N)
+    if row0 < row_end:
+        index = tl.arange(0, THREADS)
+        lane = index % 32
+        group_n0 = tl.min(rn, axis=0) + 8 * ((index // 32) % ROW_GROUPS)  # this warp's first row
+        share = index // (32 * ROW_GROUPS)
+        g = lane // 4
+        t = lane % 4
+        tok_lo = tl.minimum(row0 + g, row_end - 1)
+        tok_hi = tl.minimum(row0 + g + 8, row_end - 1)
+        chunks = K // (_CHUNK_K * SHARES)  # per warp
+        # this lane's first word: chunk ``share``, words 4t..4t+3
+        word = share * (_CHUNK_K // 8) + 4 * t
+        step = SHARES * (_CHUNK_K // 8)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        acc0 = tl.zeros((THREADS,), dtype=tl.float32)
+        acc1 = tl.zeros((THREADS,), dtype=tl.float32)
+        acc2 = tl.zeros((THREADS,), dtype=tl.float32)
+        acc3 = tl.zeros((THREADS,), dtype=tl.float32)
+        if ASM_DECODE:
+            acc0 += _mma_lane_guard(index)
+            w_row = w_base + tl.minimum(group_n0 + g, N - 1) * stride_wn
+            s_row = s_base + tl.minimum(group_n0 + g, N - 1) * stride_sn
+            w0, w1, w2, w3 = _mma_load_words(w_row + word)
+            for i in range(chunks):
+                ahead = tl.where(i + 1 < chunks, word + step, word)
+                acc0, acc1, acc2, acc3, w0, w1, w2, w3 = _mma_chunk(
+                    acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_row + ahead, x_ptr + tok_lo * stride_xm + 8 * word,
+                    x_ptr + tok_hi * stride_xm + 8 * word, s_row + (8 * word) // GROUP, FMT, TOKEN_ROWS)
+                word += step
+        else:
+            # Element ``index`` sums what lane ``index``'s C registers hold: tokens g, g+8 x rows 2t, 2t+1.
+            w_even = w_base + tl.minimum(group_n0 + 2 * t, N - 1) * stride_wn
+            w_odd = w_base + tl.minimum(group_n0 + 2 * t + 1, N - 1) * stride_wn
+            s_even = s_base + tl.minimum(group_n0 + 2 * t, N - 1) * stride_sn
+            s_odd = s_base + tl.minimum(group_n0 + 2 * t + 1, N - 1) * stride_sn
+            for i in range(chunks):
+                kk = (i * SHARES + share)[:, None] * _CHUNK_K + tl.arange(0, _CHUNK_K)[None, :]
+                x_lo = tl.load(x_ptr + tok_lo[:, None] * stride_xm + kk).to(tl.float32)
+                x_hi = tl.load(x_ptr + tok_hi[:, None] * stride_xm + kk).to(tl.float32)
+                acc0, acc2 = _mma_portable_rows(acc0, acc2, w_even, s_even, x_lo, x_hi, kk, FMT, GROUP)
+                acc1, acc3 = _mma_portable_rows(acc1, acc3, w_odd, s_odd, x_lo, x_hi, kk, FMT, GROUP)
+        # Element j of the row groups' lanes (j = 32 x group + lane) holds the same outputs in every K share.
+        c0 = tl.sum(tl.reshape(acc0, (SHARES, 32 * ROW_GROUPS)), axis=0)
+        c1 = tl.sum(tl.reshape(acc1, (SHARES, 32 * ROW_GROUPS)), axis=0)
+        c2 = tl.sum(tl.reshape(acc2, (SHARES, 32 * ROW_GROUPS)), axis=0)
+        c3 = tl.sum(tl.reshape(acc3, (SHARES, 32 * ROW_GROUPS)), axis=0)
+        if FMT == FMT_NVFP4:
+            factor = tl.load(g_ptr + expert)
+            if ASM_DECODE:
+                factor = factor * (2.0 ** (126 - NVFP4_ASM_SCALE_SHIFT))
+            c0, c1, c2, c3 = c0 * factor, c1 * factor, c2 * factor, c3 * factor
+        j = tl.arange(0, 32 * ROW_GROUPS)
+        token = row0 + (j % 32) // 4
+        col = tl.min(rn, axis=0) + 8 * (j // 32) + 2 * (j % 4)
+        y_lo = y_ptr + token * stride_ym + col
+        _store_cast(y_lo, c0, (token < row_end) & (col < N))
+        _store_cast(y_lo + 1, c1, (token < row_end) & (col + 1 < N))
+        if TOKEN_ROWS == 2:
+            y_hi = y_lo + 8 * stride_ym
+            _store_cast(y_hi, c2, (token + 8 < row_end) & (col < N))
+            _store_cast(y_hi + 1, c3, (token + 8 < row_end) & (col + 1 < N))
