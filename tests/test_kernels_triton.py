@@ -267,6 +267,9 @@ def test_mma_fits_its_k_shares_or_hands_over_to_the_next_entry():
     assert launch._fit_mma(cfg, quantized_weight("int4", _weight("int4", 32, "ue8m0", 64, 160))) is None
     big = quantized_weight("int4", _weight("int4", 128, "ue8m0", 8192, 4096))
     assert launch._fit_mma(cfg, big) is None
+    # nor a grouped launch of that many weights (the planes kernel's tiles serve it better)
+    stacked = quantized_weight("int4", _weight("int4", 128, "ue8m0", 1024, 2048, experts=16))
+    assert launch._fit_mma(cfg, stacked) is None
     table = [entry for _, entry in configs.GEMM_TABLES["weight_only"]["sm_90"]]
     mma = next(entry for entry in table if entry.variant == "mma")
     assert configs.next_gemm_config("weight_only", "sm_90", mma) == table[table.index(mma) + 1]

@@ -47,8 +47,9 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # (K in 8 shares) was the best tile on one expert in bench/gemv_sweep.py on the H200, 1.14-1.38x
 # faster than planes at M=4 (bench/results/mma-h200.md). On matrices of 2^25 weights or more
 # (wq_b, 8192^2) it was 0.6-1.1x planes at M=4, and at M=16 0.3-1.0x (each 8-row program re-reads
-# all the activations from L2), so launch.py gives those, and rows whose K is not a multiple of
-# 128, the next entry.
+# all the activations from L2); over 64 stacked experts at 8 tokens each (validate's grouped
+# launch) 0.5x. So launch.py gives launches of 2^25 weights or more, and rows whose K is not a
+# multiple of 128, the next entry.
 
 
 @dataclass(frozen=True)

@@ -337,14 +337,16 @@ def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig:
     return cfg
 
 
-MMA_MAX_WEIGHTS = 1 << 25  # per matrix; bigger ones run the next table entry (configs.py)
+MMA_MAX_WEIGHTS = 1 << 25  # per launch (all its experts); bigger ones run the next table entry (configs.py)
 
 
 def _fit_mma(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig | None:
     """Fit the tensor-core GEMV: as many K shares (of ``num_warps``) as divide K's 128-wide chunks;
     ``None`` where it does not serve: K not a multiple of 128, code words off a 16-byte boundary
-    (its PTX loads four at once), or a matrix of ``MMA_MAX_WEIGHTS`` or more."""
-    if weight.k % MMA_CHUNK_K or weight.codes.data_ptr() % 16 or weight.n * weight.k >= MMA_MAX_WEIGHTS:
+    (its PTX loads four at once), or ``MMA_MAX_WEIGHTS`` weights or more in the launch: one big matrix,
+    or a grouped launch over experts (on the H200 64 experts at 8 tokens each took 221 us, planes 110)."""
+    if weight.k % MMA_CHUNK_K or weight.codes.data_ptr() % 16 or \
+            weight.experts * weight.n * weight.k >= MMA_MAX_WEIGHTS:
         return None
     row_groups = cfg.block_n // 8
     shares = cfg.num_warps // row_groups
