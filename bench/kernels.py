@@ -230,8 +230,7 @@ def bench_gemms(rep_ms: int, tokens: tuple[int, ...]) -> list[dict]:
 
 def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
     """One launch over ``experts`` stacked experts against one launch per expert, and against cuBLAS
-    BF16 ``bmm`` over the same experts densely (a batched GEMM: one launch too). Where the table's
-    config is the tensor-core GEMV ("mma"), the next table entry is timed beside it."""
+    BF16 ``bmm`` over the same experts densely (a batched GEMM: one launch too)."""
     rows = []
     n, k = SHAPES["expert_w1_w3"]
     dense = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
@@ -257,14 +256,9 @@ def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
                "speedup_vs_per_expert_eager": eager_us / grouped_us, "cublas_bmm_us": bmm_us,
                "speedup_vs_cublas_bmm": bmm_us / grouped_us,
                "weight_gbps": weight_bytes(stack) / grouped_us / 1e3, "rel_error_vs_fp32_reference": error}
-        if cfg.variant == "mma":
-            before = launch._fit_split_k(configs.next_gemm_config("weight_only", launch.arch_of(stack.device), cfg),
-                                         stack, tokens)
-            row["next_entry"] = repr(before)
-            row["next_entry_us"] = median_us(lambda: launch._launch(stack, x, offsets, tokens, before), rep_ms)
         rows.append(row)
         print(f"grouped {fmt:9s} E={experts} M={tokens}: {grouped_us:8.1f} us, per-expert graph {graph_us:8.1f} us, "
-              f"eager {eager_us:8.1f} us, cuBLAS bmm {bmm_us:8.1f} us, next entry {row.get('next_entry_us', 0):8.1f} us, "
+              f"eager {eager_us:8.1f} us, cuBLAS bmm {bmm_us:8.1f} us, "
               f"err {error:.1e}", flush=True)
     return rows
 
@@ -409,11 +403,9 @@ def bench_quantize(copy_gbps: float, rep_ms: int) -> list[dict]:
 
 def _grouped_line(r: dict) -> str:
     variant = r["config"].split("variant='")[1].split("'")[0]
-    next_entry = f"{r['next_entry_us']:.1f}" if "next_entry_us" in r else ""
     return (f"| {r['format']} | {r['experts']} | {r['tokens_per_expert']} | {variant} | {r['grouped_us']:.1f} | "
             f"{r['per_expert_graph_us']:.1f} | {r['per_expert_eager_us']:.1f} | {r['speedup_vs_per_expert_graph']:.2f} | "
-            f"{r['speedup_vs_per_expert_eager']:.2f} | {r['cublas_bmm_us']:.1f} | {r['speedup_vs_cublas_bmm']:.2f} | "
-            f"{next_entry} |")
+            f"{r['speedup_vs_per_expert_eager']:.2f} | {r['cublas_bmm_us']:.1f} | {r['speedup_vs_cublas_bmm']:.2f} |")
 
 
 def summarize(result: dict) -> str:
@@ -518,11 +510,10 @@ def summarize(result: dict) -> str:
         lines.append("")
     if result["grouped"]:
         lines += ["## All experts in one launch vs one launch per expert, and vs cuBLAS BF16 bmm", "",
-                  "M = 8 per expert is what `validate` runs. The last column: the next table entry (planes), "
-                  "where the table's config is the tensor-core GEMV.", "",
+                  "M = 8 per expert is what `validate` runs.", "",
                   "| format | E | M/expert | variant | grouped us | per-expert (graph) us | per-expert (eager) us | "
-                  "x graph | x eager | cuBLAS bmm us | x cuBLAS bmm | next entry us |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "x graph | x eager | cuBLAS bmm us | x cuBLAS bmm |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_grouped_line(r) for r in result["grouped"]]
         lines.append("")
     lines += ["## Config checks (once per process)", ""]
