@@ -194,7 +194,7 @@ def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, kernel):
     configs.GemmConfig(16, 128, 256, split_k=1, num_warps=8, num_stages=3, variant="planes"),
     configs.GemmConfig(16, 128, 256, split_k=2, num_warps=8, num_stages=3, variant="planes_xperm"),
     configs.GemmConfig(1, 16, 1024, split_k=1, num_warps=4, num_stages=1, variant="gemv"),
-    configs.GemmConfig(8, 8, 128, split_k=1, num_warps=8, num_stages=1, variant="mma"),
+    configs.GemmConfig(8, 8, 128, split_k=1, num_warps=8, num_stages=2, variant="mma"),
     configs.GemmConfig(16, 16, 128, split_k=1, num_warps=4, num_stages=1, variant="mma"),
 ], ids=lambda cfg: f"{cfg.variant}-m{cfg.block_m}")
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
@@ -247,7 +247,7 @@ def test_mma_takes_tokens_in_eights_and_refuses_what_it_cannot_tile():
     weight = quantized_weight("nvfp4", _weight("nvfp4", 16, "ue8m0", 40, 1024, experts=2, seed=28))
     x = random_activations(14, 1024, device=DEVICE, generator=_generator(29))
     offsets = torch.tensor([0, 11, 14], dtype=torch.int32, device=DEVICE)
-    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=1, variant="mma")
+    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=2, variant="mma")
     y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
     # eight K shares of 128-wide chunks do not divide K=512: an error, not a partial sum
@@ -257,9 +257,12 @@ def test_mma_takes_tokens_in_eights_and_refuses_what_it_cannot_tile():
 
 
 def test_mma_fits_its_k_shares_or_hands_over_to_the_next_entry():
-    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=1, variant="mma")
+    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=2, variant="mma")
     expert = quantized_weight("int4", _weight("int4", 128, "ue8m0", 2048, 4096))
     assert launch._fit_mma(cfg, expert) == cfg
+    # K=2048: 16 chunks, at least four per share
+    down = quantized_weight("int4", _weight("int4", 128, "ue8m0", 4096, 2048))
+    assert launch._fit_mma(cfg, down) == dataclasses.replace(cfg, num_warps=4)
     # K=384: three chunks, so one share of 8 rows: one warp
     ragged = quantized_weight("int4", _weight("int4", 128, "ue8m0", 64, 384))
     assert launch._fit_mma(cfg, ragged) == dataclasses.replace(cfg, num_warps=1)

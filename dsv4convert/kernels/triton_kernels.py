@@ -1005,19 +1005,20 @@ def _mma_portable_rows(acc_lo, acc_hi, w_row, s_row, x_lo, x_hi, kk, FMT: tl.con
 def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                            FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           WARPS: tl.constexpr, ASM_DECODE: tl.constexpr = False):
+                           WARPS: tl.constexpr, AHEAD: tl.constexpr = 1, ASM_DECODE: tl.constexpr = False):
     """Weight-only GEMM for M <= 16 on tensor cores without tiles: each warp streams 8 rows of W.
 
     A program owns ``BLOCK_N`` rows of W and up to 16 tokens (the MMA's m). Its ``WARPS`` warps
     are ``BLOCK_N / 8`` row groups (the MMA's n; they read the same activations, which L1 then
     serves once) times K shares that take 128-K chunks in turn; the shares' FP32 sums meet in one
     reduction at the end. No lane ever exchanges operands and nothing is staged through shared
-    memory in the loop (see the note above ``MMA_CHUNK_K``). Code words are loaded one chunk
-    ahead. Needs K a multiple of 128 x the K shares and 16-byte aligned rows (the launcher
+    memory in the loop (see the note above ``MMA_CHUNK_K``). Code words are loaded ``AHEAD``
+    chunks ahead (the config's ``num_stages``). Needs K a multiple of 128 x the K shares and 16-byte aligned rows (the launcher
     checks). Compiled on sm_90/sm_120 the chunk is :func:`_mma_chunk_asm`; elsewhere each element
     computes the same sums in Triton.
     """
     tl.static_assert(BLOCK_M == 8 or BLOCK_M == 16, "A holds tokens g (and g + 8)")
+    tl.static_assert(AHEAD == 1 or AHEAD == 2, "code words are loaded one or two chunks ahead")
     TOKEN_ROWS: tl.constexpr = BLOCK_M // 8
     ROW_GROUPS: tl.constexpr = BLOCK_N // 8
     SHARES: tl.constexpr = WARPS // ROW_GROUPS
@@ -1048,11 +1049,19 @@ def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
             w_row = w_base + tl.minimum(group_n0 + g, N - 1) * stride_wn
             s_row = s_base + tl.minimum(group_n0 + g, N - 1) * stride_sn
             w0, w1, w2, w3 = _mma_load_words(w_row + word)
+            if AHEAD == 2:
+                v0, v1, v2, v3 = _mma_load_words(w_row + tl.where(chunks > 1, word + step, word))
             for i in range(chunks):
-                ahead = tl.where(i + 1 < chunks, word + step, word)
-                acc0, acc1, acc2, acc3, w0, w1, w2, w3 = _mma_chunk(
+                # the chunk AHEAD steps on (the last one again at the end): its words arrive while these are used
+                ahead = word + step * tl.minimum(AHEAD, chunks - 1 - i)
+                acc0, acc1, acc2, acc3, n0, n1, n2, n3 = _mma_chunk(
                     acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_row + ahead, x_ptr + tok_lo * stride_xm + 8 * word,
                     x_ptr + tok_hi * stride_xm + 8 * word, s_row + (8 * word) // GROUP, FMT, TOKEN_ROWS)
+                if AHEAD == 2:
+                    w0, w1, w2, w3 = v0, v1, v2, v3
+                    v0, v1, v2, v3 = n0, n1, n2, n3
+                else:
+                    w0, w1, w2, w3 = n0, n1, n2, n3
                 word += step
         else:
             # Element ``index`` sums what lane ``index``'s C registers hold: tokens g, g+8 x rows 2t, 2t+1.
