@@ -187,6 +187,11 @@ def nvfp4_global_exponent(*scales: torch.Tensor, name: str | None = None) -> int
     """
     top_byte = max((e8m0_max_byte(scale, name=name if len(scales) == 1 else f"{name or 'scale'}[{index}]")
                     for index, scale in enumerate(scales)), default=0)
+    return global_exponent_of_top_byte(top_byte)
+
+
+def global_exponent_of_top_byte(top_byte: int) -> int:
+    """:func:`nvfp4_global_exponent` from the largest E8M0 byte of the scales (a caller that has it)."""
     if top_byte == 0:  # only sentinels (or nothing): every block is zero
         return 0
     return max(top_byte - E8M0_BIAS - E4M3_MAX_EXP, _GLOBAL_EXP_MIN)

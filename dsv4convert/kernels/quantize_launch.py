@@ -15,9 +15,9 @@ import triton
 from dsv4convert.errors import FormatError
 from dsv4convert.formats import fp8_block, int4
 from dsv4convert.formats.int4 import Int4Weight
-from dsv4convert.formats.numerics import e8m0_bytes, exp2_float32, require_finite
+from dsv4convert.formats.numerics import e8m0_max_byte, require_finite
 from dsv4convert.formats.nvfp4 import NVFP4Weight
-from dsv4convert.formats.transcode import ExactnessReport, nvfp4_global_exponent
+from dsv4convert.formats.transcode import ExactnessReport, global_exponent_of_top_byte
 from dsv4convert.kernels.operands import quantized_weight
 from dsv4convert.kernels.triton_quantize import (
     fp8_block_quant_kernel,
@@ -91,20 +91,43 @@ def quantize_int4_weight(w: torch.Tensor, *, group_size: int = 128, name: str | 
                       weight_shape=torch.tensor([n, k], dtype=torch.int64))
 
 
-def _mxfp4_operands(packed: torch.Tensor, scale: torch.Tensor, name: str | None) -> tuple[int, int, torch.Tensor]:
-    """(N, K, raw scale bytes) after the layout checks and the E8M0 NaN-byte check of the CPU path."""
+def _mxfp4_operands(packed: torch.Tensor, scale: torch.Tensor,
+                    name: str | None) -> tuple[int, int, torch.Tensor, int]:
+    """(N, K, raw scale bytes, largest scale byte) after the CPU path's layout and NaN-byte checks.
+
+    The largest byte is read once (one ``amax``, one synchronization): it is both the NaN check
+    (0xFF is the largest byte) and all :func:`nvfp4_global_exponent` needs.
+    """
     if packed.ndim != 2:
         raise FormatError(f"MXFP4 codes must be int8/uint8 [N, K/2], got {packed.dtype} {list(packed.shape)}",
                           tensor=name)
     weight = quantized_weight("mxfp4", (packed, scale), name=name)
-    return weight.n, weight.k, e8m0_bytes(scale, name=name).contiguous()
+    top_byte = e8m0_max_byte(scale, name=name)
+    return weight.n, weight.k, scale.view(torch.uint8).contiguous(), top_byte
+
+
+def _tally_views(buffer: torch.Tensor, programs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A transcode kernel's per-program tallies in one buffer: two int32 counts and one float64 error.
+
+    The kernels write every program's slots, so a fresh buffer needs no zero fill, and one copy
+    reads all three back (``_tally_views(buffer.cpu(), programs)``).
+    """
+    counts = buffer[:8 * programs].view(torch.int32)
+    return counts[:programs], counts[programs:], buffer[8 * programs:].view(torch.float64)
+
+
+def _tally_buffer(programs: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(programs * 16, dtype=torch.uint8, device=device)
 
 
 def mxfp4_to_nvfp4(packed: torch.Tensor, scale: torch.Tensor, *, global_exponent: int | None = None,
                    name: str | None = None) -> tuple[NVFP4Weight, ExactnessReport]:
-    """:func:`dsv4convert.formats.mxfp4_to_nvfp4` on the GPU: scales rewritten, codes shared."""
-    n, k, scale_bytes = _mxfp4_operands(packed, scale, name)
-    m = nvfp4_global_exponent(scale, name=name) if global_exponent is None else int(global_exponent)
+    """:func:`dsv4convert.formats.mxfp4_to_nvfp4` on the GPU: scales rewritten, codes shared.
+
+    Two synchronizations per matrix: the scale's largest byte, and the tallies' one read back.
+    """
+    n, k, scale_bytes, top_byte = _mxfp4_operands(packed, scale, name)
+    m = global_exponent_of_top_byte(top_byte) if global_exponent is None else int(global_exponent)
     if not GLOBAL_EXP_RANGE[0] <= m <= GLOBAL_EXP_RANGE[1]:
         raise FormatError(f"global exponent {m} is outside float32's normal range "
                           f"[{GLOBAL_EXP_RANGE[0]}, {GLOBAL_EXP_RANGE[1]}]", tensor=name)
@@ -112,14 +135,16 @@ def mxfp4_to_nvfp4(packed: torch.Tensor, scale: torch.Tensor, *, global_exponent
     blocks_total = n * (k // 32)
     weight_scale = torch.empty(n, k // 16, dtype=torch.float8_e4m3fn, device=device)
     programs = max(1, triton.cdiv(blocks_total, _NVFP4_BLOCKS_PER_PROGRAM))
-    inexact_blocks = torch.zeros(programs, dtype=torch.int32, device=device)
-    changed = torch.zeros(programs, dtype=torch.int32, device=device)
-    error = torch.zeros(programs, dtype=torch.float64, device=device)
+    buffer = _tally_buffer(programs, device)
+    inexact_blocks, changed, error = _tally_views(buffer, programs)
     mxfp4_to_nvfp4_kernel[(programs,)](
         packed.view(torch.uint8).contiguous(), scale_bytes, weight_scale.view(torch.int16), inexact_blocks,
         changed, error, blocks_total, m, BLOCK=_NVFP4_BLOCKS_PER_PROGRAM, num_warps=4,
     )
-    result = NVFP4Weight(packed.view(torch.uint8), weight_scale, exp2_float32(torch.tensor(m, device=device)))
+    # 2**m for m in float32's normal range: exact from the host's double
+    global_scale = torch.full((), 2.0 ** m, dtype=torch.float32, device=device)
+    result = NVFP4Weight(packed.view(torch.uint8), weight_scale, global_scale)
+    inexact_blocks, changed, error = _tally_views(buffer.cpu(), programs)
     blocks_changed = int(inexact_blocks.sum())
     elements_changed = int(changed.sum())
     return result, ExactnessReport(blocks_total=blocks_total, blocks_exact=blocks_total - blocks_changed,
@@ -129,25 +154,28 @@ def mxfp4_to_nvfp4(packed: torch.Tensor, scale: torch.Tensor, *, global_exponent
 
 def mxfp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, *,
                        name: str | None = None) -> tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
-    """:func:`dsv4convert.formats.mxfp4_to_fp8_block` on the GPU: one program per 128x128 tile."""
-    n, k, scale_bytes = _mxfp4_operands(packed, scale, name)
+    """:func:`dsv4convert.formats.mxfp4_to_fp8_block` on the GPU: one program per 128x128 tile.
+
+    Two synchronizations per matrix, as :func:`mxfp4_to_nvfp4`.
+    """
+    n, k, scale_bytes, _ = _mxfp4_operands(packed, scale, name)
     if n % FP8_TILE or k % FP8_TILE:
         raise FormatError(f"MXFP4 -> FP8 block needs N and K multiples of {FP8_TILE}, got [{n}, {k}]", tensor=name)
     device = packed.device
     codes = packed.view(torch.uint8).contiguous()
     grid = (n // FP8_TILE, k // FP8_TILE)
+    tiles = grid[0] * grid[1]
     weight = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)
     tile_scale = torch.empty(grid, dtype=torch.uint8, device=device)
-    changed = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=device)
-    error = torch.zeros(grid[0] * grid[1], dtype=torch.float64, device=device)
+    buffer = _tally_buffer(tiles, device)
+    changed, _, error = _tally_views(buffer, tiles)
     pairs = weight.view(torch.int16)
     mxfp4_to_fp8_block_kernel[grid](
         codes, scale_bytes, pairs, tile_scale, changed, error, codes.stride(0), scale_bytes.stride(0),
         pairs.stride(0), tile_scale.stride(0), num_warps=8,
     )
-    tiles = grid[0] * grid[1]
+    changed, _, error = _tally_views(buffer.cpu(), tiles)
     tiles_changed = int((changed > 0).sum())
     report = ExactnessReport(blocks_total=tiles, blocks_exact=tiles - tiles_changed, elements_total=n * k,
                              elements_exact=n * k - int(changed.sum()), max_abs_error=float(error.max()))
     return weight, tile_scale.view(torch.float8_e8m0fnu), report
-

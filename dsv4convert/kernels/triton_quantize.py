@@ -153,8 +153,8 @@ def mxfp4_to_nvfp4_kernel(codes_ptr, scale_ptr, out_scale_ptr, blocks_ptr, eleme
 
     Blocks are numbered row-major over ``[N, K/32]``; block b's 16 code bytes start at ``16 * b``
     and its two NVFP4 scales are one little-endian 16-bit word at index b. Only blocks outside
-    E4M3's power-of-two window can be inexact, and only their bytes are read; the tallies go to
-    zero-initialized per-program slots.
+    E4M3's power-of-two window can be inexact, and only their bytes are read; every program writes
+    its tally slots (zeros where none is outside).
     """
     block = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = block < total
@@ -177,6 +177,10 @@ def mxfp4_to_nvfp4_kernel(codes_ptr, scale_ptr, out_scale_ptr, blocks_ptr, eleme
         tl.store(blocks_ptr + tl.program_id(0), tl.sum((outside & (count > 0)).to(tl.int32), axis=0))
         tl.store(elements_ptr + tl.program_id(0), tl.sum(tl.where(outside, count, 0), axis=0))
         tl.store(error_ptr + tl.program_id(0), tl.max(error, axis=0))
+    else:
+        tl.store(blocks_ptr + tl.program_id(0), 0)
+        tl.store(elements_ptr + tl.program_id(0), 0)
+        tl.store(error_ptr + tl.program_id(0), 0.0)
 
 
 @triton.jit
@@ -206,7 +210,7 @@ def mxfp4_to_fp8_block_kernel(codes_ptr, scale_ptr, w_ptr, out_scale_ptr, elemen
     The tile exponent is ``max(sub-block exponents) - 6`` (at least -127); each element becomes
     ``e4m3(e2m1 * 2^max(shift, -13))`` with -0 written as +0, the two output bytes of a code
     byte stored as one 16-bit word. Sub-blocks with shift < -8 can lose bits and are compared
-    in float64 (their tallies go to zero-initialized per-tile slots).
+    in float64; every tile writes its tally slots (zeros where none is).
     """
     tile_n = tl.program_id(0)
     tile_k = tl.program_id(1)
@@ -228,6 +232,7 @@ def mxfp4_to_fp8_block_kernel(codes_ptr, scale_ptr, w_ptr, out_scale_ptr, elemen
     first = subs == 0
     tl.store(out_scale_ptr + tile_n * stride_on + tile_k + subs * 0, (tl.zeros_like(subs) + tile_exp + 127).to(tl.uint8),
              mask=first)
+    tile = tile_n * tl.num_programs(1) + tile_k
     if tl.min(tl.min(shift, axis=1), axis=0) < -8:
         suspect = tl.broadcast_to((shift < -8)[:, :, None], packed.shape)
         source_scale = _pow2_f64(sub_exp)[:, :, None]
@@ -236,6 +241,8 @@ def mxfp4_to_fp8_block_kernel(codes_ptr, scale_ptr, w_ptr, out_scale_ptr, elemen
         changed_high, error_high = _fp8_cast_tallies(high, high_fp8, suspect, source_scale, tile_scale)
         changed = tl.sum(tl.sum(tl.sum(changed_low + changed_high, axis=2), axis=1), axis=0)
         worst = tl.max(tl.max(tl.max(tl.maximum(error_low, error_high), axis=2), axis=1), axis=0)
-        tile = tile_n * tl.num_programs(1) + tile_k
         tl.store(elements_ptr + tile, changed)
         tl.store(error_ptr + tile, worst)
+    else:
+        tl.store(elements_ptr + tile, 0)
+        tl.store(error_ptr + tile, 0.0)
