@@ -253,7 +253,8 @@ def asm_decode_runs_on(device: torch.device) -> bool:
     """Whether the weight-only kernels decode with inline PTX here: compiled for sm_90 or sm_120 only.
 
     The halves and planes kernels' PTX (``prmt``, ``lop3``, ``fma.rn.bf16x2``) is valid from
-    sm_80, the GEMV's (``cvt.rn.f16x2.e4m3x2`` for NVFP4 scales) from sm_89, but only these two
+    sm_80, the GEMV's and the mma GEMV's (``cvt.rn.f16x2.e4m3x2`` for NVFP4 scales; the latter's
+    ``mma.sync.m16n8k16`` BF16 from sm_80) from sm_89, but only these two
     have been chosen for; the interpreter and other GPUs keep the pure-Triton decode. Either way
     the config is checked against the reference once per device (``checked_config``).
     """
