@@ -206,32 +206,28 @@ def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch
             ASM_DECODE=asm_decode_runs_on(weight.device), X_PERMUTED=x_permuted,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    elif cfg.variant == "gemv":
+    elif cfg.variant in ("gemv", "mma"):
         codes = weight.codes.view(torch.int32)
-        if x.data_ptr() % 16:  # its PTX reads a code word's eight activations as one 16-byte vector
+        if x.data_ptr() % 16:  # both PTXs read a code word's eight activations as one 16-byte vector
             x = x.clone()
-        weight_only_gemv_kernel[grid](
-            x, codes, weight.scale, global_scale, y, offsets, n, k,
-            x.stride(0), codes.stride(0), codes.stride(1), weight.scale.stride(0),
-            weight.scale.stride(1), y.stride(0), FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    elif cfg.variant == "mma":
-        codes = weight.codes.view(torch.int32)
-        shares = cfg.num_warps // (cfg.block_n // 8)
-        if k % (MMA_CHUNK_K * shares) or codes.data_ptr() % 16:
-            raise DSV4Error(f"{cfg} needs K a multiple of {MMA_CHUNK_K * shares} and 16-byte aligned code words "
-                            f"(K={k}, code words at byte {codes.data_ptr() % 16} of 16)")
-        if x.data_ptr() % 16:  # its PTX reads a code word's eight activations as one 16-byte vector
-            x = x.clone()
-        weight_only_mma_kernel[grid](
-            x, codes, weight.scale, global_scale, y, offsets, n, k,
-            x.stride(0), codes.stride(0), codes.stride(1), weight.scale.stride(0),
-            weight.scale.stride(1), y.stride(0), FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WARPS=cfg.num_warps, AHEAD=cfg.num_stages,
-            ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=1,
-        )
+        word_args = (x, codes, weight.scale, global_scale, y, offsets, n, k, x.stride(0), codes.stride(0),
+                     codes.stride(1), weight.scale.stride(0), weight.scale.stride(1), y.stride(0))
+        if cfg.variant == "gemv":
+            weight_only_gemv_kernel[grid](
+                *word_args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+                ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        else:
+            shares = cfg.num_warps // (cfg.block_n // 8)
+            if k % (MMA_CHUNK_K * shares) or codes.data_ptr() % 16:
+                raise DSV4Error(f"{cfg} needs K a multiple of {MMA_CHUNK_K * shares} and 16-byte aligned code words "
+                                f"(K={k}, code words at byte {codes.data_ptr() % 16} of 16)")
+            weight_only_mma_kernel[grid](
+                *word_args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WARPS=cfg.num_warps, AHEAD=cfg.num_stages,
+                ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=1,
+            )
     elif cfg.variant == "halves":
         weight_only_halves_kernel[grid](
             *args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,

@@ -874,8 +874,6 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
 # k slots need not be K order.
 MMA_CHUNK_K = 128  # K per warp step: 4 lanes x 4 words x 8 nibbles
 _CHUNK_K = tl.constexpr(MMA_CHUNK_K)
-# (format, scale dtype) of the chunk PTX, as _GEMV_WORD_DOT_VARIANTS; times 1 or 2 token rows (M <= 8, M <= 16).
-_MMA_VARIANTS = _GEMV_WORD_DOT_VARIANTS
 
 
 def _mma_scale_ptx(scale: str, register: str, address: str) -> list[str]:
@@ -940,15 +938,17 @@ def _mma_chunk_asm(fmt: int, scale: str, token_rows: int) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+# The chunk PTX's variants: _GEMV_WORD_DOT_VARIANTS' (format, scale dtype), for one token row (M <= 8),
+# then the same for two (M <= 16).
 _ASM_MMA_CHUNK = tl.constexpr(tuple(_mma_chunk_asm(FORMAT_CODES[fmt], scale, rows)
-                                    for rows in (1, 2) for fmt, scale in _MMA_VARIANTS))
+                                    for rows in (1, 2) for fmt, scale in _GEMV_WORD_DOT_VARIANTS))
 
 
 @triton.jit
 def _mma_chunk(acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_next, x_lo, x_hi, s_address,
                FMT: tl.constexpr, TOKEN_ROWS: tl.constexpr):
     """:func:`_mma_chunk_asm` for one chunk, its PTX picked by format, scale dtype and token rows."""
-    # VARIANT indexes _ASM_MMA_CHUNK: _MMA_VARIANTS' index, plus 5 for two token rows
+    # VARIANT indexes _ASM_MMA_CHUNK: _GEMV_WORD_DOT_VARIANTS' index, plus its length (5) for two token rows
     if FMT == FMT_MXFP4:
         VARIANT: tl.constexpr = 3 + 5 * (TOKEN_ROWS - 1)
     elif FMT == FMT_NVFP4:
@@ -980,6 +980,7 @@ def _mma_lane_guard(lane_index):
 
 @triton.jit
 def _mma_load_words(address):
+    """Four code words from a 16-byte aligned ``address``, in the lane that asks (one ``ld.global.nc.v4``)."""
     return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
                                      [address.to(tl.int64, bitcast=True)], dtype=(tl.int32,) * 4, is_pure=False,
                                      pack=1)
