@@ -3,10 +3,10 @@
     PYTHONPATH=. python bench/gemv_sweep.py --out /tmp/sweep.json [--mode final|sweep] [--bound] [--m 1,4,16]
         [--formats int4:128,nvfp4:16] [--shapes square_8192,wq_b]
 
-``final`` times the table's checked config against the previous (tensor-core "planes") entry;
-``sweep`` times every candidate of :func:`candidates` as well. ``--bound`` first times a Triton
-kernel that only streams the same code words (a sum of every word, no decode, no activations):
-what a kernel of this shape can reach on the device.
+``final`` times the table's checked config against the tensor-core "planes" entry; ``sweep``
+times every candidate of :func:`candidates` as well (CUDA-core and tensor-core GEMVs).
+``--bound`` first times a Triton kernel that only streams the same code words (a sum of every
+word, no decode, no activations): what a kernel of this shape can reach on the device.
 
 Compiles every variant first in parallel worker processes (one per format and shape, sharing
 Triton's cache), then times each in this process with CUDA-graph replays over enough weight
@@ -37,13 +37,16 @@ G = configs.GemmConfig
 
 # (BLOCK_N, BLOCK_K, warps) of the GEMV, swept on the H200 (bench/results/gemv-h200-cudacore.md).
 GEMV_TILES = ((8, 1024, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 4), (32, 512, 4), (64, 256, 4), (8, 1024, 8))
+# (rows, warps, chunks ahead) of the tensor-core GEMV, swept on the H200 (bench/results/mma-h200.md).
+MMA_TILES = ((8, 4, 1), (8, 8, 1), (8, 4, 2), (8, 8, 2), (8, 16, 2), (16, 8, 2), (32, 4, 1), (32, 8, 1), (64, 8, 1))
 
 
 def candidates(m: int) -> list[configs.GemmConfig]:
-    """CUDA-core GEMV tiles at M = 1 (the GEMV runs one token per program; tensor cores win from M = 2)."""
-    if m > 1:
-        return []
-    return [G(1, bn, bk, num_warps=w, num_stages=1, variant="gemv") for bn, bk, w in GEMV_TILES]
+    """CUDA-core GEMV tiles at M = 1 (one token per program), and tensor-core GEMV tiles at every M
+    (8 or 16 tokens per program); configs whose K shares do not divide a shape's K fail and are skipped."""
+    gemv = [G(1, bn, bk, num_warps=w, num_stages=1, variant="gemv") for bn, bk, w in GEMV_TILES] if m == 1 else []
+    return gemv + [G(8 if m <= 8 else 16, bn, 128, num_warps=w, num_stages=ahead, variant="mma")
+                   for bn, w, ahead in MMA_TILES]
 
 
 PLANES = G(16, 128, 256, split_k=8, num_warps=8, num_stages=3, variant="planes")  # the table's M <= 16 entry before gemv
