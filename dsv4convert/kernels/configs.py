@@ -35,14 +35,14 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # where every tile re-reads the activations; 256-wide tiles and 4 stages were no better). Its 128
 # registers per thread are the limit for two 8-warp programs per SM: an E2M1 decode that needed
 # 142 was 25% slower. sm_120 keeps "halves": planes is untested there.
-# On sm_90, M = 1 runs "gemv" (triton_kernels.weight_only_gemv_kernel: CUDA cores, whole rows per
+# On sm_90, M = 1 runs "gemv" (triton_gemv.weight_only_gemv_kernel: CUDA cores, whole rows per
 # program, each code word's scaled dot product in one inline-PTX block): 8 rows x 1024 K, 4 warps
 # was the best single tile over the four shapes in bench/gemv_sweep.py on the H200 (16 x 1024 was
 # 0-6% faster on 8192^2, 1-19% slower on one expert; bench/results/gemv-h200-cudacore.md);
 # launch.py gives rows of fewer than two K tiles (wq_b, K=1024) 32 x 256 tiles. At M = 4 an
 # earlier GEMV measured 1.3-3x slower than planes (every decoded weight is multiplied four times on
 # CUDA cores), so M >= 2 stays on tensor cores.
-# On sm_90, 2 <= M <= 8 runs "mma" (triton_kernels.weight_only_mma_kernel: each warp streams 8 rows
+# On sm_90, 2 <= M <= 8 runs "mma" (triton_gemv.weight_only_mma_kernel: each warp streams 8 rows
 # of W through mma.sync fed lane by lane, no tiles, no shared memory in the loop): 8 rows x 8 warps
 # (K in up to 8 shares of at least four 128-K chunks: 4 on expert_w2), code words two chunks ahead
 # (num_stages), was the best over the two expert shapes in bench/gemv_sweep.py on the H200,

@@ -17,15 +17,13 @@ from dsv4convert.kernels.operands import FP8_BLOCK, QuantizedWeight, quantized_w
 from dsv4convert.kernels.samples import random_activations, random_weight
 from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels.triton_fp8_gemm import act_quant_kernel, fp8_block_gemm_kernel
+from dsv4convert.kernels.triton_gemv import MMA_CHUNK_K, weight_only_gemv_kernel, weight_only_mma_kernel
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
-    MMA_CHUNK_K,
     dequant_4bit_kernel,
     dequant_fp8_kernel,
     weight_only_gemm_kernel,
-    weight_only_gemv_kernel,
     weight_only_halves_kernel,
-    weight_only_mma_kernel,
     weight_only_planes_kernel,
 )
 
