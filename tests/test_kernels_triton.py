@@ -217,14 +217,16 @@ def test_asm_decode_matches_the_triton_decode(fmt, group, cfg, monkeypatch):
         assert torch.equal(with_asm, portable)
 
 
+@pytest.mark.parametrize("cfg", [configs.GemmConfig(1, 16, 256, num_warps=4, num_stages=1, variant="gemv"),
+                                 configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=2, variant="mma")],
+                         ids=lambda cfg: cfg.variant)
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-def test_gemv_reads_int4_scales_of_every_float_dtype(scale_dtype):
-    # compressed-tensors may store INT4 scales as FP16 or FP32: the GEMV's PTX loads each dtype itself.
+def test_gemvs_read_int4_scales_of_every_float_dtype(scale_dtype, cfg):
+    # compressed-tensors may store INT4 scales as FP16 or FP32: both GEMVs' PTX loads each dtype itself.
     packed, scale = _weight("int4", 32, "ue8m0", 40, 1024, seed=24)
     weight = quantized_weight("int4", (packed, scale.to(scale_dtype)))
     x = random_activations(3, 1024, device=DEVICE, generator=_generator(25))
     offsets = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
-    cfg = configs.GemmConfig(1, 16, 256, num_warps=4, num_stages=1, variant="gemv")
     y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
 
@@ -254,6 +256,17 @@ def test_mma_takes_tokens_in_eights_and_refuses_what_it_cannot_tile():
     short = quantized_weight("nvfp4", _weight("nvfp4", 16, "ue8m0", 40, 512, seed=30))
     with pytest.raises(DSV4Error, match="multiple of 1024"):
         launch.grouped_gemm(short, x[:, :512], offsets[:2], cfg=cfg)
+
+
+def test_both_gemvs_pick_their_ptx_by_format_and_scale_dtype():
+    from dsv4convert.kernels.triton_gemv import _GEMV_WORD_DOT_VARIANTS, word_dot_variant
+
+    assert _GEMV_WORD_DOT_VARIANTS[word_dot_variant("int4", "bfloat16")] == ("int4", "bf16")
+    assert _GEMV_WORD_DOT_VARIANTS[word_dot_variant("int4", "float32")] == ("int4", "f32")
+    assert _GEMV_WORD_DOT_VARIANTS[word_dot_variant("nvfp4", "float8_e4m3fn")] == ("nvfp4", "e4m3")
+    assert _GEMV_WORD_DOT_VARIANTS[word_dot_variant("mxfp4", "uint8")] == ("mxfp4", "e8m0")
+    with pytest.raises(KeyError):  # no PTX loads FP64 scales
+        word_dot_variant("int4", "float64")
 
 
 def test_mma_fits_its_k_shares_or_hands_over_to_the_next_entry():

@@ -17,7 +17,7 @@ from dsv4convert.kernels.operands import FP8_BLOCK, QuantizedWeight, quantized_w
 from dsv4convert.kernels.samples import random_activations, random_weight
 from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels.triton_fp8_gemm import act_quant_kernel, fp8_block_gemm_kernel
-from dsv4convert.kernels.triton_gemv import MMA_CHUNK_K, weight_only_gemv_kernel, weight_only_mma_kernel
+from dsv4convert.kernels.triton_gemv import MMA_CHUNK_K, weight_only_gemv_kernel, weight_only_mma_kernel, word_dot_variant
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
     dequant_4bit_kernel,
@@ -210,21 +210,22 @@ def _launch_weight_only(weight: QuantizedWeight, x: torch.Tensor, offsets: torch
             x = x.clone()
         word_args = (x, codes, weight.scale, global_scale, y, offsets, n, k, x.stride(0), codes.stride(0),
                      codes.stride(1), weight.scale.stride(0), weight.scale.stride(1), y.stride(0))
+        word_kwargs = dict(FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group, ASM_DECODE=asm_decode_runs_on(weight.device),
+                           VARIANT=word_dot_variant(weight.fmt, str(weight.scale.dtype).removeprefix("torch.")))
         if cfg.variant == "gemv":
             weight_only_gemv_kernel[grid](
-                *word_args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
+                *word_args, **word_kwargs,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-                ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         else:
-            shares = cfg.num_warps // (cfg.block_n // 8)
+            shares = _mma_k_shares(cfg)
             if k % (MMA_CHUNK_K * shares) or codes.data_ptr() % 16:
                 raise DSV4Error(f"{cfg} needs K a multiple of {MMA_CHUNK_K * shares} and 16-byte aligned code words "
                                 f"(K={k}, code words at byte {codes.data_ptr() % 16} of 16)")
             weight_only_mma_kernel[grid](
-                *word_args, FMT=FORMAT_CODES[weight.fmt], GROUP=weight.group,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WARPS=cfg.num_warps, AHEAD=cfg.num_stages,
-                ASM_DECODE=asm_decode_runs_on(weight.device), num_warps=cfg.num_warps, num_stages=1,
+                *word_args, **word_kwargs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WARPS=cfg.num_warps,
+                AHEAD=cfg.num_stages, num_warps=cfg.num_warps, num_stages=1,
             )
     elif cfg.variant == "halves":
         weight_only_halves_kernel[grid](
@@ -269,7 +270,7 @@ def _config_passes(fmt: str, group: int, cfg: GemmConfig, device: torch.device) 
     block_k = FP8_BLOCK if fmt == "fp8_block" else max(cfg.block_k, group)
     n, k = 2 * cfg.block_n, 2 * cfg.split_k * block_k
     if cfg.variant == "mma":  # two chunks per K share
-        k = 2 * MMA_CHUNK_K * cfg.num_warps // (cfg.block_n // 8)
+        k = 2 * MMA_CHUNK_K * _mma_k_shares(cfg)
     tensors = random_weight(fmt, n, k, experts=2, group_size=group, device=device, generator=generator)
     weight = quantized_weight(fmt, tensors)
     rows = (cfg.block_m + 3, 1)
@@ -345,12 +346,16 @@ def _fit_mma(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig | None:
     if weight.k % MMA_CHUNK_K or weight.codes.data_ptr() % 16 or \
             weight.experts * weight.n * weight.k >= MMA_MAX_WEIGHTS:
         return None
-    row_groups = cfg.block_n // 8
-    shares = cfg.num_warps // row_groups
+    shares = _mma_k_shares(cfg)
     chunks = weight.k // MMA_CHUNK_K
     while shares > 1 and (chunks % shares or chunks // shares < 4):
         shares //= 2
-    return dataclasses.replace(cfg, num_warps=row_groups * shares)
+    return dataclasses.replace(cfg, num_warps=cfg.block_n // 8 * shares)
+
+
+def _mma_k_shares(cfg: GemmConfig) -> int:
+    """The tensor-core GEMV's warps are ``block_n / 8`` row groups times this many K shares."""
+    return cfg.num_warps // (cfg.block_n // 8)
 
 
 def checked_config(weight: QuantizedWeight, max_rows: int) -> GemmConfig:

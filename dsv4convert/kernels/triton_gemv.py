@@ -16,7 +16,6 @@ import triton.language as tl
 from dsv4convert.kernels.triton_kernels import (
     _PTX_CONSTANTS,
     FMT_INT4,
-    FMT_MXFP4,
     FMT_NVFP4,
     FORMAT_CODES,
     NVFP4_ASM_SCALE_SHIFT,
@@ -76,6 +75,15 @@ def _ptx_shift(out: str, source: str, bits: int) -> str:
 _GEMV_PLANE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 # The word-dot PTX's variants, by index: (format, scale dtype); INT4 scales may be any float dtype.
 _GEMV_WORD_DOT_VARIANTS = (("int4", "bf16"), ("int4", "f16"), ("int4", "f32"), ("mxfp4", "e8m0"), ("nvfp4", "e4m3"))
+_WORD_DOT_VARIANT_COUNT = tl.constexpr(len(_GEMV_WORD_DOT_VARIANTS))
+_INT4_SCALE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def word_dot_variant(fmt: str, scale_dtype: str) -> int:
+    """Both GEMVs' PTX variant for a format and its scale dtype (torch's name, e.g. ``"bfloat16"``):
+    its index in ``_GEMV_WORD_DOT_VARIANTS``, passed to the kernels as ``VARIANT``."""
+    scale = {"mxfp4": "e8m0", "nvfp4": "e4m3"}.get(fmt) or _INT4_SCALE_NAMES[scale_dtype]
+    return _GEMV_WORD_DOT_VARIANTS.index((fmt, scale))
 
 
 def _gemv_word_dot_asm(fmt: int, scale: str) -> str:
@@ -128,19 +136,8 @@ _ASM_WORD_DOT = tl.constexpr(tuple(_gemv_word_dot_asm(FORMAT_CODES[fmt], scale) 
 
 
 @triton.jit
-def _gemv_word_dots_asm(words, x_addresses, s_addresses, FMT: tl.constexpr):
-    """:func:`_gemv_word_dot_asm` on every code word, its PTX picked by format and scale dtype."""
-    # VARIANT indexes _GEMV_WORD_DOT_VARIANTS
-    if FMT == FMT_MXFP4:
-        VARIANT: tl.constexpr = 3
-    elif FMT == FMT_NVFP4:
-        VARIANT: tl.constexpr = 4
-    elif s_addresses.dtype.element_ty == tl.bfloat16:
-        VARIANT: tl.constexpr = 0
-    elif s_addresses.dtype.element_ty == tl.float16:
-        VARIANT: tl.constexpr = 1
-    else:
-        VARIANT: tl.constexpr = 2
+def _gemv_word_dots_asm(words, x_addresses, s_addresses, VARIANT: tl.constexpr):
+    """:func:`_gemv_word_dot_asm` on every code word, its PTX picked by :func:`word_dot_variant`."""
     return tl.inline_asm_elementwise(_ASM_WORD_DOT[VARIANT], "=r,r,l,l",
                                      [words, x_addresses.to(tl.int64, bitcast=True),
                                       s_addresses.to(tl.int64, bitcast=True)],
@@ -193,7 +190,7 @@ def _gemv_words(w_rows, kw, k_words, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
 @triton.jit
 def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                             stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                            FMT: tl.constexpr, GROUP: tl.constexpr,
+                            FMT: tl.constexpr, GROUP: tl.constexpr, VARIANT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             EVEN_K: tl.constexpr, ASM_DECODE: tl.constexpr = False):
     """Weight-only GEMV on CUDA cores, one token per program: every program owns ``BLOCK_N`` whole rows of W.
@@ -231,7 +228,7 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
                 index = tl.minimum(index, k_words - 1)
             s_addresses = s_rows + index // (GROUP // 8)
             if ASM_DECODE:
-                dots = _gemv_word_dots_asm(words, x_row + 8 * index, s_addresses, FMT)
+                dots = _gemv_word_dots_asm(words, x_row + 8 * index, s_addresses, VARIANT)
             else:
                 dots = _gemv_word_dots_portable(words, x_row, s_addresses, index, k_ok, FMT, BLOCK_N, WORDS)
             if not EVEN_K:
@@ -285,8 +282,8 @@ def _mma_scale_ptx(scale: str, register: str, address: str) -> list[str]:
 def _mma_chunk_asm(fmt: int, scale: str, token_rows: int) -> str:
     """Inline PTX for one lane's share of a 128-K chunk: ``$0..$3 = C + A @ B`` over its four code words.
 
-    ``$8..$11`` C (FP32), ``$12..$15`` the four code words, ``$16`` the address of the next chunk's
-    words (loaded here into ``$4..$7``, one chunk ahead), ``$17``/``$18`` the activations of
+    ``$8..$11`` C (FP32), ``$12..$15`` the four code words, ``$16`` the address of a later chunk's
+    words (loaded here into ``$4..$7``, one or two chunks ahead), ``$17``/``$18`` the activations of
     tokens g and g+8 at this lane's first word (a word's eight BF16 in one 16-byte load; with one
     token row, A's rows g+8 are zero), ``$19`` the group scale of row g. The weights are decoded
     as the halves kernel's (``_ptx_pair_decode``) and multiplied by the scale as BF16 pairs, so
@@ -330,21 +327,11 @@ _ASM_MMA_CHUNK = tl.constexpr(tuple(_mma_chunk_asm(FORMAT_CODES[fmt], scale, row
 
 @triton.jit
 def _mma_chunk(acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_next, x_lo, x_hi, s_address,
-               FMT: tl.constexpr, TOKEN_ROWS: tl.constexpr):
-    """:func:`_mma_chunk_asm` for one chunk, its PTX picked by format, scale dtype and token rows."""
-    # VARIANT indexes _ASM_MMA_CHUNK: _GEMV_WORD_DOT_VARIANTS' index, plus its length (5) for two token rows
-    if FMT == FMT_MXFP4:
-        VARIANT: tl.constexpr = 3 + 5 * (TOKEN_ROWS - 1)
-    elif FMT == FMT_NVFP4:
-        VARIANT: tl.constexpr = 4 + 5 * (TOKEN_ROWS - 1)
-    elif s_address.dtype.element_ty == tl.bfloat16:
-        VARIANT: tl.constexpr = 0 + 5 * (TOKEN_ROWS - 1)
-    elif s_address.dtype.element_ty == tl.float16:
-        VARIANT: tl.constexpr = 1 + 5 * (TOKEN_ROWS - 1)
-    else:
-        VARIANT: tl.constexpr = 2 + 5 * (TOKEN_ROWS - 1)
+               VARIANT: tl.constexpr, TOKEN_ROWS: tl.constexpr):
+    """:func:`_mma_chunk_asm` for one chunk: :func:`word_dot_variant`'s PTX for one or two token rows."""
+    INDEX: tl.constexpr = VARIANT + _WORD_DOT_VARIANT_COUNT * (TOKEN_ROWS - 1)
     return tl.inline_asm_elementwise(
-        _ASM_MMA_CHUNK[VARIANT], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,l,l,l,l",
+        _ASM_MMA_CHUNK[INDEX], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,l,l,l,l",
         [acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_next.to(tl.int64, bitcast=True), x_lo.to(tl.int64, bitcast=True),
          x_hi.to(tl.int64, bitcast=True), s_address.to(tl.int64, bitcast=True)],
         dtype=(tl.float32,) * 4 + (tl.int32,) * 4, is_pure=False, pack=1)
@@ -389,8 +376,9 @@ def _mma_portable_rows(acc_lo, acc_hi, w_row, s_row, x_lo, x_hi, kk, FMT: tl.con
 @triton.jit
 def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                           FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           WARPS: tl.constexpr, AHEAD: tl.constexpr = 1, ASM_DECODE: tl.constexpr = False):
+                           FMT: tl.constexpr, GROUP: tl.constexpr, VARIANT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, WARPS: tl.constexpr, AHEAD: tl.constexpr = 1,
+                           ASM_DECODE: tl.constexpr = False):
     """Weight-only GEMM for M <= 16 on tensor cores without tiles: each warp streams 8 rows of W.
 
     A program owns ``BLOCK_N`` rows of W and up to 16 tokens (the MMA's m). Its ``WARPS`` warps
@@ -411,9 +399,10 @@ def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
     THREADS: tl.constexpr = 32 * WARPS
     expert, row0, row_end, rm, rn = _expert_tile(offsets_ptr, N, BLOCK_M, BLOCK_N)
     if row0 < row_end:
+        first_row = tl.min(rn, axis=0)
         index = tl.arange(0, THREADS)
         lane = index % 32
-        group_n0 = tl.min(rn, axis=0) + 8 * ((index // 32) % ROW_GROUPS)  # this warp's first row
+        group_n0 = first_row + 8 * ((index // 32) % ROW_GROUPS)  # this warp's first row
         share = index // (32 * ROW_GROUPS)
         g = lane // 4
         t = lane % 4
@@ -441,7 +430,7 @@ def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                 ahead = word + step * tl.minimum(AHEAD, chunks - 1 - i)
                 acc0, acc1, acc2, acc3, n0, n1, n2, n3 = _mma_chunk(
                     acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_row + ahead, x_ptr + tok_lo * stride_xm + 8 * word,
-                    x_ptr + tok_hi * stride_xm + 8 * word, s_row + (8 * word) // GROUP, FMT, TOKEN_ROWS)
+                    x_ptr + tok_hi * stride_xm + 8 * word, s_row + (8 * word) // GROUP, VARIANT, TOKEN_ROWS)
                 if AHEAD == 2:
                     w0, w1, w2, w3 = v0, v1, v2, v3
                     v0, v1, v2, v3 = n0, n1, n2, n3
@@ -472,7 +461,7 @@ def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
             c0, c1, c2, c3 = c0 * factor, c1 * factor, c2 * factor, c3 * factor
         j = tl.arange(0, 32 * ROW_GROUPS)
         token = row0 + (j % 32) // 4
-        col = tl.min(rn, axis=0) + 8 * (j // 32) + 2 * (j % 4)
+        col = first_row + 8 * (j // 32) + 2 * (j % 4)
         y_lo = y_ptr + token * stride_ym + col
         _store_cast(y_lo, c0, (token < row_end) & (col < N))
         _store_cast(y_lo + 1, c1, (token < row_end) & (col + 1 < N))
