@@ -166,8 +166,9 @@ SPLIT_K_CASES = {
     "halves": (64, 128, ((512, 2, "halves"), (384, 2, "halves"), (384, 1, "halves"))),
     "planes": (64, 128, ((512, 2, "planes_xperm"), (384, 2, "planes"), (256, 1, "planes"))),
     "gemv": (32, 256, ((512, 1, "gemv"), (384, 1, "gemv"))),
-    # two row groups x two K shares of 128-wide chunks (4 warps): K=512 two chunks per share, K=256 one
-    "mma": (16, 128, ((512, 1, "mma"), (256, 1, "mma"))),
+    # two row groups of 16 x two K shares of 128-wide chunks (4 warps), 16 tokens (two B operands):
+    # K=512 two chunks per share, K=256 one
+    "mma": (32, 128, ((512, 1, "mma"), (256, 1, "mma"))),
 }
 
 
@@ -194,8 +195,8 @@ def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, kernel):
     configs.GemmConfig(16, 128, 256, split_k=1, num_warps=8, num_stages=3, variant="planes"),
     configs.GemmConfig(16, 128, 256, split_k=2, num_warps=8, num_stages=3, variant="planes_xperm"),
     configs.GemmConfig(1, 16, 1024, split_k=1, num_warps=4, num_stages=1, variant="gemv"),
-    configs.GemmConfig(8, 8, 128, split_k=1, num_warps=8, num_stages=2, variant="mma"),
-    configs.GemmConfig(16, 16, 128, split_k=1, num_warps=4, num_stages=1, variant="mma"),
+    configs.GemmConfig(8, 16, 128, split_k=1, num_warps=8, num_stages=2, variant="mma"),
+    configs.GemmConfig(16, 32, 128, split_k=1, num_warps=4, num_stages=1, variant="mma"),
 ], ids=lambda cfg: f"{cfg.variant}-m{cfg.block_m}")
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32)])
 def test_asm_decode_matches_the_triton_decode(fmt, group, cfg, monkeypatch):
@@ -218,7 +219,7 @@ def test_asm_decode_matches_the_triton_decode(fmt, group, cfg, monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", [configs.GemmConfig(1, 16, 256, num_warps=4, num_stages=1, variant="gemv"),
-                                 configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=2, variant="mma")],
+                                 configs.GemmConfig(8, 16, 128, num_warps=8, num_stages=2, variant="mma")],
                          ids=lambda cfg: cfg.variant)
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_gemvs_read_int4_scales_of_every_float_dtype(scale_dtype, cfg):
@@ -245,11 +246,11 @@ def test_gemv_takes_activations_at_any_address():
 
 
 def test_mma_takes_tokens_in_eights_and_refuses_what_it_cannot_tile():
-    # BLOCK_M = 8 fills only A's rows g (tokens 0-7 of a tile); 11 tokens need a second row tile.
+    # BLOCK_M = 8 fills one B operand (tokens 0-7 of a tile); 11 tokens need a second token tile.
     weight = quantized_weight("nvfp4", _weight("nvfp4", 16, "ue8m0", 40, 1024, experts=2, seed=28))
     x = random_activations(14, 1024, device=DEVICE, generator=_generator(29))
     offsets = torch.tensor([0, 11, 14], dtype=torch.int32, device=DEVICE)
-    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=2, variant="mma")
+    cfg = configs.GemmConfig(8, 16, 128, num_warps=8, num_stages=2, variant="mma")
     y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
     # eight K shares of 128-wide chunks do not divide K=512: an error, not a partial sum
@@ -269,27 +270,34 @@ def test_both_gemvs_pick_their_ptx_by_format_and_scale_dtype():
         word_dot_variant("int4", "float64")
 
 
-def test_mma_fits_its_k_shares_or_hands_over_to_the_next_entry():
-    cfg = configs.GemmConfig(8, 8, 128, num_warps=8, num_stages=2, variant="mma")
-    expert = quantized_weight("int4", _weight("int4", 128, "ue8m0", 2048, 4096))
-    assert launch._fit_mma(cfg, expert) == cfg
-    # K=2048: 16 chunks, at least four per share
-    down = quantized_weight("int4", _weight("int4", 128, "ue8m0", 4096, 2048))
-    assert launch._fit_mma(cfg, down) == dataclasses.replace(cfg, num_warps=4)
-    # K=384: three chunks, so one share of 8 rows: one warp
-    ragged = quantized_weight("int4", _weight("int4", 128, "ue8m0", 64, 384))
-    assert launch._fit_mma(cfg, ragged) == dataclasses.replace(cfg, num_warps=1)
-    # K not a multiple of 128, or a matrix of 2^25 weights: not served
+def test_mma_fits_its_k_shares_and_rows_or_hands_over_to_the_next_entry():
+    cfg = configs.GemmConfig(8, 16, 128, num_warps=8, num_stages=2, variant="mma")
+    fit = lambda n, k, experts=1, tile=cfg: launch._fit_mma(  # noqa: E731
+        tile, quantized_weight("int4", _weight("int4", 128, "ue8m0", n, k, experts=experts)))
+    # one expert, K=4096: 32 chunks in 8 shares of 16 rows (8 warps, 1024 in the launch)
+    assert fit(2048, 4096) == cfg
+    # K=2048: 16 chunks, at least four per share; programs keep 4 warps
+    assert fit(4096, 2048) == dataclasses.replace(cfg, num_warps=4)
+    # K=1024 over 2048 row groups (wq_b): 2 shares would make 4096 warps, so 32 rows x 2 shares
+    assert fit(32768, 1024) == dataclasses.replace(cfg, block_n=32, num_warps=4)
+    # K=384: three chunks, so one share: 4 row groups of 16 per program
+    assert fit(64, 384) == dataclasses.replace(cfg, block_n=64, num_warps=4)
+    # stacked experts: 2048 row groups take 2 shares (32 rows per program), 4096 take one (64 rows)
+    assert fit(512, 2048, experts=64) == dataclasses.replace(cfg, block_n=32, num_warps=4)
+    assert fit(1024, 1024, experts=64) == dataclasses.replace(cfg, block_n=64, num_warps=4)
+    # K not a multiple of 128: not served
     assert launch._fit_mma(cfg, quantized_weight("int4", _weight("int4", 32, "ue8m0", 64, 160))) is None
-    big = quantized_weight("int4", _weight("int4", 128, "ue8m0", 8192, 4096))
-    assert launch._fit_mma(cfg, big) is None
-    # nor a grouped launch of that many weights (the planes kernel's tiles serve it better)
-    stacked = quantized_weight("int4", _weight("int4", 128, "ue8m0", 1024, 2048, experts=16))
-    assert launch._fit_mma(cfg, stacked) is None
+    # 16 tokens per tile: one expert is served, a launch of 2^25 weights runs the planes kernel
+    wide = dataclasses.replace(cfg, block_m=16)
+    assert fit(2048, 4096, tile=wide) == wide
+    assert fit(8192, 4096, tile=wide) is None
+    assert fit(8192, 4096) is not None
     table = [entry for _, entry in configs.GEMM_TABLES["weight_only"]["sm_90"]]
-    mma = next(entry for entry in table if entry.variant == "mma")
-    assert configs.next_gemm_config("weight_only", "sm_90", mma) == table[table.index(mma) + 1]
-    assert configs.next_gemm_config("weight_only", "sm_90", mma).variant == "planes"
+    mma = [entry for entry in table if entry.variant == "mma"]
+    assert [entry.block_m for entry in mma] == [8, 16]
+    assert configs.gemm_config("weight_only", "sm_90", 16) == mma[1]
+    assert configs.next_gemm_config("weight_only", "sm_90", mma[0]) == mma[1]
+    assert configs.next_gemm_config("weight_only", "sm_90", mma[1]).variant == "planes"
 
 
 def test_split_k_is_reduced_when_the_grid_fills_the_gpu():

@@ -42,16 +42,15 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # launch.py gives rows of fewer than two K tiles (wq_b, K=1024) 32 x 256 tiles. At M = 4 an
 # earlier GEMV measured 1.3-3x slower than planes (every decoded weight is multiplied four times on
 # CUDA cores), so M >= 2 stays on tensor cores.
-# On sm_90, 2 <= M <= 8 runs "mma" (triton_gemv.weight_only_mma_kernel: each warp streams 8 rows
-# of W through mma.sync fed lane by lane, no tiles, no shared memory in the loop): 8 rows x 8 warps
-# (K in up to 8 shares of at least four 128-K chunks: 4 on expert_w2), code words two chunks ahead
-# (num_stages), was the best over the two expert shapes in bench/gemv_sweep.py on the H200,
-# 1.1-1.4x faster than planes at M=4 and 8 (bench/results/mma-h200.md). On matrices of 2^25 weights or more
-# (wq_b, 8192^2) it was 0.6-1.1x planes at M=4, and at M=16 0.3-1.0x (each 8-row program re-reads
-# all the activations from L2); over 64 stacked experts at 8 tokens each (validate's grouped
-# launch) 0.5x. So launch.py gives launches of 2^25 weights or more, and rows whose K is not a
-# multiple of 128, the next entry.
-
+# On sm_90, 2 <= M <= 16 runs "mma" (triton_gemv.weight_only_mma_kernel: each warp streams 16 rows
+# of W as the A operand of mma.sync, 8 or 16 tokens as B, fed lane by lane: no tiles, no shared
+# memory in the loop); launch._fit_mma sizes its K shares and rows per program to the launch, and
+# the code words are loaded two chunks ahead (num_stages). On the H200 (bench/results/mma-h200-rows.md,
+# side by side with the earlier kernel, whose warps took 8 rows of W as B and tokens as A): at
+# M = 4-8 1.14-1.42x faster than planes on 8192^2 and wq_b, and 1.2-1.3x on E2M1 over 64 stacked
+# experts at 8 tokens each (INT4 0.97-0.99x there); on one expert 0.93-1.04x the earlier kernel,
+# which it replaces. At M = 16 it serves launches under 2^25 weights (one expert: 1.04-1.19x
+# planes); bigger ones run planes (0.56-1.02x there, 0.62-0.85x over 64 experts).
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -88,7 +87,8 @@ GemmTable = tuple[tuple[int, GemmConfig], ...]
 _WEIGHT_ONLY: dict[str, GemmTable] = {
     "sm_90": (
         (1, GemmConfig(1, 8, 1024, split_k=1, num_warps=4, num_stages=1, variant="gemv")),
-        (8, GemmConfig(8, 8, 128, split_k=1, num_warps=8, num_stages=2, variant="mma")),
+        (8, GemmConfig(8, 16, 128, split_k=1, num_warps=8, num_stages=2, variant="mma")),
+        (16, GemmConfig(16, 16, 128, split_k=1, num_warps=8, num_stages=2, variant="mma")),
         (16, GemmConfig(16, 128, 256, split_k=8, num_warps=8, num_stages=3, variant="planes")),
         (64, GemmConfig(64, 64, 128, split_k=2, num_warps=4, num_stages=4)),
         (1 << 62, GemmConfig(128, 128, 64, split_k=1, num_warps=8, num_stages=4)),

@@ -17,7 +17,8 @@ from dsv4convert.kernels.operands import FP8_BLOCK, QuantizedWeight, quantized_w
 from dsv4convert.kernels.samples import random_activations, random_weight
 from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels.triton_fp8_gemm import act_quant_kernel, fp8_block_gemm_kernel
-from dsv4convert.kernels.triton_gemv import MMA_CHUNK_K, weight_only_gemv_kernel, weight_only_mma_kernel, word_dot_variant
+from dsv4convert.kernels.triton_gemv import (MMA_CHUNK_K, MMA_ROWS, weight_only_gemv_kernel, weight_only_mma_kernel,
+                                              word_dot_variant)
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
     dequant_4bit_kernel,
@@ -333,29 +334,40 @@ def _fit_gemv(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig:
     return cfg
 
 
-MMA_MAX_WEIGHTS = 1 << 25  # per launch (all its experts); bigger ones run the next table entry (configs.py)
+MMA_MAX_WEIGHTS = 1 << 25  # per launch (all its experts) with 16 tokens per tile; bigger ones run the next entry
+MMA_TARGET_WARPS = 4096  # K shares are halved while the launch would have more warps than this
 
 
 def _fit_mma(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig | None:
-    """Fit the tensor-core GEMV: as many K shares (of ``num_warps``) as divide K's 128-wide chunks
-    and leave each at least four (on the H200 expert_w2, 16 chunks, ran 8-10% faster in 4 shares
-    than in 8, with its code words two chunks ahead);
-    ``None`` where it does not serve: K not a multiple of 128, code words off a 16-byte boundary
-    (its PTX loads four at once), or ``MMA_MAX_WEIGHTS`` weights or more in the launch: one big matrix,
-    or a grouped launch over experts (on the H200 64 experts at 8 tokens each took 221 us, planes 110)."""
-    if weight.k % MMA_CHUNK_K or weight.codes.data_ptr() % 16 or \
-            weight.experts * weight.n * weight.k >= MMA_MAX_WEIGHTS:
+    """Fit the tensor-core GEMV: K shares and rows per program for this launch's size, or ``None``
+    where it does not serve.
+
+    Each warp takes 16 rows; up to 8 K shares of the 128-wide chunks, halved while they do not
+    divide the chunks, leave fewer than four per share, or put more than ``MMA_TARGET_WARPS`` warps
+    in the launch. Programs are 4 warps (more rows per program) unless there are 8 shares. On the
+    H200 this picks what was fastest in bench/results/mma-h200-rows.json: 16 rows x 8 shares on
+    one expert and 8192^2, 32 rows x 2 shares on wq_b (K=1024), 64 rows x 1 share over 64 stacked
+    experts. ``None``: K not a multiple of 128, code words off a 16-byte boundary (its PTX loads four
+    at once), or, at 16 tokens per tile, ``MMA_MAX_WEIGHTS`` weights or more in the launch (one big
+    matrix, a grouped launch: there the planes kernel's tiles re-read the activations less and were
+    1.0-1.8x faster).
+    """
+    if weight.k % MMA_CHUNK_K or weight.codes.data_ptr() % 16:
         return None
-    shares = _mma_k_shares(cfg)
+    if cfg.block_m > 8 and weight.experts * weight.n * weight.k >= MMA_MAX_WEIGHTS:
+        return None
     chunks = weight.k // MMA_CHUNK_K
-    while shares > 1 and (chunks % shares or chunks // shares < 4):
+    row_groups = weight.experts * triton.cdiv(weight.n, MMA_ROWS)
+    shares = 8
+    while shares > 1 and (chunks % shares or chunks // shares < 4 or row_groups * shares > MMA_TARGET_WARPS):
         shares //= 2
-    return dataclasses.replace(cfg, num_warps=cfg.block_n // 8 * shares)
+    warps = max(4, shares)
+    return dataclasses.replace(cfg, block_n=MMA_ROWS * warps // shares, num_warps=warps)
 
 
 def _mma_k_shares(cfg: GemmConfig) -> int:
-    """The tensor-core GEMV's warps are ``block_n / 8`` row groups times this many K shares."""
-    return cfg.num_warps // (cfg.block_n // 8)
+    """The tensor-core GEMV's warps are ``block_n / 16`` row groups times this many K shares."""
+    return cfg.num_warps // (cfg.block_n // MMA_ROWS)
 
 
 def checked_config(weight: QuantizedWeight, max_rows: int) -> GemmConfig:

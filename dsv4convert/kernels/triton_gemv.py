@@ -1,7 +1,7 @@
 """The small-batch weight-only GEMVs: whole code words per lane, no tiles (imported with Triton only).
 
 ``weight_only_gemv_kernel`` (M = 1) runs on CUDA cores, one inline-PTX block per int32 code word;
-``weight_only_mma_kernel`` (2 <= M <= 8 in the sm_90 table) feeds ``mma.sync`` lane by lane.
+``weight_only_mma_kernel`` (2 <= M <= 16 in the sm_90 table) feeds ``mma.sync`` lane by lane.
 Both read code words and activations in 16-byte loads and keep every operand in the lane that
 loaded it. They share the formats' decode conventions and helpers with ``triton_kernels``.
 """
@@ -245,15 +245,17 @@ def weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K
 # ---- Tensor-core GEMV: mma.sync fed lane by lane (M <= 16) ------------------------------------
 #
 # mma.sync.m16n8k16 (BF16 in, FP32 accumulate) puts lane 4g + t's operands at fixed places:
-# B[k][n] for n = g and k in {2t, 2t+1, 2t+8, 2t+9}, A[m][k] for m in {g, g+8} and the same k,
-# C[m][n] for m in {g, g+8} and n in {2t, 2t+1}. The kernel gives each lane whole code words of
-# W row g: lane 4g + t holds words 4t..4t+3 of a 16-word (128-K) chunk, and for each word feeds
-# two MMAs, nibbles (0,2 | 1,3) and (4,6 | 5,7) in the k slots 2t,2t+1 | 2t+8,2t+9. Which K a
-# slot holds depends on t only, so A, loaded by every lane for its own tokens g and g+8, lines up
-# with B for all eight rows at once: no data moves between lanes, and one MMA multiplies 128
-# weights by up to 16 tokens. A dot product does not depend on the order of its K, so the MMA's
-# k slots need not be K order.
+# A[m][k] for m in {g, g+8} and k in {2t, 2t+1, 2t+8, 2t+9}, B[k][n] for n = g and the same k,
+# C[m][n] for m in {g, g+8} and n in {2t, 2t+1}. The kernel makes W the A operand: lane 4g + t
+# holds whole code words of W rows g and g+8 (words 4t..4t+3 of each row's 16-word, 128-K chunk)
+# and, for each word, feeds two MMAs with nibbles (0,2 | 1,3) and (4,6 | 5,7) in the k slots
+# 2t,2t+1 | 2t+8,2t+9. Which K a slot holds depends on t only, so B, the same K positions of token
+# g's activations loaded by the lane itself, lines up with A for all 16 rows at once: no data
+# moves between lanes, and one MMA multiplies 256 weights by up to 8 tokens (a second B, tokens
+# g+8, reuses the decoded A for 16). A dot product does not depend on the order of its K, so the
+# MMA's k slots need not be K order.
 MMA_CHUNK_K = 128  # K per warp step: 4 lanes x 4 words x 8 nibbles
+MMA_ROWS = 16  # rows of W per warp: the MMA's m
 _CHUNK_K = tl.constexpr(MMA_CHUNK_K)
 
 
@@ -279,62 +281,82 @@ def _mma_scale_ptx(scale: str, register: str, address: str) -> list[str]:
     return lines + [f"mov.b32 {register}, {{sb, sb}};"]
 
 
-def _mma_chunk_asm(fmt: int, scale: str, token_rows: int) -> str:
-    """Inline PTX for one lane's share of a 128-K chunk: ``$0..$3 = C + A @ B`` over its four code words.
+def _mma_chunk_asm(fmt: int, scale: str, token_cols: int) -> str:
+    """Inline PTX for one lane's share of a 128-K chunk of rows g and g+8: ``C += A @ B`` over its eight code words.
 
-    ``$8..$11`` C (FP32), ``$12..$15`` the four code words, ``$16`` the address of a later chunk's
-    words (loaded here into ``$4..$7``, one or two chunks ahead), ``$17``/``$18`` the activations of
-    tokens g and g+8 at this lane's first word (a word's eight BF16 in one 16-byte load; with one
-    token row, A's rows g+8 are zero), ``$19`` the group scale of row g. The weights are decoded
-    as the halves kernel's (``_ptx_pair_decode``) and multiplied by the scale as BF16 pairs, so
-    (code * scale) rounds once to BF16, as a serving kernel's dequantized weights do.
+    Operands, with ``c = 4 * token_cols`` accumulators: ``$0..$(c-1)`` C out (FP32; tokens 2t, 2t+1,
+    then 2t+8, 2t+9), the next eight code words out (rows g then g+8); then C in, the four code
+    words of row g and of row g+8, the addresses of a later chunk's words of both rows (loaded here,
+    one or two chunks ahead), of tokens g's (and g+8's) activations at this lane's first word (a
+    word's eight BF16 in one 16-byte load) and of the group scales of rows g and g+8. The weights
+    are decoded as the halves kernel's (``_ptx_pair_decode``) and multiplied by their scale as BF16
+    pairs, so (code * scale) rounds once to BF16, as a serving kernel's dequantized weights do.
     """
-    lines = [".reg .b32 xa, xb, xc, xd, ya, yb, yc, yd, a0, a1, a2, a3, b0, b1, t, u, s2, s2b, one, off, big, nz;",
-             ".reg .b32 c0, c1, c2, c3, n0, n1, n2, n3;", ".reg .b16 sb, hb;", ".reg .f32 f;", ".reg .pred zero, nan;",
-             *_PTX_CONSTANTS,
+    c = 4 * token_cols
+    w_lo, w_hi = 2 * c + 8, 2 * c + 12  # operand numbers of the two rows' code words
+    next_lo, next_hi, x_lo, x_hi, s_lo, s_hi = (f"${2 * c + 16 + i}" for i in range(6))
+    lines = [".reg .b32 xa, xb, xc, xd, ya, yb, yc, yd, a0, a1, a2, a3, b0, b1, e0, e1, t, th, u;",
+             ".reg .b32 sl, slb, sh, shb, one, off, big, nz;", f".reg .b32 c<{c}>, n<8>;", ".reg .b16 sb, hb;",
+             ".reg .f32 f;", ".reg .pred zero, nan;", *_PTX_CONSTANTS,
              # into temporaries: an output may share a register with an input (the loop-carried words do)
-             "ld.global.nc.v4.b32 {n0, n1, n2, n3}, [$16];",
-             "mov.b32 c0, $8;", "mov.b32 c1, $9;", "mov.b32 c2, $10;", "mov.b32 c3, $11;"]
-    lines += _mma_scale_ptx(scale, "s2", "$19")
+             f"ld.global.nc.v4.b32 {{n0, n1, n2, n3}}, [{next_lo}];", f"ld.global.nc.v4.b32 {{n4, n5, n6, n7}}, [{next_hi}];",
+             *(f"mov.b32 c{i}, ${c + 8 + i};" for i in range(c))]
+    lines += _mma_scale_ptx(scale, "sl", s_lo) + _mma_scale_ptx(scale, "sh", s_hi)
     if scale == "e4m3":  # GROUP 16: words 2-3 of the lane's four are the next group
-        lines += _mma_scale_ptx(scale, "s2b", "$19+1")
-    if token_rows == 1:
-        lines += ["mov.b32 a1, 0;", "mov.b32 a3, 0;"]
+        lines += _mma_scale_ptx(scale, "slb", f"{s_lo}+1") + _mma_scale_ptx(scale, "shb", f"{s_hi}+1")
     for word in range(4):
-        lines.append(f"ld.global.nc.v4.b32 {{xa, xb, xc, xd}}, [$17+{16 * word}];")
-        if token_rows == 2:
-            lines.append(f"ld.global.nc.v4.b32 {{ya, yb, yc, yd}}, [$18+{16 * word}];")
-        lines.append(f"prmt.b32 t, ${12 + word}, ${12 + word}, 0x3120;")  # bytes (0, 2, 1, 3), as _decode_asm
-        group_scale = "s2b" if scale == "e4m3" and word >= 2 else "s2"
-        for half, (x_lo, x_hi, y_lo, y_hi) in enumerate((("xa", "xb", "ya", "yb"), ("xc", "xd", "yc", "yd"))):
-            for operand, shift in (("b0", 8 * half), ("b1", 8 * half + 4)):
-                lines += [f"shr.u32 u, t, {shift};", *_ptx_pair_decode(fmt), f"fma.rn.bf16x2 {operand}, u, {group_scale}, nz;"]
-            lines += [f"prmt.b32 a0, {x_lo}, {x_hi}, 0x5410;", f"prmt.b32 a2, {x_lo}, {x_hi}, 0x7632;"]
-            if token_rows == 2:
-                lines += [f"prmt.b32 a1, {y_lo}, {y_hi}, 0x5410;", f"prmt.b32 a3, {y_lo}, {y_hi}, 0x7632;"]
-            lines.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                         "{c0, c1, c2, c3}, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3};")
-    lines += ["mov.b32 $0, c0;", "mov.b32 $1, c1;", "mov.b32 $2, c2;", "mov.b32 $3, c3;",
-              "mov.b32 $4, n0;", "mov.b32 $5, n1;", "mov.b32 $6, n2;", "mov.b32 $7, n3;"]
+        lines.append(f"ld.global.nc.v4.b32 {{xa, xb, xc, xd}}, [{x_lo}+{16 * word}];")
+        if token_cols == 2:
+            lines.append(f"ld.global.nc.v4.b32 {{ya, yb, yc, yd}}, [{x_hi}+{16 * word}];")
+        lines += [f"prmt.b32 t, ${w_lo + word}, ${w_lo + word}, 0x3120;",  # bytes (0, 2, 1, 3), as _decode_asm
+                  f"prmt.b32 th, ${w_hi + word}, ${w_hi + word}, 0x3120;"]
+        lo_scale, hi_scale = ("slb", "shb") if scale == "e4m3" and word >= 2 else ("sl", "sh")
+        for half, (x0, x1, y0, y1) in enumerate((("xa", "xb", "ya", "yb"), ("xc", "xd", "yc", "yd"))):
+            for operand, source, shift, group_scale in (("a0", "t", 8 * half, lo_scale), ("a2", "t", 8 * half + 4, lo_scale),
+                                                        ("a1", "th", 8 * half, hi_scale), ("a3", "th", 8 * half + 4, hi_scale)):
+                lines += [f"shr.u32 u, {source}, {shift};", *_ptx_pair_decode(fmt),
+                          f"fma.rn.bf16x2 {operand}, u, {group_scale}, nz;"]
+            lines += [f"prmt.b32 b0, {x0}, {x1}, 0x5410;", f"prmt.b32 b1, {x0}, {x1}, 0x7632;"]
+            if token_cols == 2:
+                lines += [f"prmt.b32 e0, {y0}, {y1}, 0x5410;", f"prmt.b32 e1, {y0}, {y1}, 0x7632;"]
+            for col, b in enumerate(("{b0, b1}", "{e0, e1}")[:token_cols]):
+                acc = "{" + ", ".join(f"c{4 * col + i}" for i in range(4)) + "}"
+                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {acc}, {{a0, a1, a2, a3}}, {b}, {acc};")
+    lines += [f"mov.b32 ${i}, c{i};" for i in range(c)] + [f"mov.b32 ${c + i}, n{i};" for i in range(8)]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-# The chunk PTX's variants: _GEMV_WORD_DOT_VARIANTS' (format, scale dtype), for one token row (M <= 8),
-# then the same for two (M <= 16).
-_ASM_MMA_CHUNK = tl.constexpr(tuple(_mma_chunk_asm(FORMAT_CODES[fmt], scale, rows)
-                                    for rows in (1, 2) for fmt, scale in _GEMV_WORD_DOT_VARIANTS))
+# The chunk PTX's variants: _GEMV_WORD_DOT_VARIANTS' (format, scale dtype), for one token column of B
+# (M <= 8), then the same for two (M <= 16).
+_ASM_MMA_CHUNK = tl.constexpr(tuple(_mma_chunk_asm(FORMAT_CODES[fmt], scale, cols)
+                                    for cols in (1, 2) for fmt, scale in _GEMV_WORD_DOT_VARIANTS))
+# Its operands' constraints, by token columns: C and the next words out, C, the words and six addresses in.
+_MMA_CONSTRAINTS = tl.constexpr(tuple("=r," * (4 * cols + 8) + "r," * (4 * cols + 8) + "l,l,l,l,l,l" for cols in (1, 2)))
 
 
 @triton.jit
-def _mma_chunk(acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_next, x_lo, x_hi, s_address,
-               VARIANT: tl.constexpr, TOKEN_ROWS: tl.constexpr):
-    """:func:`_mma_chunk_asm` for one chunk: :func:`word_dot_variant`'s PTX for one or two token rows."""
-    INDEX: tl.constexpr = VARIANT + _WORD_DOT_VARIANT_COUNT * (TOKEN_ROWS - 1)
-    return tl.inline_asm_elementwise(
-        _ASM_MMA_CHUNK[INDEX], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,l,l,l,l",
-        [acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_next.to(tl.int64, bitcast=True), x_lo.to(tl.int64, bitcast=True),
-         x_hi.to(tl.int64, bitcast=True), s_address.to(tl.int64, bitcast=True)],
-        dtype=(tl.float32,) * 4 + (tl.int32,) * 4, is_pure=False, pack=1)
+def _mma_chunk(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3,
+               lo_next, hi_next, x_lo, x_hi, s_lo, s_hi, VARIANT: tl.constexpr, TOKEN_COLS: tl.constexpr):
+    """:func:`_mma_chunk_asm` for one chunk: :func:`word_dot_variant`'s PTX for one or two token columns.
+
+    Returns the eight accumulators (the last four unchanged with one column) and the next code words.
+    """
+    INDEX: tl.constexpr = VARIANT + _WORD_DOT_VARIANT_COUNT * (TOKEN_COLS - 1)
+    lo_next, hi_next = lo_next.to(tl.int64, bitcast=True), hi_next.to(tl.int64, bitcast=True)
+    x_lo, x_hi = x_lo.to(tl.int64, bitcast=True), x_hi.to(tl.int64, bitcast=True)
+    s_lo, s_hi = s_lo.to(tl.int64, bitcast=True), s_hi.to(tl.int64, bitcast=True)
+    if TOKEN_COLS == 1:
+        acc0, acc1, acc2, acc3, n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            _ASM_MMA_CHUNK[INDEX], _MMA_CONSTRAINTS[0],
+            [acc0, acc1, acc2, acc3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, lo_next, hi_next, x_lo, x_hi, s_lo, s_hi],
+            dtype=(tl.float32,) * 4 + (tl.int32,) * 8, is_pure=False, pack=1)
+    else:
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            _ASM_MMA_CHUNK[INDEX], _MMA_CONSTRAINTS[1],
+            [acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, lo_next, hi_next,
+             x_lo, x_hi, s_lo, s_hi],
+            dtype=(tl.float32,) * 8 + (tl.int32,) * 8, is_pure=False, pack=1)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, n0, n1, n2, n3, n4, n5, n6, n7
 
 
 @triton.jit
@@ -358,8 +380,8 @@ def _mma_load_words(address):
 
 
 @triton.jit
-def _mma_portable_rows(acc_lo, acc_hi, w_row, s_row, x_lo, x_hi, kk, FMT: tl.constexpr, GROUP: tl.constexpr):
-    """What the MMAs add to one C column (W row ``w_row``) for the K indices ``kk`` ``[T, 128]``, in Triton."""
+def _mma_portable_rows(acc_a, acc_b, w_row, s_row, x_a, x_b, kk, FMT: tl.constexpr, GROUP: tl.constexpr):
+    """What the MMAs add to two C entries of one W row (tokens ``x_a``, ``x_b``) for the K indices ``kk`` ``[T, 128]``."""
     words = tl.load(w_row[:, None] + kk // 8)
     nibble = (words >> (4 * (kk % 8))) & 0xF
     if FMT == FMT_INT4:
@@ -368,9 +390,24 @@ def _mma_portable_rows(acc_lo, acc_hi, w_row, s_row, x_lo, x_hi, kk, FMT: tl.con
         values = _e2m1_to_f32(nibble)
     # (code * scale) rounded to BF16, as the PTX's pair arithmetic does
     values = _round_to_bf16(values * _scale_values(s_row[:, None] + kk // GROUP, kk >= 0, FMT))
-    acc_lo += tl.sum(x_lo * values, axis=1)
-    acc_hi += tl.sum(x_hi * values, axis=1)
-    return acc_lo, acc_hi
+    acc_a += tl.sum(x_a * values, axis=1)
+    acc_b += tl.sum(x_b * values, axis=1)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _mma_store(y_ptrs, acc0, acc1, acc2, acc3, token, row, row_end, N, stride_ym, factor,
+               SHARES: tl.constexpr, ROW_GROUPS: tl.constexpr):
+    """Sum the K shares' C registers (tokens ``token``, +1 x rows ``row``, +8) and store them."""
+    # Element j of the row groups' lanes (j = 32 x group + lane) holds the same outputs in every K share.
+    c0 = tl.sum(tl.reshape(acc0, (SHARES, 32 * ROW_GROUPS)), axis=0) * factor
+    c1 = tl.sum(tl.reshape(acc1, (SHARES, 32 * ROW_GROUPS)), axis=0) * factor
+    c2 = tl.sum(tl.reshape(acc2, (SHARES, 32 * ROW_GROUPS)), axis=0) * factor
+    c3 = tl.sum(tl.reshape(acc3, (SHARES, 32 * ROW_GROUPS)), axis=0) * factor
+    _store_cast(y_ptrs, c0, (token < row_end) & (row < N))
+    _store_cast(y_ptrs + stride_ym, c1, (token + 1 < row_end) & (row < N))
+    _store_cast(y_ptrs + 8, c2, (token < row_end) & (row + 8 < N))
+    _store_cast(y_ptrs + stride_ym + 8, c3, (token + 1 < row_end) & (row + 8 < N))
 
 
 @triton.jit
@@ -379,21 +416,21 @@ def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
                            FMT: tl.constexpr, GROUP: tl.constexpr, VARIANT: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, WARPS: tl.constexpr, AHEAD: tl.constexpr = 1,
                            ASM_DECODE: tl.constexpr = False):
-    """Weight-only GEMM for M <= 16 on tensor cores without tiles: each warp streams 8 rows of W.
+    """Weight-only GEMM for M <= 16 on tensor cores without tiles: each warp streams 16 rows of W.
 
-    A program owns ``BLOCK_N`` rows of W and up to 16 tokens (the MMA's m). Its ``WARPS`` warps
-    are ``BLOCK_N / 8`` row groups (the MMA's n; they read the same activations, which L1 then
-    serves once) times K shares that take 128-K chunks in turn; the shares' FP32 sums meet in one
-    reduction at the end. No lane ever exchanges operands and nothing is staged through shared
-    memory in the loop (see the note above ``MMA_CHUNK_K``). Code words are loaded ``AHEAD``
-    chunks ahead (the config's ``num_stages``). Needs K a multiple of 128 x the K shares and 16-byte aligned rows (the launcher
-    checks). Compiled on sm_90/sm_120 the chunk is :func:`_mma_chunk_asm`; elsewhere each element
-    computes the same sums in Triton.
+    A program owns ``BLOCK_N`` rows of W and 8 or 16 tokens (one or two B operands of 8 tokens,
+    sharing each decoded A). Its ``WARPS`` warps are ``BLOCK_N / 16`` row groups (the MMA's m) times
+    K shares that take 128-K chunks in turn; the shares' FP32 sums meet in one reduction at the
+    end. No lane ever exchanges operands and nothing is staged through shared memory in the loop
+    (see the note above ``MMA_CHUNK_K``). Code words are loaded ``AHEAD`` chunks ahead (the
+    config's ``num_stages``). Needs K a multiple of 128 x the K shares and 16-byte aligned rows (the
+    launcher checks). Compiled on sm_90/sm_120 the chunk is :func:`_mma_chunk_asm`; elsewhere each
+    element computes the same sums in Triton.
     """
-    tl.static_assert(BLOCK_M == 8 or BLOCK_M == 16, "A holds tokens g (and g + 8)")
+    tl.static_assert(BLOCK_M == 8 or BLOCK_M == 16, "B holds tokens g (and g + 8)")
     tl.static_assert(AHEAD == 1 or AHEAD == 2, "code words are loaded one or two chunks ahead")
-    TOKEN_ROWS: tl.constexpr = BLOCK_M // 8
-    ROW_GROUPS: tl.constexpr = BLOCK_N // 8
+    TOKEN_COLS: tl.constexpr = BLOCK_M // 8
+    ROW_GROUPS: tl.constexpr = BLOCK_N // 16
     SHARES: tl.constexpr = WARPS // ROW_GROUPS
     tl.static_assert(ROW_GROUPS * SHARES == WARPS, "the warps are row groups x K shares")
     THREADS: tl.constexpr = 32 * WARPS
@@ -402,70 +439,79 @@ def weight_only_mma_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, offsets_ptr, N, K,
         first_row = tl.min(rn, axis=0)
         index = tl.arange(0, THREADS)
         lane = index % 32
-        group_n0 = first_row + 8 * ((index // 32) % ROW_GROUPS)  # this warp's first row
+        row_g = first_row + 16 * ((index // 32) % ROW_GROUPS) + lane // 4  # this lane's rows: g and g + 8
         share = index // (32 * ROW_GROUPS)
-        g = lane // 4
         t = lane % 4
-        tok_lo = tl.minimum(row0 + g, row_end - 1)
-        tok_hi = tl.minimum(row0 + g + 8, row_end - 1)
         chunks = K // (_CHUNK_K * SHARES)  # per warp
         # this lane's first word: chunk ``share``, words 4t..4t+3
         word = share * (_CHUNK_K // 8) + 4 * t
         step = SHARES * (_CHUNK_K // 8)
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
+        w_lo = w_base + tl.minimum(row_g, N - 1) * stride_wn
+        w_hi = w_base + tl.minimum(row_g + 8, N - 1) * stride_wn
+        s_lo = s_base + tl.minimum(row_g, N - 1) * stride_sn
+        s_hi = s_base + tl.minimum(row_g + 8, N - 1) * stride_sn
         acc0 = tl.zeros((THREADS,), dtype=tl.float32)
         acc1 = tl.zeros((THREADS,), dtype=tl.float32)
         acc2 = tl.zeros((THREADS,), dtype=tl.float32)
         acc3 = tl.zeros((THREADS,), dtype=tl.float32)
+        acc4 = tl.zeros((THREADS,), dtype=tl.float32)
+        acc5 = tl.zeros((THREADS,), dtype=tl.float32)
+        acc6 = tl.zeros((THREADS,), dtype=tl.float32)
+        acc7 = tl.zeros((THREADS,), dtype=tl.float32)
         if ASM_DECODE:
             acc0 += _mma_lane_guard(index)
-            w_row = w_base + tl.minimum(group_n0 + g, N - 1) * stride_wn
-            s_row = s_base + tl.minimum(group_n0 + g, N - 1) * stride_sn
-            w0, w1, w2, w3 = _mma_load_words(w_row + word)
+            g = lane // 4
+            x_lo = x_ptr + tl.minimum(row0 + g, row_end - 1) * stride_xm  # B's token columns g and g + 8
+            x_hi = x_ptr + tl.minimum(row0 + g + 8, row_end - 1) * stride_xm
+            lo0, lo1, lo2, lo3 = _mma_load_words(w_lo + word)
+            hi0, hi1, hi2, hi3 = _mma_load_words(w_hi + word)
             if AHEAD == 2:
-                v0, v1, v2, v3 = _mma_load_words(w_row + tl.where(chunks > 1, word + step, word))
+                second = tl.where(chunks > 1, word + step, word)
+                lo4, lo5, lo6, lo7 = _mma_load_words(w_lo + second)
+                hi4, hi5, hi6, hi7 = _mma_load_words(w_hi + second)
             for i in range(chunks):
                 # the chunk AHEAD steps on (the last one again at the end): its words arrive while these are used
                 ahead = word + step * tl.minimum(AHEAD, chunks - 1 - i)
-                acc0, acc1, acc2, acc3, n0, n1, n2, n3 = _mma_chunk(
-                    acc0, acc1, acc2, acc3, w0, w1, w2, w3, w_row + ahead, x_ptr + tok_lo * stride_xm + 8 * word,
-                    x_ptr + tok_hi * stride_xm + 8 * word, s_row + (8 * word) // GROUP, VARIANT, TOKEN_ROWS)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, n0, n1, n2, n3, n4, n5, n6, n7 = _mma_chunk(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3,
+                    w_lo + ahead, w_hi + ahead, x_lo + 8 * word, x_hi + 8 * word, s_lo + (8 * word) // GROUP,
+                    s_hi + (8 * word) // GROUP, VARIANT, TOKEN_COLS)
                 if AHEAD == 2:
-                    w0, w1, w2, w3 = v0, v1, v2, v3
-                    v0, v1, v2, v3 = n0, n1, n2, n3
+                    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = lo4, lo5, lo6, lo7, hi4, hi5, hi6, hi7
+                    lo4, lo5, lo6, lo7, hi4, hi5, hi6, hi7 = n0, n1, n2, n3, n4, n5, n6, n7
                 else:
-                    w0, w1, w2, w3 = n0, n1, n2, n3
+                    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = n0, n1, n2, n3, n4, n5, n6, n7
                 word += step
         else:
-            # Element ``index`` sums what lane ``index``'s C registers hold: tokens g, g+8 x rows 2t, 2t+1.
-            w_even = w_base + tl.minimum(group_n0 + 2 * t, N - 1) * stride_wn
-            w_odd = w_base + tl.minimum(group_n0 + 2 * t + 1, N - 1) * stride_wn
-            s_even = s_base + tl.minimum(group_n0 + 2 * t, N - 1) * stride_sn
-            s_odd = s_base + tl.minimum(group_n0 + 2 * t + 1, N - 1) * stride_sn
+            # Element ``index`` sums what lane ``index``'s C registers hold: rows g, g+8 x tokens 2t, 2t+1 (+8).
+            token = row0 + 2 * t
+            x_a = x_ptr + tl.minimum(token, row_end - 1)[:, None] * stride_xm
+            x_b = x_ptr + tl.minimum(token + 1, row_end - 1)[:, None] * stride_xm
+            x_c = x_ptr + tl.minimum(token + 8, row_end - 1)[:, None] * stride_xm
+            x_d = x_ptr + tl.minimum(token + 9, row_end - 1)[:, None] * stride_xm
             for i in range(chunks):
                 kk = (i * SHARES + share)[:, None] * _CHUNK_K + tl.arange(0, _CHUNK_K)[None, :]
-                x_lo = tl.load(x_ptr + tok_lo[:, None] * stride_xm + kk).to(tl.float32)
-                x_hi = tl.load(x_ptr + tok_hi[:, None] * stride_xm + kk).to(tl.float32)
-                acc0, acc2 = _mma_portable_rows(acc0, acc2, w_even, s_even, x_lo, x_hi, kk, FMT, GROUP)
-                acc1, acc3 = _mma_portable_rows(acc1, acc3, w_odd, s_odd, x_lo, x_hi, kk, FMT, GROUP)
-        # Element j of the row groups' lanes (j = 32 x group + lane) holds the same outputs in every K share.
-        c0 = tl.sum(tl.reshape(acc0, (SHARES, 32 * ROW_GROUPS)), axis=0)
-        c1 = tl.sum(tl.reshape(acc1, (SHARES, 32 * ROW_GROUPS)), axis=0)
-        c2 = tl.sum(tl.reshape(acc2, (SHARES, 32 * ROW_GROUPS)), axis=0)
-        c3 = tl.sum(tl.reshape(acc3, (SHARES, 32 * ROW_GROUPS)), axis=0)
+                xa = tl.load(x_a + kk).to(tl.float32)
+                xb = tl.load(x_b + kk).to(tl.float32)
+                acc0, acc1 = _mma_portable_rows(acc0, acc1, w_lo, s_lo, xa, xb, kk, FMT, GROUP)
+                acc2, acc3 = _mma_portable_rows(acc2, acc3, w_hi, s_hi, xa, xb, kk, FMT, GROUP)
+                if TOKEN_COLS == 2:
+                    xc = tl.load(x_c + kk).to(tl.float32)
+                    xd = tl.load(x_d + kk).to(tl.float32)
+                    acc4, acc5 = _mma_portable_rows(acc4, acc5, w_lo, s_lo, xc, xd, kk, FMT, GROUP)
+                    acc6, acc7 = _mma_portable_rows(acc6, acc7, w_hi, s_hi, xc, xd, kk, FMT, GROUP)
+        factor = 1.0
         if FMT == FMT_NVFP4:
             factor = tl.load(g_ptr + expert)
             if ASM_DECODE:
                 factor = factor * (2.0 ** (126 - NVFP4_ASM_SCALE_SHIFT))
-            c0, c1, c2, c3 = c0 * factor, c1 * factor, c2 * factor, c3 * factor
         j = tl.arange(0, 32 * ROW_GROUPS)
-        token = row0 + (j % 32) // 4
-        col = first_row + 8 * (j // 32) + 2 * (j % 4)
-        y_lo = y_ptr + token * stride_ym + col
-        _store_cast(y_lo, c0, (token < row_end) & (col < N))
-        _store_cast(y_lo + 1, c1, (token < row_end) & (col + 1 < N))
-        if TOKEN_ROWS == 2:
-            y_hi = y_lo + 8 * stride_ym
-            _store_cast(y_hi, c2, (token + 8 < row_end) & (col < N))
-            _store_cast(y_hi + 1, c3, (token + 8 < row_end) & (col + 1 < N))
+        row = first_row + 16 * (j // 32) + (j % 32) // 4
+        token = row0 + 2 * (j % 4)
+        y_ptrs = y_ptr + token * stride_ym + row
+        _mma_store(y_ptrs, acc0, acc1, acc2, acc3, token, row, row_end, N, stride_ym, factor, SHARES, ROW_GROUPS)
+        if TOKEN_COLS == 2:
+            _mma_store(y_ptrs + 8 * stride_ym, acc4, acc5, acc6, acc7, token + 8, row, row_end, N, stride_ym, factor,
+                       SHARES, ROW_GROUPS)
