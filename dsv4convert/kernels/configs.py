@@ -28,7 +28,8 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # "halves" decodes four code bytes per inline-PTX block (launch.asm_decode_runs_on): on the H200
 # 15-20% faster for E2M1 on the large matrices, within 5% for INT4 and on one expert. The sm_120
 # entry is sized by calculation (no such GPU here): ~80 KB estimated, 34 KB as compiled, of 99 KB.
-# On sm_90, M <= 16 runs "planes" (triton_kernels.weight_only_planes_kernel: whole int32 code words
+# On sm_90, what the GEMVs below do not serve at M <= 16 (a launch of 2^25 weights or more at 9-16
+# tokens, K not a multiple of 128) runs "planes" (triton_kernels.weight_only_planes_kernel: whole int32 code words
 # decoded per nibble plane, one dot per K tile, split-K reduced inside the launch); 128x256 tiles
 # with 8 warps were the best single choice over the four shapes in bench/gemv_sweep.py on the
 # H200 (on 8192^2 INT4 a 64x512 tile with 4 warps was 16% slower at M=1 and 42% slower at M=16,
@@ -45,12 +46,12 @@ SHARED_MEMORY_LIMIT = {"sm_90": 227 * 1024, "sm_120": 99 * 1024, "fallback": 99 
 # On sm_90, 2 <= M <= 16 runs "mma" (triton_gemv.weight_only_mma_kernel: each warp streams 16 rows
 # of W as the A operand of mma.sync, 8 or 16 tokens as B, fed lane by lane: no tiles, no shared
 # memory in the loop); launch._fit_mma sizes its K shares and rows per program to the launch, and
-# the code words are loaded two chunks ahead (num_stages). On the H200 (bench/results/mma-h200-rows.md,
-# side by side with the earlier kernel, whose warps took 8 rows of W as B and tokens as A): at
-# M = 4-8 1.14-1.42x faster than planes on 8192^2 and wq_b, and 1.2-1.3x on E2M1 over 64 stacked
-# experts at 8 tokens each (INT4 0.97-0.99x there); on one expert 0.93-1.04x the earlier kernel,
-# which it replaces. At M = 16 it serves launches under 2^25 weights (one expert: 1.04-1.19x
-# planes); bigger ones run planes (0.56-1.02x there, 0.62-0.85x over 64 experts).
+# the code words are loaded two chunks ahead (num_stages). On the H200 (bench/results/mma-rows-h200.md,
+# side by side with the earlier kernel, whose warps took 8 rows of W as B and the tokens as A): at
+# M = 4-8 1.06-1.41x faster than planes on 8192^2 and wq_b; over 64 stacked experts at 8 tokens
+# each 1.19-1.22x for E2M1, 0.93x for INT4; on one expert 0.90-1.01x the earlier kernel, which it
+# replaces. At M = 16 it serves launches under 2^25 weights (one expert: 1.04-1.21x planes);
+# bigger ones run planes (the prototype was 0.56-1.02x planes there, 0.62-0.85x over 64 experts).
 
 @dataclass(frozen=True)
 class GemmConfig:

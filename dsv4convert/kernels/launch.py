@@ -345,7 +345,7 @@ def _fit_mma(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig | None:
     Each warp takes 16 rows; up to 8 K shares of the 128-wide chunks, halved while they do not
     divide the chunks, leave fewer than four per share, or put more than ``MMA_TARGET_WARPS`` warps
     in the launch. Programs are 4 warps (more rows per program) unless there are 8 shares. On the
-    H200 this picks what was fastest in bench/results/mma-h200-rows.json: 16 rows x 8 shares on
+    H200 this picks what was fastest in bench/results/mma-rows-h200-prototype.json: 16 rows x 8 shares on
     one expert and 8192^2, 32 rows x 2 shares on wq_b (K=1024), 64 rows x 1 share over 64 stacked
     experts. ``None``: K not a multiple of 128, code words off a 16-byte boundary (its PTX loads four
     at once), or, at 16 tokens per tile, ``MMA_MAX_WEIGHTS`` weights or more in the launch (one big
