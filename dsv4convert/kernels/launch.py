@@ -342,7 +342,7 @@ def _fit_mma(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig | None:
     """Fit the tensor-core GEMV: K shares and rows per program for this launch's size, or ``None``
     where it does not serve.
 
-    Each warp takes 16 rows; up to 8 K shares of the 128-wide chunks, halved while they do not
+    Each warp takes 16 rows; the table entry's K shares (8) of the 128-wide chunks, halved while they do not
     divide the chunks, leave fewer than four per share, or put more than ``MMA_TARGET_WARPS`` warps
     in the launch. Programs are 4 warps (more rows per program) unless there are 8 shares. On the
     H200 this picks what was fastest in bench/results/mma-rows-h200-prototype.json: 16 rows x 8 shares on
@@ -358,7 +358,7 @@ def _fit_mma(cfg: GemmConfig, weight: QuantizedWeight) -> GemmConfig | None:
         return None
     chunks = weight.k // MMA_CHUNK_K
     row_groups = weight.experts * triton.cdiv(weight.n, MMA_ROWS)
-    shares = 8
+    shares = _mma_k_shares(cfg)
     while shares > 1 and (chunks % shares or chunks // shares < 4 or row_groups * shares > MMA_TARGET_WARPS):
         shares //= 2
     warps = max(4, shares)

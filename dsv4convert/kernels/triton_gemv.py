@@ -299,7 +299,8 @@ def _mma_chunk_asm(fmt: int, scale: str, token_cols: int) -> str:
              ".reg .b32 sl, slb, sh, shb, one, off, big, nz;", f".reg .b32 c<{c}>, n<8>;", ".reg .b16 sb, hb;",
              ".reg .f32 f;", ".reg .pred zero, nan;", *_PTX_CONSTANTS,
              # into temporaries: an output may share a register with an input (the loop-carried words do)
-             f"ld.global.nc.v4.b32 {{n0, n1, n2, n3}}, [{next_lo}];", f"ld.global.nc.v4.b32 {{n4, n5, n6, n7}}, [{next_hi}];",
+             f"ld.global.nc.v4.b32 {{n0, n1, n2, n3}}, [{next_lo}];",
+             f"ld.global.nc.v4.b32 {{n4, n5, n6, n7}}, [{next_hi}];",
              *(f"mov.b32 c{i}, ${c + 8 + i};" for i in range(c))]
     lines += _mma_scale_ptx(scale, "sl", s_lo) + _mma_scale_ptx(scale, "sh", s_hi)
     if scale == "e4m3":  # GROUP 16: words 2-3 of the lane's four are the next group
@@ -312,8 +313,10 @@ def _mma_chunk_asm(fmt: int, scale: str, token_cols: int) -> str:
                   f"prmt.b32 th, ${w_hi + word}, ${w_hi + word}, 0x3120;"]
         lo_scale, hi_scale = ("slb", "shb") if scale == "e4m3" and word >= 2 else ("sl", "sh")
         for half, (x0, x1, y0, y1) in enumerate((("xa", "xb", "ya", "yb"), ("xc", "xd", "yc", "yd"))):
-            for operand, source, shift, group_scale in (("a0", "t", 8 * half, lo_scale), ("a2", "t", 8 * half + 4, lo_scale),
-                                                        ("a1", "th", 8 * half, hi_scale), ("a3", "th", 8 * half + 4, hi_scale)):
+            # A: rows g (a0, a2) and g + 8 (a1, a3), k slots 2t,2t+1 (a0, a1) and 2t+8,2t+9 (a2, a3)
+            for operand, source, shift, group_scale in (
+                    ("a0", "t", 8 * half, lo_scale), ("a2", "t", 8 * half + 4, lo_scale),
+                    ("a1", "th", 8 * half, hi_scale), ("a3", "th", 8 * half + 4, hi_scale)):
                 lines += [f"shr.u32 u, {source}, {shift};", *_ptx_pair_decode(fmt),
                           f"fma.rn.bf16x2 {operand}, u, {group_scale}, nz;"]
             lines += [f"prmt.b32 b0, {x0}, {x1}, 0x5410;", f"prmt.b32 b1, {x0}, {x1}, 0x7632;"]
@@ -321,7 +324,8 @@ def _mma_chunk_asm(fmt: int, scale: str, token_cols: int) -> str:
                 lines += [f"prmt.b32 e0, {y0}, {y1}, 0x5410;", f"prmt.b32 e1, {y0}, {y1}, 0x7632;"]
             for col, b in enumerate(("{b0, b1}", "{e0, e1}")[:token_cols]):
                 acc = "{" + ", ".join(f"c{4 * col + i}" for i in range(4)) + "}"
-                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {acc}, {{a0, a1, a2, a3}}, {b}, {acc};")
+                lines.append(
+                    f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {acc}, {{a0, a1, a2, a3}}, {b}, {acc};")
     lines += [f"mov.b32 ${i}, c{i};" for i in range(c)] + [f"mov.b32 ${c + i}, n{i};" for i in range(8)]
     return "{\n" + "\n".join(lines) + "\n}"
 
@@ -331,7 +335,8 @@ def _mma_chunk_asm(fmt: int, scale: str, token_cols: int) -> str:
 _ASM_MMA_CHUNK = tl.constexpr(tuple(_mma_chunk_asm(FORMAT_CODES[fmt], scale, cols)
                                     for cols in (1, 2) for fmt, scale in _GEMV_WORD_DOT_VARIANTS))
 # Its operands' constraints, by token columns: C and the next words out, C, the words and six addresses in.
-_MMA_CONSTRAINTS = tl.constexpr(tuple("=r," * (4 * cols + 8) + "r," * (4 * cols + 8) + "l,l,l,l,l,l" for cols in (1, 2)))
+_MMA_CONSTRAINTS = tl.constexpr(tuple("=r," * (4 * cols + 8) + "r," * (4 * cols + 8) + "l,l,l,l,l,l"
+                                      for cols in (1, 2)))
 
 
 @triton.jit
@@ -381,7 +386,7 @@ def _mma_load_words(address):
 
 @triton.jit
 def _mma_portable_rows(acc_a, acc_b, w_row, s_row, x_a, x_b, kk, FMT: tl.constexpr, GROUP: tl.constexpr):
-    """What the MMAs add to two C entries of one W row (tokens ``x_a``, ``x_b``) for the K indices ``kk`` ``[T, 128]``."""
+    """What the MMAs add to two C entries of one W row (tokens ``x_a``, ``x_b``) for K indices ``kk`` ``[T, 128]``."""
     words = tl.load(w_row[:, None] + kk // 8)
     nibble = (words >> (4 * (kk % 8))) & 0xF
     if FMT == FMT_INT4:
