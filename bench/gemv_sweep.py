@@ -37,8 +37,9 @@ G = configs.GemmConfig
 
 # (BLOCK_N, BLOCK_K, warps) of the GEMV, swept on the H200 (bench/results/gemv-h200-cudacore.md).
 GEMV_TILES = ((8, 1024, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 4), (32, 512, 4), (64, 256, 4), (8, 1024, 8))
-# (rows, warps, chunks ahead) of the tensor-core GEMV, swept on the H200 (bench/results/mma-h200.md).
-MMA_TILES = ((8, 4, 1), (8, 8, 1), (8, 4, 2), (8, 8, 2), (8, 16, 2), (16, 8, 2), (32, 4, 1), (32, 8, 1), (64, 8, 1))
+# (rows, warps, chunks ahead) of the tensor-core GEMV (16 rows per warp), the tiles of its prototype
+# sweep on the H200 (bench/results/mma-rows-h200.md); launch._fit_mma picks among such tiles by size.
+MMA_TILES = ((16, 4, 2), (16, 8, 2), (16, 8, 1), (16, 16, 2), (32, 8, 2), (32, 4, 2), (64, 8, 2), (64, 4, 2))
 
 
 def candidates(m: int) -> list[configs.GemmConfig]:
