@@ -4,8 +4,8 @@ The kernel tests run in Triton's interpreter here and compiled only where a GPU 
 H200 so far), so a config that asks sm_120 for more than its 99 KB of shared memory per block, or
 spills registers, or that B200's sm_100 (which takes the H200's tables) cannot compile, would
 otherwise first fail on a user's GPU. The PTX also shows whether the M = 1 GEMV kept what makes it
-fast (no shared-memory layout conversion, 16-byte code-word loads), and the M <= 8 tensor-core
-GEMV its one chunk of eight MMAs per loop step.
+fast (no shared-memory layout conversion, 16-byte code-word loads), and the M <= 16 tensor-core
+GEMV its one chunk of eight MMAs per 8 tokens per loop step.
 """
 
 from __future__ import annotations

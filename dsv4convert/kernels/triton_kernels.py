@@ -1,7 +1,7 @@
 """The Triton kernels. Imported only when Triton is installed (see ``_runtime.triton_installed``).
 
 Here: dequantization and the tiled weight-only GEMMs (tile, halves, planes), with the decode
-helpers they share. Beside it: ``triton_gemv`` (the small-batch GEMVs, M <= 8),
+helpers they share. Beside it: ``triton_gemv`` (the small-batch GEMVs, M <= 16),
 ``triton_fp8_gemm`` (FP8 block GEMM, activation quantization) and ``triton_quantize`` (the
 converters' quantize/transcode kernels).
 
