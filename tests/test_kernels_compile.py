@@ -10,11 +10,10 @@ GEMV its one chunk of eight MMAs per 8 tokens per loop step.
 
 from __future__ import annotations
 
-import re
-
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

@@ -86,6 +86,16 @@ def word_dot_variant(fmt: str, scale_dtype: str) -> int:
     return _GEMV_WORD_DOT_VARIANTS.index((fmt, scale))
 
 
+def _e8m0_bits_ptx(out: str, mantissa_bits: int) -> list[str]:
+    """PTX: into ``out``, the bits of the float with ``mantissa_bits`` (23: FP32, 7: BF16) whose value
+    is the E8M0 byte in ``t``, as :func:`_e8m0_to_f32`: the byte is the exponent field, 0 the
+    subnormal 2^-127, 255 NaN (both GEMVs' scale PTX)."""
+    half = 1 << (mantissa_bits - 1)
+    nan = (255 << mantissa_bits) | half
+    return [f"shl.b32 {out}, t, {mantissa_bits};", "setp.eq.u32 zero, t, 0;", "setp.eq.u32 nan, t, 255;",
+            f"selp.b32 {out}, 0x{half:X}, {out}, zero;", f"selp.b32 {out}, 0x{nan:X}, {out}, nan;"]
+
+
 def _gemv_word_dot_asm(fmt: int, scale: str) -> str:
     """Inline PTX: ``$0 = scale * sum_p x[8j + p] * value(nibble p of code word $1)`` in FP32.
 
@@ -122,9 +132,8 @@ def _gemv_word_dot_asm(fmt: int, scale: str) -> str:
         "bf16": ["ld.global.nc.b16 sb, [$3];", "mov.b16 z, 0;", "mov.b32 s, {z, sb};"],
         "f16": ["ld.global.nc.b16 sb, [$3];", "cvt.f32.f16 s, sb;"],
         "f32": ["ld.global.nc.b32 s, [$3];"],
-        "e8m0": [".reg .pred zero, nan;", "ld.global.nc.u8 sb, [$3];", "cvt.u32.u16 t, sb;", "shl.b32 s, t, 23;",
-                 "setp.eq.u32 zero, t, 0;", "setp.eq.u32 nan, t, 255;", "selp.b32 s, 0x00400000, s, zero;",
-                 "selp.b32 s, 0x7FC00000, s, nan;"],  # as _e8m0_to_f32
+        "e8m0": [".reg .pred zero, nan;", "ld.global.nc.u8 sb, [$3];", "cvt.u32.u16 t, sb;",
+                 *_e8m0_bits_ptx("s", 23)],
         "e4m3": ["ld.global.nc.u8 sb, [$3];", "cvt.rn.f16x2.e4m3x2 t, sb;", "mov.b32 {lo16, hi16}, t;",
                  "cvt.f32.f16 s, lo16;"],
     }[scale]
@@ -272,9 +281,8 @@ def _mma_scale_ptx(scale: str, register: str, address: str) -> list[str]:
     elif scale == "f32":
         lines = [f"ld.global.nc.f32 f, [{address}];", "cvt.rn.bf16.f32 sb, f;"]
     elif scale == "e8m0":
-        lines = [f"ld.global.nc.u8 sb, [{address}];", "cvt.u32.u16 t, sb;", "shl.b32 u, t, 7;",
-                 "setp.eq.u32 zero, t, 0;", "setp.eq.u32 nan, t, 255;", "selp.b32 u, 0x0040, u, zero;",
-                 "selp.b32 u, 0x7FC0, u, nan;", "cvt.u16.u32 sb, u;"]
+        lines = [f"ld.global.nc.u8 sb, [{address}];", "cvt.u32.u16 t, sb;", *_e8m0_bits_ptx("u", 7),
+                 "cvt.u16.u32 sb, u;"]
     else:  # e4m3
         lines = [f"ld.global.nc.u8 sb, [{address}];", "cvt.rn.f16x2.e4m3x2 u, sb;", "mov.b32 {sb, hb}, u;",
                  "cvt.f32.f16 f, sb;", f"mul.f32 f, f, {_f32_hex(2.0 ** 118)};", "cvt.rn.bf16.f32 sb, f;"]
