@@ -154,7 +154,7 @@ def _launch_fp8_block(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.T
         SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, N_HALVES=halves,
         SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, EVEN_K=weight.k % FP8_BLOCK == 0,
         USE_TMA=x_desc is not None, RESCALE="rescale" in cfg.variant and weight.scale_is_e8m0 and halves == 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HW_ROUND=not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
