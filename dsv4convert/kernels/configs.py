@@ -122,7 +122,9 @@ _WEIGHT_ONLY: dict[str, GemmTable] = {
 # instead of 8 row tiles at a time took square_8192 from 69% to 78% of row-wise _scaled_mm,
 # expert_w2 70% -> 76%, wq_b 76% -> 84%, expert_w1_w3 66% -> 70% (its 1024 tiles are 2.6 waves
 # of 3 CTAs x 132 SMs; bench/results/kernels-h200.json, sweep). Wider or taller tiles (64x256,
-# 128x128 with 8 warps, 128x64) were slower at every shape.
+# 128x128 with 8 warps, 128x64) were slower at every shape. Session 9 rounded the outputs in
+# hardware (1.01-1.08x at M=4096, bench/results/fp8-epilogue-h200.md; now 68-98%) and swept the
+# tiles again: 64x256 (4 or 8 warps), 128x128 and 128x256 (8 warps) were 0.47-0.89x this one.
 _FP8_BLOCK: dict[str, GemmTable] = {
     "sm_90": (
         (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
