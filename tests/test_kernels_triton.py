@@ -351,6 +351,32 @@ def test_fp8_block_gemm_256_wide_tiles_ragged_n_and_k():
         assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE, cfg
 
 
+class _IntegerRounding:
+    """Launches ``kernel`` as the launcher does, but with the integer BF16 rounding (HW_ROUND=False)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **{**kwargs, "HW_ROUND": False})
+
+
+def test_fp8_block_gemm_hardware_rounding_is_the_integer_rounding(monkeypatch):
+    # Compiled, the FP8 GEMM rounds its outputs with the hardware conversion; it must give the same
+    # bits as the integer round-to-nearest-even the interpreter runs (a truncating conversion would
+    # differ in about half the outputs). The table's config at M > 64, two ragged experts.
+    if launch.interpreting():
+        pytest.skip("the hardware rounding runs compiled only (the interpreter's conversion truncates)")
+    weight = quantized_weight("fp8_block", _weight("fp8_block", 128, "ue8m0", 384, 512, experts=2, seed=24))
+    x = random_activations(200, 512, device=DEVICE, generator=_generator(25))
+    offsets = torch.tensor([0, 130, 200], dtype=torch.int32, device=DEVICE)
+    hardware = launch.grouped_gemm(weight, x, offsets)
+    monkeypatch.setattr(launch, "fp8_block_gemm_kernel", _IntegerRounding(launch.fp8_block_gemm_kernel))
+    integer = launch.grouped_gemm(weight, x, offsets)
+    assert torch.equal(_bits(hardware), _bits(integer))
+    assert _relative_error(reference.grouped_gemm(weight, x, offsets), hardware) < GEMM_TOLERANCE
+
+
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "float32"])
 def test_fp8_block_gemm_rescaled_accumulator(scale_fmt):
     # variant "rescale": with E8M0 weight scales the accumulator is rescaled between K blocks and fed
