@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4convert.kernels.triton_kernels import _e4m3_code, _e8m0_to_f32, _to_out
+from dsv4convert.kernels.triton_kernels import _e4m3_code, _e8m0_to_f32, _store_cast
 
 
 RESCALE_MIN_WEIGHT_SCALE = tl.constexpr(2.0**-40)
@@ -189,10 +189,9 @@ def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, x_d
         row_ok = (rm < row_end)[:, None]
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
         if SPLIT_K == 1:
-            tl.store(y_ptrs, _to_out(acc, y_ptr.dtype.element_ty, HW_ROUND), mask=row_ok & (rn < N)[None, :])
+            _store_cast(y_ptrs, acc, row_ok & (rn < N)[None, :], HW_ROUND)
             if N_HALVES == 2:
-                tl.store(y_ptrs + BLOCK_N, _to_out(acc_hi, y_ptr.dtype.element_ty, HW_ROUND),
-                         mask=row_ok & (rn_hi < N)[None, :])
+                _store_cast(y_ptrs + BLOCK_N, acc_hi, row_ok & (rn_hi < N)[None, :], HW_ROUND)
         else:
             tl.atomic_add(y_ptrs, acc, mask=row_ok & (rn < N)[None, :])
             if N_HALVES == 2:

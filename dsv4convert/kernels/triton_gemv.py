@@ -271,7 +271,7 @@ _CHUNK_K = tl.constexpr(MMA_CHUNK_K)
 def _mma_scale_ptx(scale: str, register: str, address: str) -> list[str]:
     """PTX: the BF16 pair (s, s) of one group scale into ``register``.
 
-    NVFP4's E4M3 scale carries 2^118, as the halves kernel's (NVFP4_ASM_SCALE_SHIFT); E8M0 is
+    NVFP4's E4M3 scale carries 2^NVFP4_ASM_SCALE_SHIFT, as the halves kernel's; E8M0 is
     built from bits as :func:`_e8m0_to_f32` (0 is the subnormal 2^-127, 255 NaN).
     """
     if scale == "bf16":
@@ -285,7 +285,7 @@ def _mma_scale_ptx(scale: str, register: str, address: str) -> list[str]:
                  "cvt.u16.u32 sb, u;"]
     else:  # e4m3
         lines = [f"ld.global.nc.u8 sb, [{address}];", "cvt.rn.f16x2.e4m3x2 u, sb;", "mov.b32 {sb, hb}, u;",
-                 "cvt.f32.f16 f, sb;", f"mul.f32 f, f, {_f32_hex(2.0 ** 118)};", "cvt.rn.bf16.f32 sb, f;"]
+                 "cvt.f32.f16 f, sb;", f"mul.f32 f, f, {_f32_hex(2.0 ** NVFP4_ASM_SCALE_SHIFT.value)};", "cvt.rn.bf16.f32 sb, f;"]
     return lines + [f"mov.b32 {register}, {{sb, sb}};"]
 
 

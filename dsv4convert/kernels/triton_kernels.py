@@ -66,15 +66,6 @@ def _round_to_bf16(value):
 
 
 @triton.jit
-def _store_cast(ptrs, value, mask):
-    """Store FP32 ``value`` in the pointer's dtype, BF16 with exact RNE."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        tl.store(ptrs, _round_to_bf16(value), mask=mask)
-    else:
-        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _to_out(value, OUT_DTYPE: tl.constexpr, HW_ROUND: tl.constexpr):
     """FP32 ``value`` in the output dtype; BF16 rounds to nearest even (a NaN stays a NaN).
 
@@ -85,6 +76,13 @@ def _to_out(value, OUT_DTYPE: tl.constexpr, HW_ROUND: tl.constexpr):
         return _round_to_bf16(value)
     else:
         return value.to(OUT_DTYPE)
+
+
+@triton.jit
+def _store_cast(ptrs, value, mask, HW_ROUND: tl.constexpr = False):
+    """Store FP32 ``value`` in the pointer's dtype as :func:`_to_out` converts it (the integer RNE
+    unless the launch passes ``HW_ROUND``: the GEMVs' and small tiles' stores are too few to matter)."""
+    tl.store(ptrs, _to_out(value, ptrs.dtype.element_ty, HW_ROUND), mask=mask)
 
 
 @triton.jit
