@@ -190,8 +190,9 @@ def _gemv_word_dots_portable(words, x_row, s_addresses, index, k_ok, FMT: tl.con
 def _gemv_words(w_rows, kw, k_words, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
     """Code words ``[1, BLOCK_N, WORDS]`` from word ``kw`` on; 0 past K."""
     offsets = kw + tl.arange(0, WORDS)
-    if EVEN_K:  # whole tiles: one condition per tile keeps the 16-byte loads (a per-word mask splits them)
-        return tl.load(w_rows + offsets[None, None, :], mask=kw < k_words, other=0)
+    if EVEN_K:  # whole tiles: one condition per tile keeps the 16-byte loads (a per-word mask splits them).
+        # Splat, not a scalar: Triton 3.9's interpreter turns a scalar mask into int32 and refuses it (the PTX is the same).
+        return tl.load(w_rows + offsets[None, None, :], mask=tl.full((1, 1, WORDS), kw, tl.int32) < k_words, other=0)
     else:
         return tl.load(w_rows + offsets[None, None, :], mask=offsets[None, None, :] < k_words, other=0)
 
