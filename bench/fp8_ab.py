@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -95,8 +94,7 @@ def main() -> None:
         return
     if args.base is None or args.out is None:
         parser.error("--base and --out are required")
-    import torch
-    import triton
+    from bench import report  # here, not at the top: the child measures the checkout on its PYTHONPATH
 
     rounds = []
     for index in range(args.rounds):
@@ -105,14 +103,8 @@ def main() -> None:
         print(f"round {index + 1}: " + ", ".join(
             f"{b['shape']} M={b['m']} {b['us']:.1f} -> {n['us']:.1f} us" for b, n in zip(rounds[-1]["base"], rounds[-1]["new"])),
             flush=True)
-    result = {"device": torch.cuda.get_device_name(0), "host": platform.node(), "torch": torch.__version__,
-              "triton": triton.__version__, "commit": os.environ.get("DSV4_COMMIT", "unknown"),
-              "base": os.environ.get("DSV4_BASE_COMMIT", str(args.base)),
-              "command": "python " + " ".join(sys.argv), "rounds": rounds}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(result, indent=1))
-    Path(f"{args.out}.md").write_text(summary(result))
-    print(summary(result))
+    result = {**report.gpu_run(), "base": os.environ.get("DSV4_BASE_COMMIT", str(args.base)), "rounds": rounds}
+    report.write(args.out, result, summary(result))
 
 
 if __name__ == "__main__":

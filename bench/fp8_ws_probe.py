@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import report  # noqa: E402
 
 SHAPE = {"m": 4096, "n": 2048, "k": 4096}  # expert_w1_w3 at M = 4096: the shape below 70% of _scaled_mm
 # (warp_specialize, block_m, num_stages): the table's tile without and with it, then cuBLAS's 128x128.
@@ -118,8 +120,6 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required")
-    import torch
-
     cases = []
     for ws, block_m, stages in CASES:
         row = {"warp_specialize": ws, "block_m": block_m, "stages": stages}
@@ -134,13 +134,8 @@ def main() -> None:
             row["outcome"] = f"hung (no result in {args.timeout} s)"
         print(json.dumps(row), flush=True)
         cases.append(row)
-    result = {"device": torch.cuda.get_device_name(0), "host": platform.node(), "torch": torch.__version__,
-              "triton": triton.__version__, "commit": os.environ.get("DSV4_COMMIT", "unknown"),
-              "command": "python " + " ".join(sys.argv), "timeout_s": args.timeout, "shape": SHAPE, "cases": cases}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(result, indent=1))
-    Path(f"{args.out}.md").write_text(summary(result))
-    print(summary(result))
+    result = {**report.gpu_run(), "timeout_s": args.timeout, "shape": SHAPE, "cases": cases}
+    report.write(args.out, result, summary(result))
 
 
 if __name__ == "__main__":
