@@ -1,17 +1,19 @@
-"""Crash torture: kill real conversions at chosen points, resume, and compare every byte.
+"""Crash torture: stop real conversions at named points, kill them there, resume, compare every byte.
 
 A conversion of the real model runs for an hour on machines that get preempted, so a kill
 at any moment must leave a destination that ``--resume`` finishes into exactly the files an
-uninterrupted run writes. This script proves it without hooks in the product:
+uninterrupted run writes. The kills land by construction, whatever the machine's speed:
 
-* ``event`` kill points: an audit hook (``sys.addaudithook``, installed by a throw-away
-  ``sitecustomize`` in the child only) SIGKILLs the conversion's whole process group right
-  before the n-th matching file operation: reading the index or a header, taking the lock,
-  opening or renaming a shard's ``.partial``, saving the resume state, writing the index...
-  The points are picked from a trace of an uninterrupted run, so they cover every phase.
-* ``watch`` kill points: a poller SIGKILLs the group once the destination shows a state,
-  e.g. a ``.partial`` holding half of its bytes (mid-write) or ``state.json`` listing k shards.
-* ``delay`` kill points: SIGKILL after a seeded random fraction of the measured run time.
+* the converter calls :func:`dsv4convert.stop_points.reach` at every phase boundary (reading
+  the index and each header, creating the destination, taking the lock, opening, writing each
+  tensor of and renaming each shard's ``.partial``, converting each module, every resume-state
+  save, every file of the finalization, releasing the lock). An uninterrupted run logs the points
+  it passes; the kill points are picked from that trace (:func:`catalogue`), on every phase;
+* the conversion is started with one point armed; the thread that reaches it reports on a FIFO
+  and blocks there; the harness then SIGKILLs the whole process group (or sends SIGTERM / Ctrl-C),
+  so the kill lands exactly at the point. A run that ends without reaching its point is a failure
+  that names the point, never a silently skipped case. No timer decides what is tested;
+  "random" points are seeded picks among all the points of the trace, mid-shard ones included.
 
 After each kill it checks that nothing under a final name is torn (every final-named file is
 byte-identical to the reference, no index before all shards), snapshots the shards the resume
@@ -24,8 +26,6 @@ must stop with a one-line message naming ``--resume``, exit 2, and resume identi
     python bench/torture.py --preset tiny --recipes nvfp4 --launcher fork --out /tmp/t.json
 
 Results go to ``bench/results/torture-<preset>.json``; ``docs/reliability.md`` has the table.
-The module imports only the standard library at top level: it also runs inside every child
-(through ``sitecustomize``) to install the kill hook.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import os
 import platform
 import random
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -45,87 +46,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KILL_ENV = "DSV4_TORTURE_KILL"
+sys.path.insert(0, str(REPO))
+from dsv4convert import stop_points  # noqa: E402  (standard library only: cheap in every child)
+
 # Files whose JSON records the wall-clock start of the run; compared without that field.
 TIMED_FILES = ("provenance.json", ".dsv4convert/state.json")
 # Files that name the destination itself (the model card's launch commands); compared with it replaced.
 PATH_FILES = ("README.md",)
 SHARD_FILE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
-
-# --------------------------------------------------------------------------- child side: the kill hook
-
-_AUDITED = ("open", "os.rename", "os.link", "os.remove", "os.mkdir", "shutil.copyfile")
-_FD_OPEN = re.compile(r"^open \d+ ")  # io.open of a descriptor, e.g. the lock file's os.fdopen
-_OS_OPEN_MODES = {os.O_RDONLY: "r", os.O_WRONLY: "w", os.O_RDWR: "r+"}
-
-
-def describe_event(event: str, args: tuple, roots: dict[str, str]) -> str | None:
-    """One line per audited file operation, with the source/destination roots shortened to SRC/DST."""
-
-    def short(path: object) -> str:
-        text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
-        for label, root in roots.items():
-            if text == root or text.startswith(root + os.sep):
-                return label + text[len(root):]
-        return text
-
-    if event == "open":  # io.open passes its mode; os.open None and its flags, shown as the same letters
-        mode = args[1] if isinstance(args[1], str) else _OS_OPEN_MODES[args[2] & os.O_ACCMODE]
-        return f"open {short(args[0])} {mode}"
-    if event == "os.rename":
-        return f"rename {short(args[0])} -> {short(args[1])}"
-    if event == "os.link":
-        return f"link {short(args[0])} -> {short(args[1])}"
-    if event == "os.remove":
-        return f"remove {short(args[0])}"
-    if event == "os.mkdir":
-        return f"mkdir {short(args[0])}"
-    if event == "shutil.copyfile":
-        return f"copy {short(args[0])} -> {short(args[1])}"
-    return None
-
-
-def install_kill_hook(spec: dict) -> None:
-    """SIGKILL this process group at the end of ``spec['steps']`` (regexes matched in order), or
-    append every event line to ``spec['log']``. Runs inside the conversion process."""
-    roots = {"DST": spec["dst"], "SRC": spec["src"]}
-    steps = [re.compile(s) for s in spec.get("steps", [])]
-    log_fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if spec.get("log") else None
-    position = [0]
-
-    def hook(event: str, args: tuple) -> None:
-        if event not in _AUDITED:
-            return
-        line = describe_event(event, args, roots)
-        if line is None:
-            return
-        if log_fd is not None and ("DST" in line or "SRC" in line or _FD_OPEN.match(line)):
-            os.write(log_fd, f"{os.getpid()} {line}\n".encode())
-        if steps and steps[position[0]].search(line):
-            position[0] += 1
-            if position[0] == len(steps):
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    sys.addaudithook(hook)
-
-
-def _sitecustomize_dir() -> Path:
-    """A directory whose sitecustomize installs the kill hook when KILL_ENV is set (children only)."""
-    directory = Path(tempfile.mkdtemp(prefix="torture-site-"))
-    (directory / "sitecustomize.py").write_text(
-        "import json, os, sys\n"
-        f"if os.environ.get({KILL_ENV!r}):\n"
-        f"    sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "    import torture\n"
-        f"    torture.install_kill_hook(json.loads(os.environ[{KILL_ENV!r}]))\n"
-    )
-    return directory
-
+# A hang guard only: a stopped or finished run answers long before; nothing is decided by it.
+STOP_WAIT_SECONDS = 600.0
 
 # --------------------------------------------------------------------------- launching conversions
 
@@ -160,21 +95,28 @@ class Run:
     def output(self) -> tuple[str, str]:
         return tuple(p.read_text(errors="replace") if p.exists() else "" for p in (self.stdout, self.stderr))
 
+    def exit_fd(self) -> int:
+        """A descriptor that turns readable when the process exits (for ``select``)."""
+        if isinstance(self.popen, _Forked):
+            return self.popen.process.sentinel
+        if not hasattr(self, "_pidfd"):
+            self._pidfd = os.pidfd_open(self.popen.pid)
+        return self._pidfd
+
 
 class Launcher:
-    """Starts ``python -m dsv4convert <argv>`` subprocesses, optionally with a kill hook or limits."""
+    """Starts ``python -m dsv4convert <argv>`` subprocesses, optionally with a stop point armed or limits."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
-        self.site = _sitecustomize_dir()
         self.count = 0
 
-    def start(self, argv: list[str], *, kill: dict | None = None, preexec: Callable[[], None] | None = None) -> Run:
+    def start(self, argv: list[str], *, stop: dict | None = None, preexec: Callable[[], None] | None = None) -> Run:
         self.count += 1
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.site), str(REPO), os.environ.get("PYTHONPATH", "")])}
-        env.pop(KILL_ENV, None)
-        if kill:
-            env[KILL_ENV] = json.dumps(kill)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env.pop(stop_points.ENV, None)
+        if stop:
+            env[stop_points.ENV] = json.dumps(stop)
         out, err = self.workdir / f"run{self.count}.out", self.workdir / f"run{self.count}.err"
 
         def prepare_child() -> None:
@@ -191,7 +133,7 @@ class Launcher:
         return Run(popen, out, err, time.monotonic())
 
     def close(self) -> None:
-        shutil.rmtree(self.site, ignore_errors=True)
+        pass
 
 
 class _Forked:
@@ -214,7 +156,7 @@ class _Forked:
         os.kill(self.pid, sig)
 
 
-def _forked_main(argv: list[str], kill: dict | None, out: str, err: str) -> None:
+def _forked_main(argv: list[str], stop: dict | None, out: str, err: str) -> None:
     """Body of a forked conversion: what ``python -m dsv4convert`` does, minus interpreter start-up."""
     os.setsid()
     for fd, path in ((1, out), (2, err)):
@@ -222,8 +164,9 @@ def _forked_main(argv: list[str], kill: dict | None, out: str, err: str) -> None
         os.dup2(target, fd)
         os.close(target)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if kill:
-        install_kill_hook(kill)
+    if stop:
+        os.environ[stop_points.ENV] = json.dumps(stop)  # for the worker processes it spawns
+    stop_points.install(stop)
     from dsv4convert.cli import main
 
     code = main(argv)
@@ -235,7 +178,7 @@ def _forked_main(argv: list[str], kill: dict | None, out: str, err: str) -> None
 class ForkLauncher(Launcher):
     """Like Launcher, but forks each conversion from a server that has already imported torch and
     dsv4convert: the same ``cli.main`` in a separate process and session, seconds faster per run,
-    which is what lets CI afford dozens of kills."""
+    which is what lets CI afford a kill and a resume per point."""
 
     def __init__(self, workdir: Path):
         import multiprocessing
@@ -246,12 +189,12 @@ class ForkLauncher(Launcher):
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["torture", "dsv4convert.cli", *COMMAND_MODULES])
 
-    def start(self, argv: list[str], *, kill: dict | None = None, preexec: Callable[[], None] | None = None) -> Run:
+    def start(self, argv: list[str], *, stop: dict | None = None, preexec: Callable[[], None] | None = None) -> Run:
         if preexec is not None:
             raise ValueError("ForkLauncher cannot run a preexec function; use Launcher")
         self.count += 1
         out, err = self.workdir / f"run{self.count}.out", self.workdir / f"run{self.count}.err"
-        process = self.context.Process(target=_forked_main, args=(argv, kill, str(out), str(err)), daemon=False)
+        process = self.context.Process(target=_forked_main, args=(argv, stop, str(out), str(err)), daemon=False)
         process.start()
         run = Run(_Forked(process), out, err, time.monotonic())
         while run.popen.poll() is None and _pgid(process.pid) != process.pid:
@@ -264,6 +207,58 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+class PointNotReached(AssertionError):
+    """A run ended without passing the point it was to be stopped at."""
+
+
+class Stopper:
+    """The two FIFOs of one armed stop point (see :mod:`dsv4convert.stop_points`).
+
+    Both are held open read-write here, so the child's ``open`` of either never blocks and a
+    child that exits leaves no reader or writer waiting.
+    """
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="stop-"))
+        self.notify, self.release = self.directory / "notify", self.directory / "release"
+        os.mkfifo(self.notify)
+        os.mkfifo(self.release)
+        self._notify_fd = os.open(self.notify, os.O_RDWR | os.O_NONBLOCK)
+        self._release_fd = os.open(self.release, os.O_RDWR)
+
+    def spec(self, point: str, occurrence: int = 1) -> dict:
+        return {"at": point, "occurrence": occurrence, "notify": str(self.notify), "release": str(self.release)}
+
+    def wait(self, run: Run, point: str) -> int:
+        """Block until ``run`` stops at ``point`` (returns the pid that stopped) or exits (raises)."""
+        ready, _, _ = select.select([self._notify_fd, run.exit_fd()], [], [], STOP_WAIT_SECONDS)
+        if self._notify_fd in ready:
+            pid, reached = os.read(self._notify_fd, 4096).decode().strip().split(" ", 1)
+            if reached != point:
+                raise AssertionError(f"stopped at {reached!r}, not at {point!r}")
+            return int(pid)
+        if ready:
+            code = run.popen.wait()
+            raise PointNotReached(f"the run exited ({code}) without reaching {point!r}; "
+                                  f"stderr: {run.output()[1].strip()[-600:]}")
+        raise AssertionError(f"neither stopped at {point!r} nor exited within {STOP_WAIT_SECONDS:.0f} s")
+
+    def let_go(self) -> None:
+        """Release the stopped thread: the run continues past the point."""
+        os.write(self._release_fd, b"x")
+
+    def close(self) -> None:
+        os.close(self._notify_fd)
+        os.close(self._release_fd)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> "Stopper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- comparing destinations
@@ -343,128 +338,135 @@ def compare(dst: Path, reference: dict[str, str]) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class KillPoint:
-    """Where to kill: ``steps`` (event regexes, in order), a ``watch`` predicate on DST, or a ``delay``.
+    """Where to kill: the ``occurrence``-th time a run reaches stop point ``point``.
 
-    ``order`` is the position in the reference trace where the kill lands, so chained runs can
-    visit the points in the order a conversion reaches them.
+    ``label`` names the case independently of the model's size ("middle shard: writing its middle
+    tensor"); ``order`` is the position in the reference trace, so points sort as a run meets them.
     """
 
-    name: str
+    label: str
     phase: str
-    order: float
-    steps: tuple[str, ...] = ()
-    watch: Callable[[Path], bool] | None = None
-    delay: float | None = None
-
-    @property
-    def strategy(self) -> str:
-        return "event" if self.steps else "watch" if self.watch else "delay"
+    point: str
+    occurrence: int
+    order: int
 
 
-def _esc(text: str) -> str:
-    return re.escape(text)
+@dataclasses.dataclass(frozen=True)
+class TracePoint:
+    pid: int
+    thread: str
+    point: str
+    occurrence: int  # 1 for the first time this process passed ``point``
 
 
-def fires_at(steps: tuple[str, ...], lines: list[str]) -> int | None:
-    """Index of the trace line where the hook would kill, or None when the run never gets there."""
-    position = 0
-    for i, line in enumerate(lines):
-        if re.search(steps[position], line):
-            position += 1
-            if position == len(steps):
-                return i
-    return None
+def read_trace(log: Path) -> list[TracePoint]:
+    """The points one run passed (a ``{"log": ...}`` stop-point file), with their occurrence numbers."""
+    seen: Counter = Counter()
+    out = []
+    for line in log.read_text().splitlines():
+        pid, thread, point = line.split(" ", 2)
+        seen[(pid, point)] += 1
+        out.append(TracePoint(int(pid), thread, point, seen[(pid, point)]))
+    return out
 
 
-SOURCE_READ = r"^open SRC/model-\d+-of-\d+\.safetensors r$"
-STATE_WRITE = _esc("open DST/.dsv4convert/.state.json.partial w")
-STATE_RENAME = _esc("rename DST/.dsv4convert/.state.json.partial")
-# Kills between creating DST/.dsv4convert and the first state save leave our state directory
-# without a state file; a rerun (plain or --resume) must accept it.
-NO_STATE_WINDOW = ("taking the lock", "lock holder drafted, lock not yet linked", "first resume-state write",
-                   "first resume-state rename")
+_SHARD_POINT = re.compile(r"^(model-\d{5}-of-\d{5}\.safetensors): (.*)$")
 
 
-def trace_points(trace: list[str], sizes: dict[str, int], duration: float, *, seed: int,
-                 delays: int, every_shard: bool) -> list[KillPoint]:
-    """Kill points across every phase, chosen from the event trace of an uninterrupted run
-    (lines without their pid prefix), in the order the run reaches them."""
-    lines = [line.split(" ", 1)[1] for line in trace]
-    shards = sorted(sizes)
-    first_dst = next(i for i, line in enumerate(lines) if "DST" in line)
-    header_reads = sum(1 for line in lines[:first_dst] if re.match(SOURCE_READ, line))
-    candidates: list[tuple[str, str, tuple[str, ...]]] = [
-        ("reading the source index", "reading", (_esc("open SRC/model.safetensors.index.json"),)),
-        (f"reading shard header {header_reads // 2 + 1} of {header_reads}", "reading",
-         (SOURCE_READ,) * (header_reads // 2 + 1)),
-        ("creating the destination", "prepare", (r"^mkdir DST$",)),
-        (NO_STATE_WINDOW[0], "lock", (r"^open DST/\.dsv4convert/\.lock\.\d+\.partial w",)),
-        (NO_STATE_WINDOW[1], "lock", (r"^link DST/\.dsv4convert/\.lock\.\d+\.partial -> DST/\.dsv4convert/lock$",)),
-        (NO_STATE_WINDOW[2], "state", (STATE_WRITE,)),
-        (NO_STATE_WINDOW[3], "state", (STATE_RENAME,)),
-    ]
-    picks = shards if every_shard else sorted({shards[0], shards[len(shards) // 2], shards[-1]})
-    for shard in picks:
-        partial = _esc(f"DST/.{shard}.partial")
-        k = int(SHARD_FILE.match(shard).group(1))
-        opened, renamed = f"^open {partial} w$", f"^rename {partial} "
-        candidates.append((f"shard {k}: opening its .partial", "writing", (opened,)))
-        reads = _reads_while_writing(lines, shard)
-        if reads >= 2:
-            candidates.append((f"shard {k}: quantizing, source tensor {reads // 2 + 1} of {reads}", "quantizing",
-                               (opened,) + (SOURCE_READ,) * (reads // 2 + 1)))
-        candidates.append((f"shard {k}: .partial complete, before its rename", "renaming", (renamed,)))
-        candidates.append((f"shard {k}: renamed, resume state not yet written", "state", (renamed, STATE_WRITE)))
-        candidates.append((f"shard {k}: resume state written, before its rename", "state", (renamed, STATE_RENAME)))
-    index_rename = _esc("rename DST/.model.safetensors.index.json.partial")
-    readme = _esc("rename DST/.README.md.partial")
-    anchor = r"^copy SRC/"  # finalizing starts by copying the small files, in every run
-    for name, regexes in [
-        ("copying small files", ()),
-        ("writing config.json", (_esc("open DST/.config.json.partial w"),)),
-        ("renaming config.json", (_esc("rename DST/.config.json.partial"),)),
-        ("writing hf_quant_config.json", (_esc("open DST/.hf_quant_config.json.partial w"),)),
-        ("writing provenance.json", (_esc("open DST/.provenance.json.partial w"),)),
-        ("writing the index", (_esc("open DST/.model.safetensors.index.json.partial w"),)),
-        ("renaming the index", (index_rename,)),
-        ("re-inspecting the output, index in place", (index_rename, r"^open DST/model-\d+-of-\d+\.safetensors r$")),
-        ("writing the model card", (_esc("open DST/.README.md.partial w"),)),
-        ("renaming the model card", (readme,)),
-        ("final resume-state save", (readme, STATE_WRITE)),
-        ("releasing the lock", (readme, _esc("remove DST/.dsv4convert/lock"))),
-    ]:
-        candidates.append((f"finalize: {name}", "finalize", (anchor, *regexes)))
-    points = [KillPoint(name, phase, at, steps) for name, phase, steps in candidates
-              if (at := fires_at(steps, lines)) is not None]
+def phase_of(point: str, finalizing: bool) -> str:
+    """The conversion phase a stop point belongs to (for the report's table)."""
+    if finalizing:
+        return "finalize"
+    if point.startswith("checkpoint: "):
+        return "reading"
+    if point.startswith("destination: "):
+        return "prepare"
+    if point.startswith("lock: "):
+        return "lock"
+    if point.startswith("resume state ") or point.endswith(": complete"):
+        return "state"
+    if ": converting module " in point:
+        return "quantizing"
+    if point.endswith(": renaming its .partial"):
+        return "renaming"
+    return "writing"
 
-    biggest = max(shards, key=sizes.__getitem__)
-    opened = fires_at((f"^open {_esc(f'DST/.{biggest}.partial')} w$",), lines)
-    points.append(KillPoint(f"mid-write: {biggest}'s .partial half written (watched)", "writing", opened + 0.5,
-                            watch=partial_at_least(biggest, sizes[biggest] // 2)))
-    second_save = fires_at((STATE_RENAME,) * 3, lines)  # the first save precedes any shard
-    points.append(KillPoint("resume state lists 2 shards (watched)", "state", second_save + 0.5,
-                            watch=state_lists(2)))
+
+def catalogue(trace: list[TracePoint], *, every_shard: bool, randoms: int = 0, seed: int = 0) -> list[KillPoint]:
+    """Kill points on every phase of the reference ``trace``, in the order a run reaches them.
+
+    Start-up (the source index and its middle header, the destination, the lock, the first state
+    save); per shard (the first, middle and last, or ``every_shard``): opening its ``.partial``,
+    the ``.partial`` opened, writing its middle tensor, converting its middle module, renaming,
+    renamed, and the state save after it; finalization (the first small-file copy, every generated
+    file's write and rename, the re-inspection of the output, the final state save, releasing the
+    lock); and ``randoms`` seeded picks among every other point passed, in any thread.
+    """
+    main = trace[0].pid
+    lines = [t for t in trace if t.pid == main]
+    position = {(t.pid, t.point, t.occurrence): i for i, t in enumerate(trace)}
+    finalize_at = next(i for i, t in enumerate(lines) if t.point.endswith(": copying"))
+    chosen: dict[str, TracePoint] = {}
+
+    def take(label: str, item: TracePoint | None) -> None:
+        if item is not None:
+            chosen[label] = item
+
+    def first(predicate: Callable[[TracePoint], bool], among: list[TracePoint] = lines) -> TracePoint | None:
+        return next((t for t in among if predicate(t)), None)
+
+    startup = lines[:finalize_at]
+    headers = [t for t in startup if t.point.startswith("checkpoint: reading header ")]
+    take("source: reading the index", first(lambda t: t.point == "checkpoint: reading the index", startup))
+    take("source: reading its middle shard header", headers[len(headers) // 2] if headers else None)
+    for name in ("destination: creating it", "lock: writing its draft", "lock: linking",
+                 "resume state (0 shards): writing", "resume state (0 shards): renaming"):
+        take(name, first(lambda t, name=name: t.point == name, startup))
+
+    shards = sorted({m.group(1) for t in trace if (m := _SHARD_POINT.match(t.point))})
+    picks = {s: s for s in shards} if every_shard else {
+        f"{where} shard": shard for where, shard in (("first", shards[0]), ("middle", shards[len(shards) // 2]),
+                                                     ("last", shards[-1]))}
+    for where, shard in picks.items():
+        of_shard = [t for t in trace if t.point.startswith(f"{shard}: ")]
+        tensors = [t for t in of_shard if ": writing tensor " in t.point]
+        modules = [t for t in of_shard if ": converting module " in t.point]
+        for step in ("opening its .partial", ".partial opened"):
+            take(f"{where}: {step}", first(lambda t, step=step: t.point == f"{shard}: {step}", of_shard))
+        take(f"{where}: writing its middle tensor", tensors[len(tensors) // 2] if tensors else None)
+        take(f"{where}: converting its middle module", modules[len(modules) // 2] if modules else None)
+        renamed = first(lambda t: t.point == f"{shard}: complete", lines)
+        take(f"{where}: renaming its .partial", first(lambda t: t.point == f"{shard}: renaming its .partial", of_shard))
+        take(f"{where}: renamed, resume state not yet written", renamed)
+        if renamed is not None:
+            after = lines[lines.index(renamed) + 1:]
+            take(f"{where}: resume state written, before its rename",
+                 first(lambda t: t.point.startswith("resume state (") and t.point.endswith(": renaming"), after))
+            take(f"{where}: resume state being written",
+                 first(lambda t: t.point.startswith("resume state (") and t.point.endswith(": writing"), after))
+
+    finalize = lines[finalize_at:]
+    take("finalize: copying the first small file", finalize[0])
+    output_headers = [t for t in finalize if t.point.startswith("checkpoint: reading header ")]
+    take("finalize: reading an output shard header", output_headers[len(output_headers) // 2] if output_headers else None)
+    for t in finalize:
+        if t.point.endswith(": copying") or t.point.startswith("checkpoint: reading header "):
+            continue
+        if t.point == "checkpoint: reading the index":
+            take("finalize: reading the output index", t)
+        else:
+            take("finalize: " + re.sub(r"^resume state \(\d+ shards, complete\)", "final resume state", t.point), t)
+
+    points = [KillPoint(label, phase_of(t.point, label.startswith("finalize: ")), t.point, t.occurrence,
+                        position[(t.pid, t.point, t.occurrence)])
+              for label, t in chosen.items()]
+    taken = {(p.point, p.occurrence) for p in points}
+    rest = [t for t in trace if (t.point, t.occurrence) not in taken and t.pid == main]
     rng = random.Random(seed)
-    for i in range(delays):
-        fraction = rng.uniform(0.05, 0.95)
-        points.append(KillPoint(f"random moment {i + 1}: {fraction:.0%} into the run", "random",
-                                fraction * len(lines), delay=fraction * duration))
+    for i, t in enumerate(rng.sample(rest, min(randoms, len(rest)))):
+        points.append(KillPoint(f"random point {i + 1} (seed {seed})", "random", t.point, t.occurrence,
+                                position[(t.pid, t.point, t.occurrence)]))
     return sorted(points, key=lambda p: p.order)
-
-
-def _reads_while_writing(lines: list[str], shard: str) -> int:
-    start = lines.index(f"open DST/.{shard}.partial w")
-    end = next(i for i in range(start, len(lines)) if lines[i].startswith(f"rename DST/.{shard}.partial"))
-    return sum(1 for line in lines[start:end] if re.match(SOURCE_READ, line))
-
-
-def partial_at_least(shard: str, nbytes: int) -> Callable[[Path], bool]:
-    def predicate(dst: Path) -> bool:
-        try:
-            return (dst / f".{shard}.partial").stat().st_size >= nbytes
-        except OSError:
-            return False
-    return predicate
 
 
 def state_lists(count: int) -> Callable[[Path], bool]:
@@ -483,7 +485,7 @@ def state_lists(count: int) -> Callable[[Path], bool]:
 class Outcome:
     point: str
     phase: str
-    strategy: str
+    stopped_at: str
     recipe: str
     killed: bool
     exit_status: int | None
@@ -505,47 +507,55 @@ class Torture:
         self.shard_bytes, self.workers, self.timeout = shard_bytes, workers, timeout
         self.reference: dict[str, str] = {}
         self.sizes: dict[str, int] = {}  # output shard name -> bytes
-        self.trace: list[str] = []
+        self.trace: list[TracePoint] = []
         self.duration = 0.0
 
     def argv(self, dst: Path, *, resume: bool) -> list[str]:
         return [f"to-{self.recipe}", "--src", str(self.src), "--dst", str(dst), "--no-progress",
                 "--max-shard-size", str(self.shard_bytes), "--workers", str(self.workers)] + (["--resume"] if resume else [])
 
-    def kill_spec(self, dst: Path, **extra) -> dict:
-        return {"dst": str(dst.resolve()), "src": str(self.src), **extra}
-
     def make_reference(self) -> Path:
+        """An uninterrupted run: its files are the reference, its stop-point log the trace."""
         dst = self.workdir / f"reference-{self.recipe}"
         shutil.rmtree(dst, ignore_errors=True)
         log = self.workdir / f"trace-{self.recipe}.log"
         log.unlink(missing_ok=True)
-        run = self.launcher.start(self.argv(dst, resume=False), kill=self.kill_spec(dst, log=str(log)))
+        run = self.launcher.start(self.argv(dst, resume=False), stop={"log": str(log)})
         code = run.wait(self.timeout)
         self.duration = time.monotonic() - run.started
         if code != 0:
             raise RuntimeError(f"reference conversion failed ({code}): {run.output()[1][-2000:]}")
         self.reference = snapshot(dst)
         self.sizes = {p.name: p.stat().st_size for p in dst.iterdir() if SHARD_FILE.match(p.name)}
-        main_pid = str(run.popen.pid)
-        self.trace = [line for line in log.read_text().splitlines() if line.split(" ", 1)[0] == main_pid]
+        self.trace = read_trace(log)
         return dst
 
-    def start_killable(self, dst: Path, point: KillPoint, *, resume: bool) -> Run:
-        kill = self.kill_spec(dst, steps=list(point.steps)) if point.steps else None
-        return self.launcher.start(self.argv(dst, resume=resume), kill=kill)
+    def catalogue(self, *, every_shard: bool, randoms: int = 0, seed: int = 0) -> dict[str, KillPoint]:
+        return {p.label: p for p in catalogue(self.trace, every_shard=every_shard, randoms=randoms, seed=seed)}
 
-    def kill_run(self, dst: Path, point: KillPoint, *, resume: bool) -> tuple[bool, int]:
-        """Run until the point kills it; returns (killed, exit status)."""
-        run = self.start_killable(dst, point, resume=resume)
-        if point.watch is not None:
-            _kill_when(run, lambda: point.watch(dst), self.timeout)
-        elif point.delay is not None:
-            _kill_when(run, lambda: time.monotonic() - run.started >= point.delay, self.timeout)
-        code = run.wait(self.timeout)
-        if code not in (0, -signal.SIGKILL):
-            raise RuntimeError(f"{point.name}: conversion exited {code}: {run.output()[1][-2000:]}")
-        return code == -signal.SIGKILL, code
+    def stopped_run(self, dst: Path, point: KillPoint, stopper: Stopper, *, resume: bool,
+                    extra: list[str] = ()) -> tuple[Run, int]:
+        """A run started with ``point`` armed, stopped there: (the run, the pid that stopped).
+        Raises PointNotReached when the run ends without reaching it."""
+        run = self.launcher.start(self.argv(dst, resume=resume) + list(extra),
+                                  stop=stopper.spec(point.point, point.occurrence))
+        try:
+            return run, stopper.wait(run, point.point)
+        except BaseException:
+            run.kill_group()
+            run.popen.wait()
+            raise
+
+    def kill_run(self, dst: Path, point: KillPoint, *, resume: bool) -> int:
+        """Run to ``point`` and SIGKILL the whole process group there; returns the exit status."""
+        with Stopper() as stopper:
+            run, _ = self.stopped_run(dst, point, stopper, resume=resume)
+            run.kill_group(signal.SIGKILL)
+            code = run.wait(self.timeout)
+        if code != -signal.SIGKILL:
+            raise RuntimeError(f"{point.label}: conversion exited {code} instead of being killed: "
+                               f"{run.output()[1][-2000:]}")
+        return code
 
     def resume(self, dst: Path) -> str | None:
         """Resume to the end; the failure (exit status and stderr) when it does not finish."""
@@ -557,10 +567,7 @@ class Torture:
         """Fresh destination, kill at ``point``, check, resume, compare."""
         t0 = time.monotonic()
         shutil.rmtree(dst, ignore_errors=True)
-        killed, code = self.kill_run(dst, point, resume=False)
-        return self._resume_and_check(point, dst, killed, code, t0)
-
-    def _resume_and_check(self, point: KillPoint, dst: Path, killed: bool, code: int, t0: float) -> Outcome:
+        code = self.kill_run(dst, point, resume=False)
         problems = problems_after_kill(dst, self.reference)
         finished = finished_shards(dst)
         error = self.resume(dst)
@@ -569,60 +576,32 @@ class Torture:
         total = sum(self.sizes.values())
         redone = total - sum(size for _, _, size in finished.values())
         diffs = [error] if error else compare(dst, self.reference)
-        return Outcome(point.name, point.phase, point.strategy, self.recipe, killed, code, problems, len(finished),
+        return Outcome(point.label, point.phase, point.point, self.recipe, True, code, problems, len(finished),
                        lost, redone, not diffs, diffs, time.monotonic() - t0)
 
-    def chain(self, points: list[KillPoint], dst: Path) -> list[Outcome]:
-        """Kill at each point in turn, each run resuming the previous one; check after each kill
-        and compare once at the end (cheap enough for CI)."""
+    def interrupt(self, dst: Path, sig: int, point: KillPoint, *, group: bool) -> dict:
+        """SIGTERM/SIGINT while the main thread is stopped at ``point``: must exit 2 with one line naming
+        --resume, leave no .partial and no lock, and resume identically."""
         shutil.rmtree(dst, ignore_errors=True)
-        outcomes = []
-        for i, point in enumerate(points):
-            t0 = time.monotonic()
-            before = finished_shards(dst)
-            killed, code = self.kill_run(dst, point, resume=i > 0)
-            after = finished_shards(dst)
-            lost = sum(size for n, (_, _, size) in before.items() if after.get(n) != before[n])
-            problems = problems_after_kill(dst, self.reference)
-            outcomes.append(Outcome(point.name, point.phase, point.strategy, self.recipe, killed, code, problems,
-                                    len(after), lost, 0, True, [], time.monotonic() - t0))
-        error = self.resume(dst)
-        diffs = [error] if error else compare(dst, self.reference)
-        for outcome in outcomes:
-            outcome.identical, outcome.diffs = not diffs, diffs
-        return outcomes
-
-    def interrupt(self, dst: Path, sig: int, *, when: Callable[[Path], bool], group: bool) -> dict:
-        """SIGTERM/SIGINT once ``when(dst)`` holds: must exit 2 with one line naming --resume, leave no
-        .partial and no lock, and resume identically."""
-        shutil.rmtree(dst, ignore_errors=True)
-        run = self.launcher.start(self.argv(dst, resume=False))
-        deadline = time.monotonic() + self.timeout
-        while not when(dst) and run.popen.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)
-        delivered = run.popen.poll() is None
-        if delivered:
+        with Stopper() as stopper:
+            run, _ = self.stopped_run(dst, point, stopper, resume=False)
             if group:
                 os.killpg(run.popen.pid, sig)
             else:
                 run.popen.send_signal(sig)
-        code = run.wait(self.timeout)
+            code = run.wait(self.timeout)
         _, err = run.output()
         leftovers = sorted(p.name for p in dst.glob(".*.partial")) + (
             ["lock"] if (dst / ".dsv4convert" / "lock").exists() else [])
         error = self.resume(dst)
         diffs = [error] if error else compare(dst, self.reference)
-        return {"signal": signal.Signals(sig).name, "delivered": delivered, "exit_status": code,
+        return {"signal": signal.Signals(sig).name, "when": point.label, "exit_status": code,
                 "stderr": err.strip(), "leftovers": leftovers, "identical": not diffs, "diffs": diffs}
 
 
-def _kill_when(run: Run, condition: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while run.popen.poll() is None and time.monotonic() < deadline:
-        if condition():
-            run.kill_group()
-            return
-        time.sleep(0.001)
+# The main-thread points the signal cases stop at (a handler raising there interrupts the stop).
+SIGNAL_POINTS = ("first shard: .partial opened", "middle shard: opening its .partial",
+                 "finalize: output: re-inspecting")
 
 
 # --------------------------------------------------------------------------- the script
@@ -640,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", default="fp8,nvfp4")
     parser.add_argument("--shard-size", type=int, default=None, help="output shard bound in bytes "
                         "(default: about 1/12 of the output, so every run spans many shards)")
-    parser.add_argument("--delays", type=int, default=6, help="random-moment kills per recipe")
+    parser.add_argument("--randoms", type=int, default=6,
+                        help="seeded random picks among every point of the trace, per recipe")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--launcher", choices=("fork", "exec"), default="fork",
                         help="fork: conversions forked from a pre-imported server (fast); exec: a fresh "
@@ -673,25 +653,28 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in recipes:
             torture = Torture(launcher, src, workdir, recipe, shard_bytes=shard_bytes, workers=args.workers)
             torture.make_reference()
-            points = trace_points(torture.trace, torture.sizes, torture.duration, seed=args.seed,
-                                  delays=args.delays, every_shard=not args.sample_shards)
+            points = list(torture.catalogue(every_shard=not args.sample_shards, randoms=args.randoms,
+                                            seed=args.seed).values())
             print(f"{recipe}: reference {torture.duration:.1f} s, {len(torture.sizes)} shards, "
-                  f"{len(points)} kill points", flush=True)
+                  f"{len(torture.trace)} stop points passed, {len(points)} kill points", flush=True)
             outcomes = []
             for point in points:
-                outcome = torture.survive(point, workdir / f"dst-{recipe}")
+                try:
+                    outcome = torture.survive(point, workdir / f"dst-{recipe}")
+                except PointNotReached as exc:
+                    outcome = Outcome(point.label, point.phase, point.point, recipe, False, None, [], 0, 0, 0,
+                                      False, [str(exc)], 0.0)
                 outcomes.append(outcome)
                 flag = "ok" if outcome.identical and not outcome.problems_after_kill and not outcome.bytes_lost else "FAIL"
-                print(f"  {flag:4s} {point.strategy:5s} {point.phase:10s} {point.name} "
-                      f"(killed={outcome.killed}, finished before resume {outcome.finished_before_resume})", flush=True)
+                print(f"  {flag:4s} {point.phase:10s} {point.label} [{point.point}] "
+                      f"(finished before resume {outcome.finished_before_resume})", flush=True)
             signals = []
             by_exec = Torture(real, src, workdir, recipe, shard_bytes=shard_bytes, workers=args.workers)
             by_exec.make_reference()  # its own: a fork server keeps the code it imported at start
+            at = by_exec.catalogue(every_shard=False)
             for sig, group in ((signal.SIGTERM, False), (signal.SIGINT, True)):
-                for label, when in (("first .partial open", any_partial), ("state lists 1 shard", state_lists(1)),
-                                    ("index written", _exists("model.safetensors.index.json"))):
-                    result = by_exec.interrupt(workdir / f"sig-{recipe}", sig, when=when, group=group)
-                    result["when"] = label
+                for label in SIGNAL_POINTS:
+                    result = by_exec.interrupt(workdir / f"sig-{recipe}", sig, at[label], group=group)
                     signals.append(result)
                     print(f"  {result['signal']} at {label}: exit {result['exit_status']}, identical {result['identical']}, "
                           f"stderr {result['stderr'][-160:]!r}", flush=True)
@@ -699,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
                 "reference_seconds": round(torture.duration, 2),
                 "output_shards": len(torture.sizes),
                 "output_bytes": sum(torture.sizes.values()),
-                "trace_events": len(torture.trace),
+                "stop_points_passed": len(torture.trace),
                 "outcomes": [dataclasses.asdict(o) for o in outcomes],
                 "signals": signals,
             }
@@ -720,14 +703,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["summary"]["failures"] == 0 else 1
 
 
-def _exists(name: str) -> Callable[[Path], bool]:
-    return lambda dst: (dst / name).exists()
-
-
-def any_partial(dst: Path) -> bool:
-    return dst.exists() and any(dst.glob(".model-*.partial"))
-
-
 def run_fuzz(examples: int) -> dict:
     """The CI fuzz tests with more cases (random, not derandomized, above 500 per test)."""
     t0 = time.monotonic()
@@ -746,8 +721,8 @@ def summarize(report: dict) -> dict:
     signals = [s for r in report["recipes"].values() for s in r["signals"]]
     killed = [o for o in outcomes if o["killed"]]
     failures = [o for o in outcomes if not o["identical"] or o["problems_after_kill"] or o["bytes_lost"]]
-    bad_signals = [s for s in signals if s["delivered"] and (s["exit_status"] != 2 or "--resume" not in s["stderr"]
-                                                               or not s["identical"] or s["leftovers"])]
+    bad_signals = [s for s in signals if s["exit_status"] != 2 or "--resume" not in s["stderr"]
+                   or not s["identical"] or s["leftovers"]]
     return {
         "kill_points": len(outcomes),
         "killed": len(killed),
@@ -762,27 +737,27 @@ def summarize(report: dict) -> dict:
 
 
 def render_markdown(report: dict) -> str:
-    """The tables docs/reliability.md quotes: kill points per phase and strategy, signals, fuzzing."""
+    """The tables docs/reliability.md quotes: kill points per phase, signals, fuzzing."""
     lines = [f"Command: `{report['command']}` (commit {report['commit']}, {report['machine']['cpus']} CPUs, "
              f"{report['seconds']} s)", ""]
     for recipe, result in report["recipes"].items():
         lines += [f"**{recipe}** ({report['preset']} preset: {result['output_shards']} output shards, "
                   f"{result['output_bytes']} bytes, uninterrupted run {result['reference_seconds']} s)", "",
-                  "| phase | strategy | kill points | killed | identical after resume | torn files | bytes lost |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
-        groups: dict[tuple[str, str], list[dict]] = {}
+                  "| phase | kill points | killed | identical after resume | torn files | bytes lost |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        groups: dict[str, list[dict]] = {}
         for o in result["outcomes"]:
-            groups.setdefault((o["phase"], o["strategy"]), []).append(o)
-        for (phase, strategy), rows in groups.items():
-            lines.append(f"| {phase} | {strategy} | {len(rows)} | {sum(r['killed'] for r in rows)} | "
+            groups.setdefault(o["phase"], []).append(o)
+        for phase, rows in groups.items():
+            lines.append(f"| {phase} | {len(rows)} | {sum(r['killed'] for r in rows)} | "
                          f"{sum(r['identical'] for r in rows)} | {sum(len(r['problems_after_kill']) for r in rows)} | "
                          f"{sum(r['bytes_lost'] for r in rows)} |")
         failed = [o for o in result["outcomes"] if not o["identical"]]
         lines += [""] + [f"- not identical: {o['point']}: {o['diffs'][0][:200]}" for o in failed]
-        lines += ["", "| signal | delivered when | exit | stderr | leftovers | identical after resume |",
+        lines += ["", "| signal | stopped at | exit | stderr | leftovers | identical after resume |",
                   "|---|---|---:|---|---|---|"]
         for sig in result["signals"]:
-            lines.append(f"| {sig['signal']} | {sig['when']}{'' if sig['delivered'] else ' (run had finished)'} | "
+            lines.append(f"| {sig['signal']} | {sig['when']} | "
                          f"{sig['exit_status']} | `{sig['stderr'][-150:]}` | {', '.join(sig['leftovers']) or 'none'} | "
                          f"{sig['identical']} |")
         lines.append("")

@@ -115,22 +115,34 @@ def test_staging_copies_cpu_outputs_and_leaves_them_equal():
 
 
 class RecordingTransfer(DeviceTransfer):
-    """Logs when each module is read relative to how many have been handed to the writer."""
+    """Logs when each module is read relative to how many have been handed to the writer.
 
-    def __init__(self, fail_at: str | None = None):
+    With ``hold_until_read``, the first converted module is not handed over until that many modules
+    have been read: the reader then gets as far ahead as the pipeline lets it, whatever the threads'
+    relative speed on a busy machine.
+    """
+
+    def __init__(self, fail_at: str | None = None, hold_until_read: int | None = None):
         super().__init__(CPU)
         self.events: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.fail_at = fail_at
+        self.hold_until_read = hold_until_read
+        self.read_enough = threading.Event()
 
     def read(self, job, ctx):
         if job.module == self.fail_at:
             raise CheckpointError("disk went away", tensor=job.module)
         with self.lock:
             self.events.append(("read", job.module))
+            if self.hold_until_read and sum(kind == "read" for kind, _ in self.events) >= self.hold_until_read:
+                self.read_enough.set()
         return super().read(job, ctx)
 
     def to_host(self, tensors):
+        if self.hold_until_read and not any(kind == "convert" for kind, _ in self.events):
+            # A bound on a hang only: a reader the pipeline lets run ahead gets there at once.
+            assert self.read_enough.wait(timeout=120), f"the reader never read {self.hold_until_read} modules ahead"
         with self.lock:
             self.events.append(("convert", tensors[0][0].rsplit(".", 1)[0]))
         return super().to_host(tensors)
@@ -143,7 +155,8 @@ def test_reads_run_in_plan_order_within_the_read_ahead_bound(plans, tmp_path, mo
     shard = max(plan.shards, key=lambda s: len(s.modules))
     monkeypatch.setattr(execute, "QUEUE_BYTES", queue_bytes)
     threads = execute.CONVERT_THREADS
-    transfer = RecordingTransfer()
+    # With a queue, hold the first hand-over until the reader is past the converters: it must get there.
+    transfer = RecordingTransfer(hold_until_read=threads + 2 if queue_bytes else None)
     run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt), transfer=transfer)
     reads = [m for kind, m in transfer.events if kind == "read"]
     assert reads == [m.module for m in shard.modules]

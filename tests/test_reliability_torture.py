@@ -1,6 +1,11 @@
-"""Crash torture at CI size: SIGKILL a real conversion at every phase, SIGTERM and Ctrl-C it, resume,
-and require the bytes of an uninterrupted run (the harness is bench/torture.py; the larger run and
-its numbers are in docs/reliability.md)."""
+"""Crash torture at CI size: SIGKILL a real conversion at named points of every phase, SIGTERM and
+Ctrl-C it, resume, and require the bytes of an uninterrupted run (the harness is bench/torture.py;
+the larger run and its numbers are in docs/reliability.md).
+
+Every kill lands by construction: the conversion stops itself at the point
+(dsv4convert/stop_points.py) and is killed there, so a slow or busy machine changes nothing that is
+tested. Each point is its own case; a point the conversion no longer reaches fails by name.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import torture  # noqa: E402
 
 SHARD_BYTES = 1_000_000  # the tiny model's ~7.8 MB output in 10+ shards
+
+STARTUP = ["source: reading the index", "source: reading its middle shard header", "destination: creating it",
+           "lock: writing its draft", "lock: linking", "resume state (0 shards): writing",
+           "resume state (0 shards): renaming"]
+SHARD_STEPS = ["opening its .partial", ".partial opened", "converting its middle module", "writing its middle tensor",
+               "renaming its .partial", "renamed, resume state not yet written", "resume state being written",
+               "resume state written, before its rename"]
+FINALIZE = ["copying the first small file", "config.json: writing", "config.json: renaming",
+            "hf_quant_config.json: writing", "hf_quant_config.json: renaming", "provenance.json: writing",
+            "provenance.json: renaming", "model.safetensors.index.json: writing",
+            "model.safetensors.index.json: renaming", "output: re-inspecting", "reading the output index",
+            "reading an output shard header", "README.md: writing", "README.md: renaming",
+            "final resume state: writing", "final resume state: renaming", "lock: releasing"]
+SHARDS = ("first shard", "middle shard", "last shard")
+RANDOMS = 2
+NVFP4_POINTS = (STARTUP + [f"{where}: {step}" for where in SHARDS for step in SHARD_STEPS]
+                + [f"finalize: {step}" for step in FINALIZE] + [f"random point {i + 1} (seed 7)" for i in range(RANDOMS)])
+# fp8 writes other bytes through the same machinery: its shard writes and finalization (no hf_quant_config.json).
+FP8_POINTS = ([f"{where}: {step}" for where in SHARDS for step in SHARD_STEPS[:5]]
+              + [f"finalize: {step}" for step in FINALIZE if not step.startswith("hf_quant_config.json")])
 
 
 @pytest.fixture(scope="module")
@@ -41,65 +66,67 @@ def nvfp4(launchers, tiny_ckpt, tmp_path_factory) -> torture.Torture:
     return make_torture(launchers[0], tiny_ckpt, tmp_path_factory.mktemp("nvfp4"), "nvfp4")
 
 
-def assert_survived(outcomes: list[torture.Outcome], minimum_points: int) -> None:
-    killed = {o.point for o in outcomes if o.killed}
-    assert len(killed) >= minimum_points, [o.point for o in outcomes if not o.killed]
-    for o in outcomes:
-        assert o.problems_after_kill == [], (o.point, o.problems_after_kill)
-        assert o.bytes_lost == 0, o.point
-        assert o.identical, (o.point, o.diffs)
+@pytest.fixture(scope="module")
+def fp8(launchers, tiny_ckpt, tmp_path_factory) -> torture.Torture:
+    return make_torture(launchers[0], tiny_ckpt, tmp_path_factory.mktemp("fp8"), "fp8")
+
+
+def kill_point(t: torture.Torture, label: str) -> torture.KillPoint:
+    """The named case's point in the reference run; a case whose point is gone fails by its name."""
+    points = t.catalogue(every_shard=False, randoms=RANDOMS, seed=7)
+    if label not in points:
+        pytest.fail(f"kill point {label!r} is not passed by an uninterrupted {t.recipe} conversion "
+                    f"(its points: {sorted(points)})")
+    return points[label]
+
+
+def assert_survived(outcome: torture.Outcome) -> None:
+    assert outcome.killed
+    assert outcome.problems_after_kill == [], outcome.problems_after_kill
+    assert outcome.bytes_lost == 0
+    assert outcome.identical, outcome.diffs
 
 
 def test_trace_reaches_every_phase(nvfp4):
-    points = torture.trace_points(nvfp4.trace, nvfp4.sizes, nvfp4.duration, seed=0, delays=2, every_shard=True)
+    points = nvfp4.catalogue(every_shard=True, randoms=2, seed=0).values()
     assert {p.phase for p in points} == {"reading", "prepare", "lock", "state", "writing", "quantizing", "renaming",
                                          "finalize", "random"}
     assert len(points) >= 60 and len(nvfp4.sizes) >= 10
+    # Every case named here is a point of the uninterrupted run, and the catalogue holds nothing else.
+    assert set(nvfp4.catalogue(every_shard=False, randoms=RANDOMS, seed=7)) == set(NVFP4_POINTS)
     # The reference itself is a complete, valid conversion that nothing else wrote into.
     assert "model.safetensors.index.json" in nvfp4.reference and ".dsv4convert/state.json" in nvfp4.reference
     assert not any(name.endswith(".partial") or name.endswith("lock") for name in nvfp4.reference)
 
 
-def test_sigkill_at_every_phase_then_resume_is_byte_identical(nvfp4, tmp_path):
-    points = [p for p in torture.trace_points(nvfp4.trace, nvfp4.sizes, nvfp4.duration, seed=0, delays=0,
-                                              every_shard=False)
-              if p.name not in torture.NO_STATE_WINDOW]
-    outcomes = nvfp4.chain(points, tmp_path / "dst")
-    assert_survived(outcomes, minimum_points=25)
-    # Finished shards were never rewritten, so the kills late in the run found most of them done.
-    assert max(o.finished_before_resume for o in outcomes) == len(nvfp4.sizes)
+@pytest.mark.parametrize("label", NVFP4_POINTS)
+def test_sigkill_then_resume_is_byte_identical(nvfp4, tmp_path, label):
+    point = kill_point(nvfp4, label)
+    outcome = nvfp4.survive(point, tmp_path / "dst")
+    assert_survived(outcome)
+    if label == "finalize: lock: releasing":  # every shard was done and kept, none redone
+        assert outcome.finished_before_resume == len(nvfp4.sizes) and outcome.bytes_redone == 0
 
 
-def test_sigkill_fp8_writing_and_finalizing(launchers, tiny_ckpt, tmp_path):
-    fp8 = make_torture(launchers[0], tiny_ckpt, tmp_path, "fp8")
-    points = [p for p in torture.trace_points(fp8.trace, fp8.sizes, fp8.duration, seed=1, delays=0, every_shard=False)
-              if p.phase in ("writing", "quantizing", "renaming", "finalize")]
-    assert_survived(fp8.chain(points, tmp_path / "dst"), minimum_points=15)
+@pytest.mark.parametrize("label", FP8_POINTS)
+def test_sigkill_fp8_writing_and_finalizing(fp8, tmp_path, label):
+    assert_survived(fp8.survive(kill_point(fp8, label), tmp_path / "dst"))
 
 
-def test_sigkill_at_random_moments(nvfp4, tmp_path):
-    points = [p for p in torture.trace_points(nvfp4.trace, nvfp4.sizes, nvfp4.duration, seed=7, delays=2,
-                                              every_shard=False) if p.strategy == "delay"]
-    assert_survived([nvfp4.survive(p, tmp_path / "dst") for p in points], minimum_points=1)
+def test_a_point_that_is_never_reached_fails_by_name(nvfp4, tmp_path):
+    gone = torture.KillPoint("gone", "writing", "model-99999-of-99999.safetensors: opening its .partial", 1, 0)
+    with pytest.raises(torture.PointNotReached, match="without reaching 'model-99999-of-99999"):
+        nvfp4.kill_run(tmp_path / "dst", gone, resume=False)
 
 
-@pytest.mark.parametrize("point", torture.NO_STATE_WINDOW)
-def test_sigkill_before_the_first_state_save_is_resumable(nvfp4, tmp_path, point):
-    chosen = next(p for p in torture.trace_points(nvfp4.trace, nvfp4.sizes, nvfp4.duration, seed=0, delays=0,
-                                                  every_shard=False) if p.name == point)
-    assert_survived([nvfp4.survive(chosen, tmp_path / "dst")], minimum_points=1)
-
-
-@pytest.mark.parametrize("sig, group, when", [
-    (signal.SIGTERM, False, "partial"),  # a scheduler stopping the job
-    (signal.SIGINT, True, "state"),      # Ctrl-C: the terminal signals the whole foreground group
+@pytest.mark.parametrize("sig, group, label", [
+    (signal.SIGTERM, False, "first shard: .partial opened"),  # a scheduler stopping the job
+    (signal.SIGINT, True, "middle shard: opening its .partial"),  # Ctrl-C: the terminal signals the whole group
 ])
-def test_sigterm_and_ctrl_c_stop_cleanly_and_resume(launchers, tiny_ckpt, nvfp4, tmp_path, sig, group, when):
+def test_sigterm_and_ctrl_c_stop_cleanly_and_resume(launchers, tiny_ckpt, nvfp4, tmp_path, sig, group, label):
     real = torture.Torture(launchers[1], tiny_ckpt, tmp_path, "nvfp4", shard_bytes=SHARD_BYTES, timeout=300.0)
     real.reference, real.sizes = nvfp4.reference, nvfp4.sizes
-    condition = torture.any_partial if when == "partial" else torture.state_lists(1)
-    result = real.interrupt(tmp_path / "dst", sig, when=condition, group=group)
-    assert result["delivered"]
+    result = real.interrupt(tmp_path / "dst", sig, kill_point(nvfp4, label), group=group)
     assert result["exit_status"] == 2, result
     stderr = result["stderr"]
     assert stderr.startswith("error: ") and "\n" not in stderr and "Traceback" not in stderr, stderr
@@ -111,10 +138,8 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_resume(launchers, tiny_ckpt, nvfp4,
 def test_state_records_only_complete_shards_after_each_kill(nvfp4, tmp_path):
     """The invariant check itself must catch a torn file under a final name and a lying state."""
     dst = tmp_path / "dst"
-    point = next(p for p in torture.trace_points(nvfp4.trace, nvfp4.sizes, nvfp4.duration, seed=0, delays=0,
-                                                 every_shard=False) if p.name.startswith("shard 7: resume state written"))
-    killed, _ = nvfp4.kill_run(dst, point, resume=False)
-    assert killed and torture.problems_after_kill(dst, nvfp4.reference) == []
+    nvfp4.kill_run(dst, kill_point(nvfp4, "middle shard: resume state written, before its rename"), resume=False)
+    assert torture.problems_after_kill(dst, nvfp4.reference) == []
     shard = sorted(p for p in dst.glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-1])
     assert any("differs" in p for p in torture.problems_after_kill(dst, nvfp4.reference))
@@ -158,16 +183,16 @@ def test_file_size_limit_fails_in_one_line_and_resume_completes(launchers, nvfp4
 
 
 def test_disk_full_mid_run_fails_in_one_line_and_resume_completes(nvfp4, tmp_path):
-    """ENOSPC from the kernel: the .partial of a later shard is a link to /dev/full, planted once the
-    run is past its start-up cleanup (every write to /dev/full fails with ENOSPC)."""
+    """ENOSPC from the kernel: the .partial of a later shard is a link to /dev/full, planted while the
+    run is stopped past its start-up cleanup (every write to /dev/full fails with ENOSPC)."""
     dst = tmp_path / "dst"
     victim = sorted(nvfp4.sizes)[len(nvfp4.sizes) // 2]
-    run = nvfp4.launcher.start(nvfp4.argv(dst, resume=False))
-    planted = torture.state_lists(1)
-    while run.popen.poll() is None and not planted(dst):
-        time.sleep(0.001)
-    (dst / f".{victim}.partial").symlink_to("/dev/full")
-    code = run.wait(300)
+    with torture.Stopper() as stopper:
+        run, _ = nvfp4.stopped_run(dst, kill_point(nvfp4, "first shard: resume state written, before its rename"),
+                                   stopper, resume=False)
+        (dst / f".{victim}.partial").symlink_to("/dev/full")
+        stopper.let_go()
+        code = run.wait(300)
     err = run.output()[1].strip()
     assert code == 2, err
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
@@ -201,30 +226,31 @@ def test_shard_writer_and_small_files_turn_enospc_into_one_error(tmp_path):
 
 
 def test_second_conversion_into_the_same_destination_is_refused(nvfp4, tmp_path):
+    """While the first run holds the lock (stopped mid-shard), every second run is refused; released, the
+    first one finishes as if nothing had happened."""
     dst = tmp_path / "dst"
-    first = nvfp4.launcher.start(nvfp4.argv(dst, resume=False))
-    running = torture.state_lists(1)
-    while first.popen.poll() is None and not running(dst):
-        time.sleep(0.001)
-    for extra in (["--resume"], ["--overwrite"], []):
-        argv = [a for a in nvfp4.argv(dst, resume=False)] + extra
-        second = nvfp4.launcher.start(argv)
-        assert second.wait(300) == 2
-        err = second.output()[1].strip()
-        assert err.startswith("error: ") and "\n" not in err, err
-        if extra:
-            assert f"another conversion (pid {first.popen.pid} on " in err and "is writing this destination" in err
-        else:
-            assert "destination is not empty" in err
-    assert first.wait(300) == 0, first.output()[1]
+    with torture.Stopper() as stopper:
+        first, pid = nvfp4.stopped_run(dst, kill_point(nvfp4, "middle shard: writing its middle tensor"), stopper,
+                                       resume=False)
+        assert pid == first.popen.pid
+        for extra in (["--resume"], ["--overwrite"], []):
+            argv = [a for a in nvfp4.argv(dst, resume=False)] + extra
+            second = nvfp4.launcher.start(argv)
+            assert second.wait(300) == 2
+            err = second.output()[1].strip()
+            assert err.startswith("error: ") and "\n" not in err, err
+            if extra:
+                assert f"another conversion (pid {first.popen.pid} on " in err and "is writing this destination" in err
+            else:
+                assert "destination is not empty" in err
+        stopper.let_go()
+        assert first.wait(300) == 0, first.output()[1]
     assert torture.compare(dst, nvfp4.reference) == []
 
 
 def test_stale_lock_of_a_killed_run_is_recovered_on_resume(nvfp4, tmp_path):
     dst = tmp_path / "dst"
-    point = torture.KillPoint("mid-run", "writing", 0, watch=torture.state_lists(3))
-    killed, _ = nvfp4.kill_run(dst, point, resume=False)
-    assert killed
+    nvfp4.kill_run(dst, kill_point(nvfp4, "middle shard: writing its middle tensor"), resume=False)
     holder = json.loads((dst / ".dsv4convert" / "lock").read_text())
     with pytest.raises(OSError):
         os.kill(holder["pid"], 0)
@@ -260,13 +286,13 @@ def children_of(pid: int) -> list[int]:
 def test_worker_killed_by_the_system_is_one_line_and_resumable(launchers, nvfp4, tmp_path):
     """The OOM killer takes one worker, not the whole run: the driver must say so in one line."""
     dst = tmp_path / "dst"
-    run = launchers[1].start(nvfp4.argv(dst, resume=False)[:-2] + ["--workers", "2"])
-    while run.popen.poll() is None and not torture.any_partial(dst):
-        time.sleep(0.005)
-    workers = [p for p in children_of(run.popen.pid)
-               if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    os.kill(workers[-1], signal.SIGKILL)  # the newest: a pool worker (the first is the queue's manager)
-    code = run.wait(300)
+    two_workers = torture.Torture(launchers[1], nvfp4.src, tmp_path, "nvfp4", shard_bytes=SHARD_BYTES, workers=2)
+    with torture.Stopper() as stopper:
+        run, pid = two_workers.stopped_run(dst, kill_point(nvfp4, "middle shard: writing its middle tensor"), stopper,
+                                           resume=False)
+        assert pid in children_of(run.popen.pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        os.kill(pid, signal.SIGKILL)  # the pool worker writing that shard, stopped mid-write
+        code = run.wait(300)
     err = run.output()[1].strip()
     # The dead worker could not remove its .partial; only temporary files are left, and resume cleans them.
     assert torture.problems_after_kill(dst, nvfp4.reference) == []

@@ -20,6 +20,10 @@ from dsv4convert.serve.process import ProcessGroup, ServeError, live_group_membe
 STANDINS = Path(__file__).with_name("standins")
 STANDIN_SERVER = STANDINS / "standin_sglang_server.py"
 REPO = Path(__file__).resolve().parents[1]
+# Bounds on a hang, not measurements: a stand-in is healthy well under a second after it starts, but
+# CI's 2-core machine may be busy, and a bound only ever decides how long a broken run takes to fail.
+STARTUP_TIMEOUT = 120.0
+EXIT_TIMEOUT = 60.0
 
 
 def free_port() -> int:
@@ -38,7 +42,7 @@ def pid_alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:
+def wait_until(predicate, timeout: float = EXIT_TIMEOUT) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -59,9 +63,9 @@ def test_pd_readiness_then_request_through_router(tmp_path):
     commands = [standin(role, port, "--child-pid-file", str(pid_file))
                 for role, port, pid_file in zip(("prefill", "decode", "router"), ports, child_pid_files)]
     with ProcessGroup(tmp_path / "logs", stop_grace=2.0, echo=lambda line: None) as group:
-        start_and_wait(group, commands, timeout=10.0)
+        start_and_wait(group, commands, timeout=STARTUP_TIMEOUT)
         assert [p.name for p in group.processes] == ["prefill", "decode", "router"]
-        assert smoke_request(commands[-1].url, timeout=5.0) == " stand-in answer"
+        assert smoke_request(commands[-1].url, timeout=EXIT_TIMEOUT) == " stand-in answer"
         pgids = [p.popen.pid for p in group.processes]
         children = [int(f.read_text()) for f in child_pid_files]
         assert all(pid_alive(c) for c in children)
@@ -74,7 +78,8 @@ def test_uninitialized_weights_are_reported(tmp_path):
     echoed: list[str] = []
     with ProcessGroup(tmp_path / "logs", stop_grace=1.0, echo=echoed.append) as group:
         start_and_wait(group, [standin("prefill", ports[0]),
-                               standin("decode", ports[1], "--missing-weight", "model.layers.3.mlp.experts.w13_input_scale")], 10.0)
+                               standin("decode", ports[1], "--missing-weight", "model.layers.3.mlp.experts.w13_input_scale")],
+                       STARTUP_TIMEOUT)
     warnings = [line for line in echoed if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: decode: Some weights are not initialized")
     assert "w13_input_scale" in warnings[0]
@@ -84,11 +89,13 @@ def test_process_dying_during_startup_reports_log_tail(tmp_path):
     port = free_port()
     with pytest.raises(ServeError, match=r"(?s)prefill exited with status 3.*simulated start-up failure"):
         with ProcessGroup(tmp_path / "logs", stop_grace=1.0, echo=lambda line: None) as group:
-            group.wait_healthy(group.start(standin("prefill", port, "--behaviour", "die-on-start")), timeout=10.0, poll=0.1)
+            group.wait_healthy(group.start(standin("prefill", port, "--behaviour", "die-on-start")),
+                              timeout=STARTUP_TIMEOUT, poll=0.1)
     assert port_is_free(port)
 
 
 def test_health_that_never_turns_green_times_out_and_cleans_up(tmp_path):
+    """The message gives the timeout asked for; the elapsed time is only checked against a hang."""
     port = free_port()
     start = time.monotonic()
     with pytest.raises(ServeError, match=r"(?s)decode not healthy at http://127.0.0.1:\d+/health after 2 s.*stand-in: starting"):
@@ -96,7 +103,7 @@ def test_health_that_never_turns_green_times_out_and_cleans_up(tmp_path):
             running = group.start(standin("decode", port, "--behaviour", "never-healthy"))
             pgid = running.popen.pid
             group.wait_healthy(running, timeout=1.5, poll=0.2)
-    assert time.monotonic() - start < 8.0
+    assert time.monotonic() - start < EXIT_TIMEOUT, "waiting for health did not stop at its timeout"
     assert_nothing_left([pgid], [port])
 
 
@@ -126,7 +133,8 @@ def test_failure_after_start_stops_servers_already_running(tmp_path):
     started: list[str] = []
     with pytest.raises(ServeError, match="decode exited with status 3"):
         with ProcessGroup(tmp_path / "logs", stop_grace=1.0, echo=started.append) as group:
-            start_and_wait(group, [standin("prefill", good), standin("decode", bad, "--behaviour", "die-on-start")], 10.0)
+            start_and_wait(group, [standin("prefill", good), standin("decode", bad, "--behaviour", "die-on-start")],
+                           STARTUP_TIMEOUT)
     pgids = [int(re.search(r"pid (\d+)", line).group(1)) for line in started if line.startswith("started")]
     assert len(pgids) == 2 and group.processes == []
     assert_nothing_left(pgids, [good, bad])
@@ -141,13 +149,14 @@ def test_interrupt_stops_every_process_and_frees_ports(tmp_path, sig):
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
-        assert wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), timeout=30.0), driver.stdout.read1()
+        assert wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(),
+                          timeout=2 * STARTUP_TIMEOUT), driver.stdout.read1()
         pgids = [int(line) for line in pid_file.read_text().split()]
         children = [int(Path(f"{pid_file}.child{i}").read_text()) for i in range(3)]
         assert len(pgids) == 3 and all(live_group_members(g) for g in pgids)
         assert not any(port_is_free(p) for p in ports)
         driver.send_signal(sig)
-        assert driver.wait(timeout=15) == 130
+        assert driver.wait(timeout=EXIT_TIMEOUT) == 130
     finally:
         if driver.poll() is None:
             driver.kill()

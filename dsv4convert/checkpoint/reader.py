@@ -27,6 +27,7 @@ from dsv4convert.checkpoint.safetensors_io import (
     unique_keys,
 )
 from dsv4convert.errors import CheckpointError
+from dsv4convert.stop_points import reach
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -129,6 +130,7 @@ class Checkpoint:
     def _open_indexed(cls, root: Path, index_file: Path, config: dict, remote: Remote | None) -> "Checkpoint":
         if index_file.stat().st_size > MAX_INDEX_BYTES:
             raise CheckpointError(f"index is larger than {MAX_INDEX_BYTES} bytes", file=index_file)
+        reach("checkpoint: reading the index")
         index = read_small_json(index_file)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -142,7 +144,10 @@ class Checkpoint:
                 if not path.is_file() and remote is None:
                     raise CheckpointError(f"shard '{shard}' named by the index is missing", file=path, tensor=name)
                 shard_order[shard] = path
-        headers = {path: _header(path, remote) for path in shard_order.values()}
+        headers = {}
+        for i, path in enumerate(shard_order.values()):
+            reach(f"checkpoint: reading header {i + 1} of {len(shard_order)}")
+            headers[path] = _header(path, remote)
 
         tensors: dict[str, TensorEntry] = {}
         for name, shard in weight_map.items():

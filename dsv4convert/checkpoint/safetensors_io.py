@@ -30,6 +30,7 @@ import torch
 
 from dsv4convert import dtypes
 from dsv4convert.errors import CheckpointError
+from dsv4convert.stop_points import reach
 
 # Real DeepSeek-V4 layer shards have ~170 KB headers; 64 MiB is far above any real one
 # and far below what would hurt to allocate.
@@ -376,9 +377,11 @@ class ShardWriter:
         raw += b" " * (-len(raw) % _ALIGN)
         self.size = 8 + len(raw) + offset
         self._out: _DirectOutput | _PageCacheOutput | None = None
+        reach(f"{self.path.name}: opening its .partial")
         try:
             self._out = _open_output(self.tmp)
             self._out.put(memoryview(struct.pack("<Q", len(raw)) + raw))
+            reach(f"{self.path.name}: .partial opened")
         except BaseException as exc:  # Ctrl-C/SIGTERM here comes before any ``with`` could clean up
             self.abort()
             if isinstance(exc, OSError):
@@ -406,6 +409,7 @@ class ShardWriter:
                 file=self.path,
                 tensor=name,
             )
+        reach(f"{self.path.name}: writing tensor {self._next + 1} of {len(self.planned)}")
         try:
             if isinstance(data, SourceBytes):
                 self._out.copy(data.entry, f" while copying it to {self.path.name}")
@@ -427,11 +431,13 @@ class ShardWriter:
         try:
             self._out.finish()
             self._out = None
+            reach(f"{self.path.name}: renaming its .partial")
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()
             raise write_error(exc, self.path) from None
         fsync_dir(self.path.parent)
+        reach(f"{self.path.name}: complete")
 
     def abort(self) -> None:
         if self._out is not None:
@@ -663,15 +669,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write a small file so that it is either absent, or complete under its final name."""
+def atomic_write_bytes(path: Path, data: bytes, *, point: str | None = None) -> None:
+    """Write a small file so that it is either absent, or complete under its final name.
+
+    ``point`` names the write's stop points (:mod:`dsv4convert.stop_points`; default: the file name).
+    """
     path = Path(path)
     tmp = partial_path(path)
+    point = point or path.name
     try:
+        reach(f"{point}: writing")
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        reach(f"{point}: renaming")
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -679,5 +691,5 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_json(path: Path, obj: object) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+def atomic_write_json(path: Path, obj: object, *, point: str | None = None) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"), point=point)

@@ -13,6 +13,7 @@ from typing import Iterable
 
 from dsv4convert.checkpoint.reader import INDEX_NAME
 from dsv4convert.checkpoint.safetensors_io import PlannedTensor, atomic_write_json, fsync_dir, partial_path, write_error
+from dsv4convert.stop_points import reach
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -65,6 +66,7 @@ def copy_small_files(files: Iterable[Path], dst: Path, *, skip: set[str] = froze
         target = Path(dst) / src.name
         tmp = partial_path(target)
         try:
+            reach(f"{src.name}: copying")
             shutil.copyfile(src, tmp)
             tmp.replace(target)
         except OSError as exc:

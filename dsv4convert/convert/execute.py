@@ -62,6 +62,7 @@ from dsv4convert.convert.recipe import Recipe, canonical
 from dsv4convert.convert.state import STATE_DIR, DestinationLock, RunState, signature
 from dsv4convert.errors import DSV4Error
 from dsv4convert.layout import Role
+from dsv4convert.stop_points import reach
 from dsv4convert.storage import Format
 
 # Files the converter writes itself rather than copying from the source.
@@ -238,11 +239,11 @@ class ShardPipeline:
                 on_module(module, result)
 
             try:
-                for module in modules:
+                for position, module in enumerate(modules):
                     read_ahead()
                     inputs = reads.popleft()[1].result()
                     read_ahead()
-                    converting.append((module, converter.submit(convert_module, module, self.context(module), inputs)))
+                    converting.append((module, converter.submit(self._convert, position, inputs)))
                     del inputs
                     # Results are written in plan order; wait for the oldest once every thread is busy.
                     while converting and (len(converting) >= CONVERT_THREADS or converting[0][1].done()):
@@ -258,6 +259,11 @@ class ShardPipeline:
                 for fut in (*(f for _, f in reads), *(f for _, f in converting), *(f for _, f in writes)):
                     fut.cancel()
                     wait([fut])
+
+    def _convert(self, position: int, inputs: ModuleInputs) -> ModuleResult:
+        module = self.job.modules[position]
+        reach(f"{self.job.name}: converting module {position + 1} of {len(self.job.modules)}")
+        return convert_module(module, self.context(module), inputs)
 
     def _read(self, index: int) -> ModuleInputs:
         """Read module ``index``, having asked the kernel to fetch what follows it meanwhile.
@@ -362,6 +368,7 @@ def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
                         "(use the same command, or --overwrite to start over)", file=dst)
     elif opts.resume and state is None and nonempty:
         raise DSV4Error("--resume refused: this directory holds no dsv4convert run state", file=dst)
+    reach("destination: creating it")
     dst.mkdir(parents=True, exist_ok=True)
     if state is None:
         state = RunState(dst / STATE_DIR / "state.json", sig, datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -637,6 +644,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
     atomic_write_json(dst / "provenance.json", provenance)
     # The index goes last; inspect the finished directory before declaring it done.
     write_index(dst, weight_map, plan.bytes_out)
+    reach("output: re-inspecting")
     output = Checkpoint.open(dst)
     result = inspect_checkpoint(output)
     if not result.ok:

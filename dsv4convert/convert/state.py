@@ -25,6 +25,7 @@ from pathlib import Path
 from dsv4convert import __version__
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json
 from dsv4convert.errors import DSV4Error
+from dsv4convert.stop_points import reach
 
 STATE_DIR = ".dsv4convert"
 # Seconds after which a lock file with no readable holder counts as left by a killed run.
@@ -63,8 +64,10 @@ class RunState:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        done = f"{len(self.shards)} shards{', complete' if self.complete else ''}"
         atomic_write_json(self.path, {"signature": self.signature, "started": self.started,
-                                      "shards": self.shards, "complete": self.complete})
+                                      "shards": self.shards, "complete": self.complete},
+                          point=f"resume state ({done})")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -91,10 +94,12 @@ class DestinationLock:
         # The holder is written to a draft first and the lock appears by link(), which fails if it
         # exists: a lock file therefore always names its holder, even if we are killed midway.
         draft = self.path.with_name(f".lock.{os.getpid()}.partial")
+        reach("lock: writing its draft")
         draft.write_text(json.dumps(me))
         try:
             for _ in range(2):
                 try:
+                    reach("lock: linking")
                     os.link(draft, self.path)
                 except FileExistsError:
                     holder = self._holder()
@@ -139,6 +144,7 @@ class DestinationLock:
 
     def release(self) -> None:
         if self.held:
+            reach("lock: releasing")
             self.path.unlink(missing_ok=True)
             self.held = False
 

@@ -29,7 +29,7 @@ def main() -> int:
     ]
     try:
         with ProcessGroup(Path(tempfile.mkdtemp(prefix="standin-logs-")), stop_grace=2.0) as group:
-            start_and_wait(group, commands, timeout=20.0)
+            start_and_wait(group, commands, timeout=120.0)
             pid_file.write_text("\n".join(str(p.popen.pid) for p in group.processes))
             _hold(group)
     except KeyboardInterrupt:
