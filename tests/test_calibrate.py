@@ -16,8 +16,8 @@ from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
 from dsv4convert import dtypes
 from dsv4convert.calibrate import calibration_hessians, gptq_quantize_int4
-from dsv4convert.calibrate.data import calibration_tokens, read_documents
-from dsv4convert.calibrate.layers import COMPUTE_DTYPES, WeightSource, build_layer, hf_config
+from dsv4convert.model.text import token_windows, read_documents
+from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource, build_layer, hf_config
 from dsv4convert.calibrate.report import nvfp4_activation_roundtrip
 from dsv4convert.calibrate.stats import ExpertStats
 from dsv4convert.calibrate.stream import CalibrateOptions, Calibrator, batches, work_dir
@@ -108,7 +108,7 @@ def _oracle_stats(model, ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]
 
 def test_streamed_statistics_equal_one_full_transformers_forward(streamed, full_model, tiny_ckpt, data_file):
     content, output = streamed
-    ids, _ = calibration_tokens(tiny_ckpt, data_file, num_sequences=N_SEQ, seq_len=SEQ_LEN)
+    ids, _ = token_windows(tiny_ckpt, data_file, num_sequences=N_SEQ, seq_len=SEQ_LEN)
     oracle = _oracle_stats(full_model, ids)
     cfg = ModelConfig.from_dict(Checkpoint.open(tiny_ckpt).config)
     hessians = calibration_hessians(output)
@@ -142,7 +142,7 @@ def test_bf16_streaming_equals_the_bf16_transformers_forward(tiny_ckpt, data_fil
     model = DeepseekV4ForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.bfloat16,
                                                   quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
     assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
-    ids, _ = calibration_tokens(tiny_ckpt, data_file, num_sequences=1, seq_len=48)
+    ids, _ = token_windows(tiny_ckpt, data_file, num_sequences=1, seq_len=48)
     for layer_index, want in _oracle_stats(model, ids).items():
         got = ExpertStats.load_scalars(work_dir(output) / f"layers.{layer_index}.safetensors")
         assert torch.equal(got.tokens, want["tokens"]) and torch.equal(got.w13_amax, want["w13"]), layer_index
@@ -317,10 +317,10 @@ def test_calibration_data_inputs(tiny_ckpt, tmp_path):
     text = tmp_path / "plain.txt"
     text.write_text("hello world " * 50)
     assert read_documents(text) == ["hello world " * 50]
-    calib, held = calibration_tokens(tiny_ckpt, text, num_sequences=2, seq_len=16, holdout=1)
+    calib, held = token_windows(tiny_ckpt, text, num_sequences=2, seq_len=16, holdout=1)
     assert calib.shape == (2, 16) and held.shape == (1, 16) and calib.dtype == torch.int64
     with pytest.raises(DSV4Error, match="need 2000"):
-        calibration_tokens(tiny_ckpt, text, num_sequences=100, seq_len=20)
+        token_windows(tiny_ckpt, text, num_sequences=100, seq_len=20)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": 3}\n')
     with pytest.raises(DSV4Error, match="line 2 has no"):
@@ -344,7 +344,7 @@ def test_batches_never_mix_calibration_and_held_out():
 def test_cli_reports_bad_options_in_one_line(tiny_ckpt, data_file, tmp_path, capsys):
     base = ["calibrate", "--src", str(tiny_ckpt), "--output", str(tmp_path / "c.json"), "--device", "cpu"]
     assert main(base + ["--calibration-data", str(tmp_path / "absent.txt")]) == 2
-    assert "calibration data file not found" in capsys.readouterr().err
+    assert "text file not found" in capsys.readouterr().err
     assert main(base + ["--calibration-data", str(data_file), "--batch-size", "0"]) == 2
     assert "--batch-size must be at least 1" in capsys.readouterr().err
     assert main(base + ["--calibration-data", str(data_file), "--report", "--holdout", "0"]) == 2

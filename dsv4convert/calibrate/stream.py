@@ -13,7 +13,7 @@ per finished block; an interrupted run continues at the first unfinished block.
 
 MTP: transformers does not instantiate the MTP block, but its body is an ordinary decoder
 layer. Block ``mtp.j`` reads, at position ``t``, the token ``t + j + 1`` and the streams of
-the previous block at ``t`` (see :class:`dsv4convert.calibrate.layers.MtpEntry`), so its
+the previous block at ``t`` (see :class:`dsv4convert.model.blocks.MtpEntry`), so its
 sequences are ``j + 1`` tokens shorter; it is calibrated like any layer.
 """
 
@@ -31,14 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from dsv4convert import __version__
-from dsv4convert.calibrate.data import calibration_tokens
-from dsv4convert.calibrate.layers import COMPUTE_DTYPES, MtpEntry, Positions, WeightSource, build_layer, hf_config
+from dsv4convert.model.text import token_windows
 from dsv4convert.calibrate.report import block_errors
 from dsv4convert.calibrate.stats import ExpertRecorder, ExpertStats
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json, read_small_json
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
+from dsv4convert.model.blocks import COMPUTE_DTYPES, MtpEntry, WeightSource, build_layer, hf_config
+from dsv4convert.model.forward import BlockRunner
 
 SIGNATURE_FILE = "signature.json"
 
@@ -165,7 +166,7 @@ class Calibrator:
         self.states = StateFiles(self.work / "states", (self.cfg.hc_mult, self.cfg.hidden_size), self.dtype)
         self.input_scales: InputScales = build_input_scales(self.ckpt)
         self._embed_weight: torch.Tensor | None = None
-        self._positions = Positions(self.config, self.device, self.dtype)
+        self._runner = BlockRunner(self.config, self.device, self.dtype)
 
     # -- setup and resume -------------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class Calibrator:
     def _prepare(self) -> torch.Tensor:
         """Token ids of all sequences (calibration then held-out), resuming or starting the work dir."""
         o = self.opts
-        calib, held = calibration_tokens(self.ckpt.root, o.data, num_sequences=o.num_sequences, seq_len=o.seq_len,
+        calib, held = token_windows(self.ckpt.root, o.data, num_sequences=o.num_sequences, seq_len=o.seq_len,
                                          holdout=o.holdout, vocab_size=self.cfg.vocab_size)
         ids = torch.cat([calib, held])
         signature = self._signature(ids)
@@ -251,8 +252,7 @@ class Calibrator:
             for rows in batches(o.num_sequences, rows_total, o.batch_size):
                 recorder.capture = rows.start >= o.num_sequences
                 hidden = self._inputs(block, previous, entry, ids, rows)
-                kwargs = self._positions.kwargs(hidden.shape[0], seq)
-                streams = layer(hidden, input_ids=ids[rows, self._shift(block):].to(self.device), **kwargs)
+                streams = self._runner(layer, hidden, ids[rows, self._shift(block):])
                 if out is not None:
                     out[rows] = streams.to("cpu")
             if self.device.type == "cuda":

@@ -1,11 +1,12 @@
-"""One decoder layer of transformers' DeepSeek-V4, built from our checkpoint on demand.
+"""One block of transformers' DeepSeek-V4, built from our checkpoint on demand.
 
-Calibration must see the activations the real model produces, so the math is transformers'
-own (``DeepseekV4DecoderLayer``: attention, compressor, indexer, hash routing and
-hyper-connections), not a re-implementation. What this module adds is the loading: the
-layer is created on the meta device (no memory, no init), and each parameter is then set
-from the checkpoint, dequantized on the target device from whatever format the source
-stores (FP8, MXFP4, NVFP4, INT4, BF16), so only one layer's weights are ever resident.
+``calibrate`` and ``compare`` must see the activations the real model produces, so the math is
+transformers' own (``DeepseekV4DecoderLayer``: attention, compressor, indexer, hash routing and
+hyper-connections), not a re-implementation. What this module adds is the loading: the layer is
+created on the meta device (no memory, no init), and each parameter is then set from the
+checkpoint, dequantized on the target device from whatever format the source stores (FP8, MXFP4,
+NVFP4, INT4, BF16), so only one layer's weights are ever resident. :class:`OutputHead` is the
+model's end (hyper-connection head, norm, vocabulary projection), for the backbone and each MTP block.
 
 Dtypes follow what ``DeepseekV4ForCausalLM.from_pretrained(..., dtype=D)`` gives the native
 checkpoint: F32 tensors (hyper-connections, sinks, ``ape``, router bias) stay float32,
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import DeepseekV4Config
-from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
+    DeepseekV4HyperHead,
     DeepseekV4RMSNorm,
     DeepseekV4RotaryEmbedding,
 )
@@ -208,25 +209,20 @@ class MtpEntry:
         return e.unsqueeze(2) + h
 
 
-class Positions:
-    """Rotary tables and the sliding-window causal mask for a batch shape, built by transformers."""
+class OutputHead(nn.Module):
+    """Streams ``[B, S, hc_mult, hidden]`` to logits: ``head(norm(hc_head(streams)))``, as transformers'
+    ``DeepseekV4Model``/``ForCausalLM`` end. ``prefix`` is ``""`` for the backbone and ``"mtp.j."`` for an
+    MTP block, which has its own hyper-connection head and norm and shares the vocabulary projection."""
 
-    def __init__(self, config: DeepseekV4Config, device: torch.device, dtype: torch.dtype):
-        self.config, self.device, self.dtype = config, device, dtype
-        self.rotary = DeepseekV4RotaryEmbedding(config, device=device)
-        self._cache: dict[tuple[int, int], dict] = {}
+    def __init__(self, source: WeightSource, config: DeepseekV4Config, prefix: str = ""):
+        super().__init__()
+        with torch.device("meta"):
+            self.hc_head = DeepseekV4HyperHead(config)
+            self.norm = DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        for leaf in ("fn", "base", "scale"):
+            _set(self.hc_head, f"hc_{leaf}", source.tensor(f"{prefix}hc_head_{leaf}"))
+        _set(self.norm, "weight", source.tensor(f"{prefix}norm.weight"))
+        self.head = source.linear("head") if source.inspection.modules.get("head") else source.tensor("head.weight")
 
-    def kwargs(self, batch: int, seq_len: int) -> dict:
-        key = (batch, seq_len)
-        if key not in self._cache:
-            probe = torch.zeros((batch, seq_len, 1), dtype=self.dtype, device=self.device)
-            position_ids = torch.arange(seq_len, device=self.device).unsqueeze(0)
-            mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=probe, attention_mask=None,
-                                                     past_key_values=None, position_ids=position_ids)
-            self._cache = {key: {          # one shape at a time: the last micro-batch may be smaller
-                "position_embeddings": {t: self.rotary(probe, position_ids=position_ids, layer_type=t)
-                                        for t in ("main", "compress")},
-                "position_ids": position_ids,
-                "attention_mask": mask,
-            }}
-        return self._cache[key]
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.norm(self.hc_head(streams)), self.head)

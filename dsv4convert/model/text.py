@@ -1,9 +1,10 @@
-"""Calibration tokens: a local text or JSONL file, tokenized with the checkpoint's own tokenizer.
+"""Token windows from the user's text: a local text or JSONL file, tokenized with the checkpoint's own tokenizer.
 
-Nothing is downloaded: the tokenizer is loaded from the checkpoint directory
-(``local_files_only``). Documents are tokenized one by one (the tokenizer adds its BOS to
-each), concatenated, and cut into consecutive windows of ``seq_len`` tokens; the first
-``num_sequences`` calibrate and the next ``holdout`` are kept apart for the error report.
+``calibrate`` and ``compare`` read their data this way. Nothing is downloaded: the tokenizer is
+loaded from the checkpoint directory (``local_files_only``). Documents are tokenized one by one
+(the tokenizer adds its BOS to each), concatenated, and cut into consecutive windows of
+``seq_len`` tokens; the first ``num_sequences`` are the main set and the next ``holdout`` are kept
+apart (calibration's held-out error report).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ def read_documents(path: Path) -> list[str]:
     path = Path(path)
     try:
         if path.stat().st_size > MAX_DATA_BYTES:
-            raise DSV4Error(f"calibration data is larger than {MAX_DATA_BYTES} bytes", file=path)
+            raise DSV4Error(f"text file is larger than {MAX_DATA_BYTES} bytes", file=path)
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise DSV4Error("calibration data file not found", file=path) from None
+        raise DSV4Error("text file not found", file=path) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise DSV4Error(f"cannot read calibration data ({exc})", file=path) from None
+        raise DSV4Error(f"cannot read the text file ({exc})", file=path) from None
     if path.suffix != ".jsonl":
         docs = [text] if text.strip() else []
     else:
@@ -46,7 +47,7 @@ def read_documents(path: Path) -> list[str]:
             if doc.strip():
                 docs.append(doc)
     if not docs:
-        raise DSV4Error("calibration data holds no text", file=path)
+        raise DSV4Error("the file holds no text", file=path)
     return docs
 
 
@@ -62,9 +63,9 @@ def tokenize(checkpoint_dir: Path, docs: list[str]) -> torch.Tensor:
     return torch.cat(ids)
 
 
-def calibration_tokens(checkpoint_dir: Path, data: Path, *, num_sequences: int, seq_len: int,
-                       holdout: int = 0, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration ids [num_sequences, seq_len], held-out ids [holdout, seq_len])."""
+def token_windows(checkpoint_dir: Path, data: Path, *, num_sequences: int, seq_len: int,
+                  holdout: int = 0, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main ids [num_sequences, seq_len], held-out ids [holdout, seq_len])."""
     if num_sequences < 1 or seq_len < 2 or holdout < 0:
         raise DSV4Error(f"need --num-sequences >= 1 and --seq-len >= 2, got {num_sequences} and {seq_len}")
     ids = tokenize(checkpoint_dir, read_documents(data))
