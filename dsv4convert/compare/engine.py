@@ -93,10 +93,9 @@ class LockstepEngine:
         the embedding it mixes in."""
         t0 = time.perf_counter()
         layer = build_layer(side.source, self.config, self.cfg, block)
-        handles = install(layer, block, side.numerics, side.source)
-        entry = None
-        if block.startswith("mtp."):
-            entry = (MtpEntry.load(side.source, self.config, block), side.source.tensor("embed.weight"))
+        mix = MtpEntry.load(side.source, self.config, block) if block.startswith("mtp.") else None
+        handles = install(layer, block, side.numerics, side.source, mix)
+        entry = (mix, side.source.tensor("embed.weight")) if mix is not None else None
         self._sync()
         self.seconds["read"] += time.perf_counter() - t0
         return layer, entry, handles

@@ -50,19 +50,6 @@ def tensor_parallel_size(weight_bytes: int, gpu_memory: int) -> int | None:
     return tp
 
 
-def _served_like(variant: str, module_formats: dict[str, tuple[Format, dict]]) -> str:
-    """The shipped variant whose MoE runner rules apply (a mixed recipe follows its experts)."""
-    from dsv4convert.serve.launch import SERVED_VARIANTS
-
-    if variant in SERVED_VARIANTS:
-        return variant
-    experts = {fmt for module, (fmt, _) in module_formats.items() if ".ffn.experts." in module}
-    for fmt, like in ((Format.NVFP4, "nvfp4"), (Format.INT4, "w4a16"), (Format.MXFP4, "native")):
-        if fmt in experts:
-            return like
-    return "fp8"
-
-
 def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
                    ) -> dict[str, dict]:
     """Single-server SGLang commands for a converted checkpoint, per GPU family.
@@ -75,7 +62,7 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     """
     from dsv4convert.checkpoint import Checkpoint
     from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.serve.launch import LaunchOptions, plan_single
+    from dsv4convert.serve.launch import LaunchOptions, plan_single, served_like
 
     if opened is None:
         ckpt = Checkpoint.open(model_dir)
@@ -83,7 +70,7 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     ckpt, inspection = opened
     formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
     env = serving_env(ckpt.config, formats)
-    like = _served_like(variant, formats)
+    like = served_like(variant, formats)
     weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
     launch: dict[str, dict] = {}
     for name, (family, memory) in GPU_FAMILIES.items():

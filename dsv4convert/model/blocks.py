@@ -16,6 +16,7 @@ everything else becomes ``D`` (quantized weights are dequantized in float32 and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ from dsv4convert.layout import ModelConfig, try_classify
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # Linear modules of a block: native module suffix -> transformers parameter path.
-_LINEARS = {
+LINEAR_PATHS = {
     "attn.wq_a": "self_attn.q_a_proj.weight",
     "attn.wq_b": "self_attn.q_b_proj.weight",
     "attn.wkv": "self_attn.kv_proj.weight",
@@ -165,7 +166,7 @@ def build_layer(source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig
     with torch.device("meta"):
         layer = DeepseekV4DecoderLayer(config, block_index(cfg, block))
     _rebuild_rotary(layer, config, source.device)
-    for suffix, path in _LINEARS.items():
+    for suffix, path in LINEAR_PATHS.items():
         if f"{block}.{suffix}" in source.inspection.modules:
             _set(layer, path, source.linear(f"{block}.{suffix}"))
     for suffix, path in _TENSORS.items():
@@ -193,6 +194,7 @@ class MtpEntry:
     hnorm: DeepseekV4RMSNorm
     e_proj: torch.Tensor
     h_proj: torch.Tensor
+    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None   # the projections' served input rounding
 
     @classmethod
     def load(cls, source: WeightSource, config: DeepseekV4Config, block: str) -> "MtpEntry":
@@ -204,8 +206,11 @@ class MtpEntry:
         return cls(*norms, source.linear(f"{block}.e_proj"), source.linear(f"{block}.h_proj"))
 
     def __call__(self, embedded_next: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        e = nn.functional.linear(self.enorm(embedded_next), self.e_proj)
-        h = nn.functional.linear(self.hnorm(streams), self.h_proj)
+        e_in, h_in = self.enorm(embedded_next), self.hnorm(streams)
+        if self.quantize is not None:
+            e_in, h_in = self.quantize(e_in), self.quantize(h_in)
+        e = nn.functional.linear(e_in, self.e_proj)
+        h = nn.functional.linear(h_in, self.h_proj)
         return e.unsqueeze(2) + h
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from dsv4convert.errors import DSV4Error
 from dsv4convert.serve.topology import Topology
+from dsv4convert.storage import Format
 
 SERVED_VARIANTS = ("native", "fp8", "nvfp4", "w4a16", "bf16")
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
@@ -67,6 +68,17 @@ def variant_defaults(variant: str, gpu_family: str) -> VariantDefaults:
         f"no serving defaults for variant {variant!r}; expected one of {', '.join(SERVED_VARIANTS)} "
         "(pass --variant to override what inspect detected)"
     )
+
+
+def served_like(variant: str, module_formats: dict[str, tuple[Format, dict]]) -> str:
+    """The shipped variant whose serving rules apply to a checkpoint (a mixed recipe follows its experts)."""
+    if variant in SERVED_VARIANTS:
+        return variant
+    experts = {fmt for module, (fmt, _) in module_formats.items() if ".ffn.experts." in module}
+    for fmt, like in ((Format.NVFP4, "nvfp4"), (Format.INT4, "w4a16"), (Format.MXFP4, "native")):
+        if fmt in experts:
+            return like
+    return "fp8"
 
 
 def choose_transfer_backend(requested: str | None, ib_devices: tuple[str, ...]) -> tuple[str, str | None]:

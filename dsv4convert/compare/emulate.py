@@ -1,0 +1,200 @@
+"""Installing a side's served numerics on one transformers decoder layer, and taking them off.
+
+The layer stays transformers' own; the server's rounding goes in at the tensors it applies to, by
+forward hooks (and one instance-level wrapper of the experts' gate), each a pure function of
+:mod:`dsv4convert.formats.activations` / :mod:`dsv4convert.formats.kv_cache`:
+
+* dense linears stored FP8 that SGLang runs as W8A8 block GEMMs: their input, per 1x128 token group
+  (``wo_a`` only where SGLang keeps it FP8; the compressor, the indexer's ``weights_proj`` and the
+  router are built unquantized and stay as they are);
+* routed experts: the expert input (one quantization serves every expert: the scale is per token,
+  or for NVFP4 the layer's largest ``input_scale``) and the down-projection input (``_apply_gate``'s
+  output), by the scheme ``Serving.expert_scheme`` names for the block's stored format;
+* the FP8 KV cache: the attention's and the compressors' normalized KV entries as stored (448 FP8
+  dims in tiles of 64 with UE8M0 scales, the RoPE dims in BF16);
+* the indexer cache: the indexer's queries and compressed keys, rotated, quantized FP8 or FP4 and
+  rotated back, right where transformers scores them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dsv4convert.compare.numerics import Numerics
+from dsv4convert.errors import DSV4Error
+from dsv4convert.formats.activations import (
+    fp8_token_groups,
+    indexer_fp4,
+    indexer_fp8,
+    mxfp8_activations,
+    nvfp4_activations,
+)
+from dsv4convert.formats.kv_cache import kv_cache_fp8
+from dsv4convert.model.blocks import LINEAR_PATHS, MtpEntry, WeightSource
+from dsv4convert.storage import Format
+
+# Dense linears SGLang builds with quant_config=None (docs/served-numerics.md): never W8A8.
+UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",
+                         "attn.indexer.compressor.wkv", "attn.indexer.compressor.wgate", "ffn.gate"})
+GROUP = 128
+
+
+class Installed:
+    """The hooks and wrappers put on one layer; ``remove`` restores it."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def hook(self, handle) -> None:
+        self._undo.append(handle.remove)
+
+    def wrap(self, owner: object, name: str, replacement: Callable) -> None:
+        """Set an instance attribute (shadowing the class's method) until ``remove``."""
+        missing = object()
+        previous = vars(owner).get(name, missing)
+        setattr(owner, name, replacement)
+
+        def undo() -> None:
+            if previous is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+        self._undo.append(undo)
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def _on_input(quantize: Callable[[torch.Tensor], torch.Tensor]):
+    def pre_hook(module: nn.Module, args: tuple):
+        return (quantize(args[0]), *args[1:])
+    return pre_hook
+
+
+def _on_output(quantize: Callable[[torch.Tensor], torch.Tensor]):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor):
+        return quantize(output)
+    return hook
+
+
+def _token_groups(scale_format: str, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % GROUP:
+            raise DSV4Error(f"{name}: input width {x.shape[-1]} is not a multiple of {GROUP}; SGLang's W8A8 "
+                            "block GEMM cannot take it")
+        return fp8_token_groups(x, GROUP, scale_format=scale_format, name=name)
+    return quantize
+
+
+def install(layer: nn.Module, block: str, numerics: Numerics, source: WeightSource,
+            entry: MtpEntry | None = None) -> Installed:
+    """Put ``numerics`` on ``layer`` (built for ``block`` from ``source``) and on an MTP block's ``entry``."""
+    installed = Installed()
+    serving = numerics.serving
+    if serving is None or not (numerics.activations or numerics.kv_cache or numerics.indexer):
+        return installed
+    if numerics.activations:
+        _dense(layer, block, serving, source, installed, entry)
+        _experts(layer, block, serving, source, installed)
+    if numerics.kv_cache:
+        rope = layer.self_attn.config.qk_rope_head_dim
+        installed.hook(layer.self_attn.kv_norm.register_forward_hook(
+            _on_output(lambda kv: kv_cache_fp8(kv, rope_dim=rope, name=f"{block}.attn.kv"))))
+        compressor = getattr(layer.self_attn, "compressor", None)
+        if compressor is not None:
+            installed.hook(compressor.kv_norm.register_forward_hook(_on_output(
+                lambda kv: kv_cache_fp8(kv, rope_dim=rope, bf16_source=True, name=f"{block}.attn.compressor.kv"))))
+    if numerics.indexer:
+        _indexer(layer, block, numerics.indexer, installed)
+    return installed
+
+
+def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installed: Installed,
+           entry: MtpEntry | None) -> None:
+    dense = serving.dense_scale_format()
+    for suffix, path in LINEAR_PATHS.items():
+        module = source.inspection.modules.get(f"{block}.{suffix}")
+        if module is None or module.format is not Format.FP8 or suffix in UNQUANTIZED:
+            continue
+        scale_format = dense
+        if suffix == "attn.wo_a":
+            scale_format = serving.wo_a()
+            if scale_format is None:
+                continue        # dequantized to BF16 at load: a BF16 GEMM
+        target = layer.get_submodule(path.rsplit(".", 1)[0])
+        installed.hook(target.register_forward_pre_hook(_on_input(_token_groups(scale_format, f"{block}.{suffix}"))))
+    if entry is not None:
+        fmts = {source.inspection.modules[f"{block}.{p}"].format for p in ("e_proj", "h_proj")}
+        if fmts == {Format.FP8}:
+            installed.wrap(entry, "quantize", _token_groups(dense, f"{block}.e_proj/h_proj"))
+
+
+def _experts(layer: nn.Module, block: str, serving, source: WeightSource, installed: Installed) -> None:
+    first = source.inspection.modules.get(f"{block}.ffn.experts.0.w1")
+    if first is None or first.format is None:
+        return
+    scheme = serving.expert_scheme(first.format, is_mtp=block.startswith("mtp."))
+    if scheme is None:
+        return
+    experts = layer.mlp.experts
+    name = f"{block}.ffn.experts"
+    if scheme == "fp8":
+        fc1 = fc2 = _token_groups("float32", name)
+    elif scheme == "mxfp8":
+        fc1 = fc2 = lambda x: mxfp8_activations(x, name=name)  # noqa: E731
+    elif scheme == "nvfp4":
+        w13, w2 = _layer_input_scales(source, block, experts.num_experts)
+        fc1 = lambda x: nvfp4_activations(x, w13, name=f"{name} (w1/w3 input)")  # noqa: E731
+        fc2 = lambda x: nvfp4_activations(x, w2, name=f"{name} (w2 input)")  # noqa: E731
+    else:
+        raise DSV4Error(f"{name}: no emulation for expert activations {scheme!r}")
+    installed.hook(experts.register_forward_pre_hook(_on_input(fc1)))
+    gate = experts._apply_gate
+    installed.wrap(experts, "_apply_gate", lambda gate_up: fc2(gate(gate_up)))
+
+
+def _layer_input_scales(source: WeightSource, block: str, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NVFP4 runners' global activation scales: the largest ``input_scale`` over the layer's experts,
+    for the expert input (w1 and w3) and for the down projection (w2)."""
+    def largest(projections: tuple[str, ...]) -> torch.Tensor:
+        values = []
+        for e in range(n_experts):
+            for proj in projections:
+                name = f"{block}.ffn.experts.{e}.{proj}.input_scale"
+                if name not in source.ckpt.tensors:
+                    raise DSV4Error("NVFP4 expert without its input_scale: the W4A4 activations cannot be emulated",
+                                    file=source.ckpt.root, tensor=name)
+                values.append(source.ckpt.read(name).float().reshape(()))
+        return torch.stack(values).max().to(source.device)
+    return largest(("w1", "w3")), largest(("w2",))
+
+
+def _indexer(layer: nn.Module, block: str, kind: str, installed: Installed) -> None:
+    compressor = getattr(layer.self_attn, "compressor", None)
+    indexer = getattr(compressor, "indexer", None)
+    if indexer is None:
+        return                  # sliding-window and HCA layers have no indexer
+    quantize = {"fp8": indexer_fp8, "fp4": indexer_fp4}[kind]
+    memo: dict[str, object] = {}
+
+    def new_sequence(module, args):
+        position_ids = args[2]
+        if int(position_ids.reshape(-1)[0]) == 0:
+            memo.clear()
+
+    def scored(module, args):
+        q, keys, hidden = args
+        # The pool only grows (transformers' cache appends): quantize each stored key once, as the server does.
+        done = memo.get("keys")
+        start = 0 if done is None or done.shape[:-2] != keys.shape[:-2] else done.shape[-2]
+        fresh = quantize(keys[..., start:, :], name=f"{block}.attn.indexer keys") if keys.shape[-2] > start else None
+        pool = fresh if start == 0 else (done if fresh is None else torch.cat([done, fresh], dim=-2))
+        memo["keys"] = pool
+        return quantize(q, name=f"{block}.attn.indexer queries"), pool, hidden
+
+    installed.hook(indexer.register_forward_pre_hook(new_sequence))
+    installed.hook(indexer.scorer.register_forward_pre_hook(scored))

@@ -1,0 +1,225 @@
+"""``compare``: plan (both checkpoints, the data, each side's numerics), check, estimate, run, report.
+
+Everything a run needs is checked before the first layer is read: both checkpoints match the
+DeepSeek-V4 layout and the same model config (quantization aside), the text tokenizes with the
+base's tokenizer into at least one sequence, and each side's numerics follow from its launch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv4convert import __version__, dtypes
+from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare.engine import HEAD_POSITIONS, LockstepEngine, Side
+from dsv4convert.compare.numerics import Numerics, served, serving_for, weights_only
+from dsv4convert.errors import DSV4Error
+from dsv4convert.inspection import Inspection, inspect_checkpoint
+from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory
+from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
+from dsv4convert.model.text import read_documents, tokenize
+
+# Config keys that describe how weights are stored, not the model: they may differ between sides.
+STORAGE_KEYS = frozenset({"quantization_config", "torch_dtype", "dtype", "transformers_version", "expert_dtype"})
+NUMERICS = ("served", "weights")
+
+
+@dataclass
+class CompareOptions:
+    base: str
+    variant: str
+    texts: list[Path] = field(default_factory=list)
+    random_tokens: bool = False          # uniform random ids (synthetic models, smoke tests): no text needed
+    tokens: int = 65536
+    seq_len: int = 4096
+    numerics: str = "served"
+    base_numerics: str | None = None     # default: as --numerics
+    engine: str = "sglang"
+    gpu_family: str = "sm120"
+    moe_runner_backend: str | None = None
+    fp4_indexer: bool = False
+    device: str = "cpu"
+    dtype: str | None = None             # default: bfloat16 on a GPU, float32 on the CPU
+    chunk: int = 2048
+    batch_size: int = 1
+    mtp: bool = True
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class Plan:
+    options: CompareOptions
+    base: Side
+    variant: Side
+    ids: torch.Tensor
+    device: torch.device
+    dtype: torch.dtype
+    estimate: dict
+    data: dict
+
+
+def _open(path: str, label: str) -> tuple[Checkpoint, Inspection]:
+    ckpt = Checkpoint.open(path)
+    inspection = inspect_checkpoint(ckpt)
+    if not inspection.ok:
+        first = (inspection.missing + inspection.unexpected + inspection.mismatched + inspection.problems)[0]
+        raise DSV4Error(f"{label} checkpoint does not match the DeepSeek-V4 layout its config.json describes "
+                        f"({first})", file=ckpt.root)
+    return ckpt, inspection
+
+
+def check_same_model(base: Checkpoint, variant: Checkpoint) -> None:
+    """The two sides must be one model stored two ways: every config key but the storage ones agrees."""
+    keys = (set(base.config) | set(variant.config)) - STORAGE_KEYS
+    for key in sorted(keys):
+        if base.config.get(key) != variant.config.get(key):
+            raise DSV4Error(f"not a variant of the base model: config key {key!r} is {variant.config.get(key)!r} "
+                            f"here and {base.config.get(key)!r} in {base.root / 'config.json'}",
+                            file=variant.root / "config.json")
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DSV4Error(f"unknown --device {name!r} (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DSV4Error(f"--device {name}: no CUDA GPU is available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise DSV4Error(f"--device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    return device
+
+
+def token_ids(opts: CompareOptions, base: Checkpoint, cfg: ModelConfig) -> tuple[torch.Tensor, dict]:
+    """``[sequences, seq_len]`` ids from the user's text (base tokenizer) or uniform random ids."""
+    if opts.seq_len < 2:
+        raise DSV4Error(f"--seq-len must be at least 2, got {opts.seq_len}")
+    if opts.tokens < opts.seq_len:
+        raise DSV4Error(f"--tokens {opts.tokens} is less than one sequence of --seq-len {opts.seq_len}")
+    wanted = opts.tokens // opts.seq_len
+    if opts.random_tokens:
+        if opts.texts:
+            raise DSV4Error("give --text or --random-tokens, not both")
+        generator = torch.Generator().manual_seed(opts.seed)
+        ids = torch.randint(0, cfg.vocab_size, (wanted, opts.seq_len), generator=generator)
+        return ids, {"source": f"random token ids (seed {opts.seed})", "sequences": wanted, "seq_len": opts.seq_len}
+    if not opts.texts:
+        raise DSV4Error("no data: give --text FILE (UTF-8 text, or JSONL with a \"text\" field); the text is the "
+                        "user's own, nothing is downloaded")
+    docs = [doc for path in opts.texts for doc in read_documents(path)]
+    ids = tokenize(base.root, docs)
+    if ids.numel() and int(ids.max()) >= cfg.vocab_size:
+        raise DSV4Error(f"the tokenizer produced id {int(ids.max())} but the model has {cfg.vocab_size} tokens "
+                        "(a tokenizer of another model?)", file=base.root)
+    available = ids.numel() // opts.seq_len
+    if available < 1:
+        raise DSV4Error(f"the text holds {ids.numel()} tokens, less than one sequence of --seq-len {opts.seq_len}",
+                        file=opts.texts[0])
+    if available < wanted:
+        print(f"compare: the text holds {ids.numel()} tokens: {available} sequences of {opts.seq_len} instead of "
+              f"{wanted}", file=sys.stderr)
+    count = min(wanted, available)
+    return ids[: count * opts.seq_len].view(count, opts.seq_len).clone(), {
+        "source": [str(p) for p in opts.texts], "sequences": count, "seq_len": opts.seq_len,
+        "text_tokens": ids.numel()}
+
+
+def _numerics(kind: str, inspection: Inspection, ckpt: Checkpoint, opts: CompareOptions) -> Numerics:
+    if kind not in NUMERICS:
+        raise DSV4Error(f"--numerics must be one of {', '.join(NUMERICS)}, got {kind!r}")
+    extra = []
+    if opts.moe_runner_backend:
+        extra += ["--moe-runner-backend", opts.moe_runner_backend]
+    if opts.fp4_indexer:
+        extra.append("--enable-deepseek-v4-fp4-indexer")
+    serving = serving_for(inspection, ckpt.config, engine=opts.engine, gpu_family=opts.gpu_family,
+                          extra_args=tuple(extra), model=str(ckpt.root))
+    return served(serving) if kind == "served" else weights_only(serving)
+
+
+def build_plan(opts: CompareOptions) -> Plan:
+    base_ckpt, base_info = _open(opts.base, "base")
+    variant_ckpt, variant_info = _open(opts.variant, "variant")
+    check_same_model(base_ckpt, variant_ckpt)
+    if opts.chunk < 1 or opts.batch_size < 1:
+        raise DSV4Error(f"--chunk and --batch-size must be at least 1, got {opts.chunk} and {opts.batch_size}")
+    device = _device(opts.device)
+    dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype_name not in COMPUTE_DTYPES:
+        raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")
+    dtype = COMPUTE_DTYPES[dtype_name]
+    cfg = base_info.config
+    ids, data = token_ids(opts, base_ckpt, cfg)
+    sides = []
+    for label, ckpt, info, kind in (("base", base_ckpt, base_info, opts.base_numerics or opts.numerics),
+                                    ("variant", variant_ckpt, variant_info, opts.numerics)):
+        sides.append(Side(label, ckpt, info, WeightSource(ckpt, info, device, dtype),
+                          _numerics(kind, info, ckpt, opts)))
+    estimate = estimate_resources(cfg, base_ckpt.config, ids.shape, dtype, opts, (base_ckpt, variant_ckpt))
+    return Plan(opts, sides[0], sides[1], ids, device, dtype, estimate, data)
+
+
+def estimate_resources(cfg: ModelConfig, config: dict, shape: tuple[int, int], dtype: torch.dtype,
+                       opts: CompareOptions, ckpts: tuple[Checkpoint, Checkpoint]) -> dict:
+    """Peak device and host memory and the bytes read, from the layout alone (before anything runs)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    sequences, seq = shape
+    shapes = linear_shapes(cfg)
+    per_block: dict[str, int] = {}
+    for spec in native_inventory(cfg):
+        info = spec.info
+        if info.block is None:
+            continue
+        if info.module in shapes and info.param in ("weight", "scale"):
+            if info.param == "weight":
+                n, k = shapes[info.module]
+                per_block[info.block] = per_block.get(info.block, 0) + n * k * item
+            continue
+        per_block[info.block] = per_block.get(info.block, 0) + dtypes.nbytes(spec.dtype, spec.shape)
+    layer = max(per_block.values(), default=0)
+    chunk = min(opts.chunk, seq)
+    pool = seq // 4 if any(r == 4 for r in cfg.compress_ratios) else seq // 128
+    window = int(config.get("sliding_window", 128))
+    rows = opts.batch_size
+    attention = 3 * rows * cfg.num_attention_heads * chunk * (chunk + window + pool) * item
+    indexer = 2 * rows * chunk * cfg.index_n_heads * pool * 4
+    streams = rows * chunk * cfg.hc_mult * cfg.hidden_size * item * 8
+    head = 2 * cfg.vocab_size * cfg.hidden_size * item + 4 * HEAD_POSITIONS * cfg.vocab_size * 8
+    device = max(layer + attention + indexer + streams, head)
+    host = 4 * sequences * seq * cfg.hc_mult * cfg.hidden_size * item
+    read = sum(e.nbytes for c in ckpts for e in c.tensors.values())
+    return {"peak_device_bytes": int(device), "peak_host_bytes": int(host), "bytes_to_read": int(read),
+            "largest_layer_bytes": int(layer), "chunk": chunk}
+
+
+def run(plan: Plan) -> dict:
+    """Run the plan; returns ``compare.json``'s content."""
+    t0 = time.perf_counter()
+    o = plan.options
+    engine = LockstepEngine(plan.base, plan.variant, plan.ids, device=plan.device, dtype=plan.dtype,
+                            chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress)
+    result = engine.run()
+    return {
+        "tool": f"dsv4convert {__version__}",
+        "base": {"path": str(plan.base.ckpt.root), "variant": plan.base.inspection.variant,
+                 "numerics": plan.base.numerics.describe()},
+        "variant": {"path": str(plan.variant.ckpt.root), "variant": plan.variant.inspection.variant,
+                    "numerics": plan.variant.numerics.describe()},
+        "data": plan.data,
+        "settings": {"device": str(plan.device), "dtype": str(plan.dtype).replace("torch.", ""), "chunk": o.chunk,
+                     "batch_size": o.batch_size, "mtp": o.mtp},
+        "output": result.output.summary(),
+        "mtp_draft_agreement": result.mtp,
+        "blocks": [{"block": b.block, "free_running": b.free_running, "local": b.local, "seconds": b.seconds}
+                   for b in result.blocks],
+        "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
+        "peak_device_bytes": result.peak_device_bytes,
+        "estimate": plan.estimate,
+        "_kld_values": result.output.kld_values(),
+    }
