@@ -15,6 +15,7 @@ function each follows: ``docs/served-numerics.md``.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -84,9 +85,11 @@ def ungrouped(blocks: torch.Tensor, like: torch.Tensor, out_dtype: torch.dtype |
     return flat.to(out_dtype or like.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def constant(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 tensor: dividing by it is IEEE division on every device (torch turns
-    division by a Python scalar into multiplication by its reciprocal)."""
+    """A 0-dim float32 tensor on ``device`` (cached: no host-to-device copy per call). Dividing by
+    it is IEEE division on every device; torch turns division by a Python scalar into
+    multiplication by its reciprocal."""
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 

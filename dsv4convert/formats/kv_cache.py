@@ -30,7 +30,7 @@ from dsv4convert.formats.activations import (
     round_e4m3,
     ungrouped,
 )
-from dsv4convert.formats.numerics import E2M1_MAX, E2M1_VALUES, E4M3_MAX, ceil_log2, exp2_float32
+from dsv4convert.formats.numerics import E2M1_MAX, E4M3_MAX, ceil_log2, e2m1_table, exp2_float32
 
 KV_TILE = 64
 INDEXER_FP4_BLOCK = 32
@@ -158,7 +158,7 @@ def round_e2m1_threshold(v: torch.Tensor) -> torch.Tensor:
     index = torch.zeros(v.shape, dtype=torch.int64, device=v.device)
     for bound in _FP4_BOUNDS:
         index += magnitude > bound
-    values = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=v.device)[index]
+    values = e2m1_table(v.device)[index]  # codes 0..7: the non-negative values
     return torch.where(v < 0, -values, values) + 0.0
 
 
