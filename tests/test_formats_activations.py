@@ -156,6 +156,18 @@ def test_fp8_properties_zero_equal_outlier_groups(x):
         assert bool(((out - x.float()).abs()[big] <= amax[big] * 2**-4).all())
 
 
+def test_fp8_ue8m0_equals_the_torch_reference_of_the_triton_kernels():
+    # dsv4convert.kernels.reference quantizes activations for the project's own FP8 GEMMs; on rows
+    # SGLang accepts it is the same rule.
+    from dsv4convert.kernels.reference import dequantize_activations_fp8, quantize_activations_fp8
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(32, 512, generator=generator) * torch.exp2(torch.randint(-30, 30, (32, 1), generator=generator))
+    x[0] = 0.0
+    assert torch.equal(fp8_token_groups(x, scale_format="ue8m0"),
+                       dequantize_activations_fp8(*quantize_activations_fp8(x)))
+
+
 @SETTINGS
 @given(activations(128))
 def test_fp8_ue8m0_is_idempotent(x):
