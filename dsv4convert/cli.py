@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "dsv4convert.inspection",
     "dsv4convert.convert.cli",
     "dsv4convert.validate.cli",
+    "dsv4convert.compare.cli",
     "dsv4convert.serve.cli",
     "dsv4convert.demo",
     "dsv4convert.calibrate.cli",

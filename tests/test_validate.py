@@ -62,3 +62,10 @@ def test_demo_converts_validates_and_summarizes(tmp_path, capsys):
     assert math.isinf(rows[0]["worst_snr_db"]) and 8 < rows[2]["worst_snr_db"] < 30
     for variant in ("fp8", "nvfp4", "w4a16"):
         assert variant in out and str(tmp_path / variant) in out
+    # Model level: the lossless casts are the source exactly (weights only, and NVFP4 under sm120's Marlin);
+    # INT4 is not; served FP8 experts quantize their activations (W8A8) where the source's run W4A16.
+    by = {r["variant"]: r["fidelity"] for r in rows}
+    assert by["fp8"]["weights"]["kld"] == by["nvfp4"]["weights"]["kld"] == 0.0
+    assert by["nvfp4"]["served"]["kld"] == 0.0 and by["nvfp4"]["served"]["same_top1"] == 1.0
+    assert by["w4a16"]["weights"]["kld"] > 0.0 and by["fp8"]["served"]["kld"] > 0.0
+    assert "KLD served" in out and f"{by['w4a16']['weights']['kld']:.4g}" in out

@@ -25,14 +25,8 @@ from torch import nn
 
 from dsv4convert.compare.numerics import Numerics
 from dsv4convert.errors import DSV4Error
-from dsv4convert.formats.activations import (
-    fp8_token_groups,
-    indexer_fp4,
-    indexer_fp8,
-    mxfp8_activations,
-    nvfp4_activations,
-)
-from dsv4convert.formats.kv_cache import kv_cache_fp8
+from dsv4convert.formats.activations import fp8_token_groups, mxfp8_activations, nvfp4_activations
+from dsv4convert.formats.kv_cache import indexer_fp4, indexer_fp8, kv_cache_fp8
 from dsv4convert.model.blocks import LINEAR_PATHS, MtpEntry, WeightSource
 from dsv4convert.storage import Format
 
@@ -191,10 +185,12 @@ def _indexer(layer: nn.Module, block: str, kind: str, installed: Installed) -> N
         # The pool only grows (transformers' cache appends): quantize each stored key once, as the server does.
         done = memo.get("keys")
         start = 0 if done is None or done.shape[:-2] != keys.shape[:-2] else done.shape[-2]
-        fresh = quantize(keys[..., start:, :], name=f"{block}.attn.indexer keys") if keys.shape[-2] > start else None
+        fresh = (quantize(keys[..., start:, :], out_dtype=torch.float32, name=f"{block}.attn.indexer keys")
+                 if keys.shape[-2] > start else None)
         pool = fresh if start == 0 else (done if fresh is None else torch.cat([done, fresh], dim=-2))
         memo["keys"] = pool
-        return quantize(q, name=f"{block}.attn.indexer queries"), pool, hidden
+        # The scorer computes in float32; the rotated-back values are not BF16 numbers, so keep them float32.
+        return quantize(q, out_dtype=torch.float32, name=f"{block}.attn.indexer queries"), pool, hidden
 
     installed.hook(indexer.register_forward_pre_hook(new_sequence))
     installed.hook(indexer.scorer.register_forward_pre_hook(scored))

@@ -17,6 +17,7 @@ import torch
 from dsv4convert.errors import DSV4Error
 
 MAX_DATA_BYTES = 4 * 1024**3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def read_documents(path: Path) -> list[str]:
@@ -55,10 +56,14 @@ def tokenize(checkpoint_dir: Path, docs: list[str]) -> torch.Tensor:
     """All documents' token ids, concatenated (int64 [T])."""
     from transformers import AutoTokenizer
 
+    if not any((Path(checkpoint_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise DSV4Error(f"no tokenizer in the checkpoint (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                        "base model's tokenizer files beside its weights", file=checkpoint_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise DSV4Error(f"cannot load the checkpoint's tokenizer ({exc})", file=checkpoint_dir) from None
+        detail = " ".join(str(exc).split())   # transformers' messages span lines; errors here are one line
+        raise DSV4Error(f"cannot load the checkpoint's tokenizer ({detail})", file=checkpoint_dir) from None
     ids = [torch.tensor(tokenizer(doc)["input_ids"], dtype=torch.int64) for doc in docs]
     return torch.cat(ids)
 

@@ -1,0 +1,7 @@
+"""``dsv4convert compare``: the model a variant serves against the model it came from.
+
+:mod:`.run` plans and checks (both checkpoints, the data, each side's numerics), :mod:`.engine`
+streams both through the model block by block in lockstep, :mod:`.numerics` derives what each
+side's server computes with from the launch ``serve`` makes, :mod:`.emulate` installs it on a
+layer, :mod:`.metrics` scores the logits and hidden states, :mod:`.report` writes the reports.
+"""

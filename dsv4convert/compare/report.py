@@ -1,0 +1,122 @@
+"""``compare``'s reports: ``compare.json`` for machines, ``compare.md`` for people, two PNGs.
+
+The Markdown leads with the headline numbers (llama.cpp's KLD set, same top-1, Δp, perplexity
+ratio, expected acceptance), then the MTP draft's agreement per side, the layers ranked by the
+error they add on their own (*local*), and what each side's numerics were.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from dsv4convert.checkpoint import atomic_write_bytes, atomic_write_json
+
+
+def _num(x: float | None, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}g}" if abs(x) < 1e-3 or abs(x) >= 1e4 else f"{x:.{digits}f}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def render_markdown(result: dict) -> str:
+    out = result["output"]
+    kld, dp, ppl = out["kld"], out["delta_p"], out["perplexity"]
+    base, variant = result["base"], result["variant"]
+    lines = [
+        f"# compare: {variant['path']} against {base['path']}",
+        "",
+        f"{result['data']['sequences']} sequences of {result['data']['seq_len']} tokens "
+        f"({out['positions']} positions scored); base numerics: {base['numerics']['label']}, "
+        f"variant numerics: {variant['numerics']['label']}; {result['tool']}.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| mean KLD (base \u2016 variant), nats | {_num(kld['mean'])} \u00b1 {_num(kld['standard_error'])} |",
+        f"| KLD max / 99.9% / 99% / 95% / 90% / median | "
+        + " / ".join(_num(kld["percentiles"][p]) for p in ("100", "99.9", "99", "95", "90", "50")) + " |",
+        f"| same top-1 | {_pct(out['same_top1'])} |",
+        f"| \u0394p of the reference token: mean / RMS | {_pct(dp['mean'])} / {_pct(dp['rms'])} |",
+        f"| \u0394p 99% / 1% | {_pct(dp['percentiles']['99'])} / {_pct(dp['percentiles']['1'])} |",
+        f"| perplexity base / variant (ratio) | {_num(ppl['base'])} / {_num(ppl['variant'])} ({_num(ppl['ratio'])}) |",
+        f"| expected acceptance \u03a3 min(p, q) | {_pct(out['expected_acceptance'])} |",
+        "",
+    ]
+    if result["mtp_draft_agreement"].get("base"):
+        lines += ["## MTP draft", "",
+                  "How often the draft's top-1 is its own main model's next top-1 (what speculative decoding accepts):",
+                  "", "| block | base | variant |", "|---|---|---|"]
+        for block, value in result["mtp_draft_agreement"]["base"].items():
+            lines.append(f"| {block} | {_pct(value)} | {_pct(result['mtp_draft_agreement']['variant'][block])} |")
+        lines.append("")
+    lines += ["## Layers, by the error each adds on its own", "",
+              "*local*: the variant's block fed the base's input; *free-running*: each side on its own streams "
+              "(the drift a user gets). Relative error of the output streams, and cosine.", "",
+              "| block | local rel. error | local cosine | free-running rel. error | free-running cosine |",
+              "|---|---|---|---|---|"]
+    for b in sorted(result["blocks"], key=lambda b: -b["local"]["relative_error"]):
+        lines.append(f"| {b['block']} | {_num(b['local']['relative_error'])} | {_num(b['local']['cosine'], 6)} | "
+                     f"{_num(b['free_running']['relative_error'])} | {_num(b['free_running']['cosine'], 6)} |")
+    lines += ["", "## Numerics of each side", "", "| | base | variant |", "|---|---|---|"]
+    sb, sv = base["numerics"], variant["numerics"]
+    for key in ("activations", "kv_cache", "indexer"):
+        lines.append(f"| {key} | {sb[key]} | {sv[key]} |")
+    for key in ("gpu_family", "variant_rules", "moe_runner_backend", "fp8_gemm_backend", "kv_cache_dtype",
+                "dense_fp8_activation_scales", "wo_a"):
+        lines.append(f"| {key} | {(sb['serving'] or {}).get(key, '-')} | {(sv['serving'] or {}).get(key, '-')} |")
+    lines += ["", "What each setting emulates, and the SGLang 0.5.23 code it follows: docs/served-numerics.md.",
+              "", f"Time: {result['seconds']}; peak device memory: {result['peak_device_bytes']}.", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, kld: torch.Tensor, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    blocks = [b["block"] for b in result["blocks"]]
+    fig, ax = plt.subplots(figsize=(max(6, len(blocks) * 0.3), 4))
+    for key, label in (("free_running", "free-running"), ("local", "local")):
+        values = [max(b[key]["relative_error"], 1e-12) for b in result["blocks"]]
+        ax.plot(range(len(blocks)), values, marker="o", label=label)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(blocks)), blocks, rotation=90, fontsize=7)
+    ax.set_ylabel("relative error of the block's output")
+    ax.set_title("variant vs base, per block")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "error_per_layer.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    values = kld.double().clamp_min(1e-12).log10().numpy()
+    ax.hist(values, bins=60)
+    ax.set_xlabel("log10 KLD per position (nats)")
+    ax.set_ylabel("positions")
+    ax.set_title(f"KLD distribution (mean {result['output']['kld']['mean']:.3g})")
+    fig.tight_layout()
+    paths.append(out_dir / "kld_distribution.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write_reports(result: dict, out_dir: Path) -> list[Path]:
+    """The PNGs, ``compare.md`` and ``compare.json`` into ``out_dir``; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kld = result.pop("_kld_values")
+    written = plot(result, kld, out_dir)
+    atomic_write_bytes(out_dir / "compare.md", render_markdown(result).encode("utf-8"))
+    atomic_write_json(out_dir / "compare.json", result)  # last: a report with its JSON is complete
+    return [out_dir / "compare.json", out_dir / "compare.md", *written]
