@@ -41,7 +41,7 @@ def render_markdown(result: dict) -> str:
         "| metric | value |",
         "|---|---|",
         f"| mean KLD (base \u2016 variant), nats | {_num(kld['mean'])} \u00b1 {_num(kld['standard_error'])} |",
-        f"| KLD max / 99.9% / 99% / 95% / 90% / median | "
+        "| KLD max / 99.9% / 99% / 95% / 90% / median | "
         + " / ".join(_num(kld["percentiles"][p]) for p in ("100", "99.9", "99", "95", "90", "50")) + " |",
         f"| same top-1 | {_pct(out['same_top1'])} |",
         f"| \u0394p of the reference token: mean / RMS | {_pct(dp['mean'])} / {_pct(dp['rms'])} |",

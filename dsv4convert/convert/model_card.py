@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.quant_config import serving_env
-from dsv4convert.storage import Format
 
 if TYPE_CHECKING:
     from dsv4convert.checkpoint import Checkpoint
