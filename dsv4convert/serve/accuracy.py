@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import math
 import re
 import shlex
@@ -199,8 +200,6 @@ def _headline(metric_names: Sequence[str], config: dict[str, Any] | None) -> str
 
 def parse_results(path: Path, task: str) -> TaskScore:
     """The score of ``task`` (a task or a group) from an lm-eval ``results_*.json``."""
-    import json
-
     try:
         results = json.loads(path.read_text())
         entry = results["results"][task]
