@@ -189,7 +189,7 @@ def test_base_report_from_another_task_set_or_setting_is_refused(tmp_path, model
                           (recall_report, "is a recall report; --check accuracy compares with a accuracy.json")):
         code = main(["serve", "--model", str(model_dir), "--variant", "fp8", "--gpu-family", "sm90", "--gpus", "0",
                      "--out", str(tmp_path / "run"), "--check", "accuracy", "--tasks", "gsm8k,mmlu_pro",
-                     "--compare", str(base)])
+                     "--include-path", str(TASKS), "--compare", str(base)])  # lm-eval's task index: cached
         assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
