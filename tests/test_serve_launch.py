@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def test_every_planned_command_parses(model_dirs, variant, family):
     commands = [
         *pd_plan(model, variant, family),
         *pd_plan(model, variant, family, transfer_backend="nixl", indexer_topk=True),
+        *pd_plan(model, variant, family, mtp=True, enable_metrics=True),
         *plan_single(LaunchOptions(model=str(model), variant=variant, gpu_family=family), USER_HOST, list(range(8))),
         *plan_role(multi, None, "prefill", [0, 1, 2, 3]),
         *plan_role(multi, None, "router", [], "http://10.0.0.1:30000", "http://10.0.0.2:30001"),
@@ -115,6 +117,35 @@ def test_indexer_topk_sets_attention_dp(model_dirs):
     prefill = pd_plan(model_dirs["fp8"], "fp8", "sm120", indexer_topk=True)[0]
     resolved = sgl.resolve_server_args(list(prefill.sglang_args), gpu="sm120", env=prefill.env).resolved_dict()
     assert resolved["enable_return_indexer_topk"] and resolved["attn_dp_size"] == 4
+
+
+@pytest.mark.parametrize("variant", SERVED_VARIANTS)
+def test_mtp_and_metrics_resolve_as_sglang_would(model_dirs, variant):
+    """--check mtp: SGLang's EAGLE over the checkpoint's own MTP layers, on both PD servers; --metrics."""
+    for command in pd_plan(model_dirs[variant], variant, "sm120", mtp=True, enable_metrics=True)[:2]:
+        resolved = sgl.resolve_server_args(list(command.sglang_args), gpu="sm120", env=command.env).resolved_dict()
+        assert resolved["speculative_algorithm"] == "EAGLE" and resolved["enable_metrics"] is True
+        assert (resolved["speculative_num_steps"], resolved["speculative_eagle_topk"],
+                resolved["speculative_num_draft_tokens"]) == (1, 1, 2)  # the balanced preset
+        assert resolved["speculative_draft_model_path"] == str(model_dirs[variant])  # the draft is mtp.* itself
+    plain = sgl.resolve_server_args(list(pd_plan(model_dirs[variant], variant, "sm120")[1].sglang_args), gpu="sm120")
+    assert plain.resolved_dict()["speculative_algorithm"] is None and plain.resolved_dict()["enable_metrics"] is False
+
+
+def test_check_mtp_adds_the_preset_unless_the_user_chose_one(capsys, model_dirs):
+    model = str(model_dirs["fp8"])
+    common = ("--model", model, "--variant", "fp8", "--gpu-family", "sm90", "--gpus", "0,1", "--check", "mtp", "--dry-run")
+    assert serve_cli.run(cli_args(*common)) == 0
+    server = capsys.readouterr().out.splitlines()[1]
+    assert "--speculative-algorithm EAGLE --speculative-num-steps 1 --speculative-eagle-topk 1 " \
+           "--speculative-num-draft-tokens 2" in server
+    assert serve_cli.run(cli_args(*common, "--", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")) == 0
+    server = capsys.readouterr().out.splitlines()[1]
+    assert server.count("--speculative-algorithm") == 1 and server.endswith("--speculative-num-draft-tokens 4")
+    words = shlex.split(server)
+    parsed = sgl.parse_server_args(words[words.index("sglang.launch_server") + 1:])
+    assert (parsed.speculative_num_steps, parsed.speculative_num_draft_tokens) == (3, 4)
 
 
 def test_mooncake_tcp_fallback_and_ib():

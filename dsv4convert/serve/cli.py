@@ -1,21 +1,25 @@
 """``dsv4convert serve``: run a converted checkpoint with SGLang (PD-disaggregated or not) and check it.
 
 The command plans (``launch``), starts and watches (``process``), then optionally measures
-(``recall``, ``speed``) and reports (``report``). ``--dry-run`` stops after planning.
+(``recall``, ``speed``, ``accuracy`` through lm-eval, ``mtp`` draft acceptance) and reports
+(``report``). ``--dry-run`` stops after planning. A check that measures below its bar
+(``--min-recovery``, ``--min-accept``) exits with status 1; errors exit with 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from dsv4convert.serve import launch, recall, report, speed
-from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, log_tail
+from dsv4convert.errors import FormatError
+from dsv4convert.serve import accuracy, launch, mtp, recall, report, speed
+from dsv4convert.serve.process import ProcessGroup, ServeError, http_get_json, http_post_json, log_tail
 from dsv4convert.serve.topology import Topology, TopologyError, discover
 
 SMOKE_PROMPT = "The three primary colours are"
@@ -41,10 +45,23 @@ def _float_list(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
+def _str_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _limit(text: str) -> int | float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a count or a fraction below 1, got {text!r}") from exc
+    return int(value) if value.is_integer() else value
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve a checkpoint with SGLang 0.5.23 (PD-disaggregated or single), optionally check recall or speed",
+        help="serve a checkpoint with SGLang 0.5.23 (PD-disaggregated or single), optionally check recall, speed, "
+             "task accuracy (lm-eval) or MTP draft acceptance",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Start SGLang on a (converted) DeepSeek-V4-Flash checkpoint with the right per-variant settings,\n"
@@ -56,8 +73,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=(
             "examples:\n"
             "  dsv4convert serve --model out/nvfp4 --pd --dry-run\n"
-            "  dsv4convert serve --model out/nvfp4 --pd --check recall --indexer-topk\n"
+            "  dsv4convert serve --model out/nvfp4 --gpus 0,1,2,3 --check recall --indexer-topk\n"
             "  dsv4convert serve --model out/nvfp4 --pd --check speed --compare runs/base/speed.json\n"
+            "  dsv4convert serve --model out/nvfp4 --pd --check accuracy --tasks gsm8k --out runs/nvfp4 \\\n"
+            "      --compare runs/base/accuracy.json --min-recovery 0.97\n"
+            "  dsv4convert serve --model out/fp8 --pd --check mtp --compare runs/base/mtp.json\n"
             "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 -- --speculative-algorithm EAGLE \\\n"
             "      --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2\n"
             "  dsv4convert serve --model M --pd --role prefill --host 0.0.0.0 -- --dist-init-addr h1:5000 \\\n"
@@ -85,7 +105,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for each /health")
     p.add_argument("--out", type=Path, default=Path("serve-runs"), help="logs and reports go here")
     p.add_argument("--dry-run", action="store_true", help="print commands and environment, start nothing")
-    p.add_argument("--check", choices=("recall", "speed"), help="run a check once serving, then stop")
+    p.add_argument("--check", choices=("recall", "speed", "accuracy", "mtp"), help="run a check once serving, then stop")
     p.add_argument("--hold", action="store_true", help="keep serving after --check until Ctrl-C")
     p.add_argument("--indexer-topk", action="store_true",
                    help="recall: capture the indexer's top-k (sets --enable-return-indexer-topk and attention DP)")
@@ -94,6 +114,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=3, help="recall needles per (length, depth) cell")
     p.add_argument("--concurrency", type=_int_list, default=list(speed.DEFAULT_CONCURRENCIES), help="speed concurrencies")
     p.add_argument("--compare", type=Path, metavar="REPORT", help="print deltas of this run's report against REPORT")
+    p.add_argument("--metrics", action="store_true",
+                   help="SGLang's --enable-metrics: Prometheus metrics at /metrics on every server (docs/serve.md)")
+    acc = p.add_argument_group("--check accuracy (lm-evaluation-harness; pip install 'dsv4convert[eval]')")
+    acc.add_argument("--tasks", type=_str_list, help=f"lm-eval tasks or groups, comma-separated (default {','.join(accuracy.DEFAULT_TASKS)})")
+    acc.add_argument("--limit", type=_limit, help="examples per task: a count, or a fraction below 1 (default: all)")
+    acc.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    acc.add_argument("--eval-api", choices=tuple(accuracy.EVAL_APIS),
+                     help="chat (default): /v1/chat/completions, the server applies the model's chat format; "
+                          "completions: /v1/completions with token ids from the model's tokenizer (log-likelihood tasks)")
+    acc.add_argument("--eval-concurrency", type=int, help=f"requests in flight (default {accuracy.DEFAULT_CONCURRENCY})")
+    acc.add_argument("--include-path", type=Path, help="a directory of your own lm-eval task YAMLs")
+    acc.add_argument("--lm-eval-args", help="more lm-eval arguments, one shell-quoted string, e.g. \"--system_instruction '...'\"")
+    acc.add_argument("--min-recovery", type=float,
+                     help=f"with --compare: fail when a task keeps less than this of the base's score "
+                          f"(default {accuracy.DEFAULT_MIN_RECOVERY})")
+    draft = p.add_argument_group("--check mtp (EAGLE with the checkpoint's MTP draft, balanced preset)")
+    draft.add_argument("--min-accept", type=float,
+                       help=f"fail when the mean accepted length per verify step is below this "
+                            f"(default {mtp.DEFAULT_MIN_ACCEPT}; 1.0 means no draft token was accepted)")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="after --: extra sglang.launch_server arguments")
     p.set_defaults(func=run)
 
@@ -145,7 +184,9 @@ def plan(args: argparse.Namespace, topology: Topology | None) -> tuple[list[laun
         model=str(args.model), variant=args.variant, gpu_family=_gpu_family(args, topology), host=args.host,
         router_port=args.port, server_port=args.port, prefill_port=args.prefill_port, decode_port=args.decode_port,
         bootstrap_port=args.bootstrap_port, transfer_backend=backend,
-        ib_devices=topology.ib_devices if topology else (), indexer_topk=args.indexer_topk, extra_args=extra,
+        ib_devices=topology.ib_devices if topology else (), indexer_topk=args.indexer_topk,
+        mtp=args.check == "mtp" and not any(a.startswith("--speculative-") for a in extra),
+        enable_metrics=args.metrics, extra_args=extra,
     )
     if not args.pd:
         if args.role or args.prefill_gpus or args.decode_gpus:
@@ -258,7 +299,12 @@ def run_speed(args: argparse.Namespace, url: str, meta: dict[str, Any]) -> Path:
     return path
 
 
-def run(args: argparse.Namespace) -> int:
+ACCURACY_FLAGS = ("tasks", "limit", "num_fewshot", "eval_api", "eval_concurrency", "include_path", "lm_eval_args",
+                  "min_recovery")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that belong to another check than the one asked for."""
     if args.indexer_topk and args.check != "recall":
         raise launch.LaunchError("--indexer-topk belongs to --check recall")
     if args.indexer_topk and args.pd:
@@ -267,6 +313,55 @@ def run(args: argparse.Namespace) -> int:
             "prefill server, while the response (and its indexer_topk) comes from the decode server")
     if args.compare and not args.check:
         raise launch.LaunchError("--compare needs --check (it compares the new report with REPORT)")
+    given = [f"--{name.replace('_', '-')}" for name in ACCURACY_FLAGS if getattr(args, name) is not None]
+    if given and args.check != "accuracy":
+        raise launch.LaunchError(f"{', '.join(given)} belong(s) to --check accuracy")
+    if args.min_recovery is not None and not args.compare:
+        raise launch.LaunchError("--min-recovery needs --compare BASE/accuracy.json (recovery is against a base)")
+    if args.min_accept is not None and args.check != "mtp":
+        raise launch.LaunchError("--min-accept belongs to --check mtp")
+    if args.min_accept is not None and args.min_accept < 1.0:
+        raise launch.LaunchError(f"--min-accept must be >= 1.0 (one token per verify step), got {args.min_accept}")
+
+
+def eval_settings(args: argparse.Namespace) -> accuracy.EvalSettings:
+    return accuracy.EvalSettings(
+        tasks=tuple(args.tasks or accuracy.DEFAULT_TASKS), api=args.eval_api or "chat", limit=args.limit,
+        num_fewshot=args.num_fewshot, concurrency=args.eval_concurrency or accuracy.DEFAULT_CONCURRENCY,
+        include_path=args.include_path.resolve() if args.include_path else None,
+        extra_args=tuple(shlex.split(args.lm_eval_args or "")),
+    )
+
+
+def _base_report(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The --compare report, read and checked before anything starts (loading takes minutes)."""
+    if not args.compare:
+        return None
+    base = report.read_report(args.compare)
+    if base["kind"] != args.check:
+        raise FormatError(f"is a {base['kind']} report; --check {args.check} compares with a {args.check}.json",
+                          file=args.compare)
+    if args.check == "accuracy":
+        accuracy.check_base(base, eval_settings(args), args.compare)
+    return base
+
+
+def _model_max_length(model: Path) -> int | None:
+    path = model / "config.json"
+    if not path.is_file():
+        return None
+    from dsv4convert.checkpoint import read_small_json  # imports torch: only when a check runs
+
+    value = read_small_json(path).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    checks_here = args.role in (None, "router")  # a prefill or decode host only serves
+    if args.check == "accuracy" and checks_here:
+        accuracy.check_tasks(eval_settings(args))
+    base = _base_report(args) if checks_here else None
     args.variant = _variant(args)
     topology = _topology(args)
     commands, warnings = plan(args, topology)
@@ -274,10 +369,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:
         _print_plan(commands)
+        if args.check == "accuracy" and checks_here:
+            for line in accuracy.dry_run_lines(eval_settings(args), url=commands[-1].url, model=args.model,
+                                               out=args.out, max_length=_model_max_length(args.model)):
+                print(line)
         return 0
     client_url = commands[-1].url
+    failed = False
     with ProcessGroup(args.out / "logs") as group:
         start_and_wait(group, commands, args.startup_timeout)
+        if args.metrics:
+            _print_metrics_endpoints(commands)
         if args.role in ("prefill", "decode"):
             print(f"{args.role} server ready at {client_url}; Ctrl-C stops it")
             _hold(group)
@@ -292,10 +394,89 @@ def run(args: argparse.Namespace) -> int:
             _print_compare(args, run_recall(args, client_url, meta))
         elif args.check == "speed":
             _print_compare(args, run_speed(args, client_url, meta))
+        elif args.check == "accuracy":
+            failed = not run_accuracy(args, client_url, meta, group, base)
+        elif args.check == "mtp":
+            failed = not run_mtp(args, client_url, meta, commands, base)
         if not args.check or args.hold:
             print(f"serving at {client_url}; Ctrl-C stops every process")
             _hold(group)
-    return 0
+    return 1 if failed else 0
+
+
+def run_accuracy(args: argparse.Namespace, url: str, meta: dict[str, Any], group: ProcessGroup,
+                 base: dict[str, Any] | None) -> bool:
+    """lm-eval on every task; with a base, recovery per task. True when nothing fell below the bar."""
+    settings = eval_settings(args)
+    path = args.out / "accuracy.json"
+    installed = accuracy.lm_eval_version()
+    if installed != accuracy.LM_EVAL_VERSION:
+        print(f"warning: lm-eval {installed} is installed; dsv4convert pins {accuracy.LM_EVAL_VERSION} "
+              "(scores can move between lm-eval versions)", file=sys.stderr)
+    if base is not None and (base.get("settings") or {}).get("lm_eval_version") not in (None, installed):
+        print(f"warning: the base was measured with lm-eval {base['settings']['lm_eval_version']}, this run uses "
+              f"{installed}", file=sys.stderr)
+
+    def write(body: dict[str, Any]) -> Path:
+        report.write_report(path, "accuracy", meta, body)
+        return path
+
+    accuracy.run_tasks(settings, url=url, model=args.model, out=args.out, run_client=group.run_client, write=write,
+                       max_length=_model_max_length(args.model), echo=group.echo)
+    print(f"wrote {path}")
+    if base is None:
+        return True
+    minimum = accuracy.DEFAULT_MIN_RECOVERY if args.min_recovery is None else args.min_recovery
+    new = report.read_report(path)
+    for line in report.compare(base, new, min_recovery=minimum):
+        print(line)
+    problems = accuracy.failures(accuracy.recoveries(base, new), minimum)
+    for problem in problems:
+        print(f"FAIL: {problem}")
+    return not problems
+
+
+def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: list[launch.Command],
+            base: dict[str, Any] | None) -> bool:
+    """The fixed prompts through ``url``; SGLang's acceptance against --min-accept (and the base)."""
+    minimum = mtp.DEFAULT_MIN_ACCEPT if args.min_accept is None else args.min_accept
+    samples = mtp.run_prompts(lambda payload: http_post_json(url + "/generate", payload, 1800.0),
+                              mtp.bos_text(args.model))
+    drafting = next((c for c in commands if c.role in ("decode", "server")), None)
+    info_url = drafting.url if drafting else args.decode_url  # the router role: the remote decode server
+    server_lengths: list[float] = []
+    if info_url:
+        try:
+            server_lengths = mtp.server_accept_lengths(http_get_json(info_url + "/server_info", 60.0))
+        except ServeError as exc:  # only the cross-check is lost; the per-request figures stand
+            print(f"warning: no server-wide acceptance: {exc}", file=sys.stderr)
+    summary = mtp.summarize(samples, server_lengths)
+    tokens = mtp.draft_tokens(drafting.sglang_args) if drafting else None
+    path = args.out / "mtp.json"
+    report.write_report(path, "mtp", meta, {"summary": summary, "min_accept": minimum, "draft_tokens": tokens,
+                                            "samples": [s.to_json() for s in samples]})
+    length = summary["accept_length"]
+    ceiling = f" (at most {tokens} with --speculative-num-draft-tokens {tokens})" if tokens else ""
+    if length is not None:
+        rate = "n/a" if summary["accept_rate"] is None else f"{summary['accept_rate']:.0%}"
+        print(f"mtp: mean accepted length {length:.2f} per verify step{ceiling}; draft acceptance {rate}; "
+              f"SGLang's avg_spec_accept_length {', '.join(f'{v:.2f}' for v in server_lengths) or 'n/a'}")
+    print(f"wrote {path}")
+    if base is not None:
+        for line in report.compare(base, report.read_report(path)):
+            print(line)
+    problems = mtp.failures(summary, minimum)
+    for problem in problems:
+        print(f"FAIL: {problem}")
+    return not problems
+
+
+def _print_metrics_endpoints(commands: list[launch.Command]) -> None:
+    for command in commands:
+        if command.role == "router":
+            print("Prometheus metrics: router on port 29000 (sglang_router's --prometheus-port default), /metrics")
+        else:
+            print(f"Prometheus metrics: {command.role} at {command.url}/metrics")
 
 
 def _print_compare(args: argparse.Namespace, new_report: Path) -> None:

@@ -24,6 +24,15 @@ ROLES = ("prefill", "decode", "router", "server")
 _SM120_MEM_FRACTION = "0.70"
 _SM120_DECODE_GRAPH_BS = 32
 
+# SGLang cookbook's "balanced" MTP preset for DeepSeek-V4 (EAGLE over the checkpoint's mtp.* draft):
+# one draft step, one candidate, two tokens verified per step, so an accepted length of at most 2.
+MTP_BALANCED_ARGS = (
+    "--speculative-algorithm", "EAGLE",
+    "--speculative-num-steps", "1",
+    "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "2",
+)
+
 MOONCAKE_TCP_COST = (
     "no active RDMA device under /sys/class/infiniband: KV caches move with mooncake_tcp, i.e. through "
     "host memory and the kernel TCP stack instead of GPU-direct RDMA; expect a much higher "
@@ -108,6 +117,8 @@ class LaunchOptions:
     transfer_backend: str = "mooncake_tcp"
     ib_devices: tuple[str, ...] = ()
     indexer_topk: bool = False
+    mtp: bool = False  # speculative decoding with the MTP draft (MTP_BALANCED_ARGS)
+    enable_metrics: bool = False  # Prometheus metrics at /metrics on every server
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
@@ -151,6 +162,10 @@ def server_args(options: LaunchOptions, role: str, tp_size: int, port: int, nccl
     if options.indexer_topk:
         # The capturer needs attention TP == 1, i.e. one attention-DP rank per GPU.
         args += ["--enable-return-indexer-topk", "--attn-dp-size", str(tp_size)]
+    if options.mtp:
+        args += list(MTP_BALANCED_ARGS)
+    if options.enable_metrics:
+        args += ["--enable-metrics"]
     if role in ("prefill", "decode"):
         args += [
             "--disaggregation-mode", role,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -63,6 +64,16 @@ def http_get(url: str, timeout: float) -> int:
         return exc.code
     except (urllib.error.URLError, OSError):
         return 0
+
+
+def http_get_json(url: str, timeout: float) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise ServeError(f"GET {url} returned HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+        raise ServeError(f"GET {url} failed: {exc}") from exc
 
 
 def http_post_json(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -157,6 +168,50 @@ class ProcessGroup:
                 )
             time.sleep(poll)
 
+    def run_client(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        poll: float = 0.5,
+        progress: Callable[[], None] = lambda: None,
+    ) -> int:
+        """Run a client of the servers (an evaluation, a benchmark) to its end and return its exit status.
+
+        The client gets its own session and log. While it runs, the servers are watched: if one
+        dies, the client is stopped at once and the server's death is the error (with its log
+        tail), since whatever the client reports afterwards is a consequence. Whatever happens
+        (Ctrl-C included) the client's whole process group is gone when this returns or raises.
+        """
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log_file:
+            log_file.write(f"$ {shlex.join(argv)}\n".encode())
+            log_file.flush()
+            try:
+                client = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                                          stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError as exc:
+                raise ServeError(f"cannot start {name} ({argv[0]}): {exc}") from exc
+            self.echo(f"started {name} (pid {client.pid}), log: {log_path}")
+            try:
+                while True:
+                    code = client.poll()
+                    if code == 0:
+                        return 0
+                    dead = next((p for p in self.processes if p.popen.poll() is not None), None)
+                    if dead is not None:
+                        raise ServeError(
+                            f"{dead.name} exited with status {dead.popen.poll()} while {name} was running; last lines "
+                            f"of {dead.log_path}:\n{log_tail(dead.log_path)}")
+                    if code is not None:
+                        return code
+                    progress()
+                    time.sleep(poll)
+            finally:
+                _stop_client(client, self.stop_grace)
+
     def stop_all(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after the grace period, reap all."""
         for running in reversed(self.processes):
@@ -178,6 +233,20 @@ class ProcessGroup:
         self.processes.clear()
         if survivors:
             raise ServeError(f"processes survived SIGKILL: {', '.join(survivors)}")
+
+
+def _stop_client(popen: subprocess.Popen, grace: float) -> None:
+    """SIGTERM a client's process group, SIGKILL it after ``grace`` seconds, reap it."""
+    if popen.poll() is None:
+        _signal_group(popen, signal.SIGTERM)
+        try:
+            popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(popen, signal.SIGKILL)
+    popen.wait()
+    if not _wait_group_gone(popen.pid):
+        raise ServeError(f"client process group {popen.pid} survived SIGKILL")
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

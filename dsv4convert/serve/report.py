@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from dsv4convert.errors import FormatError
 
 REPORT_VERSION = 1
+REPORT_KINDS = ("recall", "speed", "accuracy", "mtp")
 
 
 def write_report(path: Path, kind: str, meta: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """Write atomically (a temporary name, then a rename): a crash never leaves half a report."""
     report = {"version": REPORT_VERSION, "kind": kind, "meta": meta, **body}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2))
+    os.replace(partial, path)
     return report
 
 
@@ -23,8 +28,8 @@ def read_report(path: Path) -> dict[str, Any]:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise FormatError(f"cannot read report: {exc}", file=path) from exc
-    if not isinstance(report, dict) or report.get("kind") not in ("recall", "speed"):
-        raise FormatError("not a dsv4convert serve report (kind must be recall or speed)", file=path)
+    if not isinstance(report, dict) or report.get("kind") not in REPORT_KINDS:
+        raise FormatError(f"not a dsv4convert serve report (kind must be one of {', '.join(REPORT_KINDS)})", file=path)
     return report
 
 
@@ -73,8 +78,9 @@ def _fmt(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
-def compare(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
-    """Lines of a side-by-side table: base, other and other - base, for every figure both have."""
+def compare(base: dict[str, Any], other: dict[str, Any], *, min_recovery: float | None = None) -> list[str]:
+    """Lines of a side-by-side table: base, other and other - base, for every figure both have
+    (accuracy reports: recovery per task, judged against ``min_recovery``)."""
     if base["kind"] != other["kind"]:
         raise FormatError(f"cannot compare a {base['kind']} report with a {other['kind']} report")
     header = [f"base:  {base['meta'].get('model')} ({base['meta'].get('variant')})",
@@ -82,6 +88,15 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
               f"{'':34} {'base':>10} {'other':>10} {'delta':>10}"]
     if base["kind"] == "recall":
         return header + _compare_recall(base["summary"], other["summary"])
+    if base["kind"] == "mtp":
+        from dsv4convert.serve.mtp import compare_lines
+
+        return header + compare_lines(base["summary"], other["summary"])
+    if base["kind"] == "accuracy":
+        from dsv4convert.serve.accuracy import DEFAULT_MIN_RECOVERY, recoveries, recovery_lines
+
+        minimum = DEFAULT_MIN_RECOVERY if min_recovery is None else min_recovery
+        return header[:2] + recovery_lines(recoveries(base, other), minimum)
     return header + _compare_speed(base["results"], other["results"])
 
 

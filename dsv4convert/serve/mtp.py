@@ -1,0 +1,205 @@
+"""MTP draft acceptance: does the checkpoint's ``mtp.*`` draft really draft?
+
+With SGLang's EAGLE speculative decoding the draft proposes tokens and the model verifies them;
+a broken draft (head or embedding not loaded, wrong expert kernel) still serves correct text,
+only slowly: every proposal is rejected and each verify step yields one token. So the check
+sends prompts whose continuations are predictable (counting, a passage being copied), greedy,
+and reads the acceptance SGLang itself computes per request, in ``meta_info`` of ``/generate``
+(``TokenizerManager._calculate_spec_decoding_metrics`` in SGLang 0.5.23):
+
+* ``spec_verify_ct``: verify steps; ``completion_tokens``: tokens generated;
+* accepted length = ``completion_tokens / spec_verify_ct`` (accepted drafts plus the bonus
+  token per step: 1.0 means no draft token was ever accepted);
+* ``spec_num_correct_drafts / spec_num_proposed_drafts``: the draft acceptance rate.
+
+Over all prompts the accepted length is ``sum(completion_tokens) / sum(spec_verify_ct)``, as
+SGLang's own test kit aggregates it. SGLang's server-wide figure, ``internal_states[i]
+.avg_spec_accept_length`` of ``GET /server_info`` (``InternalStateManager._add_speculative``,
+the same ratio over everything the server decoded), is recorded beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsv4convert.errors import FormatError
+
+# SGLang's DeepSeek-V4-Flash CI gate with the same balanced preset (test_deepseek_v4_flash_fp8_h200.py).
+DEFAULT_MIN_ACCEPT = 1.6
+MAX_NEW_TOKENS = 256
+
+_PASSAGE_A = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
+    "polished the great lens until it shone, and wrote the state of the sea in a leather book. "
+    "Ships passed far out on the water, and none of them ever knew his name."
+)
+_PASSAGE_B = (
+    "To make bread, mix flour, water, salt and yeast in a large bowl. Knead the dough for ten "
+    "minutes, cover it with a cloth, and let it rise until it has doubled in size. Shape the loaf, "
+    "let it rise once more, and bake it in a hot oven until the crust is brown."
+)
+
+
+@dataclass(frozen=True)
+class MtpPrompt:
+    name: str
+    text: str
+    expected_start: str  # how a working model continues (informational: tells a broken model from a broken draft)
+
+
+PROMPTS = (
+    MtpPrompt("counting", "Count from 1 to 300, separated by commas.\n1, 2, 3, 4, 5, 6, 7, 8,", " 9, 10, 11, 12"),
+    MtpPrompt("alphabet", "The alphabet written out twenty times, one per line:\n"
+              + "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z\n" * 2 + "A B C D", " E F G H"),
+    MtpPrompt("weekdays", "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday,",
+              " Wednesday, Thursday"),
+    MtpPrompt("times-table", "The seven times table:\n7 x 1 = 7\n7 x 2 = 14\n7 x 3 = 21\n", "7 x 4 = 28"),
+    MtpPrompt("copy-lighthouse", f"Passage:\n{_PASSAGE_A}\n\nThe same passage, copied exactly:\n{_PASSAGE_A[:40]}",
+              _PASSAGE_A[40:70]),
+    MtpPrompt("copy-bread", f"Recipe:\n{_PASSAGE_B}\n\nThe same recipe, copied exactly:\n{_PASSAGE_B[:36]}",
+              _PASSAGE_B[36:66]),
+    MtpPrompt("squares", "squares = [1, 4, 9, 16, 25, 36,", " 49, 64, 81"),
+    MtpPrompt("months", "January, February, March, April, May, June, July,", " August, September"),
+)
+
+
+def bos_text(model: Path) -> str:
+    """The model's BOS token as text (``tokenizer_config.json``), prefixed to every prompt as DeepSeek's format does."""
+    try:
+        config = json.loads((model / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    bos = config.get("bos_token")
+    return (bos.get("content") if isinstance(bos, dict) else bos) or ""
+
+
+def request(prompt: MtpPrompt, bos: str = "", max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
+    return {"text": bos + prompt.text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
+
+
+def _count(meta: dict[str, Any], key: str) -> int | None:
+    value = meta.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+@dataclass(frozen=True)
+class MtpSample:
+    prompt: str
+    output: str
+    completion_tokens: int
+    verify_steps: int | None  # None: SGLang reported no speculative decoding for this request
+    correct_drafts: int | None
+    proposed_drafts: int | None
+    as_expected: bool
+
+    @property
+    def accept_length(self) -> float | None:
+        return self.completion_tokens / self.verify_steps if self.verify_steps else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "output": self.output, "completion_tokens": self.completion_tokens,
+                "spec_verify_ct": self.verify_steps, "spec_num_correct_drafts": self.correct_drafts,
+                "spec_num_proposed_drafts": self.proposed_drafts, "accept_length": self.accept_length,
+                "continuation_as_expected": self.as_expected}
+
+
+def parse_response(prompt: MtpPrompt, response: dict[str, Any]) -> MtpSample:
+    text, meta = response.get("text"), response.get("meta_info")
+    if not isinstance(text, str) or not isinstance(meta, dict):
+        raise FormatError(f"/generate answered {prompt.name!r} without text and meta_info: {sorted(response)}")
+    completion = _count(meta, "completion_tokens")
+    if completion is None:
+        raise FormatError(f"/generate's meta_info for {prompt.name!r} has no completion_tokens: {sorted(meta)}")
+    return MtpSample(prompt.name, text, completion, _count(meta, "spec_verify_ct") or None,
+                     _count(meta, "spec_num_correct_drafts"), _count(meta, "spec_num_proposed_drafts"),
+                     text.strip().startswith(prompt.expected_start.strip()))
+
+
+def summarize(samples: Sequence[MtpSample], server_accept_lengths: Sequence[float] = ()) -> dict[str, Any]:
+    drafted = [s for s in samples if s.verify_steps]
+    tokens = sum(s.completion_tokens for s in drafted)
+    steps = sum(s.verify_steps for s in drafted)
+    counted = [s for s in drafted if s.correct_drafts is not None and s.proposed_drafts]
+    return {
+        "accept_length": tokens / steps if steps else None,
+        "accept_rate": (sum(s.correct_drafts for s in counted) / sum(s.proposed_drafts for s in counted)
+                        if counted else None),
+        "correct_drafts": sum(s.correct_drafts for s in counted),
+        "proposed_drafts": sum(s.proposed_drafts for s in counted),
+        "prompts": len(samples),
+        "prompts_with_spec_stats": len(drafted),
+        "continuations_as_expected": sum(s.as_expected for s in samples),
+        "server_avg_spec_accept_length": list(server_accept_lengths),
+        "per_prompt": {s.prompt: s.accept_length for s in samples},
+    }
+
+
+def server_accept_lengths(server_info: dict[str, Any]) -> list[float]:
+    """``avg_spec_accept_length`` of every scheduler (one per DP rank) in ``/server_info``."""
+    states = server_info.get("internal_states")
+    if not isinstance(states, list):
+        return []
+    return [float(s["avg_spec_accept_length"]) for s in states
+            if isinstance(s, dict) and isinstance(s.get("avg_spec_accept_length"), (int, float))]
+
+
+def draft_tokens(sglang_args: Sequence[str]) -> int | None:
+    """``--speculative-num-draft-tokens`` of a launch command (the last one given wins, as in argparse)."""
+    value = None
+    for flag, following in zip(sglang_args, [*sglang_args[1:], None]):
+        if flag == "--speculative-num-draft-tokens" and following is not None:
+            value = int(following)
+        elif flag.startswith("--speculative-num-draft-tokens="):
+            value = int(flag.split("=", 1)[1])
+    return value
+
+
+def failures(summary: dict[str, Any], min_accept: float) -> list[str]:
+    """Why the draft fails the check (empty: it passes)."""
+    if summary["accept_length"] is None:
+        return [("SGLang reported no speculative decoding for any prompt (meta_info has no spec_verify_ct): the "
+                 "server is not running the MTP draft; was it started with --speculative-algorithm EAGLE?")]
+    if summary["accept_length"] < min_accept:
+        rate = summary["accept_rate"]
+        said = (f"{summary['correct_drafts']} of {summary['proposed_drafts']} draft tokens accepted ({rate:.0%})"
+                if rate is not None else "draft acceptance not reported")
+        broken = (" -- the draft is broken (is mtp.* loaded? see the 'Some weights are not initialized' "
+                  "warnings above)") if summary["correct_drafts"] == 0 else ""
+        return [f"mean accepted length {summary['accept_length']:.2f} < --min-accept {min_accept:.2f}: {said}{broken}"]
+    return []
+
+
+def run_prompts(generate: Callable[[dict[str, Any]], dict[str, Any]], bos: str = "",
+                echo: Callable[[str], None] = print, prompts: Sequence[MtpPrompt] = PROMPTS) -> list[MtpSample]:
+    samples = []
+    for prompt in prompts:
+        sample = parse_response(prompt, generate(request(prompt, bos)))
+        length = "n/a " if sample.accept_length is None else f"{sample.accept_length:4.2f}"
+        drafts = (f"{sample.correct_drafts}/{sample.proposed_drafts} drafts accepted"
+                  if sample.proposed_drafts else "no draft statistics")
+        echo(f"mtp {prompt.name:16} accepted length {length} ({drafts}); "
+             f"continuation {'as expected' if sample.as_expected else 'NOT as expected'}")
+        samples.append(sample)
+    return samples
+
+
+def compare_lines(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """Rows ``label, base, other`` for the side-by-side table (values may be None)."""
+    rows = [("accepted length (all prompts)", base["accept_length"], other["accept_length"]),
+            ("draft acceptance rate", base["accept_rate"], other["accept_rate"])]
+    for name, value in other["per_prompt"].items():
+        if name in base["per_prompt"]:
+            rows.append((f"accepted length {name}", base["per_prompt"][name], value))
+    lines = []
+    for label, old, new in rows:
+        delta = "n/a" if old is None or new is None else f"{new - old:+.3f}"
+        lines.append(f"{label:34} {_fmt(old):>10} {_fmt(new):>10} {delta:>10}")
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

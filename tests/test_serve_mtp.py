@@ -1,0 +1,127 @@
+"""`serve --check mtp` against a stand-in that reports acceptance in SGLang 0.5.23's own format.
+
+The stand-in is started with the very arguments `serve` planned for the server (it reads
+``--port`` and ``--speculative-num-draft-tokens`` from them) and fills ``meta_info`` and
+``/server_info`` as SGLang does (see tests/standins/standin_sglang_server.py). The expected
+accepted lengths are worked out here from SGLang's definition (completion tokens / verify
+steps), independently of the stand-in's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4convert.errors import FormatError
+from dsv4convert.serve import cli as serve_cli
+from dsv4convert.serve import mtp, report
+from dsv4convert.serve.launch import Command
+from dsv4convert.serve.process import ProcessGroup
+from dsv4convert.synth import TOKENIZER_CONFIG
+from test_serve_process import STANDIN_SERVER, assert_nothing_left, free_port
+
+STARTUP_S = 60.0  # generous: a busy 2-core machine imports numpy slowly
+
+
+def serve_args(model: Path, out: Path, port: int, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", str(model), "--variant", "fp8", "--gpu-family", "sm90",
+                              "--gpus", "0", "--port", str(port), "--out", str(out), "--check", "mtp", *argv])
+    serve_cli._check_flags(args)
+    return args
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    return directory
+
+
+def run_check(tmp_path: Path, model: Path, name: str, accept_rate: float | None, *argv: str) -> tuple[bool, dict]:
+    """Plan `serve --check mtp`, start the stand-in with the planned server arguments, run the check."""
+    port = free_port()
+    args = serve_args(model, tmp_path / name, port, *argv)
+    (server,) = serve_cli.plan(args, None)[0]
+    speculative = ("--spec-accept-rate", str(accept_rate)) if accept_rate is not None else ()
+    sglang_args = server.sglang_args if accept_rate is not None else tuple(
+        a for a in server.sglang_args if a not in ("EAGLE", "--speculative-algorithm"))  # a server without MTP
+    standin = Command("server", (sys.executable, str(STANDIN_SERVER), *sglang_args, *speculative), {}, server.url, (port,))
+    with ProcessGroup(tmp_path / name / "logs", stop_grace=2.0, echo=lambda line: None) as group:
+        running = group.start(standin)
+        group.wait_healthy(running, STARTUP_S, poll=0.1)
+        pgid = running.popen.pid
+        passed = serve_cli.run_mtp(args, server.url, {"model": name, "variant": "fp8"}, [server], _base(args))
+    assert_nothing_left([pgid], [port])
+    return passed, report.read_report(tmp_path / name / "mtp.json")
+
+
+def _base(args: argparse.Namespace):
+    return serve_cli._base_report(args)
+
+
+def sglang_accept_length(tokens: int, accept_rate: float, draft_tokens: int) -> float:
+    """Accepted length per verify step when each step accepts ``accept_rate`` of its drafts, plus the bonus token."""
+    steps = math.ceil(tokens / (1 + accept_rate * (draft_tokens - 1)))
+    return tokens / steps
+
+
+def test_working_draft_passes_and_a_broken_one_fails_side_by_side(tmp_path, model_dir, capsys):
+    passed, base = run_check(tmp_path, model_dir, "base", 0.9)
+    expected = sglang_accept_length(mtp.MAX_NEW_TOKENS, 0.9, 2)  # 256 tokens in 135 steps: 1.896
+    assert passed is True and base["draft_tokens"] == 2 and base["min_accept"] == mtp.DEFAULT_MIN_ACCEPT
+    assert base["summary"]["accept_length"] == pytest.approx(expected) and expected > mtp.DEFAULT_MIN_ACCEPT
+    assert base["summary"]["server_avg_spec_accept_length"] == [pytest.approx(expected)]
+    assert base["summary"]["prompts"] == base["summary"]["prompts_with_spec_stats"] == len(mtp.PROMPTS)
+    assert all(s["output"] and s["spec_verify_ct"] for s in base["samples"])
+    out = capsys.readouterr().out
+    assert f"mtp: mean accepted length {expected:.2f} per verify step (at most 2 with " \
+           "--speculative-num-draft-tokens 2)" in out and "FAIL" not in out
+
+    passed, broken = run_check(tmp_path, model_dir, "broken", 0.0, "--compare", str(tmp_path / "base" / "mtp.json"))
+    assert passed is False and broken["summary"]["accept_length"] == 1.0 and broken["summary"]["accept_rate"] == 0.0
+    out = capsys.readouterr().out
+    proposed = mtp.MAX_NEW_TOKENS * len(mtp.PROMPTS)
+    assert (f"FAIL: mean accepted length 1.00 < --min-accept 1.60: 0 of {proposed} draft tokens accepted (0%) -- "
+            "the draft is broken") in out
+    table = next(line for line in out.splitlines() if line.startswith("accepted length (all prompts)"))
+    assert table.split()[-3:] == [f"{expected:.3f}", "1.000", f"{1.0 - expected:+.3f}"]
+
+
+def test_floor_is_the_users_and_a_server_without_the_draft_fails_clearly(tmp_path, model_dir, capsys):
+    passed, summary = run_check(tmp_path, model_dir, "strict", 0.5, "--min-accept", "1.7")
+    assert passed is False and summary["summary"]["accept_length"] == pytest.approx(sglang_accept_length(256, 0.5, 2))
+    assert "< --min-accept 1.70" in capsys.readouterr().out
+    passed, summary = run_check(tmp_path, model_dir, "nodraft", None)
+    assert passed is False and summary["summary"]["accept_length"] is None
+    assert "FAIL: SGLang reported no speculative decoding for any prompt" in capsys.readouterr().out
+
+
+def test_response_parsing_and_bad_input(tmp_path, model_dir):
+    prompt = mtp.PROMPTS[0]
+    payload = mtp.request(prompt, mtp.bos_text(model_dir))
+    assert payload["text"].startswith("<｜begin▁of▁sentence｜>Count from 1") and payload["sampling_params"]["temperature"] == 0
+    sample = mtp.parse_response(prompt, {"text": " 9, 10, 11, 12, 13", "meta_info": {
+        "completion_tokens": 30, "spec_verify_ct": 20, "spec_num_correct_drafts": 10, "spec_num_proposed_drafts": 20}})
+    assert sample.accept_length == 1.5 and sample.as_expected
+    with pytest.raises(FormatError, match="no completion_tokens"):
+        mtp.parse_response(prompt, {"text": "x", "meta_info": {}})
+    with pytest.raises(FormatError, match="without text and meta_info"):
+        mtp.parse_response(prompt, {"error": "overloaded"})
+    assert mtp.server_accept_lengths({"internal_states": [{"avg_spec_accept_length": 1.8}, {}, "x"]}) == [1.8]
+    assert mtp.server_accept_lengths({}) == []
+    assert mtp.draft_tokens(["--speculative-num-draft-tokens", "2", "--speculative-num-draft-tokens=4"]) == 4
+    assert mtp.draft_tokens(["--tp-size", "4"]) is None
+    with pytest.raises(serve_cli.launch.LaunchError, match="must be >= 1.0"):
+        serve_args(model_dir, tmp_path, 1, "--min-accept", "0.5")
+    recall_report = tmp_path / "recall.json"
+    report.write_report(recall_report, "recall", {}, {"summary": {"accuracy": 1.0, "cells": []}})
+    with pytest.raises(FormatError, match=r"recall\.json: is a recall report; --check mtp compares with a mtp\.json"):
+        serve_cli._base_report(serve_args(model_dir, tmp_path, 1, "--compare", str(recall_report)))
