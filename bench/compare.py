@@ -1,0 +1,170 @@
+"""Time ``dsv4convert compare`` on real-size synthetic layers and extrapolate the whole model (GPU).
+
+Run on a GPU machine from the repository root::
+
+    PYTHONPATH=. python bench/compare.py --work /tmp/cmp --out bench/results/compare-h200
+
+Stages (``--stages``, timings accumulate in ``<work>/timings.json``):
+
+* ``synth``: the real ``config.json`` cut to two backbone layers, one CSA (ratio 4) and one HCA (ratio
+  128), plus the MTP block (a sliding-window block): ``dsv4convert synth --config``;
+* ``convert``: ``dsv4convert to-nvfp4 --device cuda`` of it (the variant);
+* ``compare``: ``dsv4convert compare --device cuda`` of the variant against the base, served numerics on
+  ``--gpu-family``, for each ``--shapes`` entry (sequences x tokens, 64K tokens by default: 16 x 4096 and
+  1 x 65536), each in its own process (peak host memory is its own);
+* ``read``: ``cat`` of both checkpoints' files to /dev/null, the bytes a comparison must read at least.
+
+Extrapolation to DeepSeek-V4-Flash (2 sliding + 21 CSA + 20 HCA layers + 1 MTP block): each block's
+time (reading and dequantizing its weights, the three forwards: base, variant on its own streams,
+variant on the base's) comes from the measured block of its kind (the MTP block stands for the
+sliding layers, whose attention is the same), plus the output heads and scoring once. Reading the
+weights scales with their bytes, which real layers of a kind share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+REAL_CONFIG = Path("dsv4convert/data/deepseek-v4-flash-config.json")
+FULL = {"csa": 21, "hca": 20, "sliding": 2, "mtp": 1}
+GOAL_SECONDS = 15 * 60
+GOAL_DEVICE_BYTES = 80 * 2**30
+
+
+def bench_config(path: Path) -> dict:
+    config = json.loads(path.read_text())
+    config["num_hidden_layers"] = 2
+    config["compress_ratios"] = [4, 128, 0]      # layers.0 CSA, layers.1 HCA, mtp.0
+    config["num_hash_layers"] = 1
+    return config
+
+
+def _timed(command: list[str]) -> float:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "dsv4convert", *command], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dsv4convert {' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return time.monotonic() - start
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", default="bench/results/compare-h200")
+    parser.add_argument("--stages", default="synth,convert,compare,read")
+    parser.add_argument("--shapes", default="16x4096,1x65536", help="sequences x tokens per comparison")
+    parser.add_argument("--gpu-family", default="sm100",
+                        help="whose served numerics (default sm100: both sides quantize their experts' activations)")
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--config", type=Path, default=REAL_CONFIG, help="model config to cut (smoke tests: a preset's)")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    stages = args.stages.split(",")
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    base, variant = work / "base", work / "nvfp4"
+    timings_path = work / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    if "synth" in stages:
+        (work / "config.json").write_text(json.dumps(bench_config(args.config)))
+        timings["synth_seconds"] = _timed(["synth", "--config", str(work / "config.json"), "--dst", str(base),
+                                           "--overwrite"])
+        timings["base_bytes"] = _bytes(base)
+    if "convert" in stages:
+        timings["convert_seconds"] = _timed(["to-nvfp4", "--src", str(base), "--dst", str(variant), "--overwrite",
+                                             "--no-progress", "--device", args.device])
+        timings["variant_bytes"] = _bytes(variant)
+    if "read" in stages:
+        files = sorted([*base.glob("*.safetensors"), *variant.glob("*.safetensors")])
+        start = time.monotonic()
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+        timings["read_both_seconds"] = time.monotonic() - start
+    if "compare" in stages:
+        timings["runs"] = {}
+        for shape in args.shapes.split(","):
+            sequences, tokens = (int(x) for x in shape.split("x"))
+            out = work / f"report-{shape}"
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            wall = _timed(["compare", "--base", str(base), "--variant", str(variant), "--random-tokens",
+                           "--tokens", str(sequences * tokens), "--seq-len", str(tokens), "--device", args.device,
+                           "--gpu-family", args.gpu_family, "--chunk", str(args.chunk), "--no-progress",
+                           "--report", str(out)])
+            rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            result = json.loads((out / "compare.json").read_text())
+            timings["runs"][shape] = {"wall_seconds": wall, "peak_host_bytes": rss * 1024 if rss > before else None,
+                                      "result": {k: result[k] for k in ("output", "blocks", "seconds",
+                                                                         "peak_device_bytes", "estimate", "settings")}}
+    timings_path.write_text(json.dumps(timings, indent=1))
+    write_report(timings, args)
+    return 0
+
+
+def extrapolate(run: dict, timings: dict) -> dict:
+    blocks = {b["block"]: b["seconds"] for b in run["result"]["blocks"]}
+    kinds = {"csa": blocks["layers.0"], "hca": blocks["layers.1"], "sliding": blocks["mtp.0"], "mtp": blocks["mtp.0"]}
+    seconds = run["result"]["seconds"]
+    in_blocks = {k: sum(b[k] for b in blocks.values()) for k in ("read", "forward", "metrics")}
+    heads = seconds["metrics"] - in_blocks["metrics"]          # both heads and the scoring, once
+    fixed = seconds["total"] - sum(in_blocks.values()) - heads  # the embedding, host copies between blocks
+    full = {k: sum(FULL[kind] * kinds[kind][k] for kind in FULL) for k in ("read", "forward", "metrics")}
+    total = sum(full.values()) + heads + fixed
+    model_bytes = 2 * 160e9                                     # both checkpoints of the real model
+    measured_bytes = timings.get("base_bytes", 0) + timings.get("variant_bytes", 0)
+    read_rate = measured_bytes / timings["read_both_seconds"] if timings.get("read_both_seconds") else None
+    return {"per_kind_seconds": kinds, "heads_and_scoring_seconds": heads, "other_seconds": fixed,
+            "full_model_seconds": {**full, "heads_and_scoring": heads, "other": fixed, "total": total},
+            "read_both_full_model_seconds_at_measured_rate": model_bytes / read_rate if read_rate else None}
+
+
+def write_report(timings: dict, args: argparse.Namespace) -> None:
+    run_info = report.gpu_run() if args.device.startswith("cuda") else {
+        "device": "cpu (smoke test)", "commit": "-", "torch": "-", "command": "python " + " ".join(sys.argv)}
+    lines = [f"# `dsv4convert compare` on real-size synthetic layers: {run_info['device']}", "",
+             f"Commit {run_info['commit']}, torch {run_info['torch']}, `{run_info['command']}`.", "",
+             f"- synth (CPU): {timings.get('synth_seconds', 0):.1f} s for {timings.get('base_bytes', 0) / 1e9:.2f} GB "
+             "(layers.0 CSA, layers.1 HCA, mtp.0; the real config otherwise)",
+             f"- to-nvfp4 --device cuda: {timings.get('convert_seconds', 0):.1f} s, "
+             f"{timings.get('variant_bytes', 0) / 1e9:.2f} GB",
+             f"- cat of both checkpoints to /dev/null: {timings.get('read_both_seconds', 0):.1f} s", ""]
+    results = {"run": run_info, "timings": timings, "extrapolation": {}}
+    for shape, run in timings.get("runs", {}).items():
+        r = run["result"]
+        x = extrapolate(run, timings)
+        results["extrapolation"][shape] = x
+        total = x["full_model_seconds"]["total"]
+        lines += [f"## {shape} tokens (served numerics, {args.gpu_family}), chunk {r['settings']['chunk']}", "",
+                  f"Wall {run['wall_seconds']:.1f} s; peak GPU memory {(r['peak_device_bytes'] or 0) / 2**30:.1f} GiB "
+                  f"(estimate {r['estimate']['peak_device_bytes'] / 2**30:.1f} GiB); peak host memory "
+                  f"{(run['peak_host_bytes'] or 0) / 2**30:.1f} GiB; mean KLD {r['output']['kld']['mean']:.4g}.", "",
+                  "| block | read + dequantize | forward (3 passes) | metrics |", "|---|---|---|---|"]
+        for b in r["blocks"]:
+            s = b["seconds"]
+            lines.append(f"| {b['block']} | {s['read']:.2f} s | {s['forward']:.2f} s | {s['metrics']:.2f} s |")
+        full = x["full_model_seconds"]
+        lines += ["", f"Whole model (2 sliding + 21 CSA + 20 HCA + MTP): **{total / 60:.1f} min** "
+                      f"(read {full['read']:.0f} s, forward {full['forward']:.0f} s, metrics {full['metrics']:.0f} s, "
+                      f"heads and scoring {full['heads_and_scoring']:.0f} s); goal under {GOAL_SECONDS // 60} min "
+                      f"-> {'met' if total < GOAL_SECONDS else 'MISSED'}. Peak GPU memory goal under 80 GiB -> "
+                      f"{'met' if (r['peak_device_bytes'] or 0) < GOAL_DEVICE_BYTES else 'MISSED'}.", ""]
+        if x["read_both_full_model_seconds_at_measured_rate"]:
+            lines += [f"Reading both full checkpoints (2 x 160 GB) at the rate cat measured here: "
+                      f"{x['read_both_full_model_seconds_at_measured_rate']:.0f} s; the whole comparison is "
+                      f"{total / x['read_both_full_model_seconds_at_measured_rate']:.2f}x that.", ""]
+    report.write(args.out, results, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
