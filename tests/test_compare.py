@@ -13,7 +13,7 @@ import torch
 from dsv4convert import dtypes
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter
 from dsv4convert.cli import main
-from dsv4convert.compare.engine import LockstepEngine
+from dsv4convert.compare.engine import Batch, LockstepEngine
 from dsv4convert.compare.numerics import serving_for
 from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.checkpoint import Checkpoint
@@ -41,13 +41,13 @@ def test_the_engine_computes_transformers_logits(tiny_ckpt):
     """The base side's log-probabilities of the next token are those of transformers' full forward."""
     plan = build_plan(CompareOptions(base=str(tiny_ckpt), variant=str(tiny_ckpt), random_tokens=True,
                                      tokens=2 * SEQ, seq_len=SEQ, chunk=SEQ, numerics="weights", progress=False))
-    result = LockstepEngine(plan.base, plan.variant, plan.ids, device=plan.device, dtype=plan.dtype,
+    result = LockstepEngine([plan.base, plan.variant], [Batch(plan.ids)], device=plan.device, dtype=plan.dtype,
                             chunk=SEQ, progress=False).run()
     model, _ = load(tiny_ckpt)
     with torch.no_grad():
         log_p = torch.log_softmax(model(plan.ids).logits.double(), dim=-1)
     want = log_p[:, :-1].gather(2, plan.ids[:, 1:, None]).reshape(-1)
-    got = torch.cat(result.output.base_logp)
+    got = torch.cat(result.output["variant"].base_logp)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert [b.block for b in result.blocks] == ["layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "mtp.0"]
 

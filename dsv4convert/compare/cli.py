@@ -77,11 +77,11 @@ def _options(args: argparse.Namespace):
 
 def print_plan(plan) -> None:
     e = plan.estimate
-    blocks = plan.base.inspection.config.block_prefixes()
+    blocks = plan.base.side.inspection.config.block_prefixes()
     if not plan.options.mtp:
         blocks = [b for b in blocks if b.startswith("layers.")]
-    print(f"plan: {plan.variant.ckpt.root} ({plan.variant.inspection.variant}) against {plan.base.ckpt.root} "
-          f"({plan.base.inspection.variant})")
+    print(f"plan: {plan.variant.side.ckpt.root} ({plan.variant.side.inspection.variant}) against "
+          f"{plan.base.side.ckpt.root} ({plan.base.side.inspection.variant})")
     print(f"  data: {plan.data['sequences']} sequences x {plan.data['seq_len']} tokens from {plan.data['source']}")
     print(f"  blocks: {len(blocks)} ({blocks[0]} .. {blocks[-1]}), each read and run once per side; the variant's "
           "twice (its own input and the base's)")
@@ -107,7 +107,8 @@ def _run(args: argparse.Namespace) -> int:
         print_plan(plan)
         return 0
     result = run(plan)
-    out_dir = args.report or plan.variant.ckpt.root.parent / f"{plan.variant.ckpt.root.name}-compare"
+    root = plan.variant.side.ckpt.root
+    out_dir = args.report or root.parent / f"{root.name}-compare"
     write_reports(result, Path(out_dir))
     o = result["output"]
     print(f"{args.variant} vs {args.base}: mean KLD {o['kld']['mean']:.6g} \u00b1 {o['kld']['standard_error']:.2g} "

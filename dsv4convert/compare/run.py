@@ -16,7 +16,7 @@ import torch
 
 from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.compare.engine import HEAD_POSITIONS, LockstepEngine, Side
+from dsv4convert.compare.engine import HEAD_POSITIONS, Batch, LockstepEngine, Side, Track
 from dsv4convert.compare.numerics import Numerics, served, serving_for, weights_only
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
@@ -55,8 +55,8 @@ class CompareOptions:
 @dataclass
 class Plan:
     options: CompareOptions
-    base: Side
-    variant: Side
+    base: Track
+    variant: Track
     ids: torch.Tensor
     device: torch.device
     dtype: torch.dtype
@@ -156,13 +156,13 @@ def build_plan(opts: CompareOptions) -> Plan:
     dtype = COMPUTE_DTYPES[dtype_name]
     cfg = base_info.config
     ids, data = token_ids(opts, base_ckpt, cfg)
-    sides = []
+    tracks = []
     for label, ckpt, info, kind in (("base", base_ckpt, base_info, opts.base_numerics or opts.numerics),
                                     ("variant", variant_ckpt, variant_info, opts.numerics)):
-        sides.append(Side(label, ckpt, info, WeightSource(ckpt, info, device, dtype),
-                          _numerics(kind, info, ckpt, opts)))
+        side = Side(label, ckpt, info, WeightSource(ckpt, info, device, dtype))
+        tracks.append(Track(label, side, _numerics(kind, info, ckpt, opts), local=label == "variant"))
     estimate = estimate_resources(cfg, base_ckpt.config, ids.shape, dtype, opts, (base_ckpt, variant_ckpt))
-    return Plan(opts, sides[0], sides[1], ids, device, dtype, estimate, data)
+    return Plan(opts, tracks[0], tracks[1], ids, device, dtype, estimate, data)
 
 
 def estimate_resources(cfg: ModelConfig, config: dict, shape: tuple[int, int], dtype: torch.dtype,
@@ -202,24 +202,27 @@ def run(plan: Plan) -> dict:
     """Run the plan; returns ``compare.json``'s content."""
     t0 = time.perf_counter()
     o = plan.options
-    engine = LockstepEngine(plan.base, plan.variant, plan.ids, device=plan.device, dtype=plan.dtype,
+    engine = LockstepEngine([plan.base, plan.variant], [Batch(plan.ids)], device=plan.device, dtype=plan.dtype,
                             chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress)
     result = engine.run()
     return {
         "tool": f"dsv4convert {__version__}",
-        "base": {"path": str(plan.base.ckpt.root), "variant": plan.base.inspection.variant,
-                 "numerics": plan.base.numerics.describe()},
-        "variant": {"path": str(plan.variant.ckpt.root), "variant": plan.variant.inspection.variant,
-                    "numerics": plan.variant.numerics.describe()},
+        "base": side_record(plan.base),
+        "variant": side_record(plan.variant),
         "data": plan.data,
         "settings": {"device": str(plan.device), "dtype": str(plan.dtype).replace("torch.", ""), "chunk": o.chunk,
                      "batch_size": o.batch_size, "mtp": o.mtp},
-        "output": result.output.summary(),
+        "output": result.output["variant"].summary(),
         "mtp_draft_agreement": result.mtp,
-        "blocks": [{"block": b.block, "free_running": b.free_running, "local": b.local, "seconds": b.seconds}
-                   for b in result.blocks],
+        "blocks": [{"block": b.block, "free_running": b.free_running["variant"], "local": b.local["variant"],
+                    "seconds": b.seconds} for b in result.blocks],
         "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
         "peak_device_bytes": result.peak_device_bytes,
         "estimate": plan.estimate,
-        "_kld_values": result.output.kld_values(),
+        "_kld_values": result.output["variant"].kld_values(),
     }
+
+
+def side_record(track: Track) -> dict:
+    return {"path": str(track.side.ckpt.root), "variant": track.side.inspection.variant,
+            "numerics": track.numerics.describe()}
