@@ -13,8 +13,10 @@ from transformers import PreTrainedTokenizerFast
 
 import sglang_oracle as sgl
 from dsv4convert.errors import FormatError
+from dsv4convert import needle as needles
+from dsv4convert.needle import Needle, PromptTemplate
 from dsv4convert.serve import recall, report, speed
-from dsv4convert.serve.recall import Needle, PromptTemplate, RecallSweep
+from dsv4convert.serve.recall import RecallSweep
 
 TEMPLATE = PromptTemplate()
 
@@ -22,7 +24,7 @@ TEMPLATE = PromptTemplate()
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     """A real (fast) tokenizer built offline: one token per word and per digit, the chat markers special."""
-    words = set(re.findall(r"[A-Za-z]+|[^\sA-Za-z0-9]", recall.FILLER + " ".join(recall.NEEDLE_KEYS)
+    words = set(re.findall(r"[A-Za-z]+|[^\sA-Za-z0-9]", needles.FILLER + " ".join(needles.NEEDLE_KEYS)
                            + Needle("x", "0").sentence + Needle("x", "0").question))
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(sorted(words | set("0123456789")))}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -38,7 +40,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 @pytest.mark.parametrize("depth", [0.0, 0.37, 1.0])
 def test_prompt_has_exact_length_and_needle_where_asked(tokenizer, length, depth):
     needle = Needle("the iron bridge", "4071935")
-    prompt = recall.build_prompt(tokenizer, length, depth, needle, TEMPLATE)
+    prompt = needles.build_prompt(tokenizer, length, depth, needle, TEMPLATE)
     assert len(prompt.input_ids) == length
     start, end = prompt.needle_span
     assert prompt.input_ids[start:end] == tokenizer.encode(needle.sentence, add_special_tokens=False)
@@ -52,9 +54,9 @@ def test_prompt_has_exact_length_and_needle_where_asked(tokenizer, length, depth
 
 def test_prompt_refuses_impossible_requests(tokenizer):
     with pytest.raises(ValueError, match="cannot hold"):
-        recall.build_prompt(tokenizer, 20, 0.5, Needle("the iron bridge", "4071935"))
+        needles.build_prompt(tokenizer, 20, 0.5, Needle("the iron bridge", "4071935"))
     with pytest.raises(ValueError, match="depth"):
-        recall.build_prompt(tokenizer, 1024, 1.5, Needle("the iron bridge", "4071935"))
+        needles.build_prompt(tokenizer, 1024, 1.5, Needle("the iron bridge", "4071935"))
 
 
 @pytest.mark.parametrize(("output", "correct"), [
@@ -62,7 +64,7 @@ def test_prompt_refuses_impossible_requests(tokenizer):
     ("40719350", False), ("7654321 then 4071935", False), ("I do not know.", False), ("", False),
 ])
 def test_answer_scoring(output, correct):
-    assert recall.answer_is_correct(output, Needle("k", "4071935")) is correct
+    assert needles.answer_is_correct(output, Needle("k", "4071935")) is correct
 
 
 def _b64(values: list[int]) -> str:
@@ -144,7 +146,7 @@ def test_sweep_demands_indexer_topk_when_requested(tokenizer):
     sweep = RecallSweep(lengths=[128], depths=[0.5], trials=1, indexer_topk=True, indexer_layers=3, index_topk=4)
     with pytest.raises(FormatError, match="no indexer_topk"):
         sweep.run(tokenizer, lambda payload: {"text": "1", "meta_info": {}})
-    assert sweep.request(recall.build_prompt(tokenizer, 128, 0.5, Needle("k", "1")))["return_indexer_topk"] is True
+    assert sweep.request(needles.build_prompt(tokenizer, 128, 0.5, Needle("k", "1")))["return_indexer_topk"] is True
 
 
 # Two records as `bench_serving --output-file` appends them (keys per sglang-contract.md section 8),

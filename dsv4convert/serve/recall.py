@@ -1,8 +1,8 @@
-"""Needle-in-a-haystack recall, and where DeepSeek-V4's sparse indexer looked while answering.
+"""Needle-in-a-haystack recall on a server, and where DeepSeek-V4's sparse indexer looked while answering.
 
-Prompts are token-id lists built with the model's own tokenizer to an exact length, and sent as
-``input_ids`` to SGLang's native ``/generate``, so no re-tokenisation can shift the length or
-the needle position. With ``return_indexer_topk`` SGLang returns, per prompt position and CSA
+Prompts come from :mod:`dsv4convert.needle` (the builder ``compare --recall`` uses too): token-id
+lists built with the model's own tokenizer to an exact length, and sent as ``input_ids`` to SGLang's
+native ``/generate``, so no re-tokenisation can shift the length or the needle position. With ``return_indexer_topk`` SGLang returns, per prompt position and CSA
 (ratio-4) layer, the compressed positions its indexer kept; a needle whose compressed block is
 kept but whose answer is wrong points at quantization, one that is dropped points at the indexer.
 """
@@ -10,104 +10,17 @@ kept but whose answer is wrong points at quantization, one that is dropped point
 from __future__ import annotations
 
 import base64
-import random
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from dsv4convert.errors import FormatError
+from dsv4convert.needle import CSA_RATIO, Needle, PromptTemplate, RecallPrompt, Tokenizer, answer_is_correct, recall_grid
 
 DEFAULT_LENGTHS = tuple(2**k for k in range(10, 18))  # 1K .. 128K tokens
 DEFAULT_DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))  # 0% .. 100%
-CSA_RATIO = 4  # compress ratio of the layers that have an indexer
-
-# Haystack text written for this tool: plain, repetitive prose with no numbers in it, so the
-# only number in a prompt is the needle's.
-FILLER = (
-    "The river moved slowly past the old mill, and the afternoon light lay across the water. "
-    "A farmer walked along the bank with a basket of apples and stopped to watch the ducks. "
-    "Clouds gathered over the hills in the west, grey at the edges and white in the middle. "
-    "In the village the baker was closing his shop, and children ran home along the lane. "
-    "Somewhere a dog barked twice, then the evening settled into its usual quiet rhythm. "
-)
-NEEDLE_KEYS = (
-    "the blue lighthouse", "the copper kettle", "the silent orchard", "the northern gate",
-    "the paper lantern", "the marble staircase", "the hidden garden", "the iron bridge",
-    "the velvet curtain", "the glass observatory", "the winter harbour", "the amber window",
-)
-
-
-class Tokenizer(Protocol):
-    """What recall needs from a tokenizer (a ``transformers`` tokenizer satisfies it)."""
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class PromptTemplate:
-    """Text around the user turn; the default is DeepSeek's chat format with thinking off."""
-
-    prefix: str = "<｜begin▁of▁sentence｜><｜User｜>"
-    suffix: str = "<｜Assistant｜></think>"
-
-
-@dataclass(frozen=True)
-class Needle:
-    key: str
-    value: str
-
-    @property
-    def sentence(self) -> str:
-        return f" The secret number for {self.key} is {self.value}. "
-
-    @property
-    def question(self) -> str:
-        return f"\n\nWhat is the secret number for {self.key}? Reply with the number only."
-
-
-@dataclass(frozen=True)
-class RecallPrompt:
-    input_ids: list[int]
-    needle: Needle
-    needle_span: tuple[int, int]  # token positions [start, end) of the needle sentence
-    length: int
-    depth: float
-
-
-def make_needle(rng: random.Random) -> Needle:
-    return Needle(rng.choice(NEEDLE_KEYS), str(rng.randrange(1_000_000, 10_000_000)))
-
-
-def build_prompt(
-    tokenizer: Tokenizer, length: int, depth: float, needle: Needle, template: PromptTemplate = PromptTemplate()
-) -> RecallPrompt:
-    """A prompt of exactly ``length`` tokens with the needle ``depth`` (0..1) of the way into the haystack."""
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"needle depth must be within [0, 1], got {depth}")
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    prefix, needle_ids = encode(template.prefix), encode(needle.sentence)
-    closing = encode(needle.question) + encode(template.suffix)
-    budget = length - len(prefix) - len(needle_ids) - len(closing)
-    if budget < 0:
-        raise ValueError(f"{length} tokens cannot hold the template, needle and question ({length - budget} tokens)")
-    filler = encode(FILLER)
-    haystack = (filler * (budget // len(filler) + 1))[:budget]
-    offset = round(depth * budget)
-    start = len(prefix) + offset
-    ids = prefix + haystack[:offset] + needle_ids + haystack[offset:] + closing
-    return RecallPrompt(ids, needle, (start, start + len(needle_ids)), length, depth)
-
-
-def answer_is_correct(output: str, needle: Needle) -> bool:
-    """Exact retrieval: the first number in the answer is the needle's value."""
-    match = re.search(r"\d+", output.replace(",", ""))
-    return match is not None and match.group(0) == needle.value
 
 
 def decode_indexer_topk(encoded: str, num_layers: int, topk: int) -> np.ndarray:
@@ -210,15 +123,11 @@ class RecallSweep:
         generate: Callable[[dict[str, Any]], dict[str, Any]],
         progress: Callable[[RecallTrial], None] = lambda trial: None,
     ) -> list[RecallTrial]:
-        rng = random.Random(self.seed)
         results = []
-        for length in self.lengths:
-            for depth in self.depths:
-                for _ in range(self.trials):
-                    prompt = build_prompt(tokenizer, length, depth, make_needle(rng), self.template)
-                    trial = self.score(prompt, generate(self.request(prompt)))
-                    progress(trial)
-                    results.append(trial)
+        for prompt in recall_grid(tokenizer, self.lengths, self.depths, self.trials, self.seed, self.template):
+            trial = self.score(prompt, generate(self.request(prompt)))
+            progress(trial)
+            results.append(trial)
         return results
 
 

@@ -1,0 +1,156 @@
+"""Needle-in-a-haystack prompts: the one builder ``serve --check recall`` and ``compare --recall`` share.
+
+Prompts are token-id lists built with the model's own tokenizer to an exact length, the needle at a
+stated depth; the grid's lengths follow from the checkpoint's sparse attention. A CSA layer compresses
+``ratio`` tokens into an entry and a query at position ``t`` picks the top ``index_topk`` of its
+``(t + 1) // ratio`` entries, beside a sliding window of the last ``sliding_window`` tokens: up to
+about ``ratio * index_topk + sliding_window`` tokens (2,176 for V4-Flash) the indexer selects everything
+and its choices cannot matter; past it, recall depends on what it picks. The default grid straddles
+that threshold and covers every prompt length modulo 4 (engine bugs have depended on ``len % 4``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
+CSA_RATIO = 4  # compress ratio of the layers that have an indexer
+
+# Haystack text written for this tool: plain, repetitive prose with no numbers in it, so the
+# only number in a prompt is the needle's.
+FILLER = (
+    "The river moved slowly past the old mill, and the afternoon light lay across the water. "
+    "A farmer walked along the bank with a basket of apples and stopped to watch the ducks. "
+    "Clouds gathered over the hills in the west, grey at the edges and white in the middle. "
+    "In the village the baker was closing his shop, and children ran home along the lane. "
+    "Somewhere a dog barked twice, then the evening settled into its usual quiet rhythm. "
+)
+NEEDLE_KEYS = (
+    "the blue lighthouse", "the copper kettle", "the silent orchard", "the northern gate",
+    "the paper lantern", "the marble staircase", "the hidden garden", "the iron bridge",
+    "the velvet curtain", "the glass observatory", "the winter harbour", "the amber window",
+)
+
+
+class Tokenizer(Protocol):
+    """What a needle prompt needs from a tokenizer (a ``transformers`` tokenizer satisfies it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """Text around the user turn; the default is DeepSeek's chat format with thinking off."""
+
+    prefix: str = "<｜begin▁of▁sentence｜><｜User｜>"
+    suffix: str = "<｜Assistant｜></think>"
+
+
+@dataclass(frozen=True)
+class Needle:
+    key: str
+    value: str
+
+    @property
+    def sentence(self) -> str:
+        return f" The secret number for {self.key} is {self.value}. "
+
+    @property
+    def question(self) -> str:
+        return f"\n\nWhat is the secret number for {self.key}? Reply with the number only."
+
+
+@dataclass(frozen=True)
+class RecallPrompt:
+    input_ids: list[int]
+    needle: Needle
+    needle_span: tuple[int, int]  # token positions [start, end) of the needle sentence
+    length: int
+    depth: float
+
+
+def make_needle(rng: random.Random) -> Needle:
+    return Needle(rng.choice(NEEDLE_KEYS), str(rng.randrange(1_000_000, 10_000_000)))
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def build_prompt(
+    tokenizer: Tokenizer, length: int, depth: float, needle: Needle, template: PromptTemplate = PromptTemplate()
+) -> RecallPrompt:
+    """A prompt of exactly ``length`` tokens with the needle ``depth`` (0..1) of the way into the haystack."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"needle depth must be within [0, 1], got {depth}")
+    prefix, needle_ids = _encode(tokenizer, template.prefix), _encode(tokenizer, needle.sentence)
+    closing = _encode(tokenizer, needle.question) + _encode(tokenizer, template.suffix)
+    budget = length - len(prefix) - len(needle_ids) - len(closing)
+    if budget < 0:
+        raise ValueError(f"{length} tokens cannot hold the template, needle and question ({length - budget} tokens)")
+    filler = _encode(tokenizer, FILLER)
+    haystack = (filler * (budget // len(filler) + 1))[:budget]
+    offset = round(depth * budget)
+    start = len(prefix) + offset
+    ids = prefix + haystack[:offset] + needle_ids + haystack[offset:] + closing
+    return RecallPrompt(ids, needle, (start, start + len(needle_ids)), length, depth)
+
+
+def recall_grid(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int,
+                template: PromptTemplate = PromptTemplate()) -> list[RecallPrompt]:
+    """Every prompt of a sweep, in order: lengths, then depths, then trials, one seeded needle each."""
+    rng = random.Random(seed)
+    return [build_prompt(tokenizer, length, depth, make_needle(rng), template)
+            for length in lengths for depth in depths for _ in range(trials)]
+
+
+def answer_ids(tokenizer: Tokenizer, needle: Needle) -> list[int]:
+    """The tokens a correct greedy answer starts with: the number itself."""
+    return _encode(tokenizer, needle.value)
+
+
+def answer_is_correct(output: str, needle: Needle) -> bool:
+    """Exact retrieval: the first number in the answer is the needle's value."""
+    match = re.search(r"\d+", output.replace(",", ""))
+    return match is not None and match.group(0) == needle.value
+
+
+def selection_threshold(index_topk: int, sliding_window: int, ratio: int = CSA_RATIO) -> int:
+    """Prompt length up to which the indexer selects every compressed entry: ``ratio * index_topk + window``."""
+    return ratio * index_topk + sliding_window
+
+
+def default_lengths(threshold: int, shortest: int = 1) -> list[int]:
+    """Powers of two from about half the threshold to 64 times it (V4-Flash: 1K .. 128K), the threshold
+    -/+ 1/16 of it, each lowered by its index mod 4 so the lengths cover every residue mod 4; those
+    under ``shortest`` (what a prompt needs at least) are dropped."""
+    longest = 2 ** int(math.log2(threshold * 64))
+    powers = {2**k for k in range(int(math.log2(max(threshold // 2, 1))), int(math.log2(longest)) + 1)}
+    bases = sorted(powers | {threshold - threshold // 16, threshold + threshold // 16})
+    return [b - i % 4 for i, b in enumerate(bases) if b - i % 4 >= shortest]
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"2K,4099,128K"`` -> token counts (K = 1024)."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        match = re.fullmatch(r"(\d+)([kK]?)", part)
+        if not match:
+            raise ValueError(f"length {part!r} is not a token count (like 4096 or 4K)")
+        out.append(int(match.group(1)) * (1024 if match.group(2) else 1))
+    if not out:
+        raise ValueError("no lengths given")
+    return out
+
+
+def needle_entries(span: tuple[int, int], ratio: int = CSA_RATIO) -> range:
+    """Compressed entries of a CSA layer that hold part of the needle. In transformers' ``DeepseekV4``
+    entry ``w`` pools window ``w`` (tokens ``ratio*w .. ratio*w + ratio - 1``, the Cb half) with the
+    previous window (the Ca half), so it covers tokens ``ratio*(w-1) .. ratio*w + ratio - 1``."""
+    start, end = span
+    return range(start // ratio, (end - 1) // ratio + 2)
