@@ -101,6 +101,13 @@ def build_prompt(
     return RecallPrompt(ids, needle, (start, start + len(needle_ids)), length, depth)
 
 
+def shortest_prompt(tokenizer: Tokenizer, template: PromptTemplate = PromptTemplate()) -> int:
+    """The fewest tokens any needle prompt takes (template, the longest needle sentence and question)."""
+    fixed = len(_encode(tokenizer, template.prefix)) + len(_encode(tokenizer, template.suffix))
+    return fixed + max(len(_encode(tokenizer, n.sentence)) + len(_encode(tokenizer, n.question))
+                       for n in (Needle(key, "9" * 7) for key in NEEDLE_KEYS))
+
+
 def recall_grid(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int,
                 template: PromptTemplate = PromptTemplate()) -> list[RecallPrompt]:
     """Every prompt of a sweep, in order: lengths, then depths, then trials, one seeded needle each."""

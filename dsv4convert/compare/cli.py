@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dsv4convert.convert.plan import human_bytes
+from dsv4convert.errors import DSV4Error
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +34,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                            "a real model's KLD on random ids says little)")
     data.add_argument("--tokens", type=int, default=65536, help="evaluation tokens (default: 65536)")
     data.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    rec = p.add_argument_group("recall (needle prompts instead of text; docs/compare.md)")
+    rec.add_argument("--recall", action="store_true",
+                     help="needle retrieval (teacher-forced) and the indexer's top-k, base against variant, with a "
+                          "noise floor (the base in other query chunks)")
+    rec.add_argument("--lengths", type=_lengths, metavar="L,L,...",
+                     help="prompt lengths in tokens, K = 1024 (default: straddling the checkpoint's selection "
+                          "threshold 4*index_topk + sliding_window, to 64x it, every residue mod 4)")
+    rec.add_argument("--depths", type=_depths, default=None, metavar="D,D,...",
+                     help="needle depths within the haystack, 0..1 (default: 0.1,0.5,0.9)")
+    rec.add_argument("--trials", type=int, default=1, help="needles per (length, depth) (default: 1)")
+    rec.add_argument("--fail-on-lost-needle", action="store_true",
+                     help="exit 1 when the variant retrieves fewer needles than the base")
+    rec.add_argument("--ablate", action="store_true",
+                     help="also run the served numerics one part at a time (weights; + activations; + FP8 KV cache; "
+                          "+ FP8 indexer; FP4 indexer), base and variant, against the base's weights alone")
     num = p.add_argument_group("numerics")
     num.add_argument("--numerics", choices=("served", "weights"), default="served",
                      help="served: what the server computes with (default); weights: stored weights only, "
@@ -64,27 +80,60 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def _lengths(text: str) -> list[int]:
+    from dsv4convert.needle import parse_lengths
+
+    try:
+        return parse_lengths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _depths(text: str) -> tuple[float, ...]:
+    try:
+        depths = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"depths must be numbers in [0, 1], got {text!r}") from None
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise argparse.ArgumentTypeError(f"depths must be numbers in [0, 1], got {text!r}")
+    return depths
+
+
 def _options(args: argparse.Namespace):
+    from dsv4convert.compare.recall import RecallOptions
     from dsv4convert.compare.run import CompareOptions
 
+    recall = None
+    if args.recall:
+        recall = RecallOptions(lengths=args.lengths, trials=args.trials, seed=args.seed, ablate=args.ablate,
+                               **({"depths": args.depths} if args.depths else {}))
+    elif args.lengths or args.depths or args.ablate:
+        raise DSV4Error("--lengths, --depths and --ablate belong to --recall")
     return CompareOptions(
         base=args.base, variant=args.variant, texts=list(args.text), random_tokens=args.random_tokens,
         tokens=args.tokens, seq_len=args.seq_len, numerics=args.numerics, base_numerics=args.base_numerics,
         engine=args.engine, gpu_family=args.gpu_family, moe_runner_backend=args.moe_runner_backend,
         fp4_indexer=args.fp4_indexer, device=args.device, dtype=args.dtype, chunk=args.chunk,
-        batch_size=args.batch_size, mtp=not args.no_mtp, seed=args.seed, progress=not args.no_progress)
+        batch_size=args.batch_size, mtp=not args.no_mtp, seed=args.seed, progress=not args.no_progress,
+        recall=recall)
 
 
 def print_plan(plan) -> None:
     e = plan.estimate
     blocks = plan.base.side.inspection.config.block_prefixes()
-    if not plan.options.mtp:
+    if not plan.options.mtp or plan.grid is not None:
         blocks = [b for b in blocks if b.startswith("layers.")]
     print(f"plan: {plan.variant.side.ckpt.root} ({plan.variant.side.inspection.variant}) against "
           f"{plan.base.side.ckpt.root} ({plan.base.side.inspection.variant})")
-    print(f"  data: {plan.data['sequences']} sequences x {plan.data['seq_len']} tokens from {plan.data['source']}")
-    print(f"  blocks: {len(blocks)} ({blocks[0]} .. {blocks[-1]}), each read and run once per side; the variant's "
-          "twice (its own input and the base's)")
+    if plan.grid is not None:
+        d = plan.data
+        print(f"  recall: {d['prompts']} needle prompts, lengths {d['lengths']}, depths {d['depths']}, "
+              f"{d['trials']} trial(s); selection threshold {d['selection_threshold']} tokens")
+        print(f"  tracks: {', '.join(t.label for t in plan.tracks)}")
+    else:
+        print(f"  data: {plan.data['sequences']} sequences x {plan.data['seq_len']} tokens from {plan.data['source']}")
+    print(f"  blocks: {len(blocks)} ({blocks[0]} .. {blocks[-1]}), each read once per checkpoint and run once per "
+          "track; the variant's also on the base's input")
     for side in (plan.base, plan.variant):
         n = side.numerics.describe()
         serving = n["serving"] or {}
@@ -99,7 +148,7 @@ def print_plan(plan) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dsv4convert.compare.report import write_reports
+    from dsv4convert.compare.report import write_recall_reports, write_reports
     from dsv4convert.compare.run import build_plan, run
 
     plan = build_plan(_options(args))
@@ -108,8 +157,20 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     result = run(plan)
     root = plan.variant.side.ckpt.root
-    out_dir = args.report or root.parent / f"{root.name}-compare"
-    write_reports(result, Path(out_dir))
+    out_dir = Path(args.report or root.parent / f"{root.name}-compare")
+    if plan.grid is not None:
+        write_recall_reports(result, out_dir)
+        recall = result["recall"]
+        for line in recall["verdicts"]:
+            print(line)
+        print(f"report: {out_dir / 'compare.md'}")
+        subject, reference = recall["tracks"][recall["subject"]], recall["tracks"][recall["reference"]]
+        if args.fail_on_lost_needle and subject["accuracy"] < reference["accuracy"]:
+            print(f"compare: the variant retrieves {100 * subject['accuracy']:.0f}% of the needles, the base "
+                  f"{100 * reference['accuracy']:.0f}%")
+            return 1
+        return 0
+    write_reports(result, out_dir)
     o = result["output"]
     print(f"{args.variant} vs {args.base}: mean KLD {o['kld']['mean']:.6g} \u00b1 {o['kld']['standard_error']:.2g} "
           f"nats, same top-1 {100 * o['same_top1']:.2f}%, perplexity ratio {o['perplexity']['ratio']:.4f}, "
@@ -117,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
     for label, blocks in result["mtp_draft_agreement"].items():
         for block, value in blocks.items():
             print(f"  MTP {block} draft agreement ({label}): {100 * value:.2f}%")
-    print(f"report: {Path(out_dir) / 'compare.md'}")
+    print(f"report: {out_dir / 'compare.md'}")
     if args.fail_above_kld is not None and o["kld"]["mean"] > args.fail_above_kld:
         print(f"compare: mean KLD {o['kld']['mean']:.6g} is above --fail-above-kld {args.fail_above_kld}")
         return 1

@@ -84,9 +84,11 @@ class Batch:
 
 
 class BlockObserver(Protocol):
-    def install(self, layer, block: str, track: Track, batch: int, rows: slice) -> Installed | None: ...
+    """Sees each pass of a track through a block: ``local`` when the track's layer takes the reference's input."""
 
-    def finished(self, block: str, track: Track, batch: int, rows: slice) -> None: ...
+    def install(self, layer, block: str, track: Track, batch: int, rows: slice, local: bool) -> Installed | None: ...
+
+    def finished(self, block: str, track: Track, batch: int, rows: slice, local: bool) -> None: ...
 
 
 @dataclass
@@ -152,11 +154,12 @@ class LockstepEngine:
         return layer, entry
 
     def _forward(self, track: Track, layer, entry, streams: torch.Tensor, batch: int, rows: slice,
-                 block: str) -> torch.Tensor:
+                 block: str, local: bool = False) -> torch.Tensor:
         """One micro-batch of the previous block's output ``streams`` through ``layer`` (result on the device)."""
         t0 = time.perf_counter()
         ids = self.batches[batch].ids[rows, _shift(block):]
-        handles = [h for obs in self.observers if (h := obs.install(layer, block, track, batch, rows)) is not None]
+        handles = [h for obs in self.observers
+                   if (h := obs.install(layer, block, track, batch, rows, local)) is not None]
         try:
             if entry is not None:   # MTP block j: the token j+1 ahead, mixed into the previous block's streams
                 mix, embed = entry
@@ -169,7 +172,7 @@ class LockstepEngine:
             for h in handles:
                 h.remove()
         for obs in self.observers:
-            obs.finished(block, track, batch, rows)
+            obs.finished(block, track, batch, rows, local)
         self.seconds["forward"] += time.perf_counter() - t0
         return out
 
@@ -251,7 +254,7 @@ class LockstepEngine:
                     reference = nxt[ref][b][rows].to(self.device)
                     self._measure(free[track.label], reference, mine)
                     if track.local:
-                        given = self._forward(track, layer, entry, streams[ref][b], b, rows, block)
+                        given = self._forward(track, layer, entry, streams[ref][b], b, rows, block, local=True)
                         self._measure(local[track.label], reference, given)
                 nxt[track.label][b][rows] = mine.cpu()
 

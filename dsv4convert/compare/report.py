@@ -23,8 +23,8 @@ def _num(x: float | None, digits: int = 4) -> str:
     return f"{x:.{digits}g}" if abs(x) < 1e-3 or abs(x) >= 1e4 else f"{x:.{digits}f}"
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f}%"
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
 
 
 def render_markdown(result: dict) -> str:
@@ -120,3 +120,121 @@ def write_reports(result: dict, out_dir: Path) -> list[Path]:
     atomic_write_bytes(out_dir / "compare.md", render_markdown(result).encode("utf-8"))
     atomic_write_json(out_dir / "compare.json", result)  # last: a report with its JSON is complete
     return [out_dir / "compare.json", out_dir / "compare.md", *written]
+
+
+def render_recall_markdown(result: dict) -> str:
+    r = result["recall"]
+    ref, subject, noise = r["reference"], r["subject"], r["noise_floor"]
+    lines = [f"# compare --recall: {result['variant']['path']} against {result['base']['path']}", "",
+             *[f"**{v}.**" for v in r["verdicts"]], "",
+             f"{result['data']['prompts']} needle prompts: lengths {r['lengths']}, depths {r['depths']}; the indexer "
+             f"selects every compressed entry up to {r['threshold']} tokens (4 x index_topk + sliding window), so "
+             "only longer prompts test its choices. Retrieval is teacher-forced: every answer token the argmax "
+             "given the ones before, what greedy decoding produces. Reference: "
+             f"{ref}; noise floor: {noise} (float rounding only).", "",
+             "## Needle accuracy per length", "",
+             "| track | " + " | ".join(str(length) for length in r["lengths"]) + " | all |",
+             "|---|" + "---|" * (len(r["lengths"]) + 1)]
+    for label, track in r["tracks"].items():
+        per: dict[int, list[float]] = {}
+        for cell in track["cells"]:
+            per.setdefault(cell["length"], []).append(cell["accuracy"])
+        lines.append(f"| {label} | " + " | ".join(_pct(sum(per[length]) / len(per[length])) for length in r["lengths"])
+                     + f" | {_pct(track['accuracy'])} |")
+    lines += ["", "## Each track against the reference", "",
+              "At the answer positions: KLD and same top-1; over every CSA layer and every row past the threshold: "
+              "the mean top-k overlap |A \u2229 B| / k (free-running) and its lowest layer.", "",
+              "| track | numerics | KLD at answers | same top-1 | mean top-k overlap | lowest layer (overlap) | needles |",
+              "|---|---|---|---|---|---|---|"]
+    for label, track in r["tracks"].items():
+        if label == ref:
+            continue
+        out = track.get("answer_positions") or {}
+        means = [(layer["layer"], layer["overlap_free_running"]["mean"]) for layer in track["layers"]
+                 if layer["overlap_free_running"]["mean"] is not None]
+        mean = sum(m for _, m in means) / len(means) if means else None
+        low = min(means, key=lambda x: x[1]) if means else None
+        lines.append(f"| {label} | {track['numerics']['label']} | {_num(out.get('kld', {}).get('mean'))} | "
+                     f"{_pct(out['same_top1']) if out else '-'} | {_num(mean)} | "
+                     f"{f'{low[0]} ({_num(low[1])})' if low else '-'} | {_pct(track['accuracy'])} |")
+    lines += ["", "## CSA layers: the needle and the indexer", "",
+              f"Needle selected: how often an entry holding the needle is in the top-k of the query giving the "
+              f"first answer token (median rank among the selected). Overlap against {ref}: {subject} free-running "
+              f"and local, and the noise floor.", "",
+              "| layer | needle selected: reference | subject | median rank: reference | subject | overlap: free | local | noise floor |",
+              "|---|---|---|---|---|---|---|---|"]
+    layers = {label: {x["layer"]: x for x in t["layers"]} for label, t in r["tracks"].items()}
+    for layer in r["csa_layers"]:
+        a, b, n = layers[ref][layer], layers[subject][layer], layers[noise][layer]
+        lines.append(f"| {layer} | {_pct(a['needle_selected_rate'])} | {_pct(b['needle_selected_rate'])} | "
+                     f"{_num(a['needle_median_rank'], 3)} | {_num(b['needle_median_rank'], 3)} | "
+                     f"{_num(b['overlap_free_running']['mean'])} | {_num(b['overlap_local']['mean'])} | "
+                     f"{_num(n['overlap_free_running']['mean'])} |")
+    lines += ["", "Plots: needle_heatmaps.png (accuracy, depth x length, reference and subject), needle_rank.png, "
+              "topk_overlap.png (per CSA layer, with the noise floor).", "",
+              f"Time: {result['seconds']}; peak device memory: {result['peak_device_bytes']}.", ""]
+    return "\n".join(lines)
+
+
+def plot_recall(result: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = result["recall"]
+    ref, subject, noise = r["reference"], r["subject"], r["noise_floor"]
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
+    for ax, label in zip(axes, (ref, subject)):
+        grid = [[0.0] * len(r["lengths"]) for _ in r["depths"]]
+        for cell in r["tracks"][label]["cells"]:
+            grid[r["depths"].index(cell["depth"])][r["lengths"].index(cell["length"])] = cell["accuracy"]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(r["lengths"])), [str(x) for x in r["lengths"]], rotation=60, fontsize=7)
+        ax.set_yticks(range(len(r["depths"])), [f"{d:.0%}" for d in r["depths"]])
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("prompt tokens")
+    axes[0].set_ylabel("needle depth")
+    fig.colorbar(image, ax=axes, label="retrieved")
+    paths.append(out_dir / "needle_heatmaps.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    layers = r["csa_layers"]
+    by = {label: {x["layer"]: x for x in t["layers"]} for label, t in r["tracks"].items()}
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(layers)), 3.5))
+    for label in (ref, subject):
+        ax.plot(range(len(layers)), [by[label][x]["needle_selected_rate"] or 0 for x in layers], marker="o", label=label)
+    ax.set_xticks(range(len(layers)), layers, rotation=90, fontsize=7)
+    ax.set_ylabel("needle selected (answer query)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "needle_rank.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(layers)), 3.5))
+    for label, kind, style in ((subject, "overlap_free_running", "o-"), (subject, "overlap_local", "s--"),
+                               (noise, "overlap_free_running", "^:")):
+        values = [by[label][x][kind]["mean"] for x in layers]
+        ax.plot(range(len(layers)), [v if v is not None else float("nan") for v in values], style,
+                label=f"{label} ({kind.split('_', 1)[1].replace('_', '-')})" if label == subject else f"{label} (noise floor)")
+    ax.set_xticks(range(len(layers)), layers, rotation=90, fontsize=7)
+    ax.set_ylabel("top-k overlap with the reference")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "topk_overlap.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write_recall_reports(result: dict, out_dir: Path) -> list[Path]:
+    """The PNGs, ``compare.md`` (the recall sections) and ``recall.json`` into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = plot_recall(result, out_dir)
+    atomic_write_bytes(out_dir / "compare.md", render_recall_markdown(result).encode("utf-8"))
+    atomic_write_json(out_dir / "recall.json", result)  # last: a report with its JSON is complete
+    return [out_dir / "recall.json", out_dir / "compare.md", *written]

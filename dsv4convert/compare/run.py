@@ -18,11 +18,22 @@ from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare.engine import HEAD_POSITIONS, Batch, LockstepEngine, Side, Track
 from dsv4convert.compare.numerics import Numerics, served, serving_for, weights_only
+from dsv4convert.compare.recall import (
+    Grid,
+    RecallOptions,
+    TopkObserver,
+    ablation_rows,
+    ablation_verdict,
+    build_grid,
+    noise_chunk,
+    summarize,
+    verdict,
+)
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
-from dsv4convert.model.text import read_documents, tokenize
+from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
 # Config keys that describe how weights are stored, not the model: they may differ between sides.
 STORAGE_KEYS = frozenset({"quantization_config", "torch_dtype", "dtype", "transformers_version", "expert_dtype"})
@@ -50,18 +61,24 @@ class CompareOptions:
     mtp: bool = True
     seed: int = 0
     progress: bool = True
+    recall: RecallOptions | None = None  # needle prompts instead of text (``compare --recall``)
 
 
 @dataclass
 class Plan:
     options: CompareOptions
-    base: Track
-    variant: Track
-    ids: torch.Tensor
+    tracks: list[Track]             # the reference first
+    variant: Track                  # the variant as it is served (the comparison's subject)
+    batches: list[Batch]
     device: torch.device
     dtype: torch.dtype
     estimate: dict
     data: dict
+    grid: Grid | None = None        # the needle prompts of a recall run
+
+    @property
+    def base(self) -> Track:
+        return self.tracks[0]
 
 
 def _open(path: str, label: str) -> tuple[Checkpoint, Inspection]:
@@ -155,21 +172,60 @@ def build_plan(opts: CompareOptions) -> Plan:
         raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")
     dtype = COMPUTE_DTYPES[dtype_name]
     cfg = base_info.config
-    ids, data = token_ids(opts, base_ckpt, cfg)
-    tracks = []
-    for label, ckpt, info, kind in (("base", base_ckpt, base_info, opts.base_numerics or opts.numerics),
-                                    ("variant", variant_ckpt, variant_info, opts.numerics)):
-        side = Side(label, ckpt, info, WeightSource(ckpt, info, device, dtype))
-        tracks.append(Track(label, side, _numerics(kind, info, ckpt, opts), local=label == "variant"))
-    estimate = estimate_resources(cfg, base_ckpt.config, ids.shape, dtype, opts, (base_ckpt, variant_ckpt))
-    return Plan(opts, tracks[0], tracks[1], ids, device, dtype, estimate, data)
+    base = Side("base", base_ckpt, base_info, WeightSource(base_ckpt, base_info, device, dtype))
+    variant = Side("variant", variant_ckpt, variant_info, WeightSource(variant_ckpt, variant_info, device, dtype))
+    base_numerics = _numerics(opts.base_numerics or opts.numerics, base_info, base_ckpt, opts)
+    variant_numerics = _numerics(opts.numerics, variant_info, variant_ckpt, opts)
+    grid = None
+    if opts.recall is None:
+        ids, data = token_ids(opts, base_ckpt, cfg)
+        batches = [Batch(ids)]
+        tracks = [Track("base", base, base_numerics), Track("variant", variant, variant_numerics, local=True)]
+        subject = tracks[1]
+    else:
+        if opts.texts or opts.random_tokens:
+            raise DSV4Error("--recall builds its own needle prompts: leave out --text and --random-tokens")
+        grid = build_grid(load_tokenizer(base_ckpt.root), base_ckpt.config, opts.recall)
+        batches = grid.batches
+        tracks, subject = recall_tracks(base, variant, base_numerics, variant_numerics, opts, grid.threshold)
+        data = {"source": "needle prompts (dsv4convert.needle)", "prompts": len(grid.prompts),
+                "lengths": sorted({p.length for p in grid.prompts}), "depths": list(opts.recall.depths),
+                "trials": opts.recall.trials, "seed": opts.recall.seed, "selection_threshold": grid.threshold,
+                "sequences": len(grid.prompts), "seq_len": max(b.ids.shape[1] for b in batches)}
+    longest = max(b.ids.shape[1] for b in batches)
+    tokens = sum(b.ids.numel() for b in batches)
+    estimate = estimate_resources(cfg, base_ckpt.config, longest, tokens, len(tracks), dtype, opts,
+                                  (base_ckpt, variant_ckpt))
+    return Plan(opts, tracks, subject, batches, device, dtype, estimate, data, grid)
 
 
-def estimate_resources(cfg: ModelConfig, config: dict, shape: tuple[int, int], dtype: torch.dtype,
+def recall_tracks(base: Side, variant: Side, base_numerics: Numerics, variant_numerics: Numerics,
+                  opts: CompareOptions, threshold: int) -> tuple[list[Track], Track]:
+    """A recall run's tracks: the reference, the variant as served (also run on the reference's input),
+    the noise floor (the reference in other query chunks) and, with ``ablate``, every ablation row."""
+    noise = noise_chunk(opts.chunk, threshold)
+    if not opts.recall.ablate:
+        tracks = [Track("base", base, base_numerics), Track("variant", variant, variant_numerics, local=True),
+                  Track(f"base, chunk {noise}", base, base_numerics, chunk=noise)]
+        return tracks, tracks[1]
+    if base_numerics.serving is None or variant_numerics.serving is None:
+        raise DSV4Error("--ablate needs the served numerics of both sides")
+    fp4 = base_numerics.serving.major != 9          # SGLang refuses the FP4 indexer on sm90
+    base_rows = ablation_rows(served(base_numerics.serving), fp4_allowed=fp4)
+    variant_rows = ablation_rows(served(variant_numerics.serving), fp4_allowed=fp4)
+    reference = Track(f"base: {base_rows[0][0]}", base, base_rows[0][1])
+    tracks = [reference] + [Track(f"base: {name}", base, n) for name, n in base_rows[1:]]
+    tracks += [Track(f"variant: {name}", variant, n, local=name.endswith("(served)")) for name, n in variant_rows]
+    tracks.append(Track(f"{reference.label}, chunk {noise}", base, reference.numerics, chunk=noise))
+    subject = next(t for t in tracks if t.label.startswith("variant: ") and t.label.endswith("(served)"))
+    return tracks, subject
+
+
+def estimate_resources(cfg: ModelConfig, config: dict, seq: int, tokens: int, tracks: int, dtype: torch.dtype,
                        opts: CompareOptions, ckpts: tuple[Checkpoint, Checkpoint]) -> dict:
-    """Peak device and host memory and the bytes read, from the layout alone (before anything runs)."""
+    """Peak device and host memory and the bytes read, from the layout alone (before anything runs):
+    ``seq`` the longest sequence, ``tokens`` all of them, ``tracks`` how many runs share each block."""
     item = torch.empty((), dtype=dtype).element_size()
-    sequences, seq = shape
     shapes = linear_shapes(cfg)
     per_block: dict[str, int] = {}
     for spec in native_inventory(cfg):
@@ -192,7 +248,7 @@ def estimate_resources(cfg: ModelConfig, config: dict, shape: tuple[int, int], d
     streams = rows * chunk * cfg.hc_mult * cfg.hidden_size * item * 8
     head = 2 * cfg.vocab_size * cfg.hidden_size * item + 4 * HEAD_POSITIONS * cfg.vocab_size * 8
     device = max(layer + attention + indexer + streams, head)
-    host = 4 * sequences * seq * cfg.hc_mult * cfg.hidden_size * item
+    host = 2 * tracks * tokens * cfg.hc_mult * cfg.hidden_size * item   # each track's input and output streams
     read = sum(e.nbytes for c in ckpts for e in c.tensors.values())
     return {"peak_device_bytes": int(device), "peak_host_bytes": int(host), "bytes_to_read": int(read),
             "largest_layer_bytes": int(layer), "chunk": chunk}
@@ -202,7 +258,9 @@ def run(plan: Plan) -> dict:
     """Run the plan; returns ``compare.json``'s content."""
     t0 = time.perf_counter()
     o = plan.options
-    engine = LockstepEngine([plan.base, plan.variant], [Batch(plan.ids)], device=plan.device, dtype=plan.dtype,
+    if plan.grid is not None:
+        return run_recall(plan)
+    engine = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype,
                             chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress)
     result = engine.run()
     return {
@@ -226,3 +284,30 @@ def run(plan: Plan) -> dict:
 def side_record(track: Track) -> dict:
     return {"path": str(track.side.ckpt.root), "variant": track.side.inspection.variant,
             "numerics": track.numerics.describe()}
+
+
+def run_recall(plan: Plan) -> dict:
+    """A recall run; returns ``recall.json``'s content (the report writes compare.md from it too)."""
+    t0 = time.perf_counter()
+    o = plan.options
+    observer = TopkObserver(plan.grid, plan.base.label)
+    engine = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype, chunk=o.chunk,
+                            batch_size=o.batch_size, mtp=False, progress=o.progress, observers=[observer])
+    result = engine.run()
+    summary = summarize(plan.grid, plan.tracks, result.retrieval, observer)
+    for track in plan.tracks[1:]:
+        summary["tracks"][track.label]["answer_positions"] = result.output[track.label].summary()
+    ref = plan.base.label
+    noise = next(t.label for t in plan.tracks if t.chunk is not None)
+    summary["reference"], summary["subject"], summary["noise_floor"] = ref, plan.variant.label, noise
+    summary["verdicts"] = [verdict(summary, ref, plan.variant.label)]
+    if o.recall.ablate:
+        for prefix in ("base: ", "variant: "):
+            rows = [t.label for t in plan.tracks[1:] if t.label.startswith(prefix) and t.chunk is None]
+            summary["verdicts"].append(prefix.rstrip(": ") + ": " + ablation_verdict(summary, ref, rows))
+    return {"tool": f"dsv4convert {__version__}", "base": side_record(plan.base), "variant": side_record(plan.variant),
+            "data": plan.data,
+            "settings": {"device": str(plan.device), "dtype": str(plan.dtype).replace("torch.", ""), "chunk": o.chunk,
+                         "batch_size": o.batch_size, "ablate": o.recall.ablate},
+            "recall": summary, "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
+            "peak_device_bytes": result.peak_device_bytes, "estimate": plan.estimate}

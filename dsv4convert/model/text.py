@@ -52,18 +52,23 @@ def read_documents(path: Path) -> list[str]:
     return docs
 
 
-def tokenize(checkpoint_dir: Path, docs: list[str]) -> torch.Tensor:
-    """All documents' token ids, concatenated (int64 [T])."""
+def load_tokenizer(checkpoint_dir: Path):
+    """The checkpoint's own tokenizer, from its directory only (nothing is downloaded)."""
     from transformers import AutoTokenizer
 
     if not any((Path(checkpoint_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise DSV4Error(f"no tokenizer in the checkpoint (none of {', '.join(TOKENIZER_FILES)}); copy the "
                         "base model's tokenizer files beside its weights", file=checkpoint_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir, local_files_only=True)
+        return AutoTokenizer.from_pretrained(checkpoint_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
         detail = " ".join(str(exc).split())   # transformers' messages span lines; errors here are one line
         raise DSV4Error(f"cannot load the checkpoint's tokenizer ({detail})", file=checkpoint_dir) from None
+
+
+def tokenize(checkpoint_dir: Path, docs: list[str]) -> torch.Tensor:
+    """All documents' token ids, concatenated (int64 [T])."""
+    tokenizer = load_tokenizer(checkpoint_dir)
     ids = [torch.tensor(tokenizer(doc)["input_ids"], dtype=torch.int64) for doc in docs]
     return torch.cat(ids)
 

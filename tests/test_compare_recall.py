@@ -1,0 +1,200 @@
+"""compare --recall: the shared needle prompts, teacher-forced retrieval against transformers' own greedy
+generate, the indexer hook against transformers' full forward, top-k overlap, the ablation rows, the CLI.
+
+The model is the tiny preset with index_topk 64 (threshold 4 * 64 + 8 = 264 tokens, so prompts of a few
+hundred tokens straddle it) and 32 indexer heads (no exact score ties; see tests/test_model_forward.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4convert.cli import main
+from dsv4convert.compare.engine import Batch, LockstepEngine
+from dsv4convert.compare.recall import RecallOptions, TopkObserver, build_grid, overlap
+from dsv4convert.compare.run import CompareOptions, build_plan, run
+from dsv4convert.model.text import load_tokenizer
+from dsv4convert.needle import (
+    default_lengths,
+    needle_entries,
+    parse_lengths,
+    recall_grid,
+    selection_threshold,
+    shortest_prompt,
+)
+from dsv4convert.serve.recall import RecallSweep
+from dsv4convert.synth import preset_config, synthesize
+from transformers_oracle import load
+
+LENGTHS = [263, 301]        # just below and past the threshold, residues 3 and 1
+THRESHOLD = 4 * 64 + 8
+
+
+@pytest.fixture(scope="module")
+def k64(tmp_path_factory) -> dict[str, Path]:
+    config = preset_config("tiny")
+    config["index_topk"], config["index_n_heads"] = 64, 32
+    root = tmp_path_factory.mktemp("k64")
+    src = synthesize(root / "src", config, seed=4)
+    assert main(["to-nvfp4", "--src", str(src), "--dst", str(root / "nvfp4"), "--no-progress"]) == 0
+    return {"native": src, "nvfp4": root / "nvfp4"}
+
+
+def recall(base: Path, variant: Path, **kw) -> dict:
+    options = dict(lengths=LENGTHS, depths=(0.5,))
+    opts = CompareOptions(base=str(base), variant=str(variant), chunk=100, progress=False,
+                          recall=RecallOptions(**{**options, **kw.pop("recall", {})}), **kw)
+    return run(build_plan(opts))["recall"]
+
+
+def test_default_grid_straddles_the_threshold_and_covers_every_residue():
+    assert selection_threshold(512, 128) == 2176           # V4-Flash
+    lengths = default_lengths(2176)
+    assert lengths == [1024, 2039, 2046, 2309, 4096, 8191, 16382, 32765, 65536, 131071]
+    assert min(lengths) < 2176 < max(lengths) and {n % 4 for n in lengths} == {0, 1, 2, 3}
+    tiny = default_lengths(THRESHOLD, shortest=200)
+    assert min(tiny) >= 200 and {n % 4 for n in tiny} == {0, 1, 2, 3} and min(tiny) < THRESHOLD < max(tiny)
+    assert parse_lengths("2K, 4099,128k") == [2048, 4099, 131072]
+    with pytest.raises(ValueError, match="not a token count"):
+        parse_lengths("2M")
+    # Entry w of a CSA layer pools windows w-1 and w: a needle at tokens 9..13 is in entries 2, 3 and 4.
+    assert list(needle_entries((9, 14))) == [2, 3, 4]
+
+
+def test_compare_builds_the_prompts_serve_sends(k64):
+    tokenizer = load_tokenizer(k64["native"])
+    sent = []
+    RecallSweep(lengths=LENGTHS, depths=(0.1, 0.9), trials=2, seed=3).run(
+        tokenizer, lambda payload: sent.append(payload["input_ids"]) or {"text": "0"})
+    grid = build_grid(tokenizer, json.loads((k64["native"] / "config.json").read_text()),
+                      RecallOptions(lengths=LENGTHS, depths=(0.1, 0.9), trials=2, seed=3))
+    assert [p.input_ids for p in grid.prompts] == sent == [p.input_ids for p in
+                                                          recall_grid(tokenizer, LENGTHS, (0.1, 0.9), 2, 3)]
+    for prompt, (b, r) in zip(grid.prompts, grid.where):
+        ids, (start, end) = grid.batches[b].ids[r].tolist(), grid.batches[b].answers[r]
+        assert len(prompt.input_ids) == prompt.length == start and ids[:start] == prompt.input_ids
+        assert tokenizer.decode(ids[start:end]) == prompt.needle.value
+    assert shortest_prompt(tokenizer) <= min(LENGTHS)
+
+
+@torch.no_grad()
+def test_teacher_forced_retrieval_is_greedy_generation(k64):
+    """Prompt + the tokens transformers' own greedy ``generate`` continues it with: the engine must call
+    that answer retrieved, and score exactly those tokens' log-probabilities."""
+    model, _ = load(k64["native"])
+    tokenizer = load_tokenizer(k64["native"])
+    prompt = recall_grid(tokenizer, [301], [0.5], 1, 0)[0]
+    ids = torch.tensor([prompt.input_ids])
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False)[0, len(prompt.input_ids):].tolist()
+    full = torch.tensor([prompt.input_ids + generated])
+    start, end = len(prompt.input_ids), len(prompt.input_ids) + len(generated)
+    plan = build_plan(CompareOptions(base=str(k64["native"]), variant=str(k64["native"]), random_tokens=True,
+                                     tokens=64, seq_len=64, numerics="weights", progress=False))
+    needle_answer = tokenizer.encode(prompt.needle.value, add_special_tokens=False)
+    with_needle = torch.tensor([prompt.input_ids + needle_answer])
+    batches = [Batch(full, answers=[(start, end)]), Batch(with_needle, answers=[(start, start + len(needle_answer))])]
+    result = LockstepEngine([plan.base, plan.variant], batches, device=plan.device, dtype=plan.dtype, chunk=128,
+                            mtp=False, progress=False).run()
+    (retrieved, logp), = result.retrieval["base"][0]
+    assert retrieved
+    log_probs = torch.log_softmax(model(full).logits[0].double(), -1)
+    want = sum(float(log_probs[start - 1 + j, t]) for j, t in enumerate(generated))
+    assert logp == pytest.approx(want, abs=1e-4)
+    (needle_retrieved, _), = result.retrieval["base"][1]
+    assert needle_retrieved == (generated[:len(needle_answer)] == needle_answer)
+
+
+@torch.no_grad()
+def test_indexer_hook_sees_what_transformers_computes(k64):
+    """The observer's picks for the reference equal the indexer outputs of one full transformers forward."""
+    model, _ = load(k64["native"])
+    plan = build_plan(CompareOptions(base=str(k64["native"]), variant=str(k64["native"]), numerics="weights",
+                                     chunk=100, progress=False, recall=RecallOptions(lengths=[301], depths=(0.5,))))
+    batch = plan.grid.batches[0]
+    want = {}
+    handles = [layer.self_attn.compressor.indexer.register_forward_hook(
+        lambda m, a, out, i=i: want.__setitem__(f"layers.{i}", out[0]))
+        for i, layer in enumerate(model.model.layers) if hasattr(layer.self_attn, "compressor")
+        and hasattr(layer.self_attn.compressor, "indexer")]
+    model(batch.ids)
+    for h in handles:
+        h.remove()
+
+    class Keep(TopkObserver):
+        seen: dict = {}
+
+        def finished(self, block, track, b, rows, local):
+            if self._calls and track.label == "base":
+                k = max(c.shape[-1] for c in self._calls)
+                Keep.seen[block] = torch.cat([torch.nn.functional.pad(c, (0, k - c.shape[-1]), value=-1)
+                                              for c in self._calls], dim=1)[0]
+            super().finished(block, track, b, rows, local)
+
+    observer = Keep(plan.grid, "base")
+    LockstepEngine(plan.tracks[:1], plan.batches, device=plan.device, dtype=plan.dtype, chunk=100, mtp=False,
+                   progress=False, observers=[observer]).run()
+    assert want.keys() == Keep.seen.keys() == {"layers.2", "layers.4"}
+    for block, picks in want.items():
+        # Sets per row (the order of equal scores aside), chunked through the cache vs the single shot.
+        got = Keep.seen[block]
+        assert torch.equal(got.sort(-1).values, picks.sort(-1).values), block
+        assert (overlap(picks[THRESHOLD:], got[THRESHOLD:]) == 1).all()
+
+
+def test_a_checkpoint_against_itself_overlaps_fully_and_counts_only_rows_past_the_threshold(k64):
+    r = recall(k64["native"], k64["native"])
+    variant = r["tracks"]["variant"]
+    assert all(layer["overlap_free_running"]["mean"] == layer["overlap_free_running"]["min"] == 1.0
+               for layer in variant["layers"])
+    # Only rows past the threshold count: of each prompt + answer, the positions from 264 on.
+    tokenizer = load_tokenizer(k64["native"])
+    totals = [t["length"] + len(tokenizer.encode(t["value"], add_special_tokens=False)) for t in variant["trials"]]
+    assert variant["layers"][0]["overlap_free_running"]["rows"] == sum(max(0, n - THRESHOLD) for n in totals) > 0
+    assert r["verdicts"][0].startswith("variant: recall matches base at every length")
+    assert [t["retrieved"] for t in variant["trials"]] == [t["retrieved"] for t in r["tracks"]["base"]["trials"]]
+
+
+def test_ablation_rows_switch_on_one_part_each_and_a_lossless_cast_starts_at_the_base(k64):
+    r = recall(k64["native"], k64["nvfp4"], gpu_family="sm120", moe_runner_backend="flashinfer_cutlass",
+               recall={"ablate": True, "lengths": [301]})
+    labels = list(r["tracks"])
+    assert labels[0] == "base: weights only" and r["reference"] == labels[0]
+    for prefix in ("base: ", "variant: "):
+        rows = [r["tracks"][label]["numerics"] for label in labels if label.startswith(prefix) and "chunk" not in label]
+        assert [row["label"] for row in rows] == [
+            "weights only", "weights + activations", "weights + activations + fp8 kv cache",
+            "weights + activations + fp8 kv cache + fp8 indexer", "weights + activations + fp8 kv cache + fp4 indexer"]
+        parts = [(row["activations"], row["kv_cache"], row["indexer"]) for row in rows]
+        for before, after in zip(parts, parts[1:]):
+            assert sum(a != b for a, b in zip(before, after)) == 1, (before, after)
+    lossless = r["tracks"]["variant: weights only"]
+    assert lossless["answer_positions"]["kld"]["mean"] == 0.0
+    assert all(layer["overlap_free_running"]["min"] == 1.0 for layer in lossless["layers"])
+    served = r["tracks"]["variant: + FP8 indexer (served)"]
+    assert served["answer_positions"]["kld"]["mean"] > 0.0          # W4A4 under flashinfer_cutlass
+    assert len(r["verdicts"]) == 3 and r["verdicts"][1].startswith("base: ")
+
+
+def test_cli_writes_the_recall_report_and_refuses_bad_requests(k64, tmp_path, capsys):
+    report = tmp_path / "report"
+    base = ["compare", "--base", str(k64["native"]), "--variant", str(k64["nvfp4"]), "--no-progress"]
+    assert main(base + ["--recall", "--lengths", "263,301", "--depths", "0.5", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "variant: recall matches base" in out
+    assert {p.name for p in report.iterdir()} == {"recall.json", "compare.md", "needle_heatmaps.png",
+                                                  "needle_rank.png", "topk_overlap.png"}
+    md = (report / "compare.md").read_text()
+    assert "## Needle accuracy per length" in md and "noise floor" in md and "layers.2" in md
+    for extra, message in ((["--lengths", "300"], "--lengths, --depths and --ablate belong to --recall"),
+                           (["--recall", "--random-tokens"], "--recall builds its own needle prompts"),
+                           (["--recall", "--lengths", "40"], "cannot hold the template")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, err
+    with pytest.raises(SystemExit):
+        main(base + ["--recall", "--depths", "1.5"])
+    assert "depths must be numbers in [0, 1]" in capsys.readouterr().err
