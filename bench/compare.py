@@ -12,6 +12,8 @@ Stages (``--stages``, timings accumulate in ``<work>/timings.json``):
 * ``compare``: ``dsv4convert compare --device cuda`` of the variant against the base, served numerics on
   ``--gpu-family``, for each ``--shapes`` entry (sequences x tokens, 64K tokens by default: 16 x 4096 and
   1 x 65536), each in its own process (peak host memory is its own);
+* ``recall``: ``dsv4convert compare --recall`` on the default grid cut at 64K tokens (3 depths), and
+  at 128K tokens at one depth (``--recall-runs``);
 * ``read``: ``cat`` of both checkpoints' files to /dev/null, the bytes a comparison must read at least.
 
 Extrapolation to DeepSeek-V4-Flash (2 sliding + 21 CSA + 20 HCA layers + 1 MTP block): each block's
@@ -38,6 +40,10 @@ REAL_CONFIG = Path("dsv4convert/data/deepseek-v4-flash-config.json")
 FULL = {"csa": 21, "hca": 20, "sliding": 2, "mtp": 1}
 GOAL_SECONDS = 15 * 60
 GOAL_DEVICE_BYTES = 80 * 2**30
+RECALL_GOALS = {"grid64K": 30 * 60, "single128K": 20 * 60}
+# The default grid of V4-Flash (threshold 2176) cut at 64K tokens, and the 128K single-depth check.
+RECALL_RUNS = {"grid64K": ("1024,2039,2046,2309,4096,8191,16382,32765,65536", "0.1,0.5,0.9"),
+               "single128K": ("131071", "0.5")}
 
 
 def bench_config(path: Path) -> dict:
@@ -64,7 +70,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", default="bench/results/compare-h200")
-    parser.add_argument("--stages", default="synth,convert,compare,read")
+    parser.add_argument("--stages", default="synth,convert,compare,recall,read")
+    parser.add_argument("--recall-runs", default="grid64K,single128K",
+                        help="grid64K: the default grid to 64K, 3 depths; single128K: 131071 tokens at depth 0.5")
     parser.add_argument("--shapes", default="16x4096,1x65536", help="sequences x tokens per comparison")
     parser.add_argument("--gpu-family", default="sm100",
                         help="whose served numerics (default sm100: both sides quantize their experts' activations)")
@@ -107,6 +115,22 @@ def main() -> int:
             timings["runs"][shape] = {"wall_seconds": wall, "peak_host_bytes": rss * 1024 if rss > before else None,
                                       "result": {k: result[k] for k in ("output", "blocks", "seconds",
                                                                          "peak_device_bytes", "estimate", "settings")}}
+    if "recall" in stages:
+        timings["recall"] = {}
+        for name in args.recall_runs.split(","):
+            lengths, depths = RECALL_RUNS[name]
+            out = work / f"recall-{name}"
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            wall = _timed(["compare", "--base", str(base), "--variant", str(variant), "--recall", "--lengths", lengths,
+                           "--depths", depths, "--device", args.device, "--gpu-family", args.gpu_family,
+                           "--chunk", str(args.chunk), "--no-progress", "--report", str(out)])
+            rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            result = json.loads((out / "recall.json").read_text())
+            timings["recall"][name] = {"wall_seconds": wall, "peak_host_bytes": rss * 1024 if rss > before else None,
+                                       "lengths": lengths, "depths": depths,
+                                       "result": {k: result[k] for k in ("seconds", "blocks", "peak_device_bytes",
+                                                                          "estimate", "settings", "data")},
+                                       "verdicts": result["recall"]["verdicts"]}
     timings_path.write_text(json.dumps(timings, indent=1))
     write_report(timings, args)
     return 0
@@ -163,6 +187,23 @@ def write_report(timings: dict, args: argparse.Namespace) -> None:
             lines += [f"Reading both full checkpoints (2 x 160 GB) at the rate cat measured here: "
                       f"{x['read_both_full_model_seconds_at_measured_rate']:.0f} s; the whole comparison is "
                       f"{total / x['read_both_full_model_seconds_at_measured_rate']:.2f}x that.", ""]
+    for name, run in timings.get("recall", {}).items():
+        r = run["result"]
+        blocks = {b["block"]: sum(b["seconds"].values()) for b in r["blocks"]}
+        other = r["seconds"]["total"] - sum(blocks.values())      # embedding, heads and scoring, once
+        # No MTP block in a recall run; the two sliding-window layers are counted as HCA layers (an upper bound).
+        full = 21 * blocks["layers.0"] + 22 * blocks["layers.1"] + other
+        lines += [f"## compare --recall, {name}: lengths {run['lengths']}, depths {run['depths']}", "",
+                  f"{r['data']['prompts']} prompts; tracks base, variant (also on the base's input), noise floor; "
+                  f"wall {run['wall_seconds']:.1f} s; CSA layer {blocks['layers.0']:.1f} s, HCA layer "
+                  f"{blocks['layers.1']:.1f} s, the rest {other:.1f} s; peak GPU memory "
+                  f"{(r['peak_device_bytes'] or 0) / 2**30:.1f} GiB (estimate {r['estimate']['peak_device_bytes'] / 2**30:.1f}); "
+                  f"peak host memory {(run['peak_host_bytes'] or 0) / 2**30:.1f} GiB.", "",
+                  f"Whole model (21 CSA + 20 HCA + 2 sliding layers counted as HCA): **{full / 60:.1f} min**; goal "
+                  f"under {RECALL_GOALS[name] // 60} min -> {'met' if full < RECALL_GOALS[name] else 'MISSED'}.", "",
+                  *[f"- {v}" for v in run["verdicts"]], ""]
+        results["extrapolation"][f"recall-{name}"] = {"block_seconds": blocks, "other_seconds": other,
+                                                      "full_model_seconds": full}
     report.write(args.out, results, "\n".join(lines) + "\n")
 
 

@@ -309,5 +309,6 @@ def run_recall(plan: Plan) -> dict:
             "data": plan.data,
             "settings": {"device": str(plan.device), "dtype": str(plan.dtype).replace("torch.", ""), "chunk": o.chunk,
                          "batch_size": o.batch_size, "ablate": o.recall.ablate},
-            "recall": summary, "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
+            "recall": summary, "blocks": [{"block": b.block, "seconds": b.seconds} for b in result.blocks],
+            "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
             "peak_device_bytes": result.peak_device_bytes, "estimate": plan.estimate}
