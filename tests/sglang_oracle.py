@@ -269,6 +269,13 @@ def quant_config_from_checkpoint_config(
         return quant_config_for_checkpoint(directory, gpu=gpu, env=env)
 
 
+def is_fp4_experts(model_dir: str | os.PathLike[str], *, gpu: str = "sm120",
+                   env: Mapping[str, str] | None = None) -> bool:
+    """SGLang's ``is_fp4_experts`` for a checkpoint: its shard-header probe when ``SGLANG_DSV4_FP4_EXPERTS`` is unset."""
+    with _scoped_environ(env), override_platform(**platform_facts(gpu)):
+        return bool(ModelConfig(str(model_dir)).is_fp4_experts)
+
+
 def _bare(module_type: type[torch.nn.Module]) -> torch.nn.Module:
     """An instance SGLang's ``isinstance`` dispatch recognises, without allocating weights."""
     module = module_type.__new__(module_type)
@@ -630,9 +637,11 @@ def _load_weights(model: torch.nn.Module, model_config: ModelConfig, load_config
     finally:
         logger.removeHandler(capture)
     error_tensor = None
-    if error is not None:
-        notes = [n for n in getattr(error, "__notes__", []) if n.startswith("checkpoint tensor: ")]
-        error_tensor = notes[0].split(": ", 1)[1] if notes else (yielded[-1] if yielded else None)
+    if error is not None:  # ours (raised in a weight_loader), or SGLang's own "name=" (raised in its loop)
+        notes = getattr(error, "__notes__", [])
+        ours = [n.split(": ", 1)[1] for n in notes if n.startswith("checkpoint tensor: ")]
+        in_loop = any(n.startswith("name=") for n in notes)
+        error_tensor = ours[0] if ours else (yielded[-1] if in_loop and yielded else None)
     not_initialized: set[str] = set()
     for message in capture.messages:
         if message.startswith(_NOT_INITIALIZED):

@@ -247,6 +247,8 @@ def check(ckpt: Checkpoint, models: dict[str, sgl.LoadedModel]) -> Report:
         if loaded.error is not None:
             verdicts.append(Verdict(loaded.error_tensor or "?", role, "raised", f"{type(loaded.error).__name__}: {loaded.error}"))
     for name in ckpt.tensors:
+        if any(m.error is not None and name.startswith("mtp.") == m.draft for m in models.values()):
+            continue  # its model raised: the raise is the verdict
         found = [(role, landings(name, ckpt, m)) for role, m in models.items()]
         found = [(role, result) for role, result in found if result is not None]
         if not found:
@@ -254,8 +256,6 @@ def check(ckpt: Checkpoint, models: dict[str, sgl.LoadedModel]) -> Report:
             continue
         for role, result in found:
             loaded = models[role]
-            if loaded.error is not None:
-                continue
             if isinstance(result, str):
                 reached = loaded.reached.get(name, set())
                 verdicts.append(Verdict(name, role, "dropped" if not reached else "wrong",
@@ -414,10 +414,10 @@ def test_conversions_are_the_ones_sglang_makes(served):
 
 
 # ---------------------------------------------------------------------------------------------
-# Negative cases: the same check on checkpoints with one planted fault, each of which SGLang
-# loads without an error (or with one that does not name the tensor).
+# Negative cases: checkpoints with one planted fault. SGLang loads most of them without an error
+# or a warning that names the damage; the check above and ``validate`` must both name it.
 
-def tamper(src: Path, dst: Path, edit) -> Path:
+def tamper(src: Path, dst: Path, edit, card_edit=None) -> Path:
     """A copy of ``src`` whose tensors ``edit`` changed (one shard; the small files kept)."""
     ckpt = Checkpoint.open(src)
     tensors = {name: ckpt.read(name) for name in ckpt.tensors}
@@ -425,6 +425,8 @@ def tamper(src: Path, dst: Path, edit) -> Path:
     write_plain_checkpoint(dst, [tensors])
     for path in ckpt.small_files():
         shutil.copy(path, dst / path.name)
+    if card_edit is not None:
+        (dst / "README.md").write_text(card_edit((dst / "README.md").read_text()))
     return dst
 
 
@@ -442,47 +444,121 @@ def _bf16_weight(t):
 
 
 def _differing_input_scales(t):
-    name = "layers.3.ffn.experts.6.w3.input_scale"
-    t[name] = t[name] * 2
+    t["layers.3.ffn.experts.6.w3.input_scale"] = t["layers.3.ffn.experts.6.w3.input_scale"] * 2
+
+
+def _differing_scale_2(t):
+    t["layers.3.ffn.experts.1.w3.weight_scale_2"] = t["layers.3.ffn.experts.1.w3.weight_scale_2"] * 2
+
+
+def _extra_suffix(t):
+    t["layers.1.ffn.experts.2.w2.input_scale"] = torch.tensor(1.0)
+
+
+def _scale_without_weight(t):
+    del t["layers.2.ffn.experts.4.w1.weight"]
+
+
+def _mixed_wq_a_wkv(t):
+    t["layers.1.attn.wq_a.weight"] = dequantize_fp8_block(t["layers.1.attn.wq_a.weight"],
+                                                          t.pop("layers.1.attn.wq_a.scale")).to(torch.bfloat16)
+
+
+def _no_edit(t):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    variant: str
+    edit: object
+    sglang: tuple[str, str] | None  # (tensor, outcome) of SGLang's load; None: every tensor lands as it should
+    hole: str | None                # the parameter SGLang leaves partly unwritten
+    validate: tuple[str, ...]       # what `validate`'s integrity problems name, in order
+    draft: bool = False             # load the MTP draft rather than the target
+    card_edit: object = None
+    env: tuple = ()                 # environment overrides for SGLang (what a wrong card would set)
 
 
 FAULTS = {
-    # name: (variant, edit, the tensor named, outcome, SGLang's own warning names it)
-    "renamed expert scale": ("fp8", _renamed_scale, "layers.1.ffn.experts.3.w1.weight_scale", "dropped",
-                             "model.layers.1.mlp.experts.w13_weight_scale_inv"),
-    "missing weight_scale_2": ("nvfp4", _missing_scale_2, None, None, "model.layers.2.mlp.experts.w13_weight_scale_2"),
-    "BF16 expert weight in FP8": ("fp8", _bf16_weight, "layers.1.ffn.experts.0.w2.weight", "wrong", None),
-    "differing w1/w3 input_scale": ("nvfp4", _differing_input_scales, "layers.3.ffn.experts.6.w1.input_scale", "wrong",
-                                    None),
+    "renamed expert scale": Fault("fp8", _renamed_scale, ("layers.1.ffn.experts.3.w1.weight_scale", "dropped"),
+                                  "model.layers.1.mlp.experts.w13_weight_scale_inv",
+                                  ("layers.1.ffn.experts.3.w1.weight_scale", "layers.1.ffn.experts.3.w1.scale")),
+    "missing weight_scale_2": Fault("nvfp4", _missing_scale_2, None, "model.layers.2.mlp.experts.w13_weight_scale_2",
+                                    ("layers.2.ffn.experts.5.w3.weight_scale_2",)),
+    "BF16 expert weight in FP8": Fault("fp8", _bf16_weight, ("layers.1.ffn.experts.0.w2.weight", "wrong"), None,
+                                       ("layers.1.ffn.experts.0.w2.weight",)),
+    "differing w1/w3 input_scale": Fault("nvfp4", _differing_input_scales,
+                                         ("layers.3.ffn.experts.6.w1.input_scale", "wrong"), None,
+                                         ("layers.3.ffn.experts.6.w3.input_scale",)),
+    # SGLang keeps both weight_scale_2 columns; only its sm_90/sm_120 runners then use w1's for both.
+    "differing w1/w3 weight_scale_2": Fault("nvfp4", _differing_scale_2, None, None,
+                                            ("layers.3.ffn.experts.1.w3.weight_scale_2",)),
+    "expert suffix the format has no parameter for": Fault(
+        "fp8", _extra_suffix, ("layers.1.ffn.experts.2.w2.input_scale", "dropped"), None,
+        ("layers.1.ffn.experts.2.w2.input_scale",)),
+    "scale without its weight": Fault("fp8", _scale_without_weight, None, "model.layers.2.mlp.experts.w13_weight",
+                                      ("layers.2.ffn.experts.4.w1.weight",)),
+    # SGLang raises where it concatenates the pair (a BF16 wq_a with an FP8 wkv).
+    "mixed-dtype wq_a/wkv": Fault("fp8", _mixed_wq_a_wkv, ("layers.1.attn.w", "raised"), None,
+                                  ("layers.1.attn.wq_a.weight", "layers.1.attn.wq_a.scale")),
+    # A card telling SGLang the FP8 draft experts are FP4: the draft then fails on some MTP expert
+    # tensor (which one first depends on SGLang's loader threads).
+    "model card with the wrong SGLANG_DSV4_FP4_EXPERTS": Fault(
+        "nvfp4", _no_edit, ("mtp.0.ffn.experts.", "raised"), None, ("README.md",), draft=True,
+        card_edit=lambda text: text.replace("SGLANG_DSV4_FP4_EXPERTS=0", "SGLANG_DSV4_FP4_EXPERTS=1"),
+        env=(("SGLANG_DSV4_FP4_EXPERTS", "1"),)),
 }
 
 
 @pytest.fixture(scope="module")
 def faulty(checkpoints, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("faulty")
-    return {fault: tamper(checkpoints[variant], root / fault.replace(" ", "-").replace("/", "-"), edit)
-            for fault, (variant, edit, *_rest) in FAULTS.items()}
+    return {name: tamper(checkpoints[f.variant], root / f"fault{i}", f.edit, f.card_edit)
+            for i, (name, f) in enumerate(FAULTS.items())}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_planted_faults_are_caught(checkpoints, faulty, fault):
-    variant, _edit, tensor, outcome, hole = FAULTS[fault]
+    f = FAULTS[fault]
     gpu = "sm120"
-    spec = default_launch(checkpoints[variant], variant)[FAMILIES[gpu]]  # the card the variant ships with
-    argv = [str(faulty[fault]) if arg == str(checkpoints[variant]) else arg for arg in spec["argv"][3:]]
-    loaded = sgl.load_checkpoint(faulty[fault], argv, gpu=gpu, env=spec["env"])
-    assert loaded.error is None  # SGLang itself loads every one of these
-    assert loaded.not_initialized == set()  # ... and its own warning sees no hole
+    spec = default_launch(checkpoints[f.variant], f.variant)[FAMILIES[gpu]]  # the card the variant ships with
+    spec = spec["mtp"] if f.draft else spec
+    argv = [str(faulty[fault]) if arg == str(checkpoints[f.variant]) else arg for arg in spec["argv"][3:]]
+    loaded = sgl.load_checkpoint(faulty[fault], argv, gpu=gpu, env={**spec["env"], **dict(f.env)}, draft=f.draft)
+    report = check(Checkpoint.open(faulty[fault]), {"draft" if f.draft else "target": loaded})
+    bad = [v for v in report.bad() if v.model != "-"]  # "-": tensors of the model not loaded here
+    if f.sglang is None or f.sglang[1] != "raised":
+        assert loaded.error is None  # SGLang loads it ...
+        assert all(_never_loaded(p, loaded) for p in loaded.not_initialized)  # ... and its warning sees no hole
+    if f.sglang is None:
+        assert bad == []
+    else:  # exactly one verdict, naming the planted tensor
+        assert len(bad) == 1 and bad[0].tensor.startswith(f.sglang[0]) and bad[0].outcome == f.sglang[1], bad
+    if loaded.error is None:
+        assert [h.split(":")[0] for h in report.holes] == ([f"target {f.hole}"] if f.hole else [])
+        assert report.strays == []
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_validate_names_what_sglang_would_do(faulty, fault):
+    from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.validate.integrity import check_integrity
+
     ckpt = Checkpoint.open(faulty[fault])
-    report = check(ckpt, {"target": loaded})
-    mtp_free = [v for v in report.bad() if v.model != "-"]  # no draft loaded here: mtp.* have no model
-    if tensor is None:
-        assert mtp_free == []
-    else:
-        assert [(v.tensor, v.outcome) for v in mtp_free] == [(tensor, outcome)], mtp_free
-    holes = [h for h in report.holes]
-    if hole is None:
-        assert holes == []
-    else:
-        assert len(holes) == 1 and holes[0].startswith(f"target {hole}: "), holes
-    assert report.strays == []
+    problems = check_integrity(ckpt, inspect_checkpoint(ckpt)).problems
+    assert [p.split(": ", 1)[0] for p in problems] == list(FAULTS[fault].validate), problems
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_validate_passes_every_clean_variant_and_states_its_env(checkpoints, variant):
+    from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.validate.integrity import check_integrity
+
+    ckpt = Checkpoint.open(checkpoints[variant])
+    integrity = check_integrity(ckpt, inspect_checkpoint(ckpt))
+    assert integrity.problems == []
+    assert integrity.fp4_experts.needed == variant_defaults(variant, "sm120").env["SGLANG_DSV4_FP4_EXPERTS"]
+    # What validate says SGLang's probe concludes is what SGLang's ModelConfig concludes with the
+    # variable unset: right only for fp8 (F8_E4M3) and nvfp4-mtp-mxfp4 (U8, and MXFP4 draft experts).
+    assert integrity.fp4_experts.probe_fp4 == sgl.is_fp4_experts(checkpoints[variant]) == (variant != "fp8")
