@@ -271,7 +271,7 @@ def quant_config_from_checkpoint_config(
 
 def is_fp4_experts(model_dir: str | os.PathLike[str], *, gpu: str = "sm120",
                    env: Mapping[str, str] | None = None) -> bool:
-    """SGLang's ``is_fp4_experts`` for a checkpoint: its shard-header probe when ``SGLANG_DSV4_FP4_EXPERTS`` is unset."""
+    """SGLang's ``is_fp4_experts`` for a checkpoint (its header probe when ``SGLANG_DSV4_FP4_EXPERTS`` is unset)."""
     with _scoped_environ(env), override_platform(**platform_facts(gpu)):
         return bool(ModelConfig(str(model_dir)).is_fp4_experts)
 

@@ -25,7 +25,7 @@ def tensor_bytes(path: Path) -> dict[str, bytes]:
     return {n: ckpt.read(n).reshape(-1).view(torch.uint8).numpy().tobytes() for n in ckpt.tensors}
 
 
-@pytest.mark.parametrize("variant", ["fp8", "nvfp4", "w4a16", "bf16"])
+@pytest.mark.parametrize("variant", ["fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16"])
 def test_every_output_is_a_complete_checkpoint(outputs, tiny_ckpt, variant):
     dst = outputs[variant]
     ckpt = Checkpoint.open(dst)

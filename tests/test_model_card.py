@@ -92,9 +92,7 @@ def served(outputs, tiny_ckpt, tmp_path_factory) -> dict:
     """Every shipped variant of the tiny model plus the mixed example recipe."""
     mixed = tmp_path_factory.mktemp("mixed") / "out"
     run(tiny_ckpt, mixed, str(MIXED_RECIPE))
-    mxfp4_mtp = tmp_path_factory.mktemp("nvfp4-mtp-mxfp4") / "out"
-    run(tiny_ckpt, mxfp4_mtp, "nvfp4-mtp-mxfp4")
-    return {**outputs, "mixed": mixed, "nvfp4-mtp-mxfp4": mxfp4_mtp}
+    return {**outputs, "mixed": mixed}
 
 
 @pytest.mark.parametrize("variant", list(EXPECTED_CONFIG))

@@ -290,7 +290,8 @@ def test_hybrid_with_fp8_or_bf16_mtp_experts_turns_fp4_experts_off(tiny, mtp_exp
     formats = stored_formats(tiny, experts=Format.NVFP4, mtp_experts=mtp_experts)
     config, _, env = convert_config(tiny, formats)
     assert env["SGLANG_DSV4_FP4_EXPERTS"] == "0"
-    assert config["quantization_config"]["mtp_experts_format"] == {Format.FP8: "fp8_block", Format.BF16: "bf16"}[mtp_experts]
+    names = {Format.FP8: "fp8_block", Format.BF16: "bf16"}
+    assert config["quantization_config"]["mtp_experts_format"] == names[mtp_experts]
     assert_sglang_reads(config, formats, env)
 
 

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run, write_plain_checkpoint
+from conftest import write_plain_checkpoint
 
 import sglang_oracle as sgl
 from dsv4convert.checkpoint import Checkpoint
@@ -145,11 +145,13 @@ def landings(name: str, ckpt: Checkpoint, loaded: sgl.LoadedModel) -> list[Landi
         fused = target.replace(".wq_a.", ".wqkv_a.").replace(".wkv.", ".wqkv_a.")
         if fused in params:  # SGLANG_OPT_FUSE_WQA_WKV: rows of wq_a, then wkv
             q_rows = ckpt.entry(name.replace(".wkv.", ".wq_a.")).shape[0]
-            return _direct(fused, tensor, loaded, _rows(0, q_rows) if ".wq_a." in name else _rows(q_rows, tensor.shape[0]))
+            rows = _rows(0, q_rows) if ".wq_a." in name else _rows(q_rows, tensor.shape[0])
+            return _direct(fused, tensor, loaded, rows)
     if info.role in (Role.COMPRESSOR, Role.INDEXER_COMPRESSOR) and info.module.endswith((".wkv", ".wgate")):
         fused = block.rsplit(".", 1)[0] + ".wkv_gate.weight"
         kv_rows = ckpt.entry(name.replace(".wgate.", ".wkv.")).shape[0]
-        return _direct(fused, tensor, loaded, _rows(0, kv_rows) if ".wkv." in name else _rows(kv_rows, tensor.shape[0]))
+        rows = _rows(0, kv_rows) if ".wkv." in name else _rows(kv_rows, tensor.shape[0])
+        return _direct(fused, tensor, loaded, rows)
     if info.param == "ape" and tensor.shape[0] == 4:
         # Compressor.load_ape_weight: overlapping (ratio-4) windows' two halves stacked as rows.
         halves = torch.chunk(tensor, 2, dim=-1)
@@ -160,7 +162,8 @@ def landings(name: str, ckpt: Checkpoint, loaded: sgl.LoadedModel) -> list[Landi
         if info.param == "scale":
             return [Landing(weight, (), None, "consumed: wo_a dequantized to BF16 with it")]
         dequantized = dequantize_fp8_block(tensor, ckpt.read(f"{info.module}.scale")).to(torch.bfloat16)
-        return [Landing(weight, (), dequantized, "converted: FP8 wo_a dequantized to BF16, the FP8 wo_a GEMM being off")]
+        return [Landing(weight, (), dequantized,
+                        "converted: FP8 wo_a dequantized to BF16, the FP8 wo_a GEMM being off")]
     return _direct(target, tensor, loaded, ())
 
 
@@ -242,10 +245,12 @@ def _never_loaded(param: str, loaded: sgl.LoadedModel) -> bool:
 def check(ckpt: Checkpoint, models: dict[str, sgl.LoadedModel]) -> Report:
     """Every checkpoint tensor's outcome in the target and draft, and every parameter element's."""
     verdicts: list[Verdict] = []
-    places = {role: {n: torch.zeros(p.shape, dtype=torch.bool) for n, p in m.params.items()} for role, m in models.items()}
+    places = {role: {n: torch.zeros(p.shape, dtype=torch.bool) for n, p in m.params.items()}
+              for role, m in models.items()}
     for role, loaded in models.items():
         if loaded.error is not None:
-            verdicts.append(Verdict(loaded.error_tensor or "?", role, "raised", f"{type(loaded.error).__name__}: {loaded.error}"))
+            error = f"{type(loaded.error).__name__}: {loaded.error}"
+            verdicts.append(Verdict(loaded.error_tensor or "?", role, "raised", error))
     for name in ckpt.tensors:
         if any(m.error is not None and name.startswith("mtp.") == m.draft for m in models.values()):
             continue  # its model raised: the raise is the verdict
@@ -275,7 +280,8 @@ def check(ckpt: Checkpoint, models: dict[str, sgl.LoadedModel]) -> Report:
             if (~written).any():
                 holes.append(f"{role} {param}: {int((~written).sum())} of {written.numel()} elements never written")
             if (written & ~place).any():
-                strays.append(f"{role} {param}: {int((written & ~place).sum())} elements written outside every tensor's place")
+                stray = int((written & ~place).sum())
+                strays.append(f"{role} {param}: {stray} elements written outside every tensor's place")
     return Report(verdicts, holes, strays)
 
 
@@ -291,8 +297,8 @@ def _verdict(name: str, role: str, loaded: sgl.LoadedModel, result: list[Landing
         if not written.any():
             return Verdict(name, role, "dropped", f"nothing written at {landing.param}{_fmt(landing.index)}")
         if not written.all():
-            return Verdict(name, role, "wrong", f"{int((~written).sum())} elements of {landing.param}{_fmt(landing.index)} "
-                                                "never written")
+            return Verdict(name, role, "wrong", f"{int((~written).sum())} elements of "
+                                                f"{landing.param}{_fmt(landing.index)} never written")
         if landing.how.startswith("cast"):
             return Verdict(name, role, "wrong", f"{landing.how} ({landing.param})")
         if region.shape != landing.expected.shape or region.dtype != landing.expected.dtype:
@@ -317,10 +323,9 @@ def _fmt(index: tuple) -> str:
 # The matrix: each variant's model-card commands on each GPU family.
 
 @pytest.fixture(scope="module")
-def checkpoints(outputs, tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
-    mxfp4_mtp = tmp_path_factory.mktemp("nvfp4-mtp-mxfp4") / "out"
-    run(tiny_ckpt, mxfp4_mtp, "nvfp4-mtp-mxfp4")
-    return {**outputs, "nvfp4-mtp-mxfp4": mxfp4_mtp}
+def checkpoints(outputs) -> dict[str, Path]:
+    """The tiny model converted by every shipped recipe (conftest's ``outputs``)."""
+    return {variant: outputs[variant] for variant in VARIANTS}
 
 
 @dataclass

@@ -70,9 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "0.5.23's loader would do silently (expert tensors dropped, cast or missing, scales without weights, "
             "mixed wq_a/wkv pairs, w1/w3 scales that differ), the quantization_config the stored formats need, "
             "and the SGLANG_DSV4_FP4_EXPERTS value to serve with (the model card's commands must set it). "
-            "With --against SRC: every linear module is dequantized on both sides (Triton kernels on the GPU, torch on the CPU) and compared (relative "
-            "error, SNR, cosine, max abs, bit-exactness), and run through the fused dequant-GEMM kernel on "
-            "probe activations. Writes validate.json, validate.md and snr_per_layer.png; exits 1 when "
+            "With --against SRC: every linear module is dequantized on both sides (Triton kernels on the GPU, "
+            "torch on the CPU) and compared (relative error, SNR, cosine, max abs, bit-exactness), and run "
+            "through the fused dequant-GEMM kernel on probe activations. Writes validate.json, validate.md and snr_per_layer.png; exits 1 when "
             "integrity fails or a module is below --fail-below-snr."
         ),
     )

@@ -97,7 +97,7 @@ def sglang_load_problems(ckpt: Checkpoint, inspection: Inspection) -> tuple[list
     covered: set[str] = set()
     for block, modules in _expert_modules(ckpt).items():
         problems += _expert_block(block, modules, shapes, covered)
-    problems += _partial_modules(ckpt, inspection, shapes, covered)
+    problems += _partial_modules(ckpt, shapes, covered)
     problems += _fused_pairs(ckpt, inspection)
     problems += _shared_w1_w3_scalars(ckpt, inspection)
     return problems, covered
@@ -168,13 +168,17 @@ def _expert_block(block: str, modules: dict, shapes: dict, covered: set[str]) ->
     return problems
 
 
-def _partial_modules(ckpt: Checkpoint, inspection: Inspection, shapes: dict, covered: set[str]) -> list[str]:
+def _partial_modules(ckpt: Checkpoint, shapes: dict, covered: set[str]) -> list[str]:
     """Dense linears holding a scale but no weight (experts are covered per block)."""
     problems = []
+    stored_by_module: dict[str, set[str]] = defaultdict(set)
+    for name in ckpt.tensors:
+        module, _, suffix = name.rpartition(".")
+        stored_by_module[module].add(suffix)
     for module in shapes:
         if ".ffn.experts." in module or module in covered:
             continue
-        stored = {name.rsplit(".", 1)[1] for name in ckpt.tensors if name.rsplit(".", 1)[0] == module}
+        stored = stored_by_module.get(module, set())
         scales = sorted(stored & {"scale", "weight_scale", "weight_scale_2", "input_scale"})
         if scales and not stored & {"weight", "weight_packed"}:
             problems.append(f"{module}.{scales[0]}: a scale without {module}.weight; SGLang loads the scale and "
