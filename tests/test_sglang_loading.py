@@ -17,7 +17,7 @@ element must be written (but the parameters no checkpoint fills, ``sglang_oracle
 and every written element must be some tensor's place. SGLang's own "not initialized" warning is
 per parameter and misses partial holes; the negative cases below show it.
 
-What is faked, because a CPU machine lacks it (``sglang_oracle._cpu_host_fakes``, ``_load``):
+What is faked, because a CPU machine lacks it (``sglang_oracle._cpu_host_fakes``, ``_load_weights``):
 
 * platform facts (CUDA, the SM version, Blackwell or not) through SGLang's own ``override_platform``,
   and ``torch.cuda.get_device_capability``, which compressed-tensors' scheme check calls directly:
@@ -49,6 +49,7 @@ FlashInfer shuffles, swizzles: GPU kernels) is not run.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -476,12 +477,12 @@ def _no_edit(t):
 @dataclass(frozen=True)
 class Fault:
     variant: str
-    edit: object
+    edit: Callable[[dict[str, torch.Tensor]], None]
     sglang: tuple[str, str] | None  # (tensor, outcome) of SGLang's load; None: every tensor lands as it should
     hole: str | None                # the parameter SGLang leaves partly unwritten
     validate: tuple[str, ...]       # what `validate`'s integrity problems name, in order
     draft: bool = False             # load the MTP draft rather than the target
-    card_edit: object = None
+    card_edit: Callable[[str], str] | None = None
     env: tuple = ()                 # environment overrides for SGLang (what a wrong card would set)
 
 
