@@ -173,7 +173,7 @@ def _value(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | Non
         return tensor, LANDED
     how = CONVERSIONS.get((tensor.dtype, dtype))
     if how is None:
-        return None, f"cast: SGLang copies {tensor.dtype} into a {dtype} parameter unchanged in value"
+        return None, f"cast: SGLang's copy_ converts {tensor.dtype} values into its {dtype} parameter (no scale)"
     converted = how[1](tensor, dtype)
     if converted is None:
         return None, f"cast: {tensor.dtype} values not exact in {dtype}"
