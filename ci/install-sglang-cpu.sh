@@ -27,7 +27,9 @@ esac
 pip_install --no-deps "sglang==0.5.23" "sglang-router==0.3.2" "$torchvision_pin"
 
 # Pure-Python (or small binary) imports of sglang.srt.server_args, the quant configs,
-# srt/models/deepseek_v4.py and sglang_router.launch_router.
+# srt/models/deepseek_v4.py (and its loader, which tests/test_sglang_loading.py runs: einops for
+# the wo_a dequant, openai and partial-json-parser for the FusedMoE layer's protocol imports) and
+# sglang_router.launch_router.
 pip_install \
   "transformers==5.19.0" \
   "compressed-tensors==0.18.0" \
@@ -59,6 +61,10 @@ fi
 import sys
 sys.path.insert(0, "tests")
 import sglang_oracle  # noqa: F401  (imports SGLang's parser, quant configs, V4 model and router)
+# What sglang_oracle.load_checkpoint builds the real model and its MTP draft with, on CPU.
+import sglang.srt.models.deepseek_v4_nextn, sglang.srt.platforms.cpu  # noqa: E401,F401
+import sglang.srt.model_executor.model_runner_components.load_model_utils  # noqa: F401
+import einops, openai, partial_json_parser  # noqa: E401,F401  (wo_a dequant; SGLang's protocol imports)
 import sglang, sglang_router
 print(f"install-sglang-cpu: sglang {sglang.__version__}, sglang-router {sglang_router.__version__}: OK")
 EOF

@@ -3,8 +3,8 @@
 Every module of the DeepSeek-V4 layout is matched against what the checkpoint stores:
 a linear module may be in any known format (``storage.detect_linear_format``), every
 other tensor must keep the native dtype and shape. From the formats found per role the
-checkpoint's variant follows (native FP8+MXFP4, FP8-only, NVFP4 hybrid, W4A16, BF16, or
-mixed for a custom recipe).
+checkpoint's variant follows (native FP8+MXFP4, FP8-only, NVFP4 hybrid with FP8-block MTP
+experts or with MXFP4 ones (``nvfp4-mtp-mxfp4``), W4A16, BF16, or mixed for a custom recipe).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ WEIGHT_PARAMS = frozenset(
     {"weight", "scale", "weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale", "weight_packed",
      "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_global_scale"}
 )
-VARIANTS = ("native", "fp8", "nvfp4", "w4a16", "bf16", "mixed")
+VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16", "mixed")
 
 
 @dataclass
@@ -147,8 +147,10 @@ def _variant(modules) -> str:
         return "native"
     if expert_fmt is Format.FP8 and mtp_experts <= {Format.FP8}:
         return "fp8"
-    if expert_fmt is Format.NVFP4 and mtp_experts <= {Format.MXFP4, Format.NVFP4}:
+    if expert_fmt is Format.NVFP4 and mtp_experts <= {Format.FP8}:
         return "nvfp4"
+    if expert_fmt is Format.NVFP4 and mtp_experts == {Format.MXFP4}:
+        return "nvfp4-mtp-mxfp4"
     if expert_fmt is Format.INT4 and mtp_experts <= {Format.INT4}:
         return "w4a16"
     return "mixed"

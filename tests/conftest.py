@@ -42,9 +42,10 @@ def run(src: Path, dst: Path, recipe: str, **kw):
 def outputs(tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
     """The tiny checkpoint converted by each shipped recipe, once per session; tests must not modify them."""
     root = tmp_path_factory.mktemp("variants")
-    for recipe in ("fp8", "nvfp4", "w4a16", "bf16"):
+    recipes = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
+    for recipe in recipes:
         run(tiny_ckpt, root / recipe, recipe)
-    return {recipe: root / recipe for recipe in ("fp8", "nvfp4", "w4a16", "bf16")}
+    return {recipe: root / recipe for recipe in recipes}
 
 
 def write_plain_checkpoint(root: Path, shards: list[dict[str, torch.Tensor]], config: dict | None = None) -> Path:

@@ -3,7 +3,8 @@
 Test helper only (not part of the package). Answers come from SGLang's own code, imported from
 the ``sglang`` wheel installed with ``--no-deps`` by ``ci/install-sglang-cpu.sh``: its argument
 parser and resolution pipeline, ``ModelConfig`` and the loader's quant-config wrap, the config
-classes and their exclusion predicates, the V4 weight-name remap, the router's parser. Two
+classes and their exclusion predicates, the V4 weight-name remap, the router's parser, and the
+V4 model itself with its weight loader (section 5). Two
 things are mirrored because they cannot run on CPU, and say so where they are: the branch order
 of ``get_quant_method`` (in ``moe_scheme_for``/``linear_scheme_for``, calling SGLang's predicates)
 and the ``bench_serving`` parser (replayed from its source, see ``parse_bench_args``).
@@ -36,10 +37,23 @@ How to use it (the first import costs ~10-15 s: SGLang imports its whole model r
     # 4. Reference configs per sglang-contract.md section 1 (to compare a converter's output with).
     sgl.variant_config("nvfp4", native_config)                 # native config.json, NVFP4-hybrid quant
 
+    # 5. SGLang's real DeepseekV4ForCausalLM (or, draft=True, its NextN MTP draft), built on CPU
+    #    for a launch command and loaded from a checkpoint by its own loader and load_weights.
+    loaded = sgl.load_checkpoint(out_dir, argv, gpu="sm120", env=env, draft=False)
+    loaded.params["model.layers.1.mlp.experts.w13_weight"]    # as load_weights left it
+    loaded.written[...]                                         # per element: did loading write it
+    loaded.moe_methods, loaded.not_initialized, loaded.error    # what SGLang built, warned, raised
+
 ``gpu`` is one of :data:`GPU_FACTS` ("sm90" H200, "sm100" B200, "sm120" RTX PRO 6000): SGLang's
 platform probes are answered from that table through SGLang's own ``override_platform``.
 Any ``env`` given is applied only for the call; ``os.environ`` is restored afterwards, including
 the variables SGLang's resolution writes itself.
+
+``load_checkpoint`` answers what a CPU host lacks as a GPU host would (platform facts, DeepGEMM's
+availability, device placement, the rope kernel import, GPU-only post-load steps) and builds
+SGLang's process groups over a one-rank gloo world once per process; test_sglang_loading.py lists
+each accommodation and why. It publishes SGLang's runtime context for the call and restores it
+afterwards.
 
 One accommodation for a CPU-only machine: PyPI's torchvision wheels are CUDA builds whose C++ ops
 cannot load next to CPU torch. torchvision supports running without its ops, except that two
@@ -52,15 +66,19 @@ import is retried. Nothing here calls a torchvision op.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import json
+import logging
 import os
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -251,6 +269,13 @@ def quant_config_from_checkpoint_config(
         return quant_config_for_checkpoint(directory, gpu=gpu, env=env)
 
 
+def is_fp4_experts(model_dir: str | os.PathLike[str], *, gpu: str = "sm120",
+                   env: Mapping[str, str] | None = None) -> bool:
+    """SGLang's ``is_fp4_experts`` for a checkpoint (its header probe when ``SGLANG_DSV4_FP4_EXPERTS`` is unset)."""
+    with _scoped_environ(env), override_platform(**platform_facts(gpu)):
+        return bool(ModelConfig(str(model_dir)).is_fp4_experts)
+
+
 def _bare(module_type: type[torch.nn.Module]) -> torch.nn.Module:
     """An instance SGLang's ``isinstance`` dispatch recognises, without allocating weights."""
     module = module_type.__new__(module_type)
@@ -350,7 +375,7 @@ def contract_quantization_config(variant: str, base: Mapping[str, Any]) -> dict[
     """
     if variant in ("native", "fp8"):
         return dict(base)
-    if variant == "nvfp4":
+    if variant in ("nvfp4", "nvfp4-mtp-mxfp4"):  # the two differ in the MTP experts only
         return {**base, "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "group_size": 16,
                 "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]}
     if variant == "w4a16":
@@ -377,3 +402,276 @@ def variant_config(variant: str, native_config: Mapping[str, Any]) -> dict[str, 
         config["quantization_config"] = quant
     return config
 
+
+
+# 5. SGLang's real model, built on CPU, loading a checkpoint through its own load_weights.
+
+# DeepGEMM as SGLang computes it at import on a GPU host with the wheel's sgl-deep-gemm pin:
+# (ENABLE_JIT_DEEPGEMM, DEEPGEMM_SCALE_UE8M0). SM120 needs a DeepGEMM build with its DSV4 APIs,
+# which configurer.py probes; off, as SGLang's model hook turns the FP8 wo_a GEMM off there anyway.
+DEEPGEMM_FACTS: dict[str, tuple[bool, bool]] = {"sm90": (True, False), "sm100": (True, True), "sm120": (False, False)}
+
+SENTINELS = (0xA5, 0x5A)  # every parameter byte is filled with one, then the other, before loading
+
+# Parameters SGLang registers that no checkpoint tensor fills, and why (SGLang's own
+# "not initialized" warning skips the first three and lists the last on every W4A16 load).
+NEVER_LOADED = {
+    "attn_mqa.k_scale": "FP8 KV-cache scales default to 1.0; V4 checkpoints carry none",
+    "attn_mqa.v_scale": "FP8 KV-cache scales default to 1.0; V4 checkpoints carry none",
+    "blockscale_swizzled": "derived from weight_scale after loading (NVFP4 cutlass/marlin layout)",
+    "g_idx": "act-order indices; a W4A16 checkpoint without act-order has none (emptied after loading)",
+}
+DRAFT_SHARED = {
+    "model.embed_tokens.weight": "the draft takes the target's embedding (set_embed_and_head)",
+    "lm_head.weight": "the draft takes the target's LM head (set_embed_and_head)",
+}
+_NOT_INITIALIZED = "Some weights are not initialized from checkpoints: "
+_NOT_FOUND = " not found in params_dict."
+
+
+@dataclass
+class LoadedModel:
+    """SGLang's model after its ``load_weights`` ran on one checkpoint, as on one GPU family.
+
+    ``params`` are the parameters exactly as ``load_weights`` left them, taken just before it calls
+    ``post_load_weights`` (which then runs too). ``written`` marks, per element, whether loading wrote
+    it: the model is built and loaded twice, its bytes filled first with one sentinel and then with
+    another; an element holding its sentinel both times was never written.
+    """
+
+    gpu: str
+    draft: bool
+    model: torch.nn.Module
+    params: dict[str, torch.Tensor]
+    written: dict[str, torch.Tensor]
+    yielded: list[str]                 # checkpoint tensors SGLang's own weight iterator produced
+    reached: dict[str, set[str]]       # checkpoint tensor -> parameters whose weight_loader received it
+    moe_methods: dict[str, str]        # FusedMoE prefix -> routed-expert method (scheme for compressed-tensors)
+    wo_a_fp8: bool                     # the FP8 wo_a GEMM is on: wo_a stays FP8 instead of BF16
+    not_initialized: set[str]          # what SGLang's own "Some weights are not initialized" warning lists
+    not_found: list[str]               # what SGLang logged as "<name> not found in params_dict."
+    error: BaseException | None = None  # what load_weights raised, if it did
+    error_tensor: str | None = None     # the checkpoint tensor being loaded when it did
+
+
+def load_checkpoint(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str,
+                    env: Mapping[str, str] | None = None, draft: bool = False) -> LoadedModel:
+    """Build SGLang's ``DeepseekV4ForCausalLM`` (``draft``: the ``DeepseekV4ForCausalLMNextN`` MTP draft)
+    for ``launch_server`` arguments ``argv`` and environment ``env`` on ``gpu``, and load ``model_dir``.
+
+    Everything the server does on its way there is SGLang's own: argument parsing and resolution
+    (``publish``), the MoE/GEMM runner flags, ``ModelConfig.from_server_args`` (FP4-expert probe,
+    NVFP4-hybrid detection, the draft architecture), ``_get_quantization_config``, model
+    construction (the draft inside the speculative MoE scopes EAGLE builds it in), the default
+    loader's file discovery and safetensors iterator, and ``load_weights``. What a CPU lacks is
+    answered as on ``gpu`` by :func:`_cpu_host_fakes` and the two GPU-only post-load stubs in
+    :func:`_load_weights`. A raise inside ``load_weights`` is returned (``error``, with the
+    checkpoint tensor), not raised; anything earlier raises.
+    """
+    first = _build_and_load(str(model_dir), argv, gpu, env, draft, SENTINELS[0])
+    second = _build_and_load(str(model_dir), argv, gpu, env, draft, SENTINELS[1])
+    if set(first.params) != set(second.params):
+        raise AssertionError("SGLang built different parameters in two identical loads")
+    for name, tensor in first.params.items():
+        unwritten = ((_byte_view(tensor) == SENTINELS[0]).all(-1)
+                     & (_byte_view(second.params[name]) == SENTINELS[1]).all(-1))
+        first.written[name] = (~unwritten).reshape(tensor.shape)
+    return first
+
+
+_PROCESS_GROUPS: dict[str, Any] = {}
+
+
+def _one_rank_process_groups() -> None:
+    """SGLang's own TP/PP/EP groups over a one-rank gloo world, built once per process."""
+    import torch.distributed as dist
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import get_parallel
+
+    if _PROCESS_GROUPS:
+        get_parallel().override_permanently(**_PROCESS_GROUPS)
+        return
+    if not dist.is_initialized():
+        store = Path(tempfile.mkdtemp(prefix="sglang-oracle-pg-")) / "store"
+        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                    distributed_init_method=f"file://{store}")
+    parallel_state.initialize_model_parallel()
+    _PROCESS_GROUPS.update({k: v for k, v in get_parallel()._stamp.items() if k.endswith("_group")})
+
+
+@contextlib.contextmanager
+def _cpu_host_fakes(gpu: str) -> Iterator[None]:
+    """What a CPU host lacks, answered as a ``gpu`` host would (listed in test_sglang_loading.py)."""
+    import sglang.srt.layers.rotary_embedding.base as rope
+    import sglang.srt.platforms as platforms
+    import sglang.srt.utils.common as common
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.deep_gemm_wrapper import configurer
+    from sglang.srt.platforms.cpu import CpuSRTPlatform
+
+    jit, ue8m0 = DEEPGEMM_FACTS[gpu]
+    capability = (GPU_FACTS[gpu]["major"], GPU_FACTS[gpu]["minor"])
+    host = CpuSRTPlatform()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(override_platform(**platform_facts(gpu)))
+        for module in (deep_gemm_wrapper, configurer):
+            stack.enter_context(mock.patch.multiple(module, ENABLE_JIT_DEEPGEMM=jit, DEEPGEMM_SCALE_UE8M0=ue8m0,
+                                                    DEEPGEMM_BLACKWELL=jit and capability[0] == 10))
+        stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability", lambda *_a, **_k: capability))
+        stack.enter_context(mock.patch.object(platforms, "_current_platform", host))
+        stack.enter_context(mock.patch.object(common, "current_platform", host))
+        stack.enter_context(mock.patch.object(rope, "_is_cuda", True))
+        yield
+
+
+def _build_and_load(model_dir: str, argv: list[str], gpu: str, env: Mapping[str, str] | None, draft: bool,
+                    sentinel: int) -> LoadedModel:
+    """Resolve, publish, build and load once, as a scheduler process on ``gpu`` does."""
+    import sglang.srt.models.deepseek_v4 as deepseek_v4
+    from sglang.srt.environ import envs
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.layers.moe.utils import (
+        draft_model_build_scope,
+        speculative_moe_a2a_backend_context,
+        speculative_moe_backend_context,
+    )
+    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+    from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
+    from sglang.srt.model_loader.loader import _initialize_model, set_default_torch_dtype
+    from sglang.srt.runtime_context import SpawnRanks, publish, restore_context, snapshot_context
+
+    state = snapshot_context()
+    try:
+        with _scoped_environ(env), _cpu_host_fakes(gpu), contextlib.ExitStack() as scopes:
+            server_args = parse_server_args([*argv, "--device", "cuda"])
+            publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))  # resolves it
+            _one_rank_process_groups()
+            initialize_moe_config()
+            initialize_fp8_gemm_config()
+            initialize_fp4_gemm_config()
+            # The scheduler process imports the model after resolution wrote SGLANG_OPT_FP8_WO_A_GEMM.
+            wo_a_gemm = envs.SGLANG_OPT_FP8_WO_A_GEMM.get()
+            wo_a_ue8m0 = wo_a_gemm and deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0
+            scopes.enter_context(mock.patch.multiple(deepseek_v4, _FP8_WO_A_GEMM=wo_a_gemm,
+                                                     _FP8_WO_A_UE8M0=wo_a_ue8m0))
+            model_config = ModelConfig.from_server_args(server_args, is_draft_model=draft)
+            load_config = build_load_config(
+                server_args=server_args, tp_rank=0, remote_instance_weight_transporter_engine=None,
+                remote_instance_weight_transporter_session_id="", draft_model_idx=None, weight_cache_mode="off",
+                weight_cache_socket=None)
+            quant_config = _get_quantization_config(model_config, load_config)
+            if draft:  # what EAGLEWorker builds and runs the draft's TpModelWorker in
+                for scope in (speculative_moe_backend_context(), speculative_moe_a2a_backend_context(),
+                              draft_model_build_scope()):
+                    scopes.enter_context(scope)
+            with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+                model = _initialize_model(model_config, load_config, quant_config)
+            return _load_weights(model, model_config, load_config, gpu=gpu, draft=draft, sentinel=sentinel,
+                                 stub_deep_gemm=wo_a_ue8m0)
+    finally:
+        restore_context(state)
+
+
+def _load_weights(model: torch.nn.Module, model_config: ModelConfig, load_config: LoadConfig, *, gpu: str,
+                  draft: bool, sentinel: int, stub_deep_gemm: bool) -> LoadedModel:
+    """Sentinel-fill ``model``, stream the checkpoint through SGLang's loader into its load_weights."""
+    import types
+
+    import sglang.srt.models.deepseek_v4 as deepseek_v4
+    from sglang.srt.model_loader.loader import get_model_loader
+    from sglang.srt.model_loader.utils import maybe_executor_submit
+
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    for parameter in model.parameters():
+        _byte_view(parameter.data).fill_(sentinel)
+    snapshot: dict[str, torch.Tensor] = {}
+    post_load_weights = model.post_load_weights
+
+    def snapshot_then_post_load(*args, **kwargs):
+        snapshot.update({n: p.detach().clone() for n, p in model.named_parameters()})
+        return post_load_weights(*args, **kwargs)
+
+    model.post_load_weights = snapshot_then_post_load
+    yielded: list[str] = []
+    sources: dict[int, tuple[str, torch.Tensor]] = {}  # holding the tensors keeps their ids unique
+    reached: dict[str, set[str]] = {}
+
+    def recorded(weights):
+        for name, tensor in weights:
+            yielded.append(name)
+            sources[id(tensor)] = (name, tensor)
+            yield name, tensor
+
+    def observed_submit(*, func, func_args=(), func_kwargs=None, **kwargs):
+        """SGLang's submit, noting which checkpoint tensor reached which parameter and naming it in a raise."""
+        # Fused pairs (wq_a+wkv, compressor wkv+wgate) and dequantized wo_a arrive as new tensors:
+        # they are attributed to the tensor read last.
+        source = sources.get(id(func_args[1]), (yielded[-1] if yielded else "?",))[0]
+        reached.setdefault(source, set()).add(param_names.get(id(func_args[0]), "?"))
+
+        def named(*a, **k):
+            try:
+                return func(*a, **k)
+            except Exception as exc:
+                exc.add_note(f"checkpoint tensor: {source}")
+                raise
+
+        return maybe_executor_submit(func=named, func_args=func_args, func_kwargs=func_kwargs, **kwargs)
+
+    deep_gemm = types.ModuleType("deep_gemm")  # DeepGEMM's scale-layout transform is a GPU kernel
+    deep_gemm.transform_sf_into_required_layout = lambda sf, **_kw: sf
+    capture = _LogCapture()
+    logger = logging.getLogger(deepseek_v4.__name__)
+    logger.addHandler(capture)
+    error = None
+    loader = get_model_loader(load_config, model_config)
+    try:
+        with mock.patch.object(type(model), "_prewarm_mhc_kernels", lambda self: None), \
+             mock.patch.object(deepseek_v4, "maybe_executor_submit", observed_submit), \
+             mock.patch.dict(sys.modules, {"deep_gemm": deep_gemm} if stub_deep_gemm else {}):
+            model.load_weights(recorded(loader._get_all_weights(model_config, model)))
+    except Exception as exc:  # noqa: BLE001 - returned: the caller decides what a raise means
+        error = exc
+    finally:
+        logger.removeHandler(capture)
+    error_tensor = None
+    if error is not None:  # ours (raised in a weight_loader), or SGLang's own "name=" (raised in its loop)
+        notes = getattr(error, "__notes__", [])
+        ours = [n.split(": ", 1)[1] for n in notes if n.startswith("checkpoint tensor: ")]
+        in_loop = any(n.startswith("name=") for n in notes)
+        error_tensor = ours[0] if ours else (yielded[-1] if in_loop and yielded else None)
+    not_initialized: set[str] = set()
+    for message in capture.messages:
+        if message.startswith(_NOT_INITIALIZED):
+            not_initialized |= set(ast.literal_eval(message.removeprefix(_NOT_INITIALIZED)))
+    return LoadedModel(
+        gpu=gpu, draft=draft, model=model,
+        params=snapshot or {n: p.detach().clone() for n, p in model.named_parameters()},
+        written={}, yielded=yielded, reached=reached,
+        moe_methods={n: _moe_method_name(m) for n, m in model.named_modules() if isinstance(m, FusedMoE)},
+        wo_a_fp8=bool(model.wo_a_fp8), not_initialized=not_initialized,
+        not_found=[m.removesuffix(_NOT_FOUND) for m in capture.messages if m.endswith(_NOT_FOUND)],
+        error=error, error_tensor=error_tensor)
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as [numel, itemsize] uint8 (a view: writing it writes the tensor)."""
+    flat = tensor.detach().reshape(-1)
+    return flat.view(torch.uint8).view(flat.numel(), tensor.element_size())
+
+
+def _moe_method_name(layer: torch.nn.Module) -> str:
+    if type(layer.quant_method).__name__ == "CompressedTensorsFusedMoEMethod":
+        return type(layer.scheme).__name__
+    return type(layer.quant_method).__name__
+
+
+class _LogCapture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

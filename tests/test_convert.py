@@ -25,7 +25,7 @@ def tensor_bytes(path: Path) -> dict[str, bytes]:
     return {n: ckpt.read(n).reshape(-1).view(torch.uint8).numpy().tobytes() for n in ckpt.tensors}
 
 
-@pytest.mark.parametrize("variant", ["fp8", "nvfp4", "w4a16", "bf16"])
+@pytest.mark.parametrize("variant", ["fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16"])
 def test_every_output_is_a_complete_checkpoint(outputs, tiny_ckpt, variant):
     dst = outputs[variant]
     ckpt = Checkpoint.open(dst)
@@ -110,8 +110,9 @@ def test_mxfp4_experts_are_lossless_in_fp8_and_nvfp4(outputs, tiny_ckpt):
         reference = decode_source(src.read(f"{module}.weight"), src.read(f"{module}.scale"), output_dtype=torch.float32)
         got = dequantize_fp8_block(fp8.read(f"{module}.weight"), fp8.read(f"{module}.scale"))
         assert torch.equal(got, reference), module
-        if module.startswith("mtp."):
-            assert nv.tensors[f"{module}.weight"].dtype == "I8"  # MTP experts stay MXFP4
+        if module.startswith("mtp."):  # the draft's experts are FP8-block, as in the fp8 variant
+            got = dequantize_fp8_block(nv.read(f"{module}.weight"), nv.read(f"{module}.scale"))
+            assert torch.equal(got, reference), module
             continue
         got = dequantize_nvfp4(nv.read(f"{module}.weight"), nv.read(f"{module}.weight_scale"),
                                nv.read(f"{module}.weight_scale_2"))
@@ -174,11 +175,22 @@ def test_workers_and_resume_are_byte_identical(outputs, tiny_ckpt, tmp_path, mon
     assert card == (outputs["nvfp4"] / "README.md").read_text().replace(str(outputs["nvfp4"]), "DST")
 
 
+def test_nvfp4_mtp_experts_option_picks_the_mxfp4_recipe(tiny_ckpt, tmp_path, capsys):
+    dst = tmp_path / "dry"
+    argv = ["to-nvfp4", "--src", str(tiny_ckpt), "--dst", str(dst), "--dry-run", "--no-progress"]
+    assert main([*argv, "--mtp-experts", "mxfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4-mtp-mxfp4" in out and "mxfp4 -> nvfp4 x120" in out and "kept as mxfp4 x24" in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--mtp-experts", "nvfp4"])
+    assert not dst.exists()
+
+
 def test_dry_run_writes_nothing(tiny_ckpt, tmp_path, capsys):
     dst = tmp_path / "dry"
     assert main(["to-nvfp4", "--src", str(tiny_ckpt), "--dst", str(dst), "--dry-run", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "mxfp4 -> nvfp4 x120" in out and "kept as mxfp4 x24" in out and "dry run: nothing written" in out
+    assert "mxfp4 -> nvfp4 x120" in out and "mxfp4 -> fp8 x24" in out and "dry run: nothing written" in out
     assert not dst.exists()
 
 

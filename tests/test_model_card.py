@@ -20,9 +20,10 @@ from dsv4convert.convert.recipe import RECIPE_DIR
 
 MIXED_RECIPE = RECIPE_DIR / "nvfp4-bf16-indexer.yaml"
 # The quant config class SGLang's loader builds, and whether the FP4-expert switch is on.
-EXPECTED_CONFIG = {"fp8": ("Fp8Config", "0"), "nvfp4": ("HybridFp8NvFp4Config", "1"),
+EXPECTED_CONFIG = {"fp8": ("Fp8Config", "0"), "nvfp4": ("HybridFp8NvFp4Config", "0"),
+                   "nvfp4-mtp-mxfp4": ("HybridFp8NvFp4Config", "1"),
                    "w4a16": ("CompressedTensorsConfig", "0"), "bf16": ("NoneType", "0"),
-                   "mixed": ("HybridFp8NvFp4Config", "1")}
+                   "mixed": ("HybridFp8NvFp4Config", "0")}
 
 
 def card(**overrides) -> str:
@@ -118,14 +119,27 @@ def test_default_launch_is_what_sglang_resolves_as_intended(served, variant):
         assert type(quant).__name__ == config_class
         if quant is not None and config_class != "CompressedTensorsConfig":
             assert quant.is_fp4_experts == (fp4_experts == "1")
+        # The MTP draft is offered exactly where its MoE method runs: everywhere but MXFP4 draft
+        # experts off sm_100 (tests/test_sglang_loading.py builds the draft itself).
+        assert ("mtp" in spec) != ("mtp_note" in spec)
+        assert ("mtp" in spec) == (variant != "nvfp4-mtp-mxfp4" or gpu == "sm100"), family
+        if "mtp" in spec:
+            draft = sgl.resolve_server_args(spec["mtp"]["argv"][3:], gpu=gpu, env=spec["mtp"]["env"]).resolved_dict()
+            assert draft["speculative_algorithm"] == "EAGLE" and draft["speculative_eagle_topk"] == 1
+            assert spec["mtp"]["argv"][:len(argv)] == argv and spec["mtp"]["env"] == spec["env"]
 
 
-@pytest.mark.parametrize("variant", ["nvfp4", "mixed"])
+@pytest.mark.parametrize("variant", ["nvfp4", "nvfp4-mtp-mxfp4", "mixed"])
 def test_written_readme_carries_the_launch_commands(served, variant):
     readme = (served[variant] / "README.md").read_text()
     for family, spec in default_launch(served[variant], variant).items():
         assert f"### {family}\n\n```bash\n{shell_line(spec)}\n```" in readme
-    assert "SGLANG_DSV4_FP4_EXPERTS=1" in readme and "--moe-runner-backend marlin" in readme
+        if "mtp" in spec:
+            assert f"`{spec['draft_moe_method']}`):\n\n```bash\n{shell_line(spec['mtp'])}\n```" in readme
+        else:
+            assert f"No MTP draft on this GPU: {spec['mtp_note']}." in readme
+    assert f"SGLANG_DSV4_FP4_EXPERTS={EXPECTED_CONFIG[variant][1]}" in readme
+    assert "--moe-runner-backend marlin" in readme
 
 
 def test_default_launch_of_a_missing_checkpoint_is_an_error(tmp_path):

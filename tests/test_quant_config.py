@@ -149,6 +149,7 @@ def test_nvfp4_variant_is_detected_as_hybrid_with_mxfp4_mtp_experts(any_config):
     assert set(quant["quantized_layers"]) == {f"layers.{i}.ffn.experts" for i in range(n_layers)}
     assert "expert_dtype" not in config
     assert env == {"SGLANG_DSV4_FP4_EXPERTS": "1"}
+    assert quant["mtp_experts_format"] == "mxfp4"
     nested = extra[HF_QUANT_CONFIG]
     assert set(nested) == {"producer", "quantization"}
     assert nested["quantization"]["quantized_layers"] == quant["quantized_layers"]
@@ -289,6 +290,8 @@ def test_hybrid_with_fp8_or_bf16_mtp_experts_turns_fp4_experts_off(tiny, mtp_exp
     formats = stored_formats(tiny, experts=Format.NVFP4, mtp_experts=mtp_experts)
     config, _, env = convert_config(tiny, formats)
     assert env["SGLANG_DSV4_FP4_EXPERTS"] == "0"
+    names = {Format.FP8: "fp8_block", Format.BF16: "bf16"}
+    assert config["quantization_config"]["mtp_experts_format"] == names[mtp_experts]
     assert_sglang_reads(config, formats, env)
 
 
@@ -342,7 +345,7 @@ def test_unloadable_module_formats(tiny, module, fmt, message):
 
 @pytest.mark.parametrize(("experts", "mtp_experts", "override", "message"), [
     (Format.FP8, Format.MXFP4, None, "mix FP8 and MXFP4"),
-    (Format.NVFP4, Format.NVFP4, None, "keep the MTP experts MXFP4"),
+    (Format.NVFP4, Format.NVFP4, None, "store the MTP experts FP8"),
     (Format.NVFP4, Format.MXFP4, Format.FP8, "all MXFP4 or FP8/BF16"),
     (Format.INT4, Format.FP8, None, "cannot also hold fp8"),
     (Format.INT4, Format.INT4, Format.INT4, "group sizes"),

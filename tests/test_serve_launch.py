@@ -13,6 +13,7 @@ import sglang_oracle as sgl
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve.launch import (
     MOONCAKE_TCP_COST,
+    MTP_ARGS,
     SERVED_VARIANTS,
     Command,
     LaunchError,
@@ -26,7 +27,8 @@ from dsv4convert.serve.launch import (
 from dsv4convert.serve.topology import Gpu, Topology
 
 FAMILIES = ("sm90", "sm100", "sm120")
-EXPERT_SCHEME = {"native": "mxfp4", "fp8": "fp8", "nvfp4": "nvfp4", "w4a16": "wna16", "bf16": "unquantized"}
+EXPERT_SCHEME = {"native": "mxfp4", "fp8": "fp8", "nvfp4": "nvfp4", "nvfp4-mtp-mxfp4": "nvfp4", "w4a16": "wna16",
+                 "bf16": "unquantized"}
 
 # The user's host: 8x RTX PRO 6000, GPUs 0-3 on NUMA node 0, 4-7 on node 1.
 USER_HOST = Topology(
@@ -104,6 +106,30 @@ def test_variant_env_makes_sglang_read_the_experts_right(real_config, variant):
     env = variant_defaults(variant, "sm120").env
     qc = sgl.quant_config_from_checkpoint_config(sgl.variant_config(variant, real_config), env=env)
     assert sgl.moe_scheme_for(qc, "model.layers.10.mlp.experts") == EXPERT_SCHEME[variant]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", SERVED_VARIANTS)
+def test_mtp_flags_only_where_the_draft_runs(model_dirs, variant, family):
+    options = LaunchOptions(model=str(model_dirs[variant]), variant=variant, gpu_family=family, mtp=True)
+    defaults = variant_defaults(variant, family)
+    if variant == "nvfp4-mtp-mxfp4" and family != "sm100":
+        assert defaults.mtp_args is None and defaults.draft_moe_method == "Mxfp4FlashinferTrtllmMoEMethod"
+        with pytest.raises(LaunchError, match="no MTP draft .* SM100 kernel; convert with the nvfp4 recipe"):
+            plan_single(options, None, [0, 1, 2, 3])
+        with pytest.raises(LaunchError, match="no MTP draft"):
+            pd_plan(model_dirs[variant], variant, family, mtp=True)
+        return
+    for command in (*plan_single(options, None, [0, 1, 2, 3]), *pd_plan(model_dirs[variant], variant, family, mtp=True)):
+        if command.role == "router":
+            continue
+        args = list(command.sglang_args)
+        start = args.index(MTP_ARGS[0])
+        assert tuple(args[start:start + len(MTP_ARGS)]) == MTP_ARGS
+        resolved = sgl.resolve_server_args(list(command.sglang_args), gpu=family, env=command.env).resolved_dict()
+        assert resolved["speculative_algorithm"] == "EAGLE" and resolved["speculative_num_draft_tokens"] == 2
+        if variant == "nvfp4":  # FP8 draft experts: Fp8MoEMethod has no Marlin path, Triton runs everywhere
+            assert resolved["speculative_moe_runner_backend"] == "triton"
 
 
 def test_nvfp4_runner_per_family(model_dirs):

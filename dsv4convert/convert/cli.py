@@ -16,7 +16,8 @@ from dsv4convert.convert.recipe import load_recipe, with_fp8_scale_dtype
 
 SHIPPED_HELP = {
     "to-fp8": ("fp8", "routed experts cast MXFP4 -> FP8 128x128 losslessly; everything else kept"),
-    "to-nvfp4": ("nvfp4", "backbone experts cast MXFP4 -> NVFP4 (ModelOpt layout), lossless where the scales fit"),
+    "to-nvfp4": ("nvfp4", "backbone experts cast MXFP4 -> NVFP4 (ModelOpt layout), lossless where the scales fit; "
+                          "MTP draft experts FP8-block (--mtp-experts)"),
     "to-w4a16": ("w4a16", "routed experts requantized to INT4 W4A16 group 128 (compressed-tensors)"),
     "to-bf16": ("bf16", "everything dequantized to BF16 (F32/I64 kept): the reference"),
 }
@@ -43,6 +44,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "is the output plus two source shards")
 
 
+# to-nvfp4 --mtp-experts: which shipped recipe stores the MTP draft's experts how.
+NVFP4_MTP_RECIPES = {"fp8": "nvfp4", "mxfp4": "nvfp4-mtp-mxfp4"}
+
+
 def _nvfp4_inputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-scales-from", metavar="PATH_OR_REPO",
                    help="take NVFP4 activation input_scales from another NVFP4 checkpoint of this model")
@@ -67,6 +72,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         _common(p)
         if recipe == "nvfp4":
             _nvfp4_inputs(p)
+            p.add_argument("--mtp-experts", choices=sorted(NVFP4_MTP_RECIPES), default="fp8",
+                           help="the MTP draft's experts: fp8 (default; FP8-block, lossless from MXFP4, SGLang runs "
+                                "the draft on sm_90, sm_100 and sm_120) or mxfp4 (kept as released, for sm_100's "
+                                "TRT-LLM path only: recipe nvfp4-mtp-mxfp4)")
         if recipe == "w4a16":
             _gptq_inputs(p)
         if recipe == "fp8":
@@ -76,7 +85,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("convert", help="run any recipe (YAML) on a checkpoint", description=(
         "Convert with a recipe file: ordered rules that map tensor roles (and optional module regexes) to "
         "keep/bf16/fp8/nvfp4/int4. See recipes/ for the shipped ones and a mixed example."))
-    p.add_argument("--recipe", required=True, help="recipe file, or a shipped name: fp8, nvfp4, w4a16, bf16")
+    p.add_argument("--recipe", required=True,
+                   help="recipe file, or a shipped name: fp8, nvfp4, nvfp4-mtp-mxfp4, w4a16, bf16")
     _common(p)
     _nvfp4_inputs(p)
     p.add_argument("--gptq", action="store_true",
@@ -90,10 +100,11 @@ def _raise_interrupt(signum, frame) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    recipe = NVFP4_MTP_RECIPES[args.mtp_experts] if getattr(args, "mtp_experts", None) else args.recipe
     convert(ConvertOptions(
         src=args.src,
         dst=args.dst,
-        recipe=with_fp8_scale_dtype(load_recipe(args.recipe), getattr(args, "scale_dtype", "e8m0")),
+        recipe=with_fp8_scale_dtype(load_recipe(recipe), getattr(args, "scale_dtype", "e8m0")),
         workers=max(1, args.workers),
         max_memory=args.max_memory,
         max_shard_bytes=args.max_shard_size,

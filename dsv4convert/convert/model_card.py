@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,12 +57,14 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     The argv comes from ``dsv4convert.serve.launch`` (the same rules ``serve`` uses), the
     environment from what the checkpoint stores (``quant_config.serving_env``), and the TP
     size from the weights' size. A family whose 8 GPUs cannot hold the weights gets a note
-    instead of a command. ``opened``: the checkpoint and its inspection where the caller has
-    them already (the converter, which has just inspected its output).
+    instead of a command. Each family also gets ``mtp``, the command with the MTP draft, where
+    SGLang's MoE method for the draft's experts runs there, else ``mtp_note`` saying why not;
+    ``draft_moe_method`` names that method. ``opened``: the checkpoint and its inspection where
+    the caller has them already (the converter, which has just inspected its output).
     """
     from dsv4convert.checkpoint import Checkpoint
     from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.serve.launch import LaunchOptions, plan_single, served_like
+    from dsv4convert.serve.launch import LaunchOptions, plan_single, served_like, variant_defaults
 
     if opened is None:
         ckpt = Checkpoint.open(model_dir)
@@ -80,7 +83,15 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
             continue
         options = LaunchOptions(model=str(model_dir), variant=like, gpu_family=family, python="python")
         (command,) = plan_single(options, None, list(range(tp)))
-        launch[name] = {"argv": list(command.argv), "env": {**command.env, **env}}
+        spec: dict = {"argv": list(command.argv), "env": {**command.env, **env}}
+        defaults = variant_defaults(like, family)
+        spec["draft_moe_method"] = defaults.draft_moe_method
+        if defaults.mtp_args is None:
+            spec["mtp_note"] = defaults.mtp_note
+        else:
+            (draft,) = plan_single(replace(options, mtp=True), None, list(range(tp)))
+            spec["mtp"] = {"argv": list(draft.argv), "env": {**draft.env, **env}}
+        launch[name] = spec
     return launch
 
 
@@ -142,6 +153,12 @@ def _launch_lines(launch: dict[str, dict]) -> list[str]:
             lines += [spec["note"], ""]
         if spec.get("argv"):
             lines += ["```bash", shell_line(spec), "```", ""]
+        method = spec.get("draft_moe_method")
+        if spec.get("mtp"):
+            lines += [f"With the MTP draft (EAGLE; its routed experts run through SGLang's `{method}`):", "",
+                      "```bash", shell_line(spec["mtp"]), "```", ""]
+        elif spec.get("mtp_note"):
+            lines += [f"No MTP draft on this GPU: {spec['mtp_note']}.", ""]
     return lines
 
 

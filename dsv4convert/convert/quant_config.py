@@ -17,7 +17,11 @@ Config families, chosen from the routed experts:
   ``Fp8LinearMethod`` without consulting any ignore list, so the linears are all FP8 or all BF16.
 * NVFP4 experts: ``Fp8Config`` plus the fields ``ModelConfig.__init__`` (``configs/model_config.py``)
   reads to wrap it as ``HybridFp8NvFp4Config`` (``model_loader/loader.py::_get_quantization_config``).
-  The loader always excludes ``model.decoder.*`` from NVFP4, so MTP experts can never be NVFP4.
+  The loader always excludes ``model.decoder.*`` from NVFP4, so MTP experts can never be NVFP4:
+  the excluded draft FusedMoE is ``Mxfp4FlashinferTrtllmMoEMethod`` (an SM100 kernel) when
+  ``is_fp4_experts``, else the ``Fp8Config`` dispatch (``Fp8MoEMethod``, Triton on every GPU).
+  ``mtp_experts_format`` (``fp8_block`` or ``mxfp4``) states which the checkpoint holds; SGLang
+  does not read it (its choice follows ``SGLANG_DSV4_FP4_EXPERTS``, see :func:`serving_env`).
 * otherwise: ``Fp8Config`` (FP8 or MXFP4 experts; ``is_fp4_experts`` is one switch per model).
 
 ``expert_dtype: fp4`` is kept only when every routed expert is still MXFP4: SGLang never reads
@@ -79,6 +83,8 @@ _CT_NON_EXPERT_IGNORE = [
 # What ModelOpt lists for engines that read hf_quant_config.json (native names): attention,
 # shared experts, head and the MTP block are never NVFP4 here (enforced below).
 _NVFP4_NATIVE_EXCLUDES = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
+# `mtp_experts_format` of an NVFP4 hybrid config: how the draft's experts (outside NVFP4) are stored.
+_MTP_FORMAT_NAMES = {Format.FP8: "fp8_block", Format.MXFP4: "mxfp4", Format.BF16: "bf16"}
 
 
 @dataclass
@@ -221,8 +227,8 @@ def _nvfp4_fallback(stored: _Stored) -> set[Format]:
     mtp_nvfp4 = Format.NVFP4 in stored.expert_formats(mtp=True)
     if mtp_nvfp4:
         raise RecipeError("SGLang 0.5.23's NVFP4 hybrid always excludes the MTP draft (model.decoder.*) from NVFP4 "
-                          "and loads its experts as MXFP4; keep the MTP experts MXFP4",
-                          tensor=_first_expert(stored, Format.NVFP4, mtp=True))
+                          "and loads its experts as FP8-block or MXFP4; store the MTP experts FP8 (every GPU) or keep "
+                          "them MXFP4 (sm_100 only)", tensor=_first_expert(stored, Format.NVFP4, mtp=True))
     fallback = {f for f in stored.experts.values() if f is not Format.NVFP4}
     # HybridFp8NvFp4Config.get_quant_method: an excluded FusedMoE is MXFP4 when is_fp4_experts,
     # else the Fp8Config dispatch (FP8, or unquantized when ignored_layers lists it).
@@ -249,6 +255,9 @@ def _nvfp4_config(stored: _Stored) -> tuple[dict, dict]:
     ignored_layers = _fp8_ignored_layers(stored)
     if ignored_layers:
         config["ignored_layers"] = ignored_layers
+    mtp_formats = stored.expert_formats(mtp=True)
+    if mtp_formats:
+        config["mtp_experts_format"] = _MTP_FORMAT_NAMES[next(iter(mtp_formats))]
     # configs/model_config.py: nvfp4_moe_meta needs quant_algo MIXED_PRECISION, moe_quant_algo
     # NVFP4 and a group_size in config.json itself; exclude_modules = `ignore`.
     config.update({

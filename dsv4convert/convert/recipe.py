@@ -25,7 +25,7 @@ from dsv4convert.layout import Role, TensorInfo
 from dsv4convert.storage import Format
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
-SHIPPED = ("fp8", "nvfp4", "w4a16", "bf16")
+SHIPPED = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
 TARGETS = ("keep", "bf16", "fp8", "nvfp4", "int4")
 MAX_RECIPE_BYTES = 1024 * 1024
 
@@ -211,7 +211,7 @@ def parse_recipe(text: str, source: str) -> Recipe:
 
 
 def load_recipe(path_or_name: str | Path) -> Recipe:
-    """A recipe file, or the name of a shipped recipe (``fp8``, ``nvfp4``, ``w4a16``, ``bf16``)."""
+    """A recipe file, or the name of a shipped recipe (one of ``SHIPPED``)."""
     path = Path(path_or_name)
     if not path.exists() and str(path_or_name) in SHIPPED:
         path = RECIPE_DIR / f"{path_or_name}.yaml"

@@ -78,8 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "  dsv4convert serve --model out/nvfp4 --pd --check accuracy --tasks gsm8k --out runs/nvfp4 \\\n"
             "      --compare runs/base/accuracy.json --min-recovery 0.97\n"
             "  dsv4convert serve --model out/fp8 --pd --check mtp --compare runs/base/mtp.json\n"
-            "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 -- --speculative-algorithm EAGLE \\\n"
-            "      --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2\n"
+            "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 --mtp   (the MTP draft, EAGLE balanced preset)\n"
             "  dsv4convert serve --model M --pd --role prefill --host 0.0.0.0 -- --dist-init-addr h1:5000 \\\n"
             "      --nnodes 2 --node-rank 0   (multi-node: one role per host; see docs/serve.md)"
         ),
@@ -107,6 +106,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print commands and environment, start nothing")
     p.add_argument("--check", choices=("recall", "speed", "accuracy", "mtp"), help="run a check once serving, then stop")
     p.add_argument("--hold", action="store_true", help="keep serving after --check until Ctrl-C")
+    p.add_argument("--mtp", action="store_true",
+                   help="serve the checkpoint's MTP draft (EAGLE, 1 step, 2 draft tokens); refused on a GPU where "
+                        "SGLang's MoE method for the draft's experts cannot run (nvfp4-mtp-mxfp4 off sm_100)")
     p.add_argument("--indexer-topk", action="store_true",
                    help="recall: capture the indexer's top-k (sets --enable-return-indexer-topk and attention DP)")
     p.add_argument("--lengths", type=_int_list, default=list(recall.DEFAULT_LENGTHS), help="recall context lengths")
@@ -185,7 +187,7 @@ def plan(args: argparse.Namespace, topology: Topology | None) -> tuple[list[laun
         router_port=args.port, server_port=args.port, prefill_port=args.prefill_port, decode_port=args.decode_port,
         bootstrap_port=args.bootstrap_port, transfer_backend=backend,
         ib_devices=topology.ib_devices if topology else (), indexer_topk=args.indexer_topk,
-        mtp=args.check == "mtp" and not any(a.startswith("--speculative-") for a in extra),
+        mtp=(args.mtp or args.check == "mtp") and not any(a.startswith("--speculative-") for a in extra),
         enable_metrics=args.metrics, extra_args=extra,
     )
     if not args.pd:

@@ -2,8 +2,8 @@
 
 Pure planning: nothing here starts a process, so every command can be printed (``--dry-run``)
 and checked against SGLang's own argument parser in tests. The rules (flag names, per-variant
-environment, the MoE runner per GPU family, the PD port contract) follow
-``sglang-contract.md`` sections 1, 4, 5 and 9.
+environment, the MoE runner per GPU family, where the MTP draft can run, the PD port contract)
+follow ``sglang-contract.md`` sections 1, 4, 5 and 9 and ``sglang-loading.md`` section 2.4.
 """
 
 from __future__ import annotations
@@ -16,22 +16,13 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.serve.topology import Topology
 from dsv4convert.storage import Format
 
-SERVED_VARIANTS = ("native", "fp8", "nvfp4", "w4a16", "bf16")
+SERVED_VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
 ROLES = ("prefill", "decode", "router", "server")
 
 # Cookbook cell for SM120 (the only one shipped): --mem-fraction-static 0.70, decode graphs up to bs 32.
 _SM120_MEM_FRACTION = "0.70"
 _SM120_DECODE_GRAPH_BS = 32
-
-# SGLang cookbook's "balanced" MTP preset for DeepSeek-V4 (EAGLE over the checkpoint's mtp.* draft):
-# one draft step, one candidate, two tokens verified per step, so an accepted length of at most 2.
-MTP_BALANCED_ARGS = (
-    "--speculative-algorithm", "EAGLE",
-    "--speculative-num-steps", "1",
-    "--speculative-eagle-topk", "1",
-    "--speculative-num-draft-tokens", "2",
-)
 
 MOONCAKE_TCP_COST = (
     "no active RDMA device under /sys/class/infiniband: KV caches move with mooncake_tcp, i.e. through "
@@ -45,10 +36,34 @@ class LaunchError(DSV4Error):
     """A serving plan that cannot work: unknown variant, bad GPU split, port clash."""
 
 
+# SGLang's EAGLE draft from the checkpoint's MTP block, the cookbook's "balanced" preset (sglang-contract.md
+# section 4: V4 accepts EAGLE with top-k 1, or DSPARK): one draft step, one candidate, two tokens verified
+# per step, so an accepted length of at most 2.
+MTP_ARGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "2")
+
+# MoE methods whose kernels exist only on some GPU majors, and why.
+_SM100_ONLY_METHODS = {
+    "Mxfp4FlashinferTrtllmMoEMethod": "FlashInfer's TRT-LLM MXFP4 MoE kernel (trtllm_fp4_block_scale_moe) is an SM100 "
+                                      "kernel",
+}
+
+
 @dataclass(frozen=True)
 class VariantDefaults:
+    """What SGLang 0.5.23 runs for one variant on one GPU family, and the flags that make it so.
+
+    ``moe_method``/``draft_moe_method`` name the routed-expert method SGLang builds for the backbone
+    and for the MTP draft (the compressed-tensors scheme class for W4A16); CI builds SGLang's model
+    with these settings and checks the names (tests/test_sglang_loading.py).
+    """
+
     env: dict[str, str]
     moe_runner_backend: str | None  # None: leave SGLang's automatic choice
+    moe_method: str
+    draft_moe_method: str
+    mtp_args: tuple[str, ...] | None  # flags that serve the MTP draft; None where its MoE method cannot run
+    mtp_note: str | None = None       # why the draft is not served here
 
 
 def gpu_family_major(gpu_family: str) -> int:
@@ -58,21 +73,45 @@ def gpu_family_major(gpu_family: str) -> int:
     return int(digits[:-1])
 
 
+def _defaults(env: dict[str, str], runner: str | None, method: str, draft_method: str, major: int,
+              draft_args: tuple[str, ...] = ()) -> VariantDefaults:
+    why = _SM100_ONLY_METHODS.get(draft_method) if major != 10 else None
+    if why is None:
+        return VariantDefaults(env, runner, method, draft_method, MTP_ARGS + draft_args)
+    return VariantDefaults(env, runner, method, draft_method, None,
+                           f"SGLang 0.5.23 loads this checkpoint's MXFP4 MTP experts into {draft_method}, and {why}; "
+                           "convert with the nvfp4 recipe (FP8-block MTP experts) to serve the draft on this GPU")
+
+
 def variant_defaults(variant: str, gpu_family: str) -> VariantDefaults:
-    """Environment and MoE runner a variant needs on a GPU family.
+    """Environment, MoE runner and MTP flags a variant needs on a GPU family.
 
     SGLang detects the quantization itself; what it cannot know is that non-FP4 experts must
-    not be read as FP4 when its shard probe finds nothing (W4A16 keys, BF16), and that its
-    automatic runner for the NVFP4 hybrid is an SM100-only one.
+    not be read as FP4 when its shard probe finds nothing (W4A16 keys, BF16) or finds the NVFP4
+    backbone's U8 while the draft's experts are FP8, and that its automatic runner for the NVFP4
+    hybrid is an SM100-only one. The NVFP4 hybrid's FP8 draft experts run on SGLang's Triton FP8
+    MoE: Fp8MoEMethod has no Marlin path (its runner stays unset and its forward fails).
     """
     major = gpu_family_major(gpu_family)
     not_fp4 = {"SGLANG_DSV4_FP4_EXPERTS": "0"}
+    nvfp4_runner = None if major == 10 else "marlin"
     if variant == "native":
-        return VariantDefaults({}, "marlin" if major == 12 else None)
+        mxfp4 = {10: "Mxfp4FlashinferTrtllmMoEMethod", 12: "Mxfp4MarlinMoEMethod"}.get(major,
+                                                                                     "Mxfp4FlashinferCutlassMoEMethod")
+        return _defaults({}, "marlin" if major == 12 else None, mxfp4, mxfp4, major)
+    if variant == "fp8":
+        return _defaults(not_fp4, None, "Fp8MoEMethod", "Fp8MoEMethod", major)
     if variant == "nvfp4":
-        return VariantDefaults({}, None if major == 10 else "marlin")
-    if variant in ("fp8", "w4a16", "bf16"):
-        return VariantDefaults(not_fp4, None)
+        return _defaults(not_fp4, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod", "Fp8MoEMethod", major,
+                         ("--speculative-moe-runner-backend", "triton"))
+    if variant == "nvfp4-mtp-mxfp4":
+        return _defaults({"SGLANG_DSV4_FP4_EXPERTS": "1"}, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod",
+                         "Mxfp4FlashinferTrtllmMoEMethod", major)
+    if variant == "w4a16":
+        wna16 = "CompressedTensorsWNA16TritonMoE" if major == 10 else "CompressedTensorsWNA16MoE"
+        return _defaults(not_fp4, None, wna16, wna16, major)
+    if variant == "bf16":
+        return _defaults(not_fp4, None, "UnquantizedFusedMoEMethod", "UnquantizedFusedMoEMethod", major)
     raise LaunchError(
         f"no serving defaults for variant {variant!r}; expected one of {', '.join(SERVED_VARIANTS)} "
         "(pass --variant to override what inspect detected)"
@@ -83,8 +122,13 @@ def served_like(variant: str, module_formats: dict[str, tuple[Format, dict]]) ->
     """The shipped variant whose serving rules apply to a checkpoint (a mixed recipe follows its experts)."""
     if variant in SERVED_VARIANTS:
         return variant
-    experts = {fmt for module, (fmt, _) in module_formats.items() if ".ffn.experts." in module}
-    for fmt, like in ((Format.NVFP4, "nvfp4"), (Format.INT4, "w4a16"), (Format.MXFP4, "native")):
+    experts = {fmt for module, (fmt, _) in module_formats.items()
+               if ".ffn.experts." in module and not module.startswith("mtp.")}
+    mtp_experts = {fmt for module, (fmt, _) in module_formats.items()
+                   if ".ffn.experts." in module and module.startswith("mtp.")}
+    if Format.NVFP4 in experts:
+        return "nvfp4-mtp-mxfp4" if Format.MXFP4 in mtp_experts else "nvfp4"
+    for fmt, like in ((Format.INT4, "w4a16"), (Format.MXFP4, "native")):
         if fmt in experts:
             return like
     return "fp8"
@@ -117,7 +161,7 @@ class LaunchOptions:
     transfer_backend: str = "mooncake_tcp"
     ib_devices: tuple[str, ...] = ()
     indexer_topk: bool = False
-    mtp: bool = False  # speculative decoding with the MTP draft (MTP_BALANCED_ARGS)
+    mtp: bool = False  # serve the MTP draft (EAGLE, MTP_ARGS); refused where its MoE method cannot run
     enable_metrics: bool = False  # Prometheus metrics at /metrics on every server
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
@@ -159,11 +203,14 @@ def server_args(options: LaunchOptions, role: str, tp_size: int, port: int, nccl
         args += ["--mem-fraction-static", _SM120_MEM_FRACTION]
         if role in ("decode", "server"):
             args += ["--cuda-graph-max-bs-decode", str(_SM120_DECODE_GRAPH_BS)]
+    if options.mtp:
+        if defaults.mtp_args is None:
+            raise LaunchError(f"no MTP draft for the {options.variant} variant on {options.gpu_family}: "
+                              f"{defaults.mtp_note}")
+        args += list(defaults.mtp_args)
     if options.indexer_topk:
         # The capturer needs attention TP == 1, i.e. one attention-DP rank per GPU.
         args += ["--enable-return-indexer-topk", "--attn-dp-size", str(tp_size)]
-    if options.mtp:
-        args += list(MTP_BALANCED_ARGS)
     if options.enable_metrics:
         args += ["--enable-metrics"]
     if role in ("prefill", "decode"):

@@ -16,7 +16,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import linear_shapes
-from dsv4convert.validate.integrity import integrity_problems
+from dsv4convert.validate.integrity import check_integrity
 from dsv4convert.validate.layer_error import layer_errors
 from dsv4convert.validate.report import write_reports
 
@@ -36,7 +36,9 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
         raise DSV4Error("--device cuda asked for, but torch sees no CUDA GPU")
     ckpt = Checkpoint.open(dst)
     info = inspect_checkpoint(ckpt)
-    problems = integrity_problems(ckpt, info)
+    integrity = check_integrity(ckpt, info)
+    problems = integrity.problems
+    setting = integrity.fp4_experts
     errors = []
     if against is not None:
         src = Checkpoint.open(against)
@@ -53,7 +55,9 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
     out = Path(report_dir) if report_dir else ckpt.root.parent / f"{ckpt.root.name}-validation"
     summary = write_reports(out, dst=str(dst), src=str(against) if against else None, variant=info.variant,
                             integrity=problems, errors=errors, threshold=fail_below_snr,
-                            seconds=time.monotonic() - t0, device=device)
+                            seconds=time.monotonic() - t0, device=device,
+                            sglang_env={"SGLANG_DSV4_FP4_EXPERTS": setting.needed} if setting else None,
+                            sglang_note=setting.describe() if setting else None)
     return ValidationResult(summary, out)
 
 
@@ -62,11 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "validate",
         help="check a converted checkpoint's integrity and per-layer error against its source",
         description=(
-            "Integrity: every tensor the layout and variant require, index and shards agreeing, and the "
-            "quantization_config the stored formats need. With --against SRC: every linear module is "
-            "dequantized on both sides (Triton kernels on the GPU, torch on the CPU) and compared (relative "
-            "error, SNR, cosine, max abs, bit-exactness), and run through the fused dequant-GEMM kernel on "
-            "probe activations. Writes validate.json, validate.md and snr_per_layer.png; exits 1 when "
+            "Integrity: every tensor the layout and variant require, index and shards agreeing, what SGLang "
+            "0.5.23's loader would do silently (expert tensors dropped, cast or missing, scales without weights, "
+            "mixed wq_a/wkv pairs, w1/w3 scales that differ), the quantization_config the stored formats need, "
+            "and the SGLANG_DSV4_FP4_EXPERTS value to serve with (the model card's commands must set it). "
+            "With --against SRC: every linear module is dequantized on both sides (Triton kernels on the GPU, "
+            "torch on the CPU) and compared (relative error, SNR, cosine, max abs, bit-exactness), and run "
+            "through the fused dequant-GEMM kernel on probe activations. Writes validate.json, validate.md and snr_per_layer.png; exits 1 when "
             "integrity fails or a module is below --fail-below-snr."
         ),
     )
@@ -89,6 +95,10 @@ def _run(args: argparse.Namespace) -> int:
           f"{'exact' if math.isinf(worst) else f'{worst:.2f} dB'}")
     for problem in s["integrity_problems"][:10]:
         print(f"  integrity: {problem}")
+    if len(s["integrity_problems"]) > 10:
+        print(f"  ... and {len(s['integrity_problems']) - 10} more integrity problems (see the report)")
+    if s["sglang_note"]:
+        print(f"  SGLang 0.5.23: {s['sglang_note']}")
     if s["below_threshold"]:
         print(f"  {len(s['below_threshold'])} modules below {s['fail_below_snr_db']} dB, e.g. {s['below_threshold'][0]}")
     print(f"report: {result.report_dir / 'validate.md'}")

@@ -1,37 +1,53 @@
-"""Integrity of a checkpoint: layout, index and shards, and the quantization config.
+"""Integrity of a checkpoint: layout, index and shards, what SGLang would make of it, its config.
 
 The layout check is ``inspect``'s (every tensor the layout and the variant require, with
-the right dtype and shape; index and shard headers agree). The config check recomputes
-the ``quantization_config`` (and ``hf_quant_config.json``) that the stored formats call for
-and compares it with what the checkpoint carries, so a stale or hand-edited config that
-SGLang would misread is caught.
+the right dtype and shape; index and shard headers agree). ``sglang_load`` then names what
+SGLang 0.5.23's loader would do silently with what is there (dropped, cast or missing expert
+tensors, partial modules, mixed fused pairs, w1/w3 scalars that differ); its specific message
+replaces inspect's generic one for the same module. The config check recomputes the
+``quantization_config`` (and ``hf_quant_config.json``) that the stored formats call for and
+compares it with what the checkpoint carries, so a stale or hand-edited config that SGLang would
+misread is caught; last, the model card's launch commands must set the ``SGLANG_DSV4_FP4_EXPERTS``
+value the checkpoint needs.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.convert.quant_config import build_quant_config
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection
+from dsv4convert.layout import try_classify
+from dsv4convert.validate.sglang_load import (
+    Fp4ExpertsSetting,
+    fp4_experts_setting,
+    model_card_problems,
+    sglang_load_problems,
+)
 
 
-def integrity_problems(ckpt: Checkpoint, inspection: Inspection) -> list[str]:
-    problems = [f"missing: {n}" for n in inspection.missing]
-    problems += [f"unexpected: {n}" for n in inspection.unexpected]
-    problems += [f"mismatched: {n}" for n in inspection.mismatched]
-    problems += inspection.problems
-    if problems or inspection.variant == "native":
-        return problems
+@dataclass
+class Integrity:
+    problems: list[str]
+    fp4_experts: Fp4ExpertsSetting | None  # the SGLANG_DSV4_FP4_EXPERTS value to serve with (None: unservable)
+
+
+def check_integrity(ckpt: Checkpoint, inspection: Inspection) -> Integrity:
+    specific, covered = sglang_load_problems(ckpt, inspection)
+    problems = specific + [p for p in _layout_problems(inspection) if _module_of(p) not in covered]
     formats = {m: (f.format, dict(f.params)) for m, f in inspection.modules.items() if f.format is not None}
+    if problems or inspection.variant == "native":
+        return Integrity(problems, None if problems else fp4_experts_setting(ckpt, formats))
     for module, (fmt, params) in formats.items():
         if fmt.value == "fp8":
             params["fp8_scale_dtype"] = ckpt.entry(f"{module}.scale").dtype
     try:
         expected, extras = build_quant_config(ckpt.config, formats)
     except DSV4Error as exc:
-        return [f"config: the stored formats cannot be served by SGLang 0.5.23: {exc}"]
+        return Integrity([f"config: the stored formats cannot be served by SGLang 0.5.23: {exc}"], None)
     if expected.get("quantization_config") != ckpt.config.get("quantization_config"):
         problems.append(
             "config.json: quantization_config differs from what the stored formats need: expected "
@@ -42,4 +58,29 @@ def integrity_problems(ckpt: Checkpoint, inspection: Inspection) -> list[str]:
             problems.append(f"{name}: missing")
         elif json.loads(path.read_text()) != obj:
             problems.append(f"{name}: differs from what the stored formats need")
-    return problems
+    setting = fp4_experts_setting(ckpt, formats)
+    if setting is not None:
+        problems += model_card_problems(ckpt, setting)
+    return Integrity(problems, setting)
+
+
+def integrity_problems(ckpt: Checkpoint, inspection: Inspection) -> list[str]:
+    return check_integrity(ckpt, inspection).problems
+
+
+def _layout_problems(inspection: Inspection) -> list[str]:
+    problems = [f"missing: {n}" for n in inspection.missing]
+    problems += [f"unexpected: {n}" for n in inspection.unexpected]
+    problems += [f"mismatched: {n}" for n in inspection.mismatched]
+    return problems + inspection.problems
+
+
+def _module_of(problem: str) -> str | None:
+    """The module an inspect problem is about ("missing: X.weight", "mismatched: X: ...")."""
+    kind, _, rest = problem.partition(": ")
+    if kind == "mismatched":
+        return rest.split(":", 1)[0]
+    if kind in ("missing", "unexpected"):
+        info = try_classify(rest)
+        return info.module if info else rest.rsplit(".", 1)[0]
+    return None

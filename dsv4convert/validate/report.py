@@ -53,13 +53,15 @@ def outliers(errors: list[ModuleError]) -> list[ModuleError]:
 
 
 def write_reports(out_dir: Path, *, dst: str, src: str | None, variant: str, integrity: list[str],
-                  errors: list[ModuleError], threshold: float | None, seconds: float, device: str) -> dict:
+                  errors: list[ModuleError], threshold: float | None, seconds: float, device: str,
+                  sglang_env: dict[str, str] | None = None, sglang_note: str | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     aggregates = role_aggregates(errors)
     below = [e for e in errors if threshold is not None and e.snr_db < threshold]
     summary = {
         "checkpoint": dst, "against": src, "variant": variant, "device": device, "seconds": round(seconds, 3),
         "integrity_ok": not integrity, "integrity_problems": integrity,
+        "sglang_env": sglang_env, "sglang_note": sglang_note,
         "modules": len(errors), "exact_modules": sum(e.exact for e in errors),
         "worst_snr_db": min((e.snr_db for e in errors), default=math.inf),
         "fail_below_snr_db": threshold, "below_threshold": [e.module for e in below],
@@ -93,6 +95,8 @@ def _markdown(summary: dict, aggregates: list[dict], errors: list[ModuleError]) 
                  f"{_fmt_db(summary['worst_snr_db'])} dB")
     for problem in summary["integrity_problems"][:20]:
         lines.append(f"  - integrity: {problem}")
+    if summary.get("sglang_note"):
+        lines.append(f"- SGLang 0.5.23: {summary['sglang_note']}")
     if summary["fail_below_snr_db"] is not None:
         lines.append(f"- threshold {summary['fail_below_snr_db']} dB: {len(summary['below_threshold'])} modules below")
     lines += ["", "## Per role", "", "| role | conversion | modules | bit-exact | min SNR dB | median SNR dB | "
