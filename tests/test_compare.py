@@ -13,7 +13,7 @@ import torch
 from dsv4convert import dtypes
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter
 from dsv4convert.cli import main
-from dsv4convert.compare.engine import Batch, LockstepEngine
+from dsv4convert.compare.engine import LockstepEngine
 from dsv4convert.compare.numerics import serving_for
 from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.checkpoint import Checkpoint
@@ -41,12 +41,13 @@ def test_the_engine_computes_transformers_logits(tiny_ckpt):
     """The base side's log-probabilities of the next token are those of transformers' full forward."""
     plan = build_plan(CompareOptions(base=str(tiny_ckpt), variant=str(tiny_ckpt), random_tokens=True,
                                      tokens=2 * SEQ, seq_len=SEQ, chunk=SEQ, numerics="weights", progress=False))
-    result = LockstepEngine([plan.base, plan.variant], [Batch(plan.ids)], device=plan.device, dtype=plan.dtype,
+    result = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype,
                             chunk=SEQ, progress=False).run()
     model, _ = load(tiny_ckpt)
     with torch.no_grad():
-        log_p = torch.log_softmax(model(plan.ids).logits.double(), dim=-1)
-    want = log_p[:, :-1].gather(2, plan.ids[:, 1:, None]).reshape(-1)
+        log_p = torch.log_softmax(model(plan.batches[0].ids).logits.double(), dim=-1)
+    ids = plan.batches[0].ids
+    want = log_p[:, :-1].gather(2, ids[:, 1:, None]).reshape(-1)
     got = torch.cat(result.output["variant"].base_logp)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert [b.block for b in result.blocks] == ["layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "mtp.0"]
@@ -112,8 +113,10 @@ def sglang_activation(scheme: str, runner: str, gpu: str) -> str | None:
 
 
 @pytest.mark.parametrize("gpu", GPU)
-@pytest.mark.parametrize("variant", ["native", "fp8", "nvfp4", "w4a16", "bf16"])
+@pytest.mark.parametrize("variant", ["native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16"])
 def test_served_expert_numerics_follow_sglangs_own_resolution(variants, variant, gpu):
+    """The backbone's and the MTP draft's experts, against SGLang's own scheme and resolved runner (the draft's
+    MXFP4 experts in an NVFP4 checkpoint go to its TRT-LLM MXFP4 method whatever the runner: W4A8)."""
     import sglang_oracle as sgl
 
     ckpt = Checkpoint.open(variants[variant])
@@ -121,9 +124,14 @@ def test_served_expert_numerics_follow_sglangs_own_resolution(variants, variant,
     serving = serving_for(inspection, ckpt.config, engine="sglang", gpu_family=gpu, model=str(ckpt.root))
     resolved = sgl.resolve_server_args(list(serving.server_args), gpu=gpu, env=serving.env).resolved_dict()
     qc = sgl.quant_config_for_checkpoint(ckpt.root, gpu=gpu, env=serving.env)
-    scheme = sgl.moe_scheme_for(qc, "model.layers.3.mlp.experts") if qc is not None else "unquantized"
-    fmt = inspection.modules["layers.3.ffn.experts.0.w1"].format
-    assert serving.expert_scheme(fmt, is_mtp=False) == sglang_activation(scheme, resolved["moe_runner_backend"], gpu)
+    for block, prefix, is_mtp in (("layers.3", "model.layers.3.mlp.experts", False),
+                                  ("mtp.0", "model.decoder.mlp.experts", True)):
+        scheme = sgl.moe_scheme_for(qc, prefix) if qc is not None else "unquantized"
+        runner = resolved["moe_runner_backend"]
+        if is_mtp and scheme == "mxfp4" and variant.startswith("nvfp4"):
+            runner = "flashinfer_mxfp4 (TRT-LLM)"
+        fmt = inspection.modules[f"{block}.ffn.experts.0.w1"].format
+        assert serving.expert_scheme(fmt, is_mtp=is_mtp) == sglang_activation(scheme, runner, gpu), block
     assert serving.kv_cache_dtype == resolved["kv_cache_dtype"] == "fp8_e4m3"
 
 

@@ -64,7 +64,9 @@ def test_every_planned_command_parses(model_dirs, variant, family):
     commands = [
         *pd_plan(model, variant, family),
         *pd_plan(model, variant, family, transfer_backend="nixl", indexer_topk=True),
-        *pd_plan(model, variant, family, mtp=True, enable_metrics=True),
+        # The MTP draft where its MoE method runs (elsewhere serve refuses it: test_mtp_* below).
+        *pd_plan(model, variant, family, mtp=variant_defaults(variant, family).mtp_args is not None,
+                 enable_metrics=True),
         *plan_single(LaunchOptions(model=str(model), variant=variant, gpu_family=family), USER_HOST, list(range(8))),
         *plan_role(multi, None, "prefill", [0, 1, 2, 3]),
         *plan_role(multi, None, "router", [], "http://10.0.0.1:30000", "http://10.0.0.2:30001"),
@@ -145,9 +147,10 @@ def test_indexer_topk_sets_attention_dp(model_dirs):
     assert resolved["enable_return_indexer_topk"] and resolved["attn_dp_size"] == 4
 
 
-@pytest.mark.parametrize("variant", SERVED_VARIANTS)
+@pytest.mark.parametrize("variant", [v for v in SERVED_VARIANTS if variant_defaults(v, "sm120").mtp_args])
 def test_mtp_and_metrics_resolve_as_sglang_would(model_dirs, variant):
-    """--check mtp: SGLang's EAGLE over the checkpoint's own MTP layers, on both PD servers; --metrics."""
+    """--check mtp: SGLang's EAGLE over the checkpoint's own MTP layers, on both PD servers; --metrics.
+    (nvfp4-mtp-mxfp4 has no draft on sm120: test_mtp_flags_only_where_the_draft_runs.)"""
     for command in pd_plan(model_dirs[variant], variant, "sm120", mtp=True, enable_metrics=True)[:2]:
         resolved = sgl.resolve_server_args(list(command.sglang_args), gpu="sm120", env=command.env).resolved_dict()
         assert resolved["speculative_algorithm"] == "EAGLE" and resolved["enable_metrics"] is True

@@ -74,7 +74,7 @@ class Serving:
         if fmt is Format.FP8:
             return "fp8"                                      # Fp8MoEMethod, Triton: float32 token groups
         if fmt is Format.MXFP4:
-            if is_mtp and self.variant == "nvfp4":
+            if is_mtp and self.variant.startswith("nvfp4"):
                 return "mxfp8"                                # Mxfp4FlashinferTrtllmMoEMethod whatever the runner
             if runner == "marlin" or (runner in ("auto", "flashinfer_mxfp4") and major == 9):
                 return None                                   # Marlin, or flashinfer cutlass W4A16 on sm90
