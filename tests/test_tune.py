@@ -288,6 +288,9 @@ def test_kernel_sequence_matches_a_torch_moe(outputs):
     assert torch.equal(batch.sequence(default, default, 0), batch.down(default, 0, a2, a2_scale, batch.down_output()))
     tma_sequence = batch.sequence(small, small_tma, 0).clone()
     assert workload.relative_error(tma_sequence, batch.sequence(default, default, 0)) < workload.SEQUENCE_TOLERANCE
+    # What `compare` times: the same two GEMMs, the down one on the default config's activations.
+    assert torch.equal(batch.gemms(default, default, 0, default), batch.sequence(default, default, 0))
+    assert workload.relative_error(batch.gemms(small, small_tma, 0, default), tma_sequence) < workload.SEQUENCE_TOLERANCE
 
 
 def test_alignment_is_sglangs_layout():

@@ -225,6 +225,15 @@ class Batch:
         return self.down(down, routing, a2, a2_scale, self.down_output())
 
 
+    def gemms(self, up: Tile, down: Tile, routing: int, reference_up: Tile) -> torch.Tensor:
+        """The two GEMMs of ``sequence`` alone, the down one on the activated output of ``reference_up``
+        (what ``compare`` times: the part of the sequence the configs choose)."""
+        tma = down.use_tma
+        self.up(up, routing, self.up_output(self.sorted_rows(up.block_m) if tma else None), c_sorted=tma)
+        a2, a2_scale = self.down_input(reference_up, routing, down)
+        return self.down(down, routing, a2, a2_scale, self.down_output())
+
+
 def _flags(problem: MoEProblem) -> dict:
     import triton.language as tl
 
