@@ -175,7 +175,7 @@ def test_every_timed_candidate_matches_sglangs_default_config(fp8_tune):
     log = json.loads((fp8_tune["out"] / "tune-logs" / fp8_tune["names"][0]).read_text())
     trials = log["trials"]
     timed = [t for t in trials if t["us"] is not None]
-    assert len(timed) >= 16 and {t["round"] for t in timed} == {"baseline", "shapes", "refine"}
+    assert len(timed) >= 16 and {t["round"] for t in timed} == {"baseline", "shapes", "refine", "confirm"}
     assert all(t["status"] == "ok" and t["error"] <= workload.TOLERANCE for t in timed)
     assert any(t["config"].get("USE_TMA") for t in timed)  # sm_120 has TMA: the second round tried it
     default = sglang_moe.config_module().get_default_config(1, 8, 128, 256, 2, "fp8_w8a8", False, [128, 128])

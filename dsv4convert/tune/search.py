@@ -6,7 +6,8 @@ its own and, per batch size, the pair with one ``BLOCK_SIZE_M`` and the least to
 that pair is written as the up file and the ``_down`` file. Every candidate runs once against the
 output of SGLang's default config before it is timed, and is dropped if it differs by more than
 the kernels' tolerance. SGLang's default config, and its shipped file's entry where one exists,
-are always timed first, so the result is never a config that was not measured against them.
+are always timed first, so the result is never a config that was not measured against them; the
+finalists are re-timed longer before the choice.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ GEMMS = ("up", "down")
 # SGLang's own tuner's default batch sizes (benchmark/kernels/fused_moe_triton/common_utils.py).
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 REFINED_SHAPES = 2  # per GEMM and batch size, the best shapes the second round varies
+CONFIRMED_PER_BLOCK_M = 2  # finalists re-timed per GEMM, batch size and BLOCK_SIZE_M
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Trial:
     gemm: str
     tile: Tile
     batch_size: int
-    round: str                  # "baseline", "shapes" or "refine"
+    round: str                  # "baseline", "shapes", "refine", or "confirm" (a finalist re-timed)
     status: str                 # "ok", "wrong" (differs from the default config), "shared-memory", "failed"
     us: float | None = None
     error: float | None = None  # largest difference from the default config, relative to its largest value
@@ -128,9 +130,7 @@ class _Search:
             if trial.error > TOLERANCE:
                 trial.status, trial.note = "wrong", f"differs from SGLang's default config by {trial.error:.3g}"
             else:
-                routings = range(len(batch.routings))
-                trial.us = time_us(lambda: [self._run(gemm, tile, batch, r) for r in routings], self.device,
-                                   self.rep_ms, len(batch.routings))
+                trial.us = self.time(gemm, tile, batch, self.rep_ms)
                 table = self.best[(gemm, m)]
                 if tile.block_m not in table or trial.us < table[tile.block_m][0]:
                     table[tile.block_m] = (trial.us, tile)
@@ -140,6 +140,28 @@ class _Search:
             trial.status, trial.note = "failed", f"Triton could not compile it: {str(exc).splitlines()[0][:200]}"
         self.trials.append(trial)
         return trial
+
+    def time(self, gemm: str, tile: Tile, batch: Batch, rep_ms: int) -> float:
+        routings = range(len(batch.routings))
+        return time_us(lambda: [self._run(gemm, tile, batch, r) for r in routings], self.device, rep_ms,
+                       len(batch.routings))
+
+    def confirm(self, rep_ms: int) -> None:
+        """Re-time the two fastest tiles of each ``BLOCK_SIZE_M``, per GEMM and batch size, longer and
+        alternating, so that the choice between near-equal finalists is not one short timing's noise."""
+        for (gemm, m), table in self.best.items():
+            batch = self.batches[m]
+            for block_m in list(table):
+                ok = sorted((t for t in self.trials if t.gemm == gemm and t.batch_size == m and t.us is not None
+                             and t.tile.block_m == block_m and t.round != "confirm"), key=lambda t: t.us)
+                finalists = list(dict.fromkeys(t.tile for t in ok))[:CONFIRMED_PER_BLOCK_M]
+                times: dict[Tile, list[float]] = {tile: [] for tile in finalists}
+                for _ in range(2):
+                    for tile in finalists:
+                        times[tile].append(self.time(gemm, tile, batch, rep_ms))
+                for tile, measured in times.items():
+                    self.trials.append(Trial(gemm, tile, m, "confirm", "ok", us=min(measured), error=0.0))
+                table[block_m] = min(((min(measured), tile) for tile, measured in times.items()), key=lambda p: p[0])
 
     def baselines(self, shipped: bool) -> None:
         """SGLang's default config (the reference every candidate must match), then its shipped entry."""
@@ -173,7 +195,8 @@ class _Search:
 
 
 def run_search(problem: MoEProblem, device: Device, batch_sizes: Iterable[int], *, budget_s: float,
-               max_candidates: int | None = None, seed: int = 0, rep_ms: int = 3, shipped: bool = True,
+               max_candidates: int | None = None, seed: int = 0, rep_ms: int = 3, confirm_rep_ms: int = 10,
+               shipped: bool = True,
                progress: bool = True, clock: Callable[[], float] = time.monotonic) -> SearchResult:
     """Search both GEMMs' tiles for every batch size; stop starting new candidates once ``budget_s`` is spent."""
     from tqdm import tqdm
@@ -222,6 +245,7 @@ def run_search(problem: MoEProblem, device: Device, batch_sizes: Iterable[int], 
             bar.total += sum(len(t) for _, t in refine)
             bar.refresh()
             stopped = sweep(refine, "refine")
+        search.confirm(confirm_rep_ms)
     finally:
         bar.close()
     return SearchResult(problem, device, search.choose(), search.trials, clock() - start, budget_s, stopped,

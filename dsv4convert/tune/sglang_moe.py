@@ -40,10 +40,11 @@ _QUANT_MODULE = "sglang.kernels.ops.quantization.fp8_kernel"
 
 
 def _require_sglang() -> None:
-    if importlib.util.find_spec("sglang") is None:
-        raise TuneError("SGLang is not installed: tune runs SGLang 0.5.23's own Triton MoE kernel "
-                        "(pip install sglang==0.5.23; on a host without its GPU packages: --no-deps plus the "
-                        "light dependencies in ci/install-sglang-cpu.sh)")
+    for package in ("triton", "sglang"):
+        if importlib.util.find_spec(package) is None:
+            raise TuneError(f"{package} is not installed: tune runs SGLang 0.5.23's own Triton MoE kernel "
+                            "(pip install sglang==0.5.23; on a host without its GPU packages: --no-deps plus the "
+                            "light dependencies in ci/install-sglang-cpu.sh)")
 
 
 @functools.cache
@@ -97,6 +98,7 @@ def quantize_fp8_groups(x, group: int):
 def version() -> str:
     from importlib.metadata import version as dist_version
 
+    _require_sglang()
     return dist_version("sglang")
 
 
@@ -107,6 +109,7 @@ def shipped_root() -> Path:
 
 def triton_folder() -> str:
     """``triton_X_Y_Z``: the folder SGLang looks in first, for the Triton that runs here."""
+    _require_sglang()
     import triton
 
     parts = triton.__version__.split(".")
