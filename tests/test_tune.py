@@ -384,7 +384,7 @@ def test_write_is_atomic_merges_own_folders_and_replaces_shipped(tmp_path, monke
         real(path, obj)
 
     monkeypatch.setattr(checkpoint, "atomic_write_json", failing)
-    with pytest.raises(OSError):
+    with pytest.raises(TuneError, match="disk full"):
         output.write_tuned(out, files={name: {1: cfg}}, **kwargs)
     assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "shipped"]  # nothing half-written left
     monkeypatch.setattr(checkpoint, "atomic_write_json", real)

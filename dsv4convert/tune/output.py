@@ -92,9 +92,11 @@ def write_tuned(out: Path, *, shipped_configs: Path, files: dict[str, dict[int, 
             if out.exists():
                 out.rmdir()  # empty (checked above)
             os.replace(root, out)
-    except BaseException:
+    except BaseException as exc:
         if fresh:
             shutil.rmtree(root, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise TuneError(f"cannot write the tuned configs: {exc.strerror or exc}", file=exc.filename or out) from None
         raise
     return written
 
