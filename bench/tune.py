@@ -16,7 +16,7 @@ the light pure-Python/abi3 imports the image lacks, carried as ``.whl/tune-h200`
 
 (``.whl/tune-h200/deps``: annotated-types, apache-tvm-ffi, dill, ipython, msgspec, orjson, pybase64,
 pydantic, pydantic-core, pyzmq, starlette, traitlets, typing-inspection; found by importing this
-path in an environment holding only the image's packages.) About 8 minutes with the default budget.
+path in an environment holding only the image's packages.) About 7 minutes with the default budget.
 
 writes ``<out>.json`` (every trial, every round), ``<out>.md`` (the table) and the two tuned files in
 ``<out>-configs/``. ``--config tiny`` runs the same script on the tiny synthetic shapes (CPU check).
@@ -82,7 +82,7 @@ def markdown(record: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="results prefix (.json, .md and -configs/ are written)")
-    p.add_argument("--time-budget", type=float, default=6.0, help="minutes of search (default 6)")
+    p.add_argument("--time-budget", type=float, default=5.0, help="minutes of search (default 5)")
     p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds of the comparison")
     p.add_argument("--tp", type=int, default=4)
