@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.quant_config import serving_env
+from dsv4convert.tune.problem import model_card_lines
 
 if TYPE_CHECKING:
     from dsv4convert.checkpoint import Checkpoint
@@ -194,6 +195,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
         "tell every expert layout from the files alone.",
         "",
         *_launch_lines(launch),
+        *model_card_lines(variant),
         "## Recipe",
         "",
         "```yaml",

@@ -85,6 +85,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory (also the tokenizer)")
     p.add_argument("--variant", choices=launch.SERVED_VARIANTS, help="override the variant `inspect` detects")
+    p.add_argument("--tuned-configs", type=Path, metavar="DIR",
+                   help="`dsv4convert tune --out DIR`: sets SGLANG_MOE_CONFIG_DIR=DIR for every server")
     p.add_argument("--gpu-family", help="sm90, sm100 or sm120; read from nvidia-smi when omitted")
     p.add_argument("--pd", action="store_true", help="prefill/decode disaggregation behind sglang_router")
     p.add_argument("--prefill-gpus", type=_gpu_list, help="GPUs of the prefill server (default: first NUMA node's)")
@@ -367,6 +369,14 @@ def run(args: argparse.Namespace) -> int:
     args.variant = _variant(args)
     topology = _topology(args)
     commands, warnings = plan(args, topology)
+    if args.tuned_configs:
+        from dataclasses import replace
+
+        from dsv4convert.tune.output import tuned_config_env
+
+        env, tuned_warnings = tuned_config_env(args.tuned_configs)
+        commands = [replace(c, env={**c.env, **env}) if c.role != "router" else c for c in commands]
+        warnings += tuned_warnings
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:

@@ -1,0 +1,129 @@
+"""``dsv4convert tune`` on the FP8 variant's MoE at TP4 (E=256, N=512 per rank, H=4096, top-6, FP8 128x128):
+the tuned configs against SGLang's default config and against SGLang's shipped file for the GPU, side by side.
+
+One run: tune (``dsv4convert.tune.run.tune``: SGLang's own kernel, a time budget) for batch sizes
+1-256, write the merged config folder, then time SGLang's whole MoE kernel sequence with each
+variant's configs, resolved by SGLang's lookup, in alternating rounds. Goal: >= 1.3x the default
+config averaged over decode batch sizes 1-64, and no batch size slower than the shipped file.
+It needs torch, Triton and ``sglang==0.5.23`` importable (``--no-deps``, no ``sglang-kernel``):
+on the H200 image (Python 3.12, torch 2.11, Triton 3.6, transformers 5.17) that is the wheel, which
+is cp311-only and so is unzipped (its five Rust extensions are never imported on this path), and
+the light pure-Python/abi3 imports the image lacks, carried as ``.whl/tune-h200``::
+
+    python3 -m zipfile -e .whl/tune-h200/sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl /tmp/sgl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tune-h200/deps/*.whl
+    PYTHONPATH=/tmp/site:/tmp/sgl:. python3 bench/tune.py --out $OUT/tune-h200
+
+(``.whl/tune-h200/deps``: annotated-types, apache-tvm-ffi, dill, ipython, msgspec, orjson, pybase64,
+pydantic, pydantic-core, pyzmq, starlette, traitlets, typing-inspection; found by importing this
+path in an environment holding only the image's packages.) About 7 minutes with the default budget.
+
+writes ``<out>.json`` (every trial, every round), ``<out>.md`` (the table) and the two tuned files in
+``<out>-configs/``. ``--config tiny`` runs the same script on the tiny synthetic shapes (CPU check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import report  # noqa: E402
+from dsv4convert.storage import Format  # noqa: E402
+from dsv4convert.synth import preset_config, reference_config  # noqa: E402
+from dsv4convert.tune import compare, device, run, sglang_moe  # noqa: E402
+from dsv4convert.tune.problem import MoEProblem  # noqa: E402
+from dsv4convert.tune.workload import ROUTINGS  # noqa: E402
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+GOAL_DECODE_SPEEDUP = 1.3
+
+
+def markdown(record: dict) -> str:
+    r, s, search = record["run"], record["summary"], record["search"]
+    what = (f"{record['problem']['describe']}. The MoE's two GEMMs as SGLang launches them for each pair of configs "
+            "(SGLang's `invoke_fused_moe_kernel`; the gate/up GEMM writes expert-sorted rows for a TMA down config); "
+            "the activation, FP8 requantization, routing alignment and top-k sum between and around them do not depend "
+            f"on the configs and are left out. Median of {record['rounds']} alternating rounds of CUDA-graph timings, "
+            f"each over {ROUTINGS} routings (at small batches each activates other experts, so most weights come from "
+            "HBM, as in a forward where every layer has its own), per batch size:")
+    decode = s["decode_mean_speedup_vs_default"]
+    goal = "met" if decode >= GOAL_DECODE_SPEEDUP else "MISSED"
+    lines = [f"# `dsv4convert tune` on {r['device']}: SGLang's fused MoE, FP8 variant at TP{record['problem']['tp']}",
+             "", what, "", *compare.table(record["compare"]), "",
+             f"- decode batch sizes 1-64: **{decode:.2f}x** SGLang's default config (goal {GOAL_DECODE_SPEEDUP}x: {goal})"]
+    if s["min_speedup_vs_shipped"] is not None:
+        verdict = "none slower" if s["min_speedup_vs_shipped"] >= 1.0 else "SLOWER at some"
+        lines.append(f"- against SGLang's shipped `{record['shipped_file']}`: slowest ratio "
+                     f"**{s['min_speedup_vs_shipped']:.2f}x** at batch size {s['slowest_vs_shipped_batch_size']} "
+                     f"({verdict} batch size)")
+    else:
+        lines.append("- SGLang ships no config for this GPU and shape: only the default config to compare with")
+    reached = ", reached" if search["stopped_by_budget"] else ""
+    lines += [
+        f"- search: {search['shapes_tried']} of {search['shapes_planned']} tile shapes in {search['elapsed_s']:.0f} s "
+        f"(budget {search['budget_s']:.0f} s{reached}), trials {search['trials']}; "
+        f"{search['left_out_for_shared_memory']} shapes left out for shared memory",
+        f"- {r['device']}, torch {r['torch']}, Triton {r['triton']}, SGLang {record['sglang']}, commit {r['commit']}",
+        f"- command: `{r['command']}`",
+        ("- sm_120 (RTX PRO 6000) numbers must come from the user's machine: run `dsv4convert tune` there; these "
+         "are H200 numbers, and its shared memory (227 KB per block) and tensor cores differ."),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="results prefix (.json, .md and -configs/ are written)")
+    p.add_argument("--time-budget", type=float, default=5.0, help="minutes of search (default 5)")
+    p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
+    p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds of the comparison")
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--config", choices=("real", "tiny"), default="real", help="tiny: a CPU check of this script")
+    args = p.parse_args(argv)
+
+    config = reference_config() if args.config == "real" else preset_config("tiny")
+    problem = MoEProblem.from_config(config, Format.FP8, args.tp if args.config == "real" else 1)
+    gpu = device.detect()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    out = Path(args.out)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as work:
+        folder = Path(work) / "moe-configs"
+        outcome = run.tune(problem, gpu, folder, batch_sizes=batch_sizes, budget_s=args.time_budget * 60,
+                           source=f"{args.config} config.json", compare_rounds=args.rounds)
+        configs = out.parent / f"{out.name}-configs"
+        configs.mkdir(parents=True, exist_ok=True)
+        for path in outcome.written:
+            (configs / path.name).write_bytes(path.read_bytes())
+        trials = json.loads(outcome.log.read_text())["trials"]
+    record = {
+        "run": report.gpu_run() if gpu.timed else {"device": gpu.name, "torch": "", "triton": "", "commit": "",
+                                                    "command": " ".join(sys.argv)},
+        "sglang": sglang_moe.version(),
+        "problem": {"describe": problem.describe(), "experts": problem.experts, "n": problem.lookup_n,
+                    "hidden": problem.hidden, "topk": problem.topk, "tp": problem.tp, "dtype": problem.dtype},
+        "files": list(outcome.plan.files),
+        "shipped_file": outcome.plan.up_file.split("/", 1)[1] if sglang_moe.lookup(problem, None) else None,
+        "replaces_shipped": outcome.plan.replaces_shipped(),
+        "rounds": args.rounds,
+        "search": outcome.result.summary(),
+        "summary": compare.summary(outcome.rows),
+        "compare": outcome.rows,
+        "choices": [c.to_json() for c in outcome.result.choices.values()],
+        "trials": trials,
+        "wall_s": time.monotonic() - start,
+    }
+    report.write(str(out), record, markdown(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
