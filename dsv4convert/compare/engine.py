@@ -278,8 +278,12 @@ class LockstepEngine:
                 first, last = batch.scored(row)
                 seq = batch.ids.shape[1]
                 answer = {t.label: [] for t in self.tracks}
-                for start in range(0, seq, HEAD_POSITIONS):
+                # The MTP blocks need every position's top-1; without them only the scored positions matter.
+                need_all = any(block.startswith("mtp.") for block in self.blocks)
+                for start in range(0 if need_all else first - first % HEAD_POSITIONS, seq, HEAD_POSITIONS):
                     end = min(start + HEAD_POSITIONS, seq)
+                    if not need_all and start >= last:
+                        break
                     logits = {t.label: heads[t.side.label](final[t.label][b][row:row + 1, start:end].to(self.device))[0]
                               for t in self.tracks}
                     for label, value in logits.items():

@@ -88,17 +88,20 @@ def percentiles(values: torch.Tensor) -> dict[str, float]:
 class HiddenError:
     """Running relative error and cosine of two sides' streams, over chunks of positions."""
 
+    PIECE = 1 << 26
     diff_sq: float = 0.0
     ref_sq: float = 0.0
     other_sq: float = 0.0
     dot: float = 0.0
 
     def add(self, reference: torch.Tensor, other: torch.Tensor) -> None:
-        a, b = reference.double().reshape(-1), other.double().reshape(-1)
-        self.diff_sq += float((a - b).square().sum())
-        self.ref_sq += float(a.square().sum())
-        self.other_sq += float(b.square().sum())
-        self.dot += float(a @ b)
+        a, b = reference.reshape(-1), other.reshape(-1)
+        for start in range(0, a.numel(), self.PIECE):   # float64 a piece at a time: a 64K-token layer is 1G values
+            x, y = a[start:start + self.PIECE].double(), b[start:start + self.PIECE].double()
+            self.diff_sq += float((x - y).square().sum())
+            self.ref_sq += float(x.square().sum())
+            self.other_sq += float(y.square().sum())
+            self.dot += float(x @ y)
 
     def result(self) -> dict[str, float]:
         rel = math.sqrt(self.diff_sq / self.ref_sq) if self.ref_sq else (0.0 if self.diff_sq == 0 else math.inf)
