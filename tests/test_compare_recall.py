@@ -146,8 +146,9 @@ def test_indexer_hook_sees_what_transformers_computes(k64):
 
 
 def test_a_checkpoint_against_itself_overlaps_fully_and_counts_only_rows_past_the_threshold(k64):
-    r = recall(k64["native"], k64["native"])
+    r = recall(k64["native"], k64["native"], recall={"local": True})
     variant = r["tracks"]["variant"]
+    assert all(layer["overlap_local"]["mean"] == 1.0 for layer in variant["layers"])
     assert all(layer["overlap_free_running"]["mean"] == layer["overlap_free_running"]["min"] == 1.0
                for layer in variant["layers"])
     # Only rows past the threshold count: of each prompt + answer, the positions from 264 on.
@@ -189,7 +190,7 @@ def test_cli_writes_the_recall_report_and_refuses_bad_requests(k64, tmp_path, ca
                                                   "needle_rank.png", "topk_overlap.png"}
     md = (report / "compare.md").read_text()
     assert "## Needle accuracy per length" in md and "noise floor" in md and "layers.2" in md
-    for extra, message in ((["--lengths", "300"], "--lengths, --depths and --ablate belong to --recall"),
+    for extra, message in ((["--lengths", "300"], "--lengths, --depths, --ablate and --local belong to --recall"),
                            (["--recall", "--random-tokens"], "--recall builds its own needle prompts"),
                            (["--recall", "--lengths", "40"], "cannot hold the template")):
         assert main(base + extra) == 2

@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     rec.add_argument("--depths", type=_depths, default=None, metavar="D,D,...",
                      help="needle depths within the haystack, 0..1 (default: 0.1,0.5,0.9)")
     rec.add_argument("--trials", type=int, default=1, help="needles per (length, depth) (default: 1)")
+    rec.add_argument("--local", action="store_true",
+                     help="also run the variant's blocks on the base's input: each layer's own top-k overlap and "
+                          "error (one more forward per block; plain compare always does)")
     rec.add_argument("--fail-on-lost-needle", action="store_true",
                      help="exit 1 when the variant retrieves fewer needles than the base")
     rec.add_argument("--ablate", action="store_true",
@@ -106,9 +109,9 @@ def _options(args: argparse.Namespace):
     recall = None
     if args.recall:
         recall = RecallOptions(lengths=args.lengths, trials=args.trials, seed=args.seed, ablate=args.ablate,
-                               **({"depths": args.depths} if args.depths else {}))
-    elif args.lengths or args.depths or args.ablate:
-        raise DSV4Error("--lengths, --depths and --ablate belong to --recall")
+                               local=args.local, **({"depths": args.depths} if args.depths else {}))
+    elif args.lengths or args.depths or args.ablate or args.local:
+        raise DSV4Error("--lengths, --depths, --ablate and --local belong to --recall")
     return CompareOptions(
         base=args.base, variant=args.variant, texts=list(args.text), random_tokens=args.random_tokens,
         tokens=args.tokens, seq_len=args.seq_len, numerics=args.numerics, base_numerics=args.base_numerics,

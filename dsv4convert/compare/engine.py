@@ -126,6 +126,7 @@ class LockstepEngine:
         self.sides = list({id(t.side): t.side for t in tracks}.values())   # reference's checkpoint first
         self.blocks = [b for b in self.cfg.block_prefixes() if mtp or b.startswith("layers.")]
         self.seconds: dict[str, float] = {"read": 0.0, "forward": 0.0, "metrics": 0.0}
+        self._spare: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     # -- the pieces -------------------------------------------------------------------------
 
@@ -138,9 +139,20 @@ class LockstepEngine:
         return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
 
     def _host(self, batch: Batch, shift: int) -> torch.Tensor:
+        """A host buffer for a batch's streams: one freed by an earlier block if its shape fits (pinning host
+        memory is slow: allocating every block's outputs afresh cost a minute a block on a long grid)."""
         n, seq = batch.ids.shape
-        return torch.empty((n, seq - shift, self.cfg.hc_mult, self.cfg.hidden_size), dtype=self.dtype,
-                           pin_memory=self.device.type == "cuda")
+        shape = (n, seq - shift, self.cfg.hc_mult, self.cfg.hidden_size)
+        spare = self._spare.get(shape)
+        if spare:
+            return spare.pop()
+        return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def _release(self, streams: dict[str, list[torch.Tensor]]) -> None:
+        """A finished block's inputs become spare buffers (tracks of one checkpoint share the first block's)."""
+        unique = {id(t): t for buffers in streams.values() for t in buffers}
+        for t in unique.values():
+            self._spare.setdefault(tuple(t.shape), []).append(t)
 
     def _load(self, side: Side, block: str):
         """The side's layer for ``block``, and for an MTP block its entry and the embedding it mixes in."""
@@ -215,6 +227,7 @@ class LockstepEngine:
                 if block.startswith("mtp."):
                     for track in self.tracks:
                         mtp[track.label][block] = self._draft_agreement(track, block, nxt[track.label], top1[track.label])
+                self._release(streams)
                 streams = nxt
                 spent = {k: round(self.seconds[k] - before[k], 4) for k in self.seconds}
                 results.append(BlockResult(block, {k: v.result() for k, v in free.items()},

@@ -50,7 +50,7 @@ class RecallOptions:
     trials: int = 1
     seed: int = 0
     ablate: bool = False
-    noise_chunk: int | None = None          # the noise floor's query chunk (default: about half the run's)
+    local: bool = False                     # also run the variant's blocks on the base's input (one more pass)
 
 
 @dataclass

@@ -160,7 +160,7 @@ def render_recall_markdown(result: dict) -> str:
     lines += ["", "## CSA layers: the needle and the indexer", "",
               f"Needle selected: how often an entry holding the needle is in the top-k of the query giving the "
               f"first answer token (median rank among the selected). Overlap against {ref}: {subject} free-running "
-              f"and local, and the noise floor.", "",
+              f"and local (with --local), and the noise floor.", "",
               "| layer | needle selected: reference | subject | median rank: reference | subject | overlap: free | local | noise floor |",
               "|---|---|---|---|---|---|---|---|"]
     layers = {label: {x["layer"]: x for x in t["layers"]} for label, t in r["tracks"].items()}

@@ -204,8 +204,9 @@ def recall_tracks(base: Side, variant: Side, base_numerics: Numerics, variant_nu
     """A recall run's tracks: the reference, the variant as served (also run on the reference's input),
     the noise floor (the reference in other query chunks) and, with ``ablate``, every ablation row."""
     noise = noise_chunk(opts.chunk, threshold)
+    local = opts.recall.local
     if not opts.recall.ablate:
-        tracks = [Track("base", base, base_numerics), Track("variant", variant, variant_numerics, local=True),
+        tracks = [Track("base", base, base_numerics), Track("variant", variant, variant_numerics, local=local),
                   Track(f"base, chunk {noise}", base, base_numerics, chunk=noise)]
         return tracks, tracks[1]
     if base_numerics.serving is None or variant_numerics.serving is None:
@@ -215,7 +216,8 @@ def recall_tracks(base: Side, variant: Side, base_numerics: Numerics, variant_nu
     variant_rows = ablation_rows(served(variant_numerics.serving), fp4_allowed=fp4)
     reference = Track(f"base: {base_rows[0][0]}", base, base_rows[0][1])
     tracks = [reference] + [Track(f"base: {name}", base, n) for name, n in base_rows[1:]]
-    tracks += [Track(f"variant: {name}", variant, n, local=name.endswith("(served)")) for name, n in variant_rows]
+    tracks += [Track(f"variant: {name}", variant, n, local=local and name.endswith("(served)"))
+               for name, n in variant_rows]
     tracks.append(Track(f"{reference.label}, chunk {noise}", base, reference.numerics, chunk=noise))
     subject = next(t for t in tracks if t.label.startswith("variant: ") and t.label.endswith("(served)"))
     return tracks, subject
