@@ -17,6 +17,11 @@ state files), the whole block (saving included) and peak GPU memory; once withou
 with Hessians. Extrapolation to ``--target-sequences`` x ``--seq-len`` on the full model:
 ``block seconds + forward * (target/measured - 1)`` per layer, times the number of layers of
 each kind (2 sliding, 21 CSA, 20 HCA, plus the sliding MTP block).
+
+``--ranks 1,2,4`` instead runs the calibration with Hessians under ``torchrun --nproc-per-node N`` (one GPU
+per rank) for each N, beside a plain process: seconds per layer, speedup against the plain run, peak GPU
+memory, and whether the calibration equals the plain run's (maxima and token counts exactly, Hessians to
+float rounding: the backend sums them across ranks in another order).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import math
 import platform
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -137,6 +144,42 @@ def extrapolate(blocks: list[dict], counts: dict[int, int], scale: float) -> dic
             "peak_gpu_gib": max(b["peak_device_bytes"] or 0 for b in blocks) / 2**30}
 
 
+def rank_runs(src: Path, data: Path, args) -> dict:
+    """Calibration with Hessians as a plain process and under torchrun for each ``--ranks`` world size."""
+    from dsv4convert.calibrate import calibration_hessians
+
+    common = ["calibrate", "--src", str(src), "--calibration-data", str(data), "--num-sequences", str(args.sequences),
+              "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--device", args.device,
+              "--hessians", "--no-progress", "--no-mtp", "--overwrite"]
+    runs, reference = {}, None
+    for name, ranks in [("plain", None), *((f"torchrun {n}", int(n)) for n in args.ranks.split(","))]:
+        out = args.work / f"ranks-{name.replace(' ', '-')}" / "calib.json"
+        launcher = [] if ranks is None else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                              str(ranks)]
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, *launcher, "-m", "dsv4convert", *common, "--output", str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: calibrate failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        content = json.loads(out.read_text())
+        blocks = content["blocks"]
+        if reference is None:
+            reference = (content, calibration_hessians(out))
+        worst = 0.0
+        hessians = calibration_hessians(out)
+        for module in list(content["experts"])[:64]:          # a sample of experts, both inputs
+            for proj in ("w1", "w2"):
+                a, b = reference[1](f"{module}.{proj}"), hessians(f"{module}.{proj}")
+                worst = max(worst, float((a - b).abs().max() / a.abs().max()))
+        runs[name] = {"ranks": ranks or 1, "wall_seconds": time.perf_counter() - start,
+                      "layer_seconds": [b["seconds"] for b in blocks],
+                      "peak_device_bytes": [b["peak_device_bytes"] for b in blocks],
+                      "distributed": content["distributed"],
+                      "maxima_and_counts_equal": content["experts"] == reference[0]["experts"],
+                      "hessian_max_relative_difference": worst}
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, required=True)
@@ -147,6 +190,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--target-sequences", type=int, default=512)
     p.add_argument("--config", choices=("real", "tiny"), default="real", help="tiny: a CPU smoke run of this script")
+    p.add_argument("--ranks", help="torchrun world sizes to run (e.g. 1,2,4; one GPU per rank) beside a plain run")
     args = p.parse_args()
     device = torch.device(args.device)
     config = bench_config()
@@ -162,6 +206,26 @@ def main() -> None:
     src = write_checkpoint(args.work / "ckpt", config, device)
     synth_seconds = time.perf_counter() - start
     data = write_text(args.work / "data.txt", (args.sequences + 1) * args.seq_len)
+    if args.ranks:
+        runs = rank_runs(src, data, args)
+        plain = sum(runs["plain"]["layer_seconds"])
+        lines = [f"# dsv4convert calibrate with Hessians under torchrun: "
+                 f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", "",
+                 f"{args.sequences} sequences x {args.seq_len} tokens (batch {args.batch_size}) through one CSA, one "
+                 "HCA and one sliding-window real-size layer.", "",
+                 "| run | ranks | seconds per layer (CSA / HCA / sliding) | speedup vs plain | peak GPU (rank 0) | "
+                 "maxima, counts equal | Hessians, max rel. difference |", "|---|---|---|---|---|---|---|"]
+        for name, run in runs.items():
+            peak = max(p or 0 for p in run["peak_device_bytes"]) / 2**30
+            lines.append(f"| {name} | {run['ranks']} | {' / '.join(f'{x:.1f}' for x in run['layer_seconds'])} | "
+                         f"{plain / sum(run['layer_seconds']):.2f}x | {peak:.1f} GiB | "
+                         f"{run['maxima_and_counts_equal']} | {run['hessian_max_relative_difference']:.1e} |")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"runs": runs, "args": vars(args)}, indent=2,
+                                                            default=str) + "\n")
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     # Warm-up (CUDA context, cuBLAS handles, first-call overheads), so the first measured block is not charged.
     warm = argparse.Namespace(**{**vars(args), "sequences": 1})
     _run(src, args.work / "warmup" / "calib.json", data, warm, hessians=False, max_blocks=1)

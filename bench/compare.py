@@ -14,7 +14,10 @@ Stages (``--stages``, timings accumulate in ``<work>/timings.json``):
   1 x 65536), each in its own process (peak host memory is its own);
 * ``recall``: ``dsv4convert compare --recall`` on the default grid cut at 64K tokens (3 depths), and
   at 128K tokens at one depth (``--recall-runs``);
-* ``read``: ``cat`` of both checkpoints' files to /dev/null, the bytes a comparison must read at least.
+* ``read``: ``cat`` of both checkpoints' files to /dev/null, the bytes a comparison must read at least;
+* ``ranks``: the first ``--shapes`` entry once as a plain process and once per ``--ranks`` entry under
+  ``torchrun --nproc-per-node N`` (one GPU each): time per layer, speedup against the plain run, torchrun's
+  own cost at N = 1, peak GPU memory per rank, and whether compare.json equals the plain run's.
 
 Extrapolation to DeepSeek-V4-Flash (2 sliding + 21 CSA + 20 HCA layers + 1 MTP block): each block's
 time (reading and dequantizing its weights, the three forwards: base, variant on its own streams,
@@ -72,6 +75,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", default="bench/results/compare-h200")
     parser.add_argument("--stages", default="synth,convert,compare,recall,read")
+    parser.add_argument("--ranks", default="1", help="ranks stage: torchrun world sizes, e.g. 1,2,4")
     parser.add_argument("--recall-runs", default="grid64K,single128K",
                         help="grid64K: the default grid to 64K, 3 depths; single128K: 131071 tokens at depth 0.5")
     parser.add_argument("--shapes", default="16x4096,1x65536", help="sequences x tokens per comparison")
@@ -133,9 +137,45 @@ def main() -> int:
                                                                             "estimate", "settings", "data")},
                                                   "tracks": list(result["recall"]["tracks"])},
                                        "verdicts": result["recall"]["verdicts"]}
+    if "ranks" in stages:
+        timings["ranks"] = rank_runs(base, variant, work, args)
     timings_path.write_text(json.dumps(timings, indent=1))
     write_report(timings, args)
     return 0
+
+
+def _comparable(report_dir: Path) -> dict:
+    result = json.loads((report_dir / "compare.json").read_text())
+    for key in ("seconds", "peak_device_bytes", "distributed", "estimate"):
+        result.pop(key, None)
+    for block in result["blocks"]:
+        block.pop("seconds")
+    return result
+
+
+def rank_runs(base: Path, variant: Path, work: Path, args: argparse.Namespace) -> dict:
+    """The first shape as a plain process, then under torchrun for each world size."""
+    sequences, tokens = (int(x) for x in args.shapes.split(",")[0].split("x"))
+    common = ["--base", str(base), "--variant", str(variant), "--random-tokens", "--tokens",
+              str(sequences * tokens), "--seq-len", str(tokens), "--device", args.device, "--gpu-family",
+              args.gpu_family, "--chunk", str(args.chunk), "--no-progress"]
+    runs = {}
+    for name, ranks in [("plain", None), *((f"torchrun {n}", int(n)) for n in args.ranks.split(","))]:
+        out = work / f"ranks-{name.replace(' ', '-')}"
+        launcher = [] if ranks is None else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                              str(ranks)]
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, *launcher, "-m", "dsv4convert", "compare", *common, "--report",
+                               str(out)], capture_output=True, text=True)
+        wall = time.monotonic() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: compare failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads((out / "compare.json").read_text())
+        runs[name] = {"ranks": ranks or 1, "wall_seconds": wall, "engine_seconds": result["seconds"],
+                      "layer_seconds": {b["block"]: sum(b["seconds"].values()) for b in result["blocks"]},
+                      "distributed": result["distributed"],
+                      "equals_plain": _comparable(out) == _comparable(work / "ranks-plain")}
+    return runs
 
 
 def extrapolate(run: dict, timings: dict) -> dict:
@@ -216,6 +256,25 @@ def write_report(timings: dict, args: argparse.Namespace, run_info: dict | None 
                   *[f"- {v}" for v in run["verdicts"]], ""]
         results["extrapolation"][f"recall-{name}"] = {"block_seconds": blocks, "other_seconds": other,
                                                       "full_model_seconds": full}
+    if timings.get("ranks"):
+        runs = timings["ranks"]
+        plain = runs["plain"]["engine_seconds"]["total"]
+        lines += ["## Ranks (torch.distributed, one GPU each)", "",
+                  "| run | ranks | engine time | speedup vs plain | per layer (CSA / HCA / MTP) | peak GPU per rank | "
+                  "compare.json equals the plain run's |", "|---|---|---|---|---|---|---|"]
+        for name, run in runs.items():
+            layers = run["layer_seconds"]
+            peaks = run["distributed"].get("peak_device_bytes_per_rank") or []
+            lines.append(f"| {name} | {run['ranks']} | {run['engine_seconds']['total']:.1f} s | "
+                         f"{plain / run['engine_seconds']['total']:.2f}x | "
+                         f"{layers.get('layers.0', 0):.1f} / {layers.get('layers.1', 0):.1f} / "
+                         f"{layers.get('mtp.0', 0):.1f} s | "
+                         f"{', '.join(f'{p / 2**30:.1f} GiB' for p in peaks if p) or '-'} | {run['equals_plain']} |")
+        if "torchrun 1" in runs:
+            overhead = runs["torchrun 1"]["engine_seconds"]["total"] / plain - 1
+            lines += ["", f"torchrun at N = 1 costs {100 * overhead:+.1f}% against the plain run (goal: at most +5%)."]
+        lines.append("")
+        results["ranks"] = runs
     report.write(args.out, results, "\n".join(lines) + "\n")
 
 

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_openmp()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # as given: --gpus restarts it once per rank
     try:
         return int(args.func(args) or 0)
     except DSV4Error as exc:

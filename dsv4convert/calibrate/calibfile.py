@@ -8,8 +8,9 @@ calibrated expert ``w13_input_amax``, ``w2_input_amax``, ``tokens``) and adds, c
 * ``hessians`` (with ``--hessians``): block -> safetensors file, relative to the JSON file,
   holding ``experts.<e>.w13_hessian`` (the ``sum x x^T`` of what ``w1``/``w3`` read) and
   ``experts.<e>.w2_hessian`` (of what ``w2`` reads), float32, for every calibrated expert;
-* ``data``, ``source``, ``blocks`` (time and peak device memory per block) and ``report``
-  (held-out errors per block, with ``--report``).
+* ``data``, ``source``, ``blocks`` (time, peak device memory and the ranks' shares of the tokens per
+  block), ``distributed`` (the world size and tokens per rank of the last run) and ``report`` (held-out
+  errors per block, with ``--report``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def write_calibration(run: "Calibrator", ids: torch.Tensor) -> dict:
         "experts": experts,
         "uncalibrated_experts": {"count": len(uncalibrated), "experts": uncalibrated},
         "blocks": blocks,
+        # How the last run split the work (each block's own split is in its entry of "blocks").
+        "distributed": blocks[-1].get("distributed") if blocks else None,
     }
     if opts.hessians:
         content["hessians"] = hessians

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from dsv4convert.calibrate.report import METHODS
@@ -43,10 +44,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-mtp", action="store_true", help="calibrate the backbone layers only")
     p.add_argument("--overwrite", action="store_true", help="discard a previous run's work directory")
     p.add_argument("--no-progress", action="store_true", help="no per-block progress lines")
+    p.add_argument("--gpus", metavar="LIST",
+                   help="one rank per listed GPU on this host (0,1,2,3), each calibrating its share of the sequences; "
+                        "the same as torchrun --nproc-per-node N -m dsv4convert calibrate ... (which also spans hosts). "
+                        "Maxima and token counts equal one rank's exactly, Hessians to float rounding")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dsv4convert import distributed
+
+    if args.gpus and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return distributed.launch_local(args.gpus, distributed.strip_gpus(args.argv))
+    world = distributed.join(args.device)
+    try:
+        return _calibrate(args, world)
+    finally:
+        distributed.leave(world)
+
+
+def _calibrate(args: argparse.Namespace, world) -> int:
     # transformers (the model code calibration runs) is imported here, not when the CLI starts,
     # and only this command needs it.
     try:
@@ -61,7 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, holdout=holdout, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
         hessians=args.hessians, report=args.report, report_experts=args.report_experts, mtp=not args.no_mtp,
         overwrite=args.overwrite, progress=not args.no_progress, gptq_damp=args.gptq_damp)
-    content = Calibrator(opts).run()
+    content = Calibrator(opts, world).run()
+    if not world.is_main:
+        return 0
     uncalibrated = content["uncalibrated_experts"]["count"]
     print(f"wrote {args.output}: {len(content['experts'])} experts calibrated, {uncalibrated} with no tokens "
           f"(left to the data-free bound); per-block files in {work_dir(args.output)}")

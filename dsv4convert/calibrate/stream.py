@@ -36,10 +36,12 @@ from dsv4convert.calibrate.report import block_errors
 from dsv4convert.calibrate.stats import ExpertRecorder, ExpertStats
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json, read_small_json
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
+from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.model.blocks import COMPUTE_DTYPES, MtpEntry, WeightSource, build_layer, hf_config
 from dsv4convert.model.forward import BlockRunner
+from dsv4convert.stop_points import reach
 
 SIGNATURE_FILE = "signature.json"
 
@@ -84,39 +86,55 @@ def batches(calibration: int, total: int, size: int) -> list[slice]:
             for begin, end in ((0, calibration), (calibration, total)) for first in range(begin, end, size)]
 
 
+def owner(index: int, rows: slice, calibration: int, world: World) -> int:
+    """The rank that runs micro-batch ``index``: calibration ones round robin, held-out ones rank 0 (the
+    held-out error report needs them all in one place)."""
+    return index % world.size if rows.start < calibration else 0
+
+
 def _token_digest(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.contiguous().numpy().tobytes()).hexdigest()
 
 
 @dataclass
 class StateFiles:
-    """Each block's input streams ``[sequences, seq, hc_mult, hidden]``, memory-mapped."""
+    """Each micro-batch's input streams to a block, ``[rows, seq, hc_mult, hidden]``, memory-mapped, one file
+    per (block, micro-batch): the rank that runs a micro-batch writes it, and a resumed run with any number
+    of ranks reads each micro-batch from wherever it was written (the same host or a shared filesystem)."""
 
     root: Path
     shape_tail: tuple[int, int]          # (hc_mult, hidden)
     dtype: torch.dtype
 
-    def path(self, block: str) -> Path:
-        return self.root / f"{block}.states"
+    def path(self, block: str, unit: int) -> Path:
+        return self.root / block / f"{unit:05d}.states"
 
     def _map(self, path: Path, rows: int, seq: int, *, create: bool) -> torch.Tensor:
         numel = rows * seq * self.shape_tail[0] * self.shape_tail[1]
         nbytes = numel * self.dtype.itemsize
-        if not create and path.stat().st_size != nbytes:
-            raise DSV4Error(f"state file has {path.stat().st_size} bytes, expected {nbytes}", file=path)
+        if not create:
+            if not path.exists():
+                raise DSV4Error("a resumed run cannot find this micro-batch's input state (written on another "
+                                "host? resume where every rank sees the work directory)", file=path)
+            if path.stat().st_size != nbytes:
+                raise DSV4Error(f"state file has {path.stat().st_size} bytes, expected {nbytes}", file=path)
         flat = torch.from_file(str(path), shared=True, size=numel, dtype=self.dtype)
         return flat.view(rows, seq, *self.shape_tail)
 
-    def open(self, block: str, rows: int, seq: int) -> torch.Tensor:
-        return self._map(self.path(block), rows, seq, create=False)
+    def open(self, block: str, unit: int, rows: int, seq: int) -> torch.Tensor:
+        return self._map(self.path(block, unit), rows, seq, create=False)
 
-    def create(self, block: str, rows: int, seq: int) -> tuple[torch.Tensor, Path]:
-        partial = self.root / f".{block}.states.partial"
+    def create(self, block: str, unit: int, rows: int, seq: int) -> tuple[torch.Tensor, Path]:
+        partial = self.path(block, unit).with_name(f".{unit:05d}.states.partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
         partial.unlink(missing_ok=True)
         return self._map(partial, rows, seq, create=True), partial
 
-    def commit(self, partial: Path, block: str) -> None:
-        partial.replace(self.path(block))
+    def commit(self, partial: Path, block: str, unit: int) -> None:
+        partial.replace(self.path(block, unit))
+
+    def remove(self, block: str, unit: int) -> None:
+        self.path(block, unit).unlink(missing_ok=True)
 
 
 @dataclass
@@ -128,6 +146,7 @@ class BlockResult:
     peak_device_bytes: int | None
     calibration_rows: int
     report: dict | None = None
+    distributed: dict | None = None  # world size and each rank's calibration tokens
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None or k == "peak_device_bytes"}
@@ -143,13 +162,14 @@ class _ExpertModule:
 class Calibrator:
     """One calibration run: checks everything up front, then :meth:`run` streams the blocks."""
 
-    def __init__(self, opts: CalibrateOptions):
+    def __init__(self, opts: CalibrateOptions, world: World = World()):
         self.opts = o = opts
+        self.world = world
         if o.batch_size < 1:
             raise DSV4Error(f"--batch-size must be at least 1, got {o.batch_size}")
         if o.report and o.holdout < 1:
             raise DSV4Error("--report needs held-out sequences (--holdout N, N >= 1)")
-        self.device = resolve_device(o.device)
+        self.device = world.device(str(resolve_device(o.device)))
         if o.dtype not in COMPUTE_DTYPES:
             raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {o.dtype!r}")
         self.dtype = COMPUTE_DTYPES[o.dtype]
@@ -186,9 +206,20 @@ class Calibrator:
         calib, held = token_windows(self.ckpt.root, o.data, num_sequences=o.num_sequences, seq_len=o.seq_len,
                                          holdout=o.holdout, vocab_size=self.cfg.vocab_size)
         ids = torch.cat([calib, held])
-        signature = self._signature(ids)
+        problem = None
+        if self.world.is_main:   # rank 0 starts or checks the work directory; the others learn how that went
+            try:
+                self._start_work_dir(self._signature(ids))
+            except DSV4Error as exc:
+                problem = str(exc)
+        problem = self.world.broadcast(problem)
+        if problem:
+            raise DSV4Error(problem)
+        return ids
+
+    def _start_work_dir(self, signature: dict) -> None:
         sig_path = self.work / SIGNATURE_FILE
-        if self.work.exists() and o.overwrite:
+        if self.work.exists() and self.opts.overwrite:
             shutil.rmtree(self.work)
         if sig_path.exists():
             if read_small_json(sig_path) != signature:
@@ -199,7 +230,6 @@ class Calibrator:
         else:
             self.states.root.mkdir(parents=True, exist_ok=True)
             atomic_write_json(sig_path, signature)
-        return ids
 
     def stats_path(self, block: str) -> Path:
         return self.work / f"{block}.safetensors"
@@ -221,10 +251,11 @@ class Calibrator:
 
     def _inputs(self, block: str, previous: torch.Tensor | None, entry: MtpEntry | None,
                 ids: torch.Tensor, rows: slice) -> torch.Tensor:
+        """A micro-batch's input to ``block``: ``previous`` holds its streams out of the block before."""
         if previous is None:        # the first backbone layer: the embedding, copied to every stream
             embedded = self._embed(ids[rows])
             return embedded.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
-        streams = previous[rows].to(self.device)
+        streams = previous.to(self.device)
         if entry is None:
             return streams
         shift = self._shift(block)
@@ -232,14 +263,18 @@ class Calibrator:
 
     @torch.no_grad()
     def run_block(self, index: int, ids: torch.Tensor) -> BlockResult:
+        """This rank's micro-batches through block ``index``; the statistics of every rank combined, saved by rank 0.
+
+        Order, for a kill at any moment: every rank commits its outputs (the next block's input states); the
+        statistics are reduced (a collective: all ranks have committed); rank 0 saves them and the block's
+        result; only then (after a barrier) does each rank remove its inputs to this block.
+        """
         block, o = self.blocks[index], self.opts
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         rows_total, seq = ids.shape[0], ids.shape[1] - self._shift(block)
-        previous = None
-        if index > 0:
-            previous = self.states.open(block, rows_total, ids.shape[1] - self._shift(self.blocks[index - 1]))
+        previous_seq = ids.shape[1] - self._shift(self.blocks[index - 1]) if index > 0 else None
         layer = build_layer(self.source, self.config, self.cfg, block)
         entry = MtpEntry.load(self.source, self.config, block) if block.startswith("mtp.") else None
         loaded = time.perf_counter()
@@ -247,41 +282,58 @@ class Calibrator:
                                   hessians=o.hessians or o.report, device=self.device)
         recorder = ExpertRecorder(layer.mlp.experts, stats)
         has_next = index + 1 < len(self.blocks)
-        out, partial = (self.states.create(self.blocks[index + 1], rows_total, seq) if has_next else (None, None))
+        mine = [(i, rows) for i, rows in enumerate(batches(o.num_sequences, rows_total, o.batch_size))
+                if owner(i, rows, o.num_sequences, self.world) == self.world.rank]
         try:
-            for rows in batches(o.num_sequences, rows_total, o.batch_size):
+            for i, rows in mine:
                 recorder.capture = rows.start >= o.num_sequences
+                previous = self.states.open(block, i, rows.stop - rows.start, previous_seq) if index > 0 else None
                 hidden = self._inputs(block, previous, entry, ids, rows)
                 streams = self._runner(layer, hidden, ids[rows, self._shift(block):])
-                if out is not None:
-                    out[rows] = streams.to("cpu")
+                if has_next:
+                    out, partial = self.states.create(self.blocks[index + 1], i, rows.stop - rows.start, seq)
+                    out.copy_(streams)
+                    del out
+                    self.states.commit(partial, self.blocks[index + 1], i)
+                reach(f"calibrate: {block}: micro-batch {i} done")
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:
             recorder.remove()
         forwarded = time.perf_counter()
+        self._combine(stats)
+        calibration_tokens = sum((r.stop - r.start) * seq for _, r in mine if r.start < o.num_sequences)
+        tokens_per_rank = self.world.gather(calibration_tokens)
         report = None
-        if o.report:
+        if o.report and self.world.is_main:
             report = block_errors(layer.mlp.experts, recorder.captured, stats, self._data_free(block),
                                   max_experts=o.report_experts, damp=o.gptq_damp)
-            if not o.hessians:
-                stats.w13_hessian = stats.w2_hessian = None
+        if not o.hessians:
+            stats.w13_hessian = stats.w2_hessian = None
         del layer, entry, recorder
         self._embed_weight = None   # only the first layer and the MTP blocks read the embedding
-        stats.save(self.stats_path(block))
-        if partial is not None:
-            del out
-            self.states.commit(partial, self.blocks[index + 1])
-        if previous is not None:
-            del previous
-            self.states.path(block).unlink(missing_ok=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         result = BlockResult(block, time.perf_counter() - start, loaded - start, forwarded - loaded, peak,
-                             o.num_sequences * seq, report)
-        atomic_write_json(self.result_path(block), result.as_dict())
+                             o.num_sequences * seq, report, self.world.describe(tokens_per_rank or []))
+        if self.world.is_main:
+            stats.save(self.stats_path(block))
+            atomic_write_json(self.result_path(block), result.as_dict())
+        self.world.barrier()
+        if index > 0:
+            for i, _ in mine:
+                self.states.remove(block, i)
         return result
+
+    def _combine(self, stats: ExpertStats) -> None:
+        """Every rank's statistics in every rank: maxima and token counts exactly, Hessians summed by the backend."""
+        self.world.reduce_(stats.tokens, "sum")
+        self.world.reduce_(stats.w13_amax, "max")
+        self.world.reduce_(stats.w2_amax, "max")
+        if stats.w13_hessian is not None:
+            self.world.reduce_(stats.w13_hessian, "sum")
+            self.world.reduce_(stats.w2_hessian, "sum")
 
     def _data_free(self, block: str) -> tuple[float, float]:
         expert = f"{block}.ffn.experts.0"
@@ -295,14 +347,17 @@ class Calibrator:
         ids = self._prepare()
         done = 0
         for index, block in enumerate(self.blocks):
-            if self.stats_path(block).exists() and self.result_path(block).exists():
+            finished = self.stats_path(block).exists() and self.result_path(block).exists()
+            if self.world.broadcast(finished):   # what rank 0 sees decides: its files are the record
                 continue
             if self.opts.max_blocks is not None and done >= self.opts.max_blocks:
                 return {}
             result = self.run_block(index, ids)
             done += 1
-            if self.opts.progress:
+            if self.opts.progress and self.world.is_main:
                 peak = f", peak {result.peak_device_bytes / 2**30:.1f} GiB" if result.peak_device_bytes else ""
                 print(f"calibrate: {block} done in {result.seconds:.1f} s{peak}", file=sys.stderr)
+        if not self.world.is_main:
+            return {}
         shutil.rmtree(self.states.root, ignore_errors=True)
         return write_calibration(self, ids)

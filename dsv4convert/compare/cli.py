@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from dsv4convert.convert.plan import human_bytes
@@ -75,6 +76,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--batch-size", type=int, default=1, help="sequences per forward (default: 1)")
     run.add_argument("--no-mtp", action="store_true", help="skip the MTP draft block")
     run.add_argument("--seed", type=int, default=0, help="seed of --random-tokens")
+    run.add_argument("--gpus", metavar="LIST",
+                     help="one rank per listed GPU on this host (0,1,2,3), each running its share of the sequences "
+                          "or prompts; the same as torchrun --nproc-per-node N -m dsv4convert compare ... (which also "
+                          "spans hosts). Results equal one rank's")
     p.add_argument("--report", type=Path, metavar="DIR", help="report directory (default: VARIANT-compare beside it)")
     p.add_argument("--fail-above-kld", type=float, metavar="X", help="exit 1 if the mean KLD is above X nats")
     p.add_argument("--dry-run", action="store_true",
@@ -151,14 +156,28 @@ def print_plan(plan) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dsv4convert import distributed
+
+    if args.gpus and int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not args.dry_run:
+        return distributed.launch_local(args.gpus, distributed.strip_gpus(args.argv))
+    world = distributed.join(args.device)
+    try:
+        return _compare(args, world)
+    finally:
+        distributed.leave(world)
+
+
+def _compare(args: argparse.Namespace, world) -> int:
     from dsv4convert.compare.report import write_recall_reports, write_reports
     from dsv4convert.compare.run import build_plan, run
 
-    plan = build_plan(_options(args))
+    plan = build_plan(_options(args), world)
     if args.dry_run:
         print_plan(plan)
         return 0
     result = run(plan)
+    if result is None:       # not rank 0: rank 0 writes and prints everything
+        return 0
     root = plan.variant.side.ckpt.root
     out_dir = Path(args.report or root.parent / f"{root.name}-compare")
     if plan.grid is not None:

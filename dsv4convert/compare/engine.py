@@ -17,6 +17,11 @@ reference's (:mod:`.metrics`) and, where a batch marks answer tokens, checked fo
 MTP block, its head gives the draft's prediction, scored against the same track's main model.
 Observers (:class:`BlockObserver`) see each track's pass through each block, as the recall diagnosis
 needs (the indexer's choices).
+
+Under torch.distributed (:mod:`dsv4convert.distributed`) each rank runs its own micro-batches (round
+robin) of every track through every block and keeps only their streams; per micro-batch results
+(error sums, per-position metrics, retrievals, draft agreement counts) are gathered on rank 0 and
+combined in the global micro-batch order, so rank 0's result is the same for any number of ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare.emulate import Installed, install
 from dsv4convert.compare.metrics import HiddenError, OutputStats
 from dsv4convert.compare.numerics import Numerics
+from dsv4convert.distributed import World
 from dsv4convert.inspection import Inspection
 from dsv4convert.layout import ModelConfig
 from dsv4convert.model.blocks import MtpEntry, OutputHead, WeightSource, build_layer, hf_config
@@ -84,11 +90,25 @@ class Batch:
 
 
 class BlockObserver(Protocol):
-    """Sees each pass of a track through a block: ``local`` when the track's layer takes the reference's input."""
+    """Sees each pass of a track through a block: ``local`` when the track's layer takes the reference's input.
+    ``merge`` folds the other ranks' observers into rank 0's (``exported`` is what a rank sends)."""
 
     def install(self, layer, block: str, track: Track, batch: int, rows: slice, local: bool) -> Installed | None: ...
 
     def finished(self, block: str, track: Track, batch: int, rows: slice, local: bool) -> None: ...
+
+    def exported(self) -> object: ...
+
+    def merge(self, parts: list[object]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A micro-batch: rows of one batch, the smallest piece of work a rank runs."""
+
+    index: int          # position in the global order
+    batch: int
+    rows: slice
 
 
 @dataclass
@@ -107,19 +127,22 @@ class EngineResult:
     mtp: dict[str, dict[str, float]] = field(default_factory=dict)   # track -> draft agreement per MTP block
     seconds: dict[str, float] = field(default_factory=dict)
     peak_device_bytes: int | None = None
+    tokens_per_rank: list[int] = field(default_factory=list)
+    peak_device_bytes_per_rank: list[int | None] = field(default_factory=list)
 
 
 class LockstepEngine:
-    """Runs ``tracks`` (the first is the reference) over ``batches``; see the module docstring."""
+    """Runs ``tracks`` (the first is the reference) over ``batches``; see the module docstring. On ranks
+    other than 0 of a ``world``, :meth:`run` returns None (rank 0 holds the combined result)."""
 
     def __init__(self, tracks: list[Track], batches: list[Batch], *, device: torch.device, dtype: torch.dtype,
                  chunk: int | None, batch_size: int = 1, mtp: bool = True, progress: bool = True,
-                 observers: list[BlockObserver] = ()):
+                 observers: list[BlockObserver] = (), world: World = World()):
         if len({t.label for t in tracks}) != len(tracks):
             raise ValueError("track labels must differ")
         self.tracks, self.reference, self.batches = tracks, tracks[0], batches
         self.device, self.dtype, self.batch_size, self.progress = device, dtype, batch_size, progress
-        self.observers = list(observers)
+        self.observers, self.world = list(observers), world
         self.cfg: ModelConfig = tracks[0].side.inspection.config
         self.config = hf_config(tracks[0].side.ckpt.config)
         self.runners = {t.label: BlockRunner(self.config, device, dtype, chunk=t.chunk or chunk) for t in tracks}
@@ -127,6 +150,10 @@ class LockstepEngine:
         self.blocks = [b for b in self.cfg.block_prefixes() if mtp or b.startswith("layers.")]
         self.seconds: dict[str, float] = {"read": 0.0, "forward": 0.0, "metrics": 0.0}
         self._spare: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        units = [(b, slice(i, min(i + batch_size, batch.ids.shape[0])))
+                 for b, batch in enumerate(batches) for i in range(0, batch.ids.shape[0], batch_size)]
+        self.units = [Unit(i, b, rows) for i, (b, rows) in enumerate(units)]
+        self.mine = [u for u in self.units if world.owns(u.index)]
 
     # -- the pieces -------------------------------------------------------------------------
 
@@ -134,23 +161,19 @@ class LockstepEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _rows(self, batch: Batch) -> list[slice]:
-        n = batch.ids.shape[0]
-        return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
-
-    def _host(self, batch: Batch, shift: int) -> torch.Tensor:
-        """A host buffer for a batch's streams: one freed by an earlier block if its shape fits (pinning host
-        memory is slow: allocating every block's outputs afresh cost a minute a block on a long grid)."""
-        n, seq = batch.ids.shape
-        shape = (n, seq - shift, self.cfg.hc_mult, self.cfg.hidden_size)
+    def _host(self, unit: Unit, shift: int) -> torch.Tensor:
+        """A host buffer for a micro-batch's streams: one freed by an earlier block if its shape fits (pinning
+        host memory is slow: allocating every block's outputs afresh cost a minute a block on a long grid)."""
+        ids = self.batches[unit.batch].ids[unit.rows]
+        shape = (ids.shape[0], ids.shape[1] - shift, self.cfg.hc_mult, self.cfg.hidden_size)
         spare = self._spare.get(shape)
         if spare:
             return spare.pop()
         return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
-    def _release(self, streams: dict[str, list[torch.Tensor]]) -> None:
+    def _release(self, streams: dict[str, dict[int, torch.Tensor]]) -> None:
         """A finished block's inputs become spare buffers (tracks of one checkpoint share the first block's)."""
-        unique = {id(t): t for buffers in streams.values() for t in buffers}
+        unique = {id(t): t for buffers in streams.values() for t in buffers.values()}
         for t in unique.values():
             self._spare.setdefault(tuple(t.shape), []).append(t)
 
@@ -165,54 +188,55 @@ class LockstepEngine:
         self.seconds["read"] += time.perf_counter() - t0
         return layer, entry
 
-    def _forward(self, track: Track, layer, entry, streams: torch.Tensor, batch: int, rows: slice,
-                 block: str, local: bool = False) -> torch.Tensor:
+    def _forward(self, track: Track, layer, entry, streams: torch.Tensor, unit: Unit, block: str,
+                 local: bool = False) -> torch.Tensor:
         """One micro-batch of the previous block's output ``streams`` through ``layer`` (result on the device)."""
         t0 = time.perf_counter()
-        ids = self.batches[batch].ids[rows, _shift(block):]
+        ids = self.batches[unit.batch].ids[unit.rows, _shift(block):]
         handles = [h for obs in self.observers
-                   if (h := obs.install(layer, block, track, batch, rows, local)) is not None]
+                   if (h := obs.install(layer, block, track, unit.batch, unit.rows, local)) is not None]
         try:
             if entry is not None:   # MTP block j: the token j+1 ahead, mixed into the previous block's streams
                 mix, embed = entry
-                hidden = mix(F.embedding(ids.to(self.device), embed), streams[rows, : ids.shape[1]].to(self.device))
+                hidden = mix(F.embedding(ids.to(self.device), embed), streams[:, : ids.shape[1]].to(self.device))
             else:
-                hidden = streams[rows]
+                hidden = streams
             out = self.runners[track.label](layer, hidden, ids)
             self._sync()
         finally:
             for h in handles:
                 h.remove()
         for obs in self.observers:
-            obs.finished(block, track, batch, rows, local)
+            obs.finished(block, track, unit.batch, unit.rows, local)
         self.seconds["forward"] += time.perf_counter() - t0
         return out
 
     # -- the run ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self) -> EngineResult:
+    def run(self) -> EngineResult | None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()
         streams = self._embedded()
         results: list[BlockResult] = []
-        output = {t.label: OutputStats() for t in self.tracks[1:]}
-        retrieval: dict[str, list] = {}
-        top1: dict[str, list[torch.Tensor]] = {}
-        mtp: dict[str, dict[str, float]] = {t.label: {} for t in self.tracks}
+        output: dict[str, dict[int, OutputStats]] = {t.label: {} for t in self.tracks[1:]}
+        retrieval: dict[str, dict[tuple[int, int], tuple[bool, float]]] = {t.label: {} for t in self.tracks}
+        top1: dict[str, dict[int, torch.Tensor]] = {}
+        agreement: dict[str, dict[str, tuple[int, int]]] = {t.label: {} for t in self.tracks}
         scored = False
-        bar = tqdm(total=len(self.sides) * len(self.blocks), desc="compare", unit="block", disable=not self.progress)
+        bar = tqdm(total=len(self.sides) * len(self.blocks), desc="compare", unit="block",
+                   disable=not (self.progress and self.world.is_main))
         try:
             for block in self.blocks:
                 if block.startswith("mtp.") and not scored:
-                    retrieval = self._score_outputs(streams, output, top1)
+                    self._score_outputs(streams, output, retrieval, top1)
                     scored = True
                 before = dict(self.seconds)
                 shift = _shift(block)
-                nxt = {t.label: [self._host(b, shift) for b in self.batches] for t in self.tracks}
-                free = {t.label: HiddenError() for t in self.tracks[1:]}
-                local = {t.label: HiddenError() for t in self.tracks[1:] if t.local}
+                nxt = {t.label: {u.index: self._host(u, shift) for u in self.mine} for t in self.tracks}
+                free = {t.label: {} for t in self.tracks[1:]}
+                local = {t.label: {} for t in self.tracks[1:] if t.local}
                 for side in self.sides:
                     layer, entry = self._load(side, block)
                     for track in (t for t in self.tracks if t.side is side):
@@ -226,119 +250,172 @@ class LockstepEngine:
                     bar.update()
                 if block.startswith("mtp."):
                     for track in self.tracks:
-                        mtp[track.label][block] = self._draft_agreement(track, block, nxt[track.label], top1[track.label])
+                        agreement[track.label][block] = self._draft_agreement(track, block, nxt[track.label],
+                                                                              top1[track.label])
                 self._release(streams)
                 streams = nxt
                 spent = {k: round(self.seconds[k] - before[k], 4) for k in self.seconds}
-                results.append(BlockResult(block, {k: v.result() for k, v in free.items()},
-                                           {k: v.result() for k, v in local.items()}, spent))
+                results.append(self._block_result(block, free, local, spent))
             if not scored:
-                retrieval = self._score_outputs(streams, output, top1)
+                self._score_outputs(streams, output, retrieval, top1)
         finally:
             bar.close()
         self.seconds["total"] = time.perf_counter() - started
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        return EngineResult(results, output, retrieval, mtp, {k: round(v, 3) for k, v in self.seconds.items()}, peak)
-
-    def _embedded(self) -> dict[str, list[torch.Tensor]]:
-        """Every track's first-layer input: its checkpoint's embedding, copied to every stream."""
-        out: dict[str, list[torch.Tensor]] = {}
-        for side in self.sides:
-            embed = side.source.tensor("embed.weight")
-            per_batch = []
-            for batch in self.batches:
-                host = self._host(batch, 0)
-                for rows in self._rows(batch):
-                    emb = F.embedding(batch.ids[rows].to(self.device), embed)
-                    host[rows] = emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).cpu()
-                per_batch.append(host)
-            del embed
-            for track in (t for t in self.tracks if t.side is side):
-                out[track.label] = per_batch    # shared until a block writes each track's own output
-        return out
+        return self._combined(results, output, retrieval, agreement)
 
     def _pass(self, track: Track, layer, entry, block: str, streams, nxt, free, local) -> None:
-        """``track`` through the loaded ``layer`` for every batch; its errors against the reference."""
+        """``track`` through the loaded ``layer`` for this rank's micro-batches; errors against the reference."""
         ref = self.reference.label
-        for b, batch in enumerate(self.batches):
-            for rows in self._rows(batch):
-                mine = self._forward(track, layer, entry, streams[track.label][b], b, rows, block)
-                if track.label != ref:
-                    reference = nxt[ref][b][rows].to(self.device)
-                    self._measure(free[track.label], reference, mine)
-                    if track.local:
-                        given = self._forward(track, layer, entry, streams[ref][b], b, rows, block, local=True)
-                        self._measure(local[track.label], reference, given)
-                nxt[track.label][b][rows] = mine.cpu()
+        for unit in self.mine:
+            mine = self._forward(track, layer, entry, streams[track.label][unit.index], unit, block)
+            if track.label != ref:
+                reference = nxt[ref][unit.index].to(self.device)
+                free[track.label][unit.index] = self._measure(reference, mine)
+                if track.local:
+                    given = self._forward(track, layer, entry, streams[ref][unit.index], unit, block, local=True)
+                    local[track.label][unit.index] = self._measure(reference, given)
+            nxt[track.label][unit.index].copy_(mine)
 
-    def _measure(self, error: HiddenError, reference: torch.Tensor, other: torch.Tensor) -> None:
+    def _measure(self, reference: torch.Tensor, other: torch.Tensor) -> HiddenError:
         t0 = time.perf_counter()
+        error = HiddenError()
         error.add(reference, other)
         self.seconds["metrics"] += time.perf_counter() - t0
+        return error
 
-    def _score_outputs(self, final, output: dict[str, OutputStats], top1: dict[str, list[torch.Tensor]]) -> dict:
+    def _block_result(self, block: str, free: dict, local: dict, spent: dict) -> BlockResult:
+        """The block's errors over every rank's micro-batches, summed on rank 0 in the global order."""
+        def combined(parts: dict[str, dict[int, HiddenError]]) -> dict[str, dict]:
+            gathered = self.world.gather(parts)
+            if gathered is None:
+                return {}
+            out = {}
+            for label in parts:
+                total = HiddenError()
+                for _, error in sorted((i, e) for rank in gathered for i, e in rank[label].items()):
+                    total.merge(error)
+                out[label] = total.result()
+            return out
+        return BlockResult(block, combined(free), combined(local), spent)
+
+    def _embedded(self) -> dict[str, dict[int, torch.Tensor]]:
+        """Every track's first-layer input: its checkpoint's embedding, copied to every stream."""
+        out: dict[str, dict[int, torch.Tensor]] = {}
+        for side in self.sides:
+            embed = side.source.tensor("embed.weight")
+            per_unit = {}
+            for unit in self.mine:
+                host = self._host(unit, 0)
+                emb = F.embedding(self.batches[unit.batch].ids[unit.rows].to(self.device), embed)
+                host.copy_(emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1))
+                per_unit[unit.index] = host
+            del embed
+            for track in (t for t in self.tracks if t.side is side):
+                out[track.label] = per_unit    # shared until a block writes each track's own output
+        return out
+
+    def _score_outputs(self, final, output: dict[str, dict[int, OutputStats]],
+                       retrieval: dict[str, dict[tuple[int, int], tuple[bool, float]]],
+                       top1: dict[str, dict[int, torch.Tensor]]) -> None:
         """Each track's logits at the scored positions against the reference's, and retrieval of the answers."""
         t0 = time.perf_counter()
         ref = self.reference.label
         heads = {side.label: OutputHead(side.source, self.config) for side in self.sides}
-        retrieval: dict[str, list] = {t.label: [] for t in self.tracks}
+        need_all = any(block.startswith("mtp.") for block in self.blocks)  # the draft needs every top-1
         for track in self.tracks:
-            top1[track.label] = [torch.empty(b.ids.shape, dtype=torch.int64) for b in self.batches]
-        for b, batch in enumerate(self.batches):
+            top1[track.label] = {}
+        for unit in self.mine:
+            batch = self.batches[unit.batch]
+            ids = batch.ids[unit.rows]
             for track in self.tracks:
-                retrieval[track.label].append([])
-            for row in range(batch.ids.shape[0]):
+                top1[track.label][unit.index] = torch.empty(ids.shape, dtype=torch.int64)
+            for label in output:
+                output[label][unit.index] = OutputStats()
+            for i, row in enumerate(range(unit.rows.start, unit.rows.stop)):
                 first, last = batch.scored(row)
-                seq = batch.ids.shape[1]
+                seq = ids.shape[1]
                 answer = {t.label: [] for t in self.tracks}
-                # The MTP blocks need every position's top-1; without them only the scored positions matter.
-                need_all = any(block.startswith("mtp.") for block in self.blocks)
                 for start in range(0 if need_all else first - first % HEAD_POSITIONS, seq, HEAD_POSITIONS):
                     end = min(start + HEAD_POSITIONS, seq)
                     if not need_all and start >= last:
                         break
-                    logits = {t.label: heads[t.side.label](final[t.label][b][row:row + 1, start:end].to(self.device))[0]
-                              for t in self.tracks}
+                    logits = {t.label: heads[t.side.label](final[t.label][unit.index][i:i + 1, start:end]
+                                                           .to(self.device))[0] for t in self.tracks}
                     for label, value in logits.items():
-                        top1[label][b][row, start:end] = value.argmax(-1).cpu()
+                        top1[label][unit.index][i, start:end] = value.argmax(-1).cpu()
                     lo, hi = max(start, first), min(end, last)
-                    if hi > lo:
-                        nxt_ids = batch.ids[row, lo + 1:hi + 1]
-                        for label, value in logits.items():
-                            if label != ref:
-                                output[label].add(logits[ref][lo - start:hi - start], value[lo - start:hi - start],
-                                                  nxt_ids)
-                            if batch.answers is not None:
-                                part = value[lo - start:hi - start].double()
-                                logp = torch.log_softmax(part, -1).gather(1, nxt_ids[:, None].to(part.device))
-                                answer[label].append((part.argmax(-1).cpu() == nxt_ids, logp.sum().cpu()))
+                    if hi <= lo:
+                        continue
+                    nxt_ids = ids[i, lo + 1:hi + 1]
+                    for label, value in logits.items():
+                        if label != ref:
+                            output[label][unit.index].add(logits[ref][lo - start:hi - start],
+                                                          value[lo - start:hi - start], nxt_ids)
+                        if batch.answers is not None:
+                            part = value[lo - start:hi - start].double()
+                            logp = torch.log_softmax(part, -1).gather(1, nxt_ids[:, None].to(part.device))
+                            answer[label].append((part.argmax(-1).cpu() == nxt_ids, logp.sum().cpu()))
                 for label, parts in answer.items():
                     if parts:
                         hits = torch.cat([p[0] for p in parts])
-                        retrieval[label][b].append((bool(hits.all()), float(sum(p[1] for p in parts))))
+                        retrieval[label][(unit.batch, row)] = (bool(hits.all()), float(sum(p[1] for p in parts)))
         del heads
         self.seconds["metrics"] += time.perf_counter() - t0
-        return retrieval if any(b.answers is not None for b in self.batches) else {}
 
-    def _draft_agreement(self, track: Track, block: str, streams: list[torch.Tensor],
-                         main_top1: list[torch.Tensor]) -> float:
-        """How often MTP block ``j``'s top-1 at ``t`` is its own main model's top-1 at ``t + j + 1``: the
-        draft token a speculative decoder would accept (0 % is the broken-draft failure)."""
+    def _draft_agreement(self, track: Track, block: str, streams: dict[int, torch.Tensor],
+                         main_top1: dict[int, torch.Tensor]) -> tuple[int, int]:
+        """(agreeing, total): MTP block ``j``'s top-1 at ``t`` against its own main model's top-1 at
+        ``t + j + 1``, the draft token a speculative decoder would accept (0 % is the broken-draft failure)."""
         t0 = time.perf_counter()
         head = OutputHead(track.side.source, self.config, f"{block}.")
         shift = _shift(block)
         agree = total = 0
-        for b, batch_streams in enumerate(streams):
-            n, seq = batch_streams.shape[:2]
+        for unit in self.mine:
+            unit_streams = streams[unit.index]
+            n, seq = unit_streams.shape[:2]
             for row in range(n):
                 for start in range(0, seq, HEAD_POSITIONS):
                     end = min(start + HEAD_POSITIONS, seq)
-                    draft = head(batch_streams[row:row + 1, start:end].to(self.device))[0].argmax(-1).cpu()
-                    want = main_top1[b][row, start + shift:end + shift]
+                    draft = head(unit_streams[row:row + 1, start:end].to(self.device))[0].argmax(-1).cpu()
+                    want = main_top1[unit.index][row, start + shift:end + shift]
                     agree += int((draft == want).sum())
                     total += want.numel()
         self.seconds["metrics"] += time.perf_counter() - t0
-        return agree / total if total else math.nan
+        return agree, total
+
+    def _combined(self, results: list[BlockResult], output, retrieval, agreement) -> EngineResult | None:
+        """Every rank's per-micro-batch results on rank 0, in the global order."""
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        tokens = sum(self.batches[u.batch].ids[u.rows].numel() for u in self.mine)
+        parts = self.world.gather({"output": output, "retrieval": retrieval, "agreement": agreement,
+                                   "observers": [obs.exported() for obs in self.observers], "tokens": tokens,
+                                   "peak": peak, "seconds": dict(self.seconds)})
+        if parts is None:
+            return None
+        merged_output = {}
+        for label in output:
+            stats = OutputStats()
+            for _, part in sorted((i, s) for rank in parts for i, s in rank["output"][label].items()):
+                stats.merge(part)
+            merged_output[label] = stats
+        by_row = {label: {k: v for rank in parts for k, v in rank["retrieval"][label].items()} for label in retrieval}
+        merged_retrieval = {}
+        if any(b.answers is not None for b in self.batches):
+            merged_retrieval = {label: [[rows[(b, r)] for r in range(batch.ids.shape[0])]
+                                        for b, batch in enumerate(self.batches)] for label, rows in by_row.items()}
+        mtp = {}
+        for label in agreement:
+            mtp[label] = {}
+            for block in agreement[label]:
+                agree = sum(rank["agreement"][label][block][0] for rank in parts)
+                total = sum(rank["agreement"][label][block][1] for rank in parts)
+                mtp[label][block] = agree / total if total else math.nan
+        for i, obs in enumerate(self.observers):
+            obs.merge([rank["observers"][i] for rank in parts[1:]])
+        peaks = [rank["peak"] for rank in parts if rank["peak"] is not None]
+        seconds = {k: round(v, 3) for k, v in self.seconds.items()}
+        return EngineResult(results, merged_output, merged_retrieval, mtp, seconds, max(peaks) if peaks else None,
+                            [rank["tokens"] for rank in parts], [rank["peak"] for rank in parts])
 
 
 def _shift(block: str) -> int:

@@ -49,6 +49,11 @@ class OutputStats:
         self.base_logp.append(p_ref.cpu())
         self.variant_logp.append(q_ref.cpu())
 
+    def merge(self, other: "OutputStats") -> None:
+        """Append another micro-batch's positions (in the global order: the summary is order-exact)."""
+        for name in ("kld", "delta_p", "same_top1", "overlap", "base_logp", "variant_logp"):
+            getattr(self, name).extend(getattr(other, name))
+
     @property
     def positions(self) -> int:
         return sum(t.numel() for t in self.kld)
@@ -102,6 +107,12 @@ class HiddenError:
             self.ref_sq += float(x.square().sum())
             self.other_sq += float(y.square().sum())
             self.dot += float(x @ y)
+
+    def merge(self, other: "HiddenError") -> None:
+        self.diff_sq += other.diff_sq
+        self.ref_sq += other.ref_sq
+        self.other_sq += other.other_sq
+        self.dot += other.dot
 
     def result(self) -> dict[str, float]:
         rel = math.sqrt(self.diff_sq / self.ref_sq) if self.ref_sq else (0.0 if self.diff_sq == 0 else math.inf)

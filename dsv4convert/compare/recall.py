@@ -103,12 +103,12 @@ def ablation_rows(served: Numerics, *, fp4_allowed: bool) -> list[tuple[str, Num
 
 @dataclass
 class _Overlap:
-    values: list[torch.Tensor] = field(default_factory=list)     # float16 per row: exact multiples of 1/k
+    rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (batch, row) -> float16 per position
 
     def summary(self) -> dict:
-        if not self.values:
+        if not self.rows:
             return {"rows": 0, "mean": None, "p1": None, "min": None}
-        v = torch.cat(self.values).float()
+        v = torch.cat([self.rows[k] for k in sorted(self.rows)]).float()
         return {"rows": v.numel(), "mean": float(v.mean()),
                 "p1": float(torch.quantile(v, 0.01)) if v.numel() > 1 else float(v[0]), "min": float(v.min())}
 
@@ -156,8 +156,22 @@ class TopkObserver:
                 self.ranks[track.label][block][self._prompt(key)] = self._needle_rank(picks[i], key)
             if track.label != self.reference and key in self._reference_picks:
                 past = slice(threshold, None)
-                self.overlap[(track.label, "local" if local else "free_running", block)].values.append(
-                    overlap(self._reference_picks[key][past], picks[i][past]).half())
+                self.overlap[(track.label, "local" if local else "free_running", block)].rows[key] = \
+                    overlap(self._reference_picks[key][past], picks[i][past]).half()
+
+    def exported(self) -> dict:
+        return {"ranks": {t: {b: dict(v) for b, v in blocks.items()} for t, blocks in self.ranks.items()},
+                "overlap": {k: v.rows for k, v in self.overlap.items()}, "layers": list(self.layers)}
+
+    def merge(self, parts: list[dict]) -> None:
+        """The other ranks' needle ranks and overlaps; rows keep their global (batch, row) order."""
+        for part in parts:
+            for track, blocks in part["ranks"].items():
+                for block, ranks in blocks.items():
+                    self.ranks[track][block].update(ranks)
+            for key, rows in part["overlap"].items():
+                self.overlap[key].rows.update(rows)
+            self.layers += [layer for layer in part["layers"] if layer not in self.layers]
 
     def _prompt(self, key: tuple[int, int]) -> int:
         return self._index[key]

@@ -29,6 +29,7 @@ from dsv4convert.compare.recall import (
     summarize,
     verdict,
 )
+from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory
@@ -75,6 +76,7 @@ class Plan:
     estimate: dict
     data: dict
     grid: Grid | None = None        # the needle prompts of a recall run
+    world: World = World()          # the ranks sharing the work (torch.distributed)
 
     @property
     def base(self) -> Track:
@@ -160,13 +162,13 @@ def _numerics(kind: str, inspection: Inspection, ckpt: Checkpoint, opts: Compare
     return served(serving) if kind == "served" else weights_only(serving)
 
 
-def build_plan(opts: CompareOptions) -> Plan:
+def build_plan(opts: CompareOptions, world: World = World()) -> Plan:
     base_ckpt, base_info = _open(opts.base, "base")
     variant_ckpt, variant_info = _open(opts.variant, "variant")
     check_same_model(base_ckpt, variant_ckpt)
     if opts.chunk < 1 or opts.batch_size < 1:
         raise DSV4Error(f"--chunk and --batch-size must be at least 1, got {opts.chunk} and {opts.batch_size}")
-    device = _device(opts.device)
+    device = world.device(str(_device(opts.device)))
     dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype_name not in COMPUTE_DTYPES:
         raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")
@@ -196,7 +198,7 @@ def build_plan(opts: CompareOptions) -> Plan:
     tokens = sum(b.ids.numel() for b in batches)
     estimate = estimate_resources(cfg, base_ckpt.config, longest, tokens, len(tracks), dtype, opts,
                                   (base_ckpt, variant_ckpt))
-    return Plan(opts, tracks, subject, batches, device, dtype, estimate, data, grid)
+    return Plan(opts, tracks, subject, batches, device, dtype, estimate, data, grid, world)
 
 
 def recall_tracks(base: Side, variant: Side, base_numerics: Numerics, variant_numerics: Numerics,
@@ -256,15 +258,17 @@ def estimate_resources(cfg: ModelConfig, config: dict, seq: int, tokens: int, tr
             "largest_layer_bytes": int(layer), "chunk": chunk}
 
 
-def run(plan: Plan) -> dict:
-    """Run the plan; returns ``compare.json``'s content."""
+def run(plan: Plan) -> dict | None:
+    """Run the plan; returns ``compare.json``'s content on rank 0 (None on the other ranks)."""
     t0 = time.perf_counter()
     o = plan.options
     if plan.grid is not None:
         return run_recall(plan)
     engine = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype,
-                            chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress)
+                            chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress, world=plan.world)
     result = engine.run()
+    if result is None:
+        return None
     return {
         "tool": f"dsv4convert {__version__}",
         "base": side_record(plan.base),
@@ -272,6 +276,8 @@ def run(plan: Plan) -> dict:
         "data": plan.data,
         "settings": {"device": str(plan.device), "dtype": str(plan.dtype).replace("torch.", ""), "chunk": o.chunk,
                      "batch_size": o.batch_size, "mtp": o.mtp},
+        "distributed": {**plan.world.describe(result.tokens_per_rank),
+                        "peak_device_bytes_per_rank": result.peak_device_bytes_per_rank},
         "output": result.output["variant"].summary(),
         "mtp_draft_agreement": result.mtp,
         "blocks": [{"block": b.block, "free_running": b.free_running["variant"], "local": b.local["variant"],
@@ -288,14 +294,17 @@ def side_record(track: Track) -> dict:
             "numerics": track.numerics.describe()}
 
 
-def run_recall(plan: Plan) -> dict:
+def run_recall(plan: Plan) -> dict | None:
     """A recall run; returns ``recall.json``'s content (the report writes compare.md from it too)."""
     t0 = time.perf_counter()
     o = plan.options
     observer = TopkObserver(plan.grid, plan.base.label)
     engine = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype, chunk=o.chunk,
-                            batch_size=o.batch_size, mtp=False, progress=o.progress, observers=[observer])
+                            batch_size=o.batch_size, mtp=False, progress=o.progress, observers=[observer],
+                            world=plan.world)
     result = engine.run()
+    if result is None:
+        return None
     summary = summarize(plan.grid, plan.tracks, result.retrieval, observer)
     for track in plan.tracks[1:]:
         summary["tracks"][track.label]["answer_positions"] = result.output[track.label].summary()
@@ -311,6 +320,8 @@ def run_recall(plan: Plan) -> dict:
             "data": plan.data,
             "settings": {"device": str(plan.device), "dtype": str(plan.dtype).replace("torch.", ""), "chunk": o.chunk,
                          "batch_size": o.batch_size, "ablate": o.recall.ablate},
+            "distributed": {**plan.world.describe(result.tokens_per_rank),
+                        "peak_device_bytes_per_rank": result.peak_device_bytes_per_rank},
             "recall": summary, "blocks": [{"block": b.block, "seconds": b.seconds} for b in result.blocks],
             "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
             "peak_device_bytes": result.peak_device_bytes, "estimate": plan.estimate}
