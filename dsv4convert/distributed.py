@@ -16,6 +16,7 @@ waits at most ``TIMEOUT_SECONDS`` for a rank that is gone.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -103,6 +104,18 @@ def join(device: str) -> World:
 def leave(world: World) -> None:
     if world.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_as_rank(args, command: Callable[[World], int], *, launch: bool = True) -> int:
+    """A command (``calibrate``, ``compare``) on this process's rank: with ``--gpus`` and no world yet, first
+    start one rank per listed GPU (:func:`launch_local`); otherwise join torchrun's world, if any."""
+    if args.gpus and int(os.environ.get("WORLD_SIZE", "1")) <= 1 and launch:
+        return launch_local(args.gpus, strip_gpus(args.argv))
+    world = join(args.device)
+    try:
+        return command(world)
+    finally:
+        leave(world)
 
 
 def launch_local(gpus: str, argv: list[str]) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from dsv4convert.calibrate.report import METHODS
@@ -52,15 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dsv4convert import distributed
+    from dsv4convert.distributed import run_as_rank
 
-    if args.gpus and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return distributed.launch_local(args.gpus, distributed.strip_gpus(args.argv))
-    world = distributed.join(args.device)
-    try:
-        return _calibrate(args, world)
-    finally:
-        distributed.leave(world)
+    return run_as_rank(args, lambda world: _calibrate(args, world))
 
 
 def _calibrate(args: argparse.Namespace, world) -> int:

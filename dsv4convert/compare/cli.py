@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from dsv4convert.convert.plan import human_bytes
@@ -156,15 +155,9 @@ def print_plan(plan) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dsv4convert import distributed
+    from dsv4convert.distributed import run_as_rank
 
-    if args.gpus and int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not args.dry_run:
-        return distributed.launch_local(args.gpus, distributed.strip_gpus(args.argv))
-    world = distributed.join(args.device)
-    try:
-        return _compare(args, world)
-    finally:
-        distributed.leave(world)
+    return run_as_rank(args, lambda world: _compare(args, world), launch=not args.dry_run)
 
 
 def _compare(args: argparse.Namespace, world) -> int:

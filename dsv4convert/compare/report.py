@@ -77,6 +77,16 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _save(fig, path: Path, *, tight: bool = True) -> Path:
+    import matplotlib.pyplot as plt
+
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(result: dict, kld: torch.Tensor, out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -94,10 +104,7 @@ def plot(result: dict, kld: torch.Tensor, out_dir: Path) -> list[Path]:
     ax.set_ylabel("relative error of the block's output")
     ax.set_title("variant vs base, per block")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "error_per_layer.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "error_per_layer.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     values = kld.double().clamp_min(1e-12).log10().numpy()
@@ -105,10 +112,7 @@ def plot(result: dict, kld: torch.Tensor, out_dir: Path) -> list[Path]:
     ax.set_xlabel("log10 KLD per position (nats)")
     ax.set_ylabel("positions")
     ax.set_title(f"KLD distribution (mean {result['output']['kld']['mean']:.3g})")
-    fig.tight_layout()
-    paths.append(out_dir / "kld_distribution.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "kld_distribution.png"))
     return paths
 
 
@@ -197,9 +201,7 @@ def plot_recall(result: dict, out_dir: Path) -> list[Path]:
         ax.set_xlabel("prompt tokens")
     axes[0].set_ylabel("needle depth")
     fig.colorbar(image, ax=axes, label="retrieved")
-    paths.append(out_dir / "needle_heatmaps.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "needle_heatmaps.png", tight=False))
 
     layers = r["csa_layers"]
     by = {label: {x["layer"]: x for x in t["layers"]} for label, t in r["tracks"].items()}
@@ -210,10 +212,7 @@ def plot_recall(result: dict, out_dir: Path) -> list[Path]:
     ax.set_ylabel("needle selected (answer query)")
     ax.set_ylim(-0.05, 1.05)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "needle_rank.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "needle_rank.png"))
 
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(layers)), 3.5))
     for label, kind, style in ((subject, "overlap_free_running", "o-"), (subject, "overlap_local", "s--"),
@@ -224,10 +223,7 @@ def plot_recall(result: dict, out_dir: Path) -> list[Path]:
     ax.set_xticks(range(len(layers)), layers, rotation=90, fontsize=7)
     ax.set_ylabel("top-k overlap with the reference")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "topk_overlap.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "topk_overlap.png"))
     return paths
 
 

@@ -195,7 +195,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
         "tell every expert layout from the files alone.",
         "",
         *_launch_lines(launch),
-        *model_card_lines(variant),
+        *model_card_lines(variant, next((spec["env"] for spec in launch.values() if spec.get("argv")), {})),
         "## Recipe",
         "",
         "```yaml",

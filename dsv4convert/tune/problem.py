@@ -125,8 +125,9 @@ class MoEProblem:
                                source=str(ckpt.root / "config.json"))
 
 
-def model_card_lines(variant: str) -> list[str]:
-    """The model card's paragraph on tuning SGLang's Triton MoE configs for a variant."""
+def model_card_lines(variant: str, env: dict[str, str] | None = None) -> list[str]:
+    """The model card's paragraph on tuning SGLang's Triton MoE configs for a variant; ``env``: the variables
+    the card's launch commands set (its example launch sets them too)."""
     lines = ["## Tuned MoE kernel configs", ""]
     if variant in ("nvfp4", "native"):
         kernels = "FlashInfer or Marlin kernels" if variant == "nvfp4" else "FlashInfer MXFP4 or Marlin kernels"
@@ -141,7 +142,8 @@ def model_card_lines(variant: str) -> list[str]:
             f"for the GPU and shape{shipped} it logs `Using default MoE kernel config` and runs one fixed tile. On the "
             "serving GPU, with the server's Triton, make a config folder once and point SGLang at it (the folder "
             "also holds every config SGLang ships: the variable replaces SGLang's own folder):")
-    launch = ("SGLANG_MOE_CONFIG_DIR=$PWD/moe-configs python -m sglang.launch_server ...   "
+    assignments = "".join(f"{k}={v} " for k, v in sorted((env or {}).items()) if k != "CUDA_VISIBLE_DEVICES")
+    launch = (f"{assignments}SGLANG_MOE_CONFIG_DIR=$PWD/moe-configs python -m sglang.launch_server ...   "
               "# or: dsv4convert serve --model <this folder> --tuned-configs moe-configs")
     return [
         *lines,
