@@ -20,6 +20,7 @@ import pytest
 
 from dsv4convert.cli import main
 from dsv4convert.serve import accuracy, report
+from dsv4convert.serve import checks as serve_checks
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve.accuracy import AccuracyError, EvalSettings
 from dsv4convert.serve.launch import Command
@@ -89,7 +90,7 @@ def test_server_dying_mid_evaluation_keeps_the_finished_task_and_leaves_nothing(
             server = group.start(standin(port, "--die-after-requests", "5", "--child-pid-file", str(child_file)))
             group.wait_healthy(server, STARTUP_S, poll=0.1)
             pgids = [server.popen.pid]
-            serve_cli.run_accuracy(args, server.command.url, {"model": str(model_dir), "variant": "fp8"}, group, None)
+            serve_checks.run_accuracy(args, server.command.url, {"model": str(model_dir), "variant": "fp8"}, group, None)
     lm_eval_pgids = started_pids(echoed, f"lm-eval {TASK}") + started_pids(echoed, f"lm-eval {SECOND_TASK}")
     assert len(lm_eval_pgids) == 2
     assert_nothing_left(pgids + lm_eval_pgids, [port], [int(child_file.read_text())])
@@ -122,11 +123,11 @@ def test_completions_api_tokenizes_with_the_models_tokenizer_and_gates_recovery(
     args = serve_args(model_dir, tmp_path / "run", "--tasks", TASK, "--eval-api", "completions",
                       "--compare", str(base_path))
     serve_cli._check_flags(args)
-    base = serve_cli._base_report(args)
+    base = serve_checks.base_report(args)
     with ProcessGroup(tmp_path / "run" / "logs", stop_grace=2.0, echo=lambda line: None) as group:
         server = group.start(standin(port, "--tokenizer", str(model_dir)))
         group.wait_healthy(server, STARTUP_S, poll=0.1)
-        passed = serve_cli.run_accuracy(args, server.command.url, {"model": str(model_dir), "variant": "nvfp4"},
+        passed = serve_checks.run_accuracy(args, server.command.url, {"model": str(model_dir), "variant": "nvfp4"},
                                         group, base)
         log = server.log_path.read_text()
     assert passed is False  # 0.6 / 0.64 = 93.75% < 95%

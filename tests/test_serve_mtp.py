@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dsv4convert.errors import FormatError
+from dsv4convert.serve import checks as serve_checks
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve import mtp, report
 from dsv4convert.serve.launch import Command
@@ -58,13 +59,13 @@ def run_check(tmp_path: Path, model: Path, name: str, accept_rate: float | None,
         running = group.start(standin)
         group.wait_healthy(running, STARTUP_S, poll=0.1)
         pgid = running.popen.pid
-        passed = serve_cli.run_mtp(args, server.url, {"model": name, "variant": "fp8"}, [server], _base(args))
+        passed = serve_checks.run_mtp(args, server.url, {"model": name, "variant": "fp8"}, [server], _base(args))
     assert_nothing_left([pgid], [port])
     return passed, report.read_report(tmp_path / name / "mtp.json")
 
 
 def _base(args: argparse.Namespace):
-    return serve_cli._base_report(args)
+    return serve_checks.base_report(args)
 
 
 def sglang_accept_length(tokens: int, accept_rate: float, draft_tokens: int) -> float:
@@ -124,4 +125,4 @@ def test_response_parsing_and_bad_input(tmp_path, model_dir):
     recall_report = tmp_path / "recall.json"
     report.write_report(recall_report, "recall", {}, {"summary": {"accuracy": 1.0, "cells": []}})
     with pytest.raises(FormatError, match=r"recall\.json: is a recall report; --check mtp compares with a mtp\.json"):
-        serve_cli._base_report(serve_args(model_dir, tmp_path, 1, "--compare", str(recall_report)))
+        serve_checks.base_report(serve_args(model_dir, tmp_path, 1, "--compare", str(recall_report)))

@@ -1,7 +1,7 @@
 """``dsv4convert serve``: run a converted checkpoint with SGLang (PD-disaggregated or not) and check it.
 
 The command plans (``launch``), starts and watches (``process``), then optionally measures
-(``recall``, ``speed``, ``accuracy`` through lm-eval, ``mtp`` draft acceptance) and reports
+(``checks``: recall, speed, accuracy through lm-eval, MTP draft acceptance) and reports
 (``report``). ``--dry-run`` stops after planning. A check that measures below its bar
 (``--min-recovery``, ``--min-accept``) exits with status 1; errors exit with 2.
 """
@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from dsv4convert.errors import FormatError
-from dsv4convert.serve import accuracy, launch, mtp, recall, report, speed
-from dsv4convert.serve.process import ProcessGroup, ServeError, http_get_json, http_post_json, log_tail
+from dsv4convert.serve import accuracy, checks, launch, mtp, recall, speed
+from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, log_tail
 from dsv4convert.serve.topology import Topology, TopologyError, discover
 
 SMOKE_PROMPT = "The three primary colours are"
@@ -253,56 +250,6 @@ def _meta(args: argparse.Namespace, commands: list[launch.Command]) -> dict[str,
             "commands": [c.shell() for c in commands]}
 
 
-def run_recall(args: argparse.Namespace, url: str, meta: dict[str, Any]) -> Path:
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise ServeError("--check recall needs the model's tokenizer through transformers (installed with SGLang)") from exc
-    from dsv4convert.checkpoint import read_small_json  # imports torch: only when a check runs
-    config = read_small_json(args.model / "config.json")
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
-    layer_ids = recall.indexer_layer_ids(config["compress_ratios"], config["num_hidden_layers"])
-    sweep = recall.RecallSweep(lengths=args.lengths, depths=args.depths, trials=args.trials,
-                               indexer_topk=args.indexer_topk, indexer_layers=len(layer_ids),
-                               index_topk=config["index_topk"])
-
-    def show(trial: recall.RecallTrial) -> None:
-        print(f"recall {trial.length:>7} tokens depth {trial.depth:4.0%}: {'ok ' if trial.correct else 'MISS'} "
-              f"{trial.output.strip()[:40]!r}", flush=True)
-
-    trials = sweep.run(tokenizer, lambda payload: http_post_json(url + "/generate", payload, 1800.0), show)
-    summary = recall.summarize(trials, layer_ids)
-    path = args.out / "recall.json"
-    report.write_report(path, "recall", meta, {"summary": summary, "trials": [t.to_json() for t in trials]})
-    report.write_heatmap(summary, args.out / "recall.png", f"{args.model.name} ({meta['variant']})")
-    print(f"recall accuracy {summary['accuracy']:.3f}; wrote {path} and {args.out / 'recall.png'}")
-    return path
-
-
-def run_speed(args: argparse.Namespace, url: str, meta: dict[str, Any]) -> Path:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    jsonl = args.out / "speed.jsonl"
-    jsonl.unlink(missing_ok=True)
-    for case in speed.bench_cases(speed.DEFAULT_SHAPES, args.concurrency):
-        argv = [sys.executable, "-m", "sglang.benchmark.serving",
-                *speed.bench_args(case, host=host, port=int(port), model=str(args.model),
-                                  output_file=str(jsonl), pd_separated=args.pd)]
-        log = args.out / "logs" / f"bench-{case.input_len}-{case.output_len}-c{case.concurrency}.log"
-        print(f"speed: input {case.input_len}, output {case.output_len}, concurrency {case.concurrency}", flush=True)
-        with open(log, "wb") as handle:
-            if subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode:
-                raise ServeError(f"bench_serving failed; last lines of {log}:\n{log_tail(log)}")
-    results = speed.parse_bench_jsonl(jsonl.read_text(), str(jsonl))
-    for r in results:
-        print(f"  in {r.case.input_len:>6} out {r.case.output_len:>4} c{r.case.concurrency:<3} "
-              f"{r.output_throughput:9.1f} tok/s  TTFT {r.latencies_ms['median_ttft_ms']:8.1f} ms  "
-              f"TPOT {r.latencies_ms['median_tpot_ms']:6.1f} ms  ITL {r.latencies_ms['median_itl_ms']:6.1f} ms")
-    path = args.out / "speed.json"
-    report.write_report(path, "speed", meta, {"results": [r.to_json() for r in results]})
-    print(f"wrote {path}")
-    return path
-
-
 ACCURACY_FLAGS = ("tasks", "limit", "num_fewshot", "eval_api", "eval_concurrency", "include_path", "lm_eval_args",
                   "min_recovery")
 
@@ -328,44 +275,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise launch.LaunchError(f"--min-accept must be >= 1.0 (one token per verify step), got {args.min_accept}")
 
 
-def eval_settings(args: argparse.Namespace) -> accuracy.EvalSettings:
-    return accuracy.EvalSettings(
-        tasks=tuple(args.tasks or accuracy.DEFAULT_TASKS), api=args.eval_api or "chat", limit=args.limit,
-        num_fewshot=args.num_fewshot, concurrency=args.eval_concurrency or accuracy.DEFAULT_CONCURRENCY,
-        include_path=args.include_path.resolve() if args.include_path else None,
-        extra_args=tuple(shlex.split(args.lm_eval_args or "")),
-    )
-
-
-def _base_report(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The --compare report, read and checked before anything starts (loading takes minutes)."""
-    if not args.compare:
-        return None
-    base = report.read_report(args.compare)
-    if base["kind"] != args.check:
-        raise FormatError(f"is a {base['kind']} report; --check {args.check} compares with a {args.check}.json",
-                          file=args.compare)
-    if args.check == "accuracy":
-        accuracy.check_base(base, eval_settings(args), args.compare)
-    return base
-
-
-def _model_max_length(model: Path) -> int | None:
-    path = model / "config.json"
-    if not path.is_file():
-        return None
-    from dsv4convert.checkpoint import read_small_json  # imports torch: only when a check runs
-
-    value = read_small_json(path).get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     checks_here = args.role in (None, "router")  # a prefill or decode host only serves
     if args.check == "accuracy" and checks_here:
-        accuracy.check_tasks(eval_settings(args))
-    base = _base_report(args) if checks_here else None
+        accuracy.check_tasks(checks.eval_settings(args))
+    base = checks.base_report(args) if checks_here else None
     args.variant = _variant(args)
     topology = _topology(args)
     commands, warnings = plan(args, topology)
@@ -382,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         _print_plan(commands)
         if args.check == "accuracy" and checks_here:
-            for line in accuracy.dry_run_lines(eval_settings(args), url=commands[-1].url, model=args.model,
-                                               out=args.out, max_length=_model_max_length(args.model)):
+            for line in accuracy.dry_run_lines(checks.eval_settings(args), url=commands[-1].url, model=args.model,
+                                               out=args.out, max_length=checks.model_max_length(args.model)):
                 print(line)
         return 0
     client_url = commands[-1].url
@@ -403,84 +318,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"smoke request through {client_url}: {answer!r}")
         meta = _meta(args, commands)
         if args.check == "recall":
-            _print_compare(args, run_recall(args, client_url, meta))
+            checks.print_compare(args, checks.run_recall(args, client_url, meta))
         elif args.check == "speed":
-            _print_compare(args, run_speed(args, client_url, meta))
+            checks.print_compare(args, checks.run_speed(args, client_url, meta))
         elif args.check == "accuracy":
-            failed = not run_accuracy(args, client_url, meta, group, base)
+            failed = not checks.run_accuracy(args, client_url, meta, group, base)
         elif args.check == "mtp":
-            failed = not run_mtp(args, client_url, meta, commands, base)
+            failed = not checks.run_mtp(args, client_url, meta, commands, base)
         if not args.check or args.hold:
             print(f"serving at {client_url}; Ctrl-C stops every process")
             _hold(group)
     return 1 if failed else 0
-
-
-def run_accuracy(args: argparse.Namespace, url: str, meta: dict[str, Any], group: ProcessGroup,
-                 base: dict[str, Any] | None) -> bool:
-    """lm-eval on every task; with a base, recovery per task. True when nothing fell below the bar."""
-    settings = eval_settings(args)
-    path = args.out / "accuracy.json"
-    installed = accuracy.lm_eval_version()
-    if installed != accuracy.LM_EVAL_VERSION:
-        print(f"warning: lm-eval {installed} is installed; dsv4convert pins {accuracy.LM_EVAL_VERSION} "
-              "(scores can move between lm-eval versions)", file=sys.stderr)
-    if base is not None and (base.get("settings") or {}).get("lm_eval_version") not in (None, installed):
-        print(f"warning: the base was measured with lm-eval {base['settings']['lm_eval_version']}, this run uses "
-              f"{installed}", file=sys.stderr)
-
-    def write(body: dict[str, Any]) -> Path:
-        report.write_report(path, "accuracy", meta, body)
-        return path
-
-    accuracy.run_tasks(settings, url=url, model=args.model, out=args.out, run_client=group.run_client, write=write,
-                       max_length=_model_max_length(args.model), echo=group.echo)
-    print(f"wrote {path}")
-    if base is None:
-        return True
-    minimum = accuracy.DEFAULT_MIN_RECOVERY if args.min_recovery is None else args.min_recovery
-    new = report.read_report(path)
-    for line in report.compare(base, new, min_recovery=minimum):
-        print(line)
-    problems = accuracy.failures(accuracy.recoveries(base, new), minimum)
-    for problem in problems:
-        print(f"FAIL: {problem}")
-    return not problems
-
-
-def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: list[launch.Command],
-            base: dict[str, Any] | None) -> bool:
-    """The fixed prompts through ``url``; SGLang's acceptance against --min-accept (and the base)."""
-    minimum = mtp.DEFAULT_MIN_ACCEPT if args.min_accept is None else args.min_accept
-    samples = mtp.run_prompts(lambda payload: http_post_json(url + "/generate", payload, 1800.0),
-                              mtp.bos_text(args.model))
-    drafting = next((c for c in commands if c.role in ("decode", "server")), None)
-    info_url = drafting.url if drafting else args.decode_url  # the router role: the remote decode server
-    server_lengths: list[float] = []
-    if info_url:
-        try:
-            server_lengths = mtp.server_accept_lengths(http_get_json(info_url + "/server_info", 60.0))
-        except ServeError as exc:  # only the cross-check is lost; the per-request figures stand
-            print(f"warning: no server-wide acceptance: {exc}", file=sys.stderr)
-    summary = mtp.summarize(samples, server_lengths)
-    tokens = mtp.draft_tokens(drafting.sglang_args) if drafting else None
-    path = args.out / "mtp.json"
-    report.write_report(path, "mtp", meta, {"summary": summary, "min_accept": minimum, "draft_tokens": tokens,
-                                            "samples": [s.to_json() for s in samples]})
-    length = summary["accept_length"]
-    ceiling = f" (at most {tokens} with --speculative-num-draft-tokens {tokens})" if tokens else ""
-    if length is not None:
-        rate = "n/a" if summary["accept_rate"] is None else f"{summary['accept_rate']:.0%}"
-        print(f"mtp: mean accepted length {length:.2f} per verify step{ceiling}; draft acceptance {rate}; "
-              f"SGLang's avg_spec_accept_length {', '.join(f'{v:.2f}' for v in server_lengths) or 'n/a'}")
-    print(f"wrote {path}")
-    if base is not None:
-        for line in report.compare(base, report.read_report(path)):
-            print(line)
-    problems = mtp.failures(summary, minimum)
-    for problem in problems:
-        print(f"FAIL: {problem}")
-    return not problems
 
 
 def _print_metrics_endpoints(commands: list[launch.Command]) -> None:
@@ -489,12 +337,6 @@ def _print_metrics_endpoints(commands: list[launch.Command]) -> None:
             print("Prometheus metrics: router on port 29000 (sglang_router's --prometheus-port default), /metrics")
         else:
             print(f"Prometheus metrics: {command.role} at {command.url}/metrics")
-
-
-def _print_compare(args: argparse.Namespace, new_report: Path) -> None:
-    if args.compare:
-        for line in report.compare(report.read_report(args.compare), report.read_report(new_report)):
-            print(line)
 
 
 def _exited_tails(group: ProcessGroup) -> str:
