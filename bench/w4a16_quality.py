@@ -16,6 +16,9 @@ source: SNR per expert (w1, w2, w3 together), worst / median / best per block, a
 experts take. ``amax`` at group 128 must be byte-identical to today's output (compared tensor by
 tensor, and reported).
 
+``--timing-rounds R`` times R more rounds of (cp, today, each scheme) without the quality
+passes, for ratios less at the mercy of a shared machine's drifting load.
+
 ``--gptq-experts N`` adds GPTQ on N real-size experts of layers.0 with synthetic correlated
 activations (outlier channels, as real ones have; 2 x 4096 calibration rows, 2048 held out):
 held-out output error of round-to-nearest and GPTQ, each with both scale rules, at group 32 and
@@ -191,6 +194,49 @@ def conversions(args: argparse.Namespace, result: dict) -> None:
         result["amax_group128_identical_to_today"] = amax["tensor_digest"] == today["tensor_digest"]
 
 
+def timing_rounds(args: argparse.Namespace, result: dict) -> None:
+    """``--timing-rounds R``: R rounds of (cp, today, every scheme), then cp; no quality passes.
+
+    Each converter run is divided by the mean of the cp runs just before and after its round, and
+    by today's run of the same round: the shared machine's load drifts within minutes.
+    """
+    src, work = args.src.resolve(), args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "out"
+    base_cmd = [sys.executable, "-m", "dsv4convert", "to-w4a16", "--src", str(src), "--dst", str(out), "--no-progress"]
+
+    def cp() -> dict:
+        row = timed(["cp", "-r", str(src), str(work / "cp-out")], src, work / "cp-out", then_sync=True)
+        shutil.rmtree(work / "cp-out")
+        return row
+
+    cps, rows = [cp()], []
+    for round_ in range(args.timing_rounds):
+        runs = [("today", base_cmd, args.baseline.resolve())] if args.baseline else []
+        runs += [(f"group {g}, {rule}", base_cmd + ["--group-size", str(g), "--scale-rule", rule], REPO)
+                 for g, rule in args.schemes]
+        for scheme, cmd, cwd in runs:
+            row = timed(cmd, src, out, cwd=cwd)
+            shutil.rmtree(out)
+            row.update(scheme=scheme, round=round_)
+            rows.append(row)
+            print(f"round {round_} {scheme}: {row['seconds']} s", flush=True)
+        cps.append(cp())
+    for row in rows:
+        around = statistics.mean([cps[row["round"]]["seconds"], cps[row["round"] + 1]["seconds"]])
+        row["ratio_to_cp"] = round(row["seconds"] / around, 2)
+        today = next((r for r in rows if r["round"] == row["round"] and r["scheme"] == "today"), None)
+        if today is not None:
+            row["ratio_to_today"] = round(row["seconds"] / today["seconds"], 2)
+    summary = {}
+    for scheme in dict.fromkeys(r["scheme"] for r in rows):
+        mine = [r for r in rows if r["scheme"] == scheme]
+        summary[scheme] = {"median_seconds": round(statistics.median(r["seconds"] for r in mine), 1),
+                           "median_ratio_to_cp": round(statistics.median(r["ratio_to_cp"] for r in mine), 2),
+                           "ratios_to_today": [r.get("ratio_to_today") for r in mine]}
+    result["timing"] = {"rounds": args.timing_rounds, "cp": cps, "runs": rows, "summary": summary}
+
+
 def _correlated_inputs(k: int, rows: int, gen: torch.Generator) -> torch.Tensor:
     """Activations with correlated channels and a few outlier channels (tests/test_calibrate.py's model)."""
     mix = torch.randn(k, k, generator=gen) / k**0.5 + torch.eye(k)
@@ -287,6 +333,15 @@ def markdown(result: dict) -> str:
             for gs in (32, 128):
                 lines.append(f"| {r['module']} | {gs} | {r[f'g{gs}_amax_rtn']} | {r[f'g{gs}_mse_rtn']} | "
                              f"{r[f'g{gs}_amax_gptq']} | {r[f'g{gs}_mse_gptq']} | {r[f'g{gs}_mse_gptq_seconds']} |")
+    timing = result.get("timing")
+    if timing:
+        lines += ["", f"Timing only, {timing['rounds']} rounds of (cp, today, each scheme), cp at the end; each run against "
+                      "the cp runs around its round and against today's run of the same round:", "",
+                  "| scheme | median seconds | median x cp | x today per round |", "|---|---|---|---|"]
+        for scheme, row in timing["summary"].items():
+            lines.append(f"| {scheme} | {row['median_seconds']} | {row['median_ratio_to_cp']} | "
+                         f"{', '.join(str(r) for r in row['ratios_to_today'])} |")
+        lines += ["", "cp runs (s): " + ", ".join(str(c["seconds"]) for c in timing["cp"])]
     t = result.get("tiny_calibration")
     if t:
         lines += ["", "`calibrate --report` on the tiny synthetic model (8 x 128 calibration tokens, 2 x 128 held out, "
@@ -320,6 +375,8 @@ def main() -> None:
     p.add_argument("--schemes", type=_scheme, nargs="+", default=SCHEMES, metavar="GROUP:RULE",
                    help="schemes to convert with (default: 128:amax 128:mse 32:amax 32:mse)")
     p.add_argument("--no-convert", action="store_true", help="skip the conversions (GPTQ sections only)")
+    p.add_argument("--timing-rounds", type=int, default=0,
+                   help="rounds of (cp, today, each scheme) timed without quality passes (default 0)")
     p.add_argument("--gptq-experts", type=int, default=0, help="real-size experts for the GPTQ section (default 0)")
     p.add_argument("--tiny-calibration", action="store_true", help="calibrate --report on the tiny model too")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "w4a16-quality-cpu",
@@ -331,6 +388,9 @@ def main() -> None:
                     "baseline_commit": args.baseline_commit}
     if not args.no_convert:
         conversions(args, result)
+        save(args, result)
+    if args.timing_rounds:
+        timing_rounds(args, result)
         save(args, result)
     if args.gptq_experts:
         gptq_experts(args, result)
