@@ -214,3 +214,22 @@ def test_torch_backend_is_the_formats_function():
     w = _awkward_weight(64, 128, seed=7)
     got = kernels.quantize("int4", w, backend="torch")
     assert torch.equal(got.weight_packed, formats.quantize_int4_weight(w).weight_packed)
+
+
+@pytest.mark.parametrize("options", [[], ["--group-size", "128", "--scale-rule", "amax"], ["--group-size", "128"]])
+def test_to_w4a16_on_the_gpu_writes_the_cpu_bytes(tiny_ckpt, tmp_path, options):
+    """The converter end to end, --device cuda against the CPU: every tensor byte for byte."""
+    if DEVICE != "cuda":
+        pytest.skip("--device cuda needs a CUDA GPU (the numerics are compared above on the CPU)")
+    from dsv4convert.checkpoint import Checkpoint
+    from dsv4convert.cli import main
+
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        dst = tmp_path / device
+        assert main(["to-w4a16", "--src", str(tiny_ckpt), "--dst", str(dst), "--device", device, "--no-progress",
+                     *options]) == 0
+        ckpt = Checkpoint.open(dst)
+        outputs[device] = {name: _bytes(ckpt.read(name)) for name in ckpt.tensors}
+    assert outputs["cpu"].keys() == outputs["cuda"].keys()
+    assert all(torch.equal(outputs["cpu"][n], outputs["cuda"][n]) for n in outputs["cpu"])
