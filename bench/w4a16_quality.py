@@ -16,6 +16,10 @@ source: SNR per expert (w1, w2, w3 together), worst / median / best per block, a
 experts take. ``amax`` at group 128 must be byte-identical to today's output (compared tensor by
 tensor, and reported).
 
+``--compute-repeats R`` times one core's quantization of single expert matrices, today's
+``quantize_int4_weight`` (imported from ``--baseline``) against each scheme, alternating in one
+process: the work ratio without the I/O and less disturbed by other processes.
+
 ``--timing-rounds R`` times R more rounds of (cp, today, each scheme) without the quality
 passes, for ratios less at the mercy of a shared machine's drifting load.
 
@@ -38,6 +42,7 @@ import json
 import math
 import os
 import random
+import resource
 import shlex
 import shutil
 import statistics
@@ -85,6 +90,7 @@ def timed(cmd: list[str], src: Path, dst: Path, *, cwd: Path = REPO, then_sync: 
         shutil.rmtree(dst)
     evict(src)
     load = os.getloadavg()[0]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(cwd)})
@@ -93,10 +99,12 @@ def timed(cmd: list[str], src: Path, dst: Path, *, cwd: Path = REPO, then_sync: 
     if then_sync and proc.returncode == 0:
         os.sync()
     seconds = time.monotonic() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     rss.stop()
     if proc.returncode:
         raise SystemExit(f"command failed ({proc.returncode}): {shlex.join(cmd)}\n{output[-3000:]}")
-    return {"command": shlex.join(cmd), "cwd": str(cwd), "seconds": round(seconds, 2),
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    return {"command": shlex.join(cmd), "cwd": str(cwd), "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 1),
             "peak_rss_gb": round(rss.peak_total / GB, 3), "output_bytes": _size(dst), "load_avg_1m_before": round(load, 2)}
 
 
@@ -124,8 +132,8 @@ def expert_snr(src: Path, out: Path) -> dict:
         for module in modules:
             reference = _read(source, module, Format.MXFP4)
             restored = _read(converted, module, Format.INT4)
-            signal += float(reference.double().square().sum())
-            noise += float((reference - restored).double().square().sum())
+            signal += float(reference.square().sum(dtype=torch.float64))
+            noise += float((reference - restored).square_().sum(dtype=torch.float64))
             expert_bytes += sum(converted.tensors[f"{module}.{p}"].nbytes
                                 for p in ("weight_packed", "weight_scale", "weight_shape"))
         snr[expert] = round(-10 * math.log10(noise / signal), 3)
@@ -228,13 +236,57 @@ def timing_rounds(args: argparse.Namespace, result: dict) -> None:
         today = next((r for r in rows if r["round"] == row["round"] and r["scheme"] == "today"), None)
         if today is not None:
             row["ratio_to_today"] = round(row["seconds"] / today["seconds"], 2)
+            row["cpu_ratio_to_today"] = round(row["cpu_seconds"] / today["cpu_seconds"], 2)
     summary = {}
     for scheme in dict.fromkeys(r["scheme"] for r in rows):
         mine = [r for r in rows if r["scheme"] == scheme]
         summary[scheme] = {"median_seconds": round(statistics.median(r["seconds"] for r in mine), 1),
                            "median_ratio_to_cp": round(statistics.median(r["ratio_to_cp"] for r in mine), 2),
-                           "ratios_to_today": [r.get("ratio_to_today") for r in mine]}
+                           "median_cpu_seconds": round(statistics.median(r["cpu_seconds"] for r in mine), 1),
+                           "ratios_to_today": [r.get("ratio_to_today") for r in mine],
+                           "cpu_ratios_to_today": [r.get("cpu_ratio_to_today") for r in mine],
+                           "load_before": [r["load_avg_1m_before"] for r in mine]}
     result["timing"] = {"rounds": args.timing_rounds, "cp": cps, "runs": rows, "summary": summary}
+
+
+def compute_per_matrix(args: argparse.Namespace, result: dict) -> None:
+    """``--compute-repeats R``: one core's time to quantize one expert matrix, today's code against this one.
+
+    The conversion's work without its I/O: dequantize the MXFP4 source, then today's
+    ``quantize_int4_weight`` (imported from ``--baseline``) or this checkout's per scheme, all
+    alternating in one process on the same matrices, medians over R rounds. Less at the mercy of
+    other processes than wall times of whole conversions.
+    """
+    import importlib.util
+
+    torch.set_num_threads(1)
+    ckpt = Checkpoint.open(args.src)
+    modules = [m for e in list(_experts(ckpt))[:2] for m in _experts(ckpt)[e]]
+    sources = [{p: ckpt.read(f"{m}.{p}") for p in ("weight", "scale")} for m in modules]
+    spec = importlib.util.spec_from_file_location("today_int4", args.baseline / "dsv4convert" / "formats" / "int4.py")
+    today = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(today)
+    cases = {"today (group 128, amax / 7.5)": lambda w: today.quantize_int4_weight(w, group_size=128)}
+    cases.update({f"group {g}, {rule}": (lambda w, g=g, rule=rule: quantize_int4_weight(w, group_size=g, scale_rule=rule))
+                  for g, rule in args.schemes})
+    times: dict[str, list[float]] = {name: [] for name in ["dequantize"] + list(cases)}
+    for _ in range(args.compute_repeats):
+        for name in times:
+            t0 = time.perf_counter()
+            for module, src in zip(modules, sources):
+                w = dequantize_source(Format.MXFP4, src, module)
+                if name != "dequantize":
+                    cases[name](w)
+            times[name].append((time.perf_counter() - t0) / len(modules))
+    dequant = statistics.median(times["dequantize"])
+    rows = {name: {"ms_per_matrix": round(1000 * statistics.median(v), 1),
+                   "quantize_ms": round(1000 * (statistics.median(v) - dequant), 1)} for name, v in times.items()}
+    base = rows["today (group 128, amax / 7.5)"]["ms_per_matrix"]
+    for name, row in rows.items():
+        row["x_today"] = round(row["ms_per_matrix"] / base, 2)
+    result["compute_per_matrix"] = {"modules": modules, "repeats": args.compute_repeats, "threads": 1, "rows": rows,
+                                    "load_avg_1m_after": round(os.getloadavg()[0], 2)}
+    torch.set_num_threads(os.cpu_count() or 1)
 
 
 def _correlated_inputs(k: int, rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -333,14 +385,24 @@ def markdown(result: dict) -> str:
             for gs in (32, 128):
                 lines.append(f"| {r['module']} | {gs} | {r[f'g{gs}_amax_rtn']} | {r[f'g{gs}_mse_rtn']} | "
                              f"{r[f'g{gs}_amax_gptq']} | {r[f'g{gs}_mse_gptq']} | {r[f'g{gs}_mse_gptq_seconds']} |")
+    compute = result.get("compute_per_matrix")
+    if compute:
+        lines += ["", f"One core, per expert matrix ({len(compute['modules'])} matrices, median of {compute['repeats']} "
+                      "alternating rounds): dequantize the MXFP4 source, then quantize (includes the dequantize):", "",
+                  "| code | ms per matrix | of which quantize | x today |", "|---|---|---|---|"]
+        for name, row in compute["rows"].items():
+            lines.append(f"| {name} | {row['ms_per_matrix']} | {row['quantize_ms']} | {row['x_today']} |")
     timing = result.get("timing")
     if timing:
         lines += ["", f"Timing only, {timing['rounds']} rounds of (cp, today, each scheme), cp at the end; each run against "
                       "the cp runs around its round and against today's run of the same round:", "",
-                  "| scheme | median seconds | median x cp | x today per round |", "|---|---|---|---|"]
+                  "| scheme | median seconds | median x cp | wall x today, per round | median CPU s | "
+                  "CPU x today, per round | load before, per round |", "|---|---|---|---|---|---|---|"]
         for scheme, row in timing["summary"].items():
             lines.append(f"| {scheme} | {row['median_seconds']} | {row['median_ratio_to_cp']} | "
-                         f"{', '.join(str(r) for r in row['ratios_to_today'])} |")
+                         f"{', '.join(str(r) for r in row['ratios_to_today'])} | {row['median_cpu_seconds']} | "
+                         f"{', '.join(str(r) for r in row['cpu_ratios_to_today'])} | "
+                         f"{', '.join(str(r) for r in row['load_before'])} |")
         lines += ["", "cp runs (s): " + ", ".join(str(c["seconds"]) for c in timing["cp"])]
     t = result.get("tiny_calibration")
     if t:
@@ -375,6 +437,8 @@ def main() -> None:
     p.add_argument("--schemes", type=_scheme, nargs="+", default=SCHEMES, metavar="GROUP:RULE",
                    help="schemes to convert with (default: 128:amax 128:mse 32:amax 32:mse)")
     p.add_argument("--no-convert", action="store_true", help="skip the conversions (GPTQ sections only)")
+    p.add_argument("--compute-repeats", type=int, default=0,
+                   help="rounds of the one-core per-matrix quantize timing, today's code against this (needs --baseline)")
     p.add_argument("--timing-rounds", type=int, default=0,
                    help="rounds of (cp, today, each scheme) timed without quality passes (default 0)")
     p.add_argument("--gptq-experts", type=int, default=0, help="real-size experts for the GPTQ section (default 0)")
@@ -388,6 +452,9 @@ def main() -> None:
                     "baseline_commit": args.baseline_commit}
     if not args.no_convert:
         conversions(args, result)
+        save(args, result)
+    if args.compute_repeats:
+        compute_per_matrix(args, result)
         save(args, result)
     if args.timing_rounds:
         timing_rounds(args, result)

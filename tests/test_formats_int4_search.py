@@ -89,12 +89,13 @@ def test_search_is_never_worse_than_amax_on_any_group(case):
     baseline_error = _exact_group_errors(w, baseline, group_size)
     assert all(c <= b for c, b in zip(chosen_error, baseline_error))
     # and it is the least error among the candidates, up to the margin the search allows itself
-    # (2^-20 relative plus one unit of 2^-36 * 4^E per element, E the group amax's exponent)
+    # (2^-20 relative plus one unit of 4^(E - N) per element, E the group amax's exponent)
     per_candidate = [_exact_group_errors(w, candidates[i], group_size) for i in range(len(int4.MSE_DIVISORS))]
     amax = w.float().unflatten(-1, (w.shape[1] // group_size, group_size)).abs().amax(-1).flatten().tolist()
     for g, error in enumerate(chosen_error):
         best = min(errors[g] for errors in per_candidate)
-        unit = Fraction(2) ** (2 * (math.frexp(amax[g])[1] - int4.MSE_NORM_EXPONENT)) if amax[g] else Fraction(0)
+        exponent = math.frexp(amax[g])[1] - 1 - int4.mse_norm_exponent(group_size)
+        unit = Fraction(2) ** (2 * exponent) if amax[g] else Fraction(0)
         assert error <= best * (1 + Fraction(1, 2**19)) + 4 * (group_size + 2) * unit
 
 

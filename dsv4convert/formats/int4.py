@@ -64,11 +64,7 @@ DEFAULT_SCALE_RULE: ScaleRule = "mse"
 # outlier. On MXFP4-sourced, Gaussian, Laplace and Student-t(3) weights these 12 come within
 # 0.06 dB of the best of 193 divisors (4 to 16 in steps of 1/16), at group 32 and 128.
 MSE_DIVISORS: tuple[float, ...] = (7.5, 6.0, 6.5, 7.0, 7.25, 7.75, 8.0, 8.25, 8.5, 9.0, 10.0, 11.0)
-# The search measures errors in units of 2^-(2 * (MSE_NORM_EXPONENT - E)) for a group whose amax
-# is in [2^E, 2^(E+1)): each squared error is an integer below 2^39 after floor(), so any sum of up
-# to 2^13 of them is exact in float64, in any order, on any device.
-MSE_NORM_EXPONENT = 18
-# Elements per chunk of the search on the CPU: its eight passes stay in the core's cache.
+# Elements per chunk of the search on the CPU: its passes stay in the core's cache.
 _SEARCH_CHUNK_CPU = 1 << 17
 _SEARCH_CHUNK_OTHER = 1 << 26
 
@@ -119,14 +115,22 @@ def _scale_from_amax(amax: torch.Tensor, divisor: float, dtype: torch.dtype) -> 
     return torch.where(scale == 0, torch.full_like(scale, torch.finfo(dtype).eps), scale)
 
 
-def mse_norm_factor(amax: torch.Tensor) -> torch.Tensor:
-    """float32 ``2^clamp(MSE_NORM_EXPONENT - E, -126, 127)`` for float32 ``amax >= 0`` whose exponent field is E + 127.
+def mse_norm_exponent(group_size: int) -> int:
+    """N such that the search's squared errors of a group, in units of ``4^(E - N)`` for an amax in
+    ``[2^E, 2^(E+1))``, sum below 2^31: each is below ``4^(N+1)`` (no element's error exceeds the
+    amax), so ``group_size * 4^(N+1) <= 2^31``. 12 for groups of 32, 11 for 128."""
+    return (29 - (group_size - 1).bit_length()) // 2
+
+
+def mse_norm_factor(amax: torch.Tensor, norm_exponent: int) -> torch.Tensor:
+    """float32 ``2^clamp(N - E, -126, 127)`` for float32 ``amax >= 0`` whose exponent field is E + 127.
 
     Multiplying a group by it is exact (a power of two, no overflow) and brings its amax to
-    ``[2^18, 2^19)`` (groups below 2^-109 stay smaller: their errors measure coarser, not wrong).
+    ``[2^N, 2^(N+1))`` (groups far below float32's normal range stay smaller: their errors measure
+    coarser, not wrong).
     """
     field = amax.view(torch.int32) >> 23
-    exponent = (MSE_NORM_EXPONENT + 127 - field).clamp(-126, 127)
+    exponent = (norm_exponent + 127 - field).clamp(-126, 127)
     return ((exponent + 127) << 23).view(torch.float32)
 
 
@@ -146,9 +150,9 @@ def mse_group_scales(groups: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The ``"mse"`` rule's BF16 scales (as float32 ``[N, K/g]``) for ``groups`` ``[N, K/g, g]``.
 
     Each candidate's codes are those :func:`quantize_int4` would store (the same division, in
-    the same dtype), and its error is ``sum floor(((w - q * scale) * f)^2)`` over the group, ``f``
+    the same dtype), and its error is ``sum trunc(((w - q * scale) * f)^2)`` over the group, ``f``
     from :func:`mse_norm_factor`: every step is one correctly rounded operation and the sum is of
-    integers, exact in float64, so CPU, CUDA and the Triton kernel measure the same error whatever
+    integers, exact in int32, so CPU, CUDA and the Triton kernel measure the same error whatever
     their reduction order. The least error wins (the first such candidate on ties), and replaces
     ``amax / 7.5`` only when it is lower by more than the rounding of both errors can explain
     (``2^-20`` relative plus one unit per element): the chosen scale's exact squared error is
@@ -157,21 +161,23 @@ def mse_group_scales(groups: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     n, ngroups, size = groups.shape
     bf16_quotient = torch.promote_types(groups.dtype, torch.bfloat16) == torch.bfloat16
     candidates = mse_candidate_scales(amax, groups.dtype)
+    norm_exponent = mse_norm_exponent(size)
     chunk = _SEARCH_CHUNK_CPU if groups.device.type == "cpu" else _SEARCH_CHUNK_OTHER
     rows = max(1, chunk // (ngroups * size))
     out = torch.empty_like(amax)
-    work = errors = None
+    work = squares = errors = None
     for start in range(0, n, rows):
         block = slice(start, start + rows)
-        factor = mse_norm_factor(amax[block])
+        factor = mse_norm_factor(amax[block], norm_exponent)
         normalized = groups[block].float() * factor.unsqueeze(-1)
         if work is None or work.shape != normalized.shape:
             work = torch.empty_like(normalized)
-            errors = torch.empty((len(MSE_DIVISORS), *normalized.shape[:2]), dtype=torch.float64,
-                                 device=groups.device)
+            squares = torch.empty(normalized.shape, dtype=torch.int32, device=groups.device)
+            errors = torch.empty((len(MSE_DIVISORS), *normalized.shape[:2]), dtype=torch.int32, device=groups.device)
         scales = candidates[:, block] * factor
         for i, divisor in enumerate(MSE_DIVISORS):
-            _search_error(normalized, scales[i], bf16_quotient, work, clamp=divisor > _UNCLAMPED_DIVISOR, out=errors[i])
+            _search_error(normalized, scales[i], bf16_quotient, work, squares, clamp=divisor > _UNCLAMPED_DIVISOR,
+                          out=errors[i])
         out[block] = select_mse_scale(candidates[:, block], errors, size)
     return out
 
@@ -181,9 +187,9 @@ def mse_group_scales(groups: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 _UNCLAMPED_DIVISOR = 7.25
 
 
-def _search_error(normalized: torch.Tensor, scale: torch.Tensor, bf16_quotient: bool, work: torch.Tensor, *,
-                  clamp: bool, out: torch.Tensor) -> None:
-    """``out`` (float64 ``[rows, K/g]``) = ``sum floor((w - q * scale)^2)`` of normalized groups, exactly."""
+def _search_error(normalized: torch.Tensor, scale: torch.Tensor, bf16_quotient: bool, work: torch.Tensor,
+                  squares: torch.Tensor, *, clamp: bool, out: torch.Tensor) -> None:
+    """``out`` (int32 ``[rows, K/g]``) = ``sum trunc((w - q * scale)^2)`` of normalized groups, exactly."""
     scale = scale.unsqueeze(-1)
     torch.div(normalized, scale, out=work)
     if bf16_quotient:  # compressed-tensors divides a BF16 weight by a BF16 scale in BF16
@@ -193,23 +199,26 @@ def _search_error(normalized: torch.Tensor, scale: torch.Tensor, bf16_quotient: 
     work.round_()
     # q * scale is exact (4 x 8 bits), so fused or not, the only rounding is the subtraction's.
     torch.addcmul(normalized, work, scale, value=-1, out=work)
-    work.mul_(work).floor_()
-    torch.sum(work, dim=-1, dtype=torch.float64, out=out)
+    squares.copy_(work.mul_(work))  # float -> int32 truncates: the floor of a square
+    torch.sum(squares, dim=-1, dtype=torch.int32, out=out)
+
+
+_INVALID_ERROR = torch.iinfo(torch.int32).max
 
 
 def select_mse_scale(candidates: torch.Tensor, errors: torch.Tensor, group_size: int) -> torch.Tensor:
     """The chosen scale ``[...]`` from candidates ``[C, ...]`` (candidate 0: ``amax / 7.5``) and their errors.
 
-    A candidate scale that rounded to BF16 zero cannot be stored and never wins. Its error is
-    NaN, and so is the baseline's when ``amax / 7.5`` itself rounds to zero (kept, and refused by
-    :func:`quantize_int4`).
+    A candidate scale that rounded to BF16 zero cannot be stored and never wins (its error is
+    not a number); when ``amax / 7.5`` itself rounds to zero it is kept, and refused by
+    :func:`quantize_int4`.
     """
-    others = torch.where(candidates[1:] > 0, errors[1:], torch.inf)
+    others = torch.where(candidates[1:] > 0, errors[1:], _INVALID_ERROR)
     least, index = others.min(dim=0)
     baseline = errors[0]
-    threshold = baseline - (baseline * 2.0**-20).floor() - (group_size + 1)
+    threshold = baseline - (baseline >> 20) - (group_size + 1)
     chosen = candidates[1:].gather(0, index.unsqueeze(0)).squeeze(0)
-    return torch.where(least < threshold, chosen, candidates[0])
+    return torch.where((least < threshold) & (candidates[0] > 0), chosen, candidates[0])
 
 
 def round_to_int4(scaled: torch.Tensor) -> torch.Tensor:

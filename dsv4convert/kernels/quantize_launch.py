@@ -88,7 +88,7 @@ def quantize_int4_weight(w: torch.Tensor, *, group_size: int = 128, scale_rule: 
     int4_quant_kernel[grid](
         _kernel_input(w), packed, scale.view(torch.int16), divisors, n, w.stride(0), packed.stride(0),
         scale.stride(0), torch.finfo(w.dtype).eps, NUM_DIVISORS=divisors.numel(),
-        NORM_EXPONENT=int4.MSE_NORM_EXPONENT, BF16_QUOTIENT=bf16_quotient,
+        NORM_EXPONENT=int4.mse_norm_exponent(group_size), BF16_QUOTIENT=bf16_quotient,
         BF16_BITS=w.dtype == torch.bfloat16, GROUP=group_size, BLOCK_ROWS=block_rows,
         num_warps=4,
     )

@@ -110,17 +110,17 @@ def _int4_codes(values, divisor, BF16_QUOTIENT: tl.constexpr):
 
 @triton.jit
 def _int4_scale_error(values, scale, BF16_QUOTIENT: tl.constexpr):
-    """float64 ``[rows]``: ``sum floor((values - q * scale)^2)`` of normalized weights, as ``formats.int4`` measures it.
+    """int32 ``[rows]``: ``sum trunc((values - q * scale)^2)`` of normalized weights, as ``formats.int4`` measures it.
 
-    Every element term is an integer below 2^39 and the sum is exact in float64, so the reduction
-    order does not matter. ``q * scale`` is exact, so contracting it into an FMA changes nothing.
+    The terms are integers whose sum stays below 2^31 (``formats.int4.mse_norm_exponent``), so the
+    reduction order does not matter. ``q * scale`` is exact, so contracting it into an FMA changes nothing.
     """
     quotient = tl.math.div_rn(values, tl.broadcast_to(scale[:, None], values.shape))
     if BF16_QUOTIENT:
         quotient = (_bf16_bits(quotient) << 16).to(tl.float32, bitcast=True)
     codes = (tl.minimum(tl.maximum(quotient, -8.0), 7.0) + _MAGIC_ROUND) - _MAGIC_ROUND
     error = codes * scale[:, None] - values
-    return tl.sum(tl.floor(error * error).to(tl.float64), axis=1)
+    return tl.sum((error * error).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -161,7 +161,7 @@ def int4_quant_kernel(w_ptr, packed_ptr, s_ptr, divisors_ptr, N, stride_wn, stri
         odd_n = odd * factor[:, None]
         base_error = (_int4_scale_error(even_n, baseline * factor, BF16_QUOTIENT)
                       + _int4_scale_error(odd_n, baseline * factor, BF16_QUOTIENT))
-        best_error = tl.full(base_error.shape, float("inf"), tl.float64)
+        best_error = tl.full(base_error.shape, 2147483647, tl.int32)  # a candidate that cannot win
         best = baseline
         for i in range(1, NUM_DIVISORS):
             candidate = _bf16_scale(amax, tl.load(divisors_ptr + i), eps)
@@ -170,8 +170,8 @@ def int4_quant_kernel(w_ptr, packed_ptr, s_ptr, divisors_ptr, N, stride_wn, stri
             better = (candidate > 0) & (error < best_error)  # strict: the first of equal errors wins
             best_error = tl.where(better, error, best_error)
             best = tl.where(better, candidate, best)
-        threshold = base_error - tl.floor(base_error * 9.5367431640625e-07) - (GROUP + 1)  # 2^-20
-        scale = tl.where(best_error < threshold, best, baseline)
+        threshold = base_error - (base_error >> 20) - (GROUP + 1)
+        scale = tl.where((best_error < threshold) & (baseline > 0), best, baseline)
     scale_bits = _bf16_bits(scale)
     stored = tl.where(has_nan | (amax == float("inf")), 0x7FC0, scale_bits)
     tl.store(s_ptr + rn * stride_sn + group, stored.to(tl.int16), mask=row_ok)
