@@ -111,6 +111,10 @@ def _operations(w: torch.Tensor) -> dict[str, Callable[[], object]]:
         "quantize_nvfp4": lambda: quantize_nvfp4(w),
         "dequantize_nvfp4 -> bf16": lambda: dequantize_nvfp4(nv.weight, nv.weight_scale, nv.weight_scale_2,
                                                              out_dtype=torch.bfloat16),
+        "quantize_int4_weight g128 amax": lambda: quantize_int4_weight(w, group_size=128, scale_rule="amax"),
+        "quantize_int4_weight g128 mse": lambda: quantize_int4_weight(w, group_size=128, scale_rule="mse"),
+        "quantize_int4_weight g32 amax": lambda: quantize_int4_weight(w, group_size=32, scale_rule="amax"),
+        "quantize_int4_weight g32 mse": lambda: quantize_int4_weight(w, group_size=32, scale_rule="mse"),
         "quantize_int4_weight (bf16 in)": lambda: quantize_int4_weight(bf16),
         "dequantize_int4 -> bf16": lambda: dequantize_int4(int4.weight_packed, int4.weight_scale,
                                                            int4.weight_shape, out_dtype=torch.bfloat16),
@@ -150,7 +154,7 @@ def bench_device(device: torch.device, rows: int, cols: int, repeat: int) -> dic
                                   else abs(fn().rel_fro - reference[op]().rel_fro) < 1e-9)
         results.append(row)
         check = {True: "  matches CPU", False: "  DIFFERS FROM CPU"}.get(row.get("matches_cpu"), "")
-        print(f"{device.type:5s} {op:32s} {rows * cols / median / 1e6:10.1f} M elem/s{check}", flush=True)
+        print(f"{device.type:5s} {op:34s} {rows * cols / median / 1e6:10.1f} M elem/s{check}", flush=True)
     return {
         "machine": _machine(device),
         "commit": _commit(),

@@ -140,6 +140,8 @@ def _record_launches(family: str) -> list[tuple[str, object, object, tuple, dict
     dense = torch.randn(256, 1024, generator=generator).to(torch.bfloat16)
     packed, scale = random_weight("mxfp4", 256, 1024, generator=generator)
     for convert in (lambda: quantize_launch.quantize_fp8_block(dense), lambda: quantize_launch.quantize_int4_weight(dense),
+                    lambda: quantize_launch.quantize_int4_weight(dense, group_size=32),
+                    lambda: quantize_launch.quantize_int4_weight(dense, scale_rule="amax"),
                     lambda: quantize_launch.mxfp4_to_nvfp4(packed, scale),
                     lambda: quantize_launch.mxfp4_to_fp8_block(packed, scale)):
         first = len(calls)

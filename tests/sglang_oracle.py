@@ -31,6 +31,9 @@ How to use it (the first import costs ~10-15 s: SGLang imports its whole model r
     sgl.moe_scheme_for(qc, "model.layers.3.mlp.experts")       # "nvfp4" | "mxfp4" | "fp8" |
     sgl.moe_scheme_for(qc, "model.decoder.mlp.experts")        #   "wna16" | "unquantized"
     sgl.linear_scheme_for(qc, "model.layers.3.self_attn.wo_a") # "fp8" | "unquantized" | "wna16" ...
+    sgl.moe_method_for(qc, "model.decoder.mlp.experts", gpu="sm90")  # SGLang's get_moe_scheme object:
+                                                               #   CompressedTensorsWNA16MoE (Marlin), ...
+    sgl.marlin_moe_supports(32, gpu="sm120", hidden_size=4096, intermediate_per_partition=512)
     sgl.sglang_name("layers.3.ffn.experts.7.w1.weight")        # SGLang's own checkpoint-name remap
     sgl.module_prefix("layers.3.ffn.experts.7.w1.weight")      # -> "model.layers.3.mlp.experts"
 
@@ -119,13 +122,20 @@ from sglang.srt.layers.quantization.base_config import QuantizationConfig  # noq
 from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E402
     CompressedTensorsConfig,
 )
+from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsMoEScheme  # noqa: E402
 from sglang.srt.layers.quantization.compressed_tensors.utils import should_ignore_layer  # noqa: E402
 from sglang.srt.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from sglang.srt.layers.quantization.modelopt_quant import HybridFp8NvFp4Config  # noqa: E402
 from sglang.srt.layers.quantization.utils import is_layer_skipped  # noqa: E402
 from sglang.srt.model_loader.loader import _get_quantization_config  # noqa: E402
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
-from sglang.srt.runtime_context import override_platform  # noqa: E402
+from sglang.srt.runtime_context import get_flags, override_platform  # noqa: E402
+from sglang.srt.layers.moe.utils import resolve_moe_runner_backend  # noqa: E402
+from sglang.srt.layers.quantization.marlin_utils import (  # noqa: E402
+    check_marlin_supported,
+    check_moe_marlin_supports_layer,
+    scalar_types,
+)
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_router.launch_router import parse_router_args as _parse_router_args  # noqa: E402
 from sglang_router.router_args import RouterArgs  # noqa: E402
@@ -329,6 +339,35 @@ def moe_scheme_for(config: QuantizationConfig | None, sglang_prefix: str) -> str
     raise TypeError(f"no MoE rule for {type(config).__name__}")
 
 
+def moe_method_for(config: CompressedTensorsConfig, sglang_prefix: str, *, gpu: str,
+                   moe_runner_backend: str = "auto") -> CompressedTensorsMoEScheme | None:
+    """The MoE scheme object SGLang's own ``CompressedTensorsConfig.get_moe_scheme`` builds.
+
+    Not mirrored: SGLang's method runs, on ``gpu``'s platform facts and with the MoE runner
+    backend the server resolved (``ServerArgs.resolved_dict()["moe_runner_backend"]``, or the
+    speculative one for the NextN draft). The runner flag is restored afterwards.
+    """
+    moe = get_flags().moe
+    saved = moe.runner_backend
+    try:
+        with override_platform(**platform_facts(gpu)):
+            moe.runner_backend = resolve_moe_runner_backend(moe_runner_backend)
+            return config.get_moe_scheme(_bare(FusedMoE), layer_name=sglang_prefix)
+    finally:
+        moe.runner_backend = saved
+
+
+def marlin_moe_supports(group_size: int, *, gpu: str, hidden_size: int, intermediate_per_partition: int) -> bool:
+    """SGLang's own Marlin checks for a symmetric INT4 (``uint4b8``) FusedMoE: the quant type and
+    group on ``gpu``'s capability, and the layer shape (``check_moe_marlin_supports_layer``)."""
+    major, minor = GPU_FACTS[gpu]["major"], GPU_FACTS[gpu]["minor"]
+    layer = argparse.Namespace(hidden_size=hidden_size, intermediate_size_per_partition=intermediate_per_partition,
+                               moe_runner_config=argparse.Namespace(apply_router_weight_on_input=False,
+                                                                    is_gated=True, activation="silu"))
+    return (check_marlin_supported(scalar_types.uint4b8, group_size, has_zp=False, device_capability=major * 10 + minor)
+            and check_moe_marlin_supports_layer(layer, group_size))
+
+
 def linear_scheme_for(config: QuantizationConfig | None, sglang_prefix: str) -> str:
     """The weight format SGLang expects for the ``LinearBase`` at ``sglang_prefix``."""
     if config is None:
@@ -368,10 +407,12 @@ def module_prefix(native_name: str, *, num_hidden_layers: int = 43) -> str:
     return module
 
 
-def contract_quantization_config(variant: str, base: Mapping[str, Any]) -> dict[str, Any] | None:
+def contract_quantization_config(variant: str, base: Mapping[str, Any], *,
+                                 group_size: int = 128) -> dict[str, Any] | None:
     """A variant's ``quantization_config`` as sglang-contract.md section 1 specifies it, for tests.
 
     ``base`` is the native checkpoint's ``quantization_config``; None means no quantization (BF16).
+    ``group_size`` is W4A16's (the contract allows 128 or 32).
     """
     if variant in ("native", "fp8"):
         return dict(base)
@@ -380,7 +421,7 @@ def contract_quantization_config(variant: str, base: Mapping[str, Any]) -> dict[
                 "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]}
     if variant == "w4a16":
         int4_group = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                      "group_size": 128, "dynamic": False}
+                      "group_size": group_size, "dynamic": False}
         return {
             "quant_method": "compressed-tensors",
             "format": "pack-quantized",
@@ -394,10 +435,10 @@ def contract_quantization_config(variant: str, base: Mapping[str, Any]) -> dict[
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def variant_config(variant: str, native_config: Mapping[str, Any]) -> dict[str, Any]:
+def variant_config(variant: str, native_config: Mapping[str, Any], *, group_size: int = 128) -> dict[str, Any]:
     """``native_config`` with the variant's ``quantization_config`` (dropped for BF16)."""
     config = {k: v for k, v in native_config.items() if k != "quantization_config"}
-    quant = contract_quantization_config(variant, native_config["quantization_config"])
+    quant = contract_quantization_config(variant, native_config["quantization_config"], group_size=group_size)
     if quant is not None:
         config["quantization_config"] = quant
     return config

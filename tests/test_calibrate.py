@@ -30,6 +30,7 @@ from dsv4convert.formats import (
     dequantize_int4,
     dequantize_nvfp4,
     input_scale_from_amax,
+    int4_group_scales,
     quantize_int4_weight,
     quantize_nvfp4,
 )
@@ -218,14 +219,15 @@ def test_gptq_lowers_held_out_error_on_every_layer(tiny_ckpt, data_file, tmp_pat
                                holdout=2, batch_size=10, hessians=False, report=True, report_experts=4)).run()
     rows = content["report"]
     with capsys.disabled():
-        print("\nblock     nvfp4 calibrated  nvfp4 data-free  int4 RTN  int4 GPTQ")
+        print("\nblock     nvfp4 calibrated  nvfp4 data-free  int4 RTN amax  int4 RTN  int4 GPTQ")
         for r in rows:
             print(f"{r['block']:<9} {r['nvfp4_calibrated']:16.5f} {r['nvfp4_data_free']:16.5f} "
-                  f"{r['int4_rtn']:9.5f} {r['int4_gptq']:10.5f}")
+                  f"{r['int4_rtn_amax']:14.5f} {r['int4_rtn']:9.5f} {r['int4_gptq']:10.5f}")
     assert [r["block"] for r in rows] == ModelConfig.from_dict(Checkpoint.open(tiny_ckpt).config).block_prefixes()
     for r in rows:
         assert r["experts_evaluated"] == 4 and r["heldout_rows"] > 0
-        assert 0 < r["int4_gptq"] < r["int4_rtn"], r
+        assert 0 < r["int4_gptq"] < r["int4_rtn"], r      # GPTQ beats data-free (both searched scales)
+        assert 0 < r["int4_rtn"] < r["int4_rtn_amax"], r  # the search beats amax / 7.5 on outputs too
         assert 0 < r["nvfp4_calibrated"] < 0.5 and 0 < r["nvfp4_data_free"] < 0.5
     assert "hessians" not in content   # the report's Hessians are not kept without --hessians
 
@@ -262,13 +264,38 @@ def test_gptq_output_packs_like_compressed_tensors():
     assert out_error[0] < 0.8 * out_error[1]
 
 
-def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
+@pytest.mark.parametrize("scale_rule", ["mse", "amax"])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest(scale_rule, group_size):
     w = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
     diagonal = torch.diag(torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5)
-    q, r = gptq_quantize_int4(w, diagonal), quantize_int4_weight(w)
+    q = gptq_quantize_int4(w, diagonal, group_size=group_size, scale_rule=scale_rule)
+    r = quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule)
     assert torch.equal(q.weight_packed, r.weight_packed) and torch.equal(q.weight_scale, r.weight_scale)
-    no_tokens = gptq_quantize_int4(w, torch.zeros(256, 256))
+    no_tokens = gptq_quantize_int4(w, torch.zeros(256, 256), group_size=group_size, scale_rule=scale_rule)
     assert torch.equal(no_tokens.weight_packed, r.weight_packed)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_gptq_searches_each_group_scale_on_the_updated_weights(group_size):
+    """The squared-error search runs inside GPTQ's column loop: the first group (which no earlier
+    column has updated) gets round-to-nearest's searched scale, later groups their own search."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 256, generator=g)
+    x, held = _correlated_inputs(256, 3072, 7).split([2048, 1024])  # one input distribution
+    hessian = x.T @ x
+    searched = gptq_quantize_int4(w, hessian, group_size=group_size, scale_rule="mse")
+    amax = gptq_quantize_int4(w, hessian, group_size=group_size, scale_rule="amax")
+    first = int4_group_scales(w[:, :group_size], group_size=group_size, scale_rule="mse").to(torch.bfloat16)
+    assert torch.equal(searched.weight_scale[:, :1], first)
+    assert not torch.equal(searched.weight_scale, amax.weight_scale)
+
+    def output_error(q):
+        restored = dequantize_int4(q.weight_packed, q.weight_scale, q.weight_shape, group_size=group_size)
+        return float((held @ w.T - held @ restored.T).norm())
+
+    rtn = quantize_int4_weight(w, group_size=group_size, scale_rule="mse")
+    assert output_error(searched) < output_error(amax) and output_error(searched) < output_error(rtn)
 
 
 @pytest.mark.parametrize("hessian, group, match", [

@@ -55,7 +55,7 @@ def _ct_scale(w: torch.Tensor, group_size: int) -> torch.Tensor:
 @given(weights())
 def test_scales_match_compressed_tensors(case):
     w, group_size = case
-    ours = int4_group_scales(w, group_size=group_size)
+    ours = int4_group_scales(w, group_size=group_size, scale_rule="amax")
     assert ours.dtype == torch.float32
     assert torch.equal(ours.to(w.dtype), _ct_scale(w, group_size))
     assert torch.equal(ours.to(torch.bfloat16), _ct_scale(w, group_size).to(torch.bfloat16))
@@ -65,7 +65,7 @@ def test_scales_match_compressed_tensors(case):
 @given(weights())
 def test_codes_match_compressed_tensors_with_bf16_scale(case):
     w, group_size = case
-    scale = int4_group_scales(w, group_size=group_size).to(torch.bfloat16)
+    scale = int4_group_scales(w, group_size=group_size, scale_rule="amax").to(torch.bfloat16)
     zero = torch.zeros_like(scale, dtype=torch.int8)
     expected = quantize(w, scale, zero, _args(group_size), dtype=torch.int8)
     assert torch.equal(quantize_int4(w, scale, group_size=group_size), expected)
@@ -75,7 +75,7 @@ def test_codes_match_compressed_tensors_with_bf16_scale(case):
 @given(weights())
 def test_stored_tensors_match_the_compressor(case):
     w, group_size = case
-    ours = quantize_int4_weight(w, group_size=group_size)
+    ours = quantize_int4_weight(w, group_size=group_size, scale_rule="amax")
     scheme = QuantizationScheme(targets=["Linear"], weights=_args(group_size))
     scale = _ct_scale(w, group_size).to(torch.bfloat16)
     theirs = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
@@ -112,7 +112,7 @@ def test_hand_worked_rounding_and_range():
     # One group of 32, amax 7.5 -> scale 1: +amax is 7.5 -> 8 -> clamped to 7, -amax -> -8.
     w = torch.zeros(1, 32)
     w[0, :6] = torch.tensor([7.5, -7.5, 2.5, 3.5, -0.5, 6.9])
-    q = quantize_int4_weight(w, group_size=32)
+    q = quantize_int4_weight(w, group_size=32, scale_rule="amax")
     assert float(q.weight_scale) == 1.0
     codes = unpack_int4(q.weight_packed, q.weight_shape)
     assert codes[0, :6].tolist() == [7, -8, 2, 4, 0, 7]  # ties to even: 2.5 -> 2, 3.5 -> 4
@@ -128,7 +128,7 @@ def test_split_api_supports_column_by_column_rounding():
 def test_gaussian_error_matches_reference_table():
     # formats.md §7 (numpy, independent of this code): INT4 sym g128 amax/7.5 on Gaussian = 0.1108.
     w = torch.randn(512, 4096, generator=torch.Generator().manual_seed(0))
-    q = quantize_int4_weight(w)
+    q = quantize_int4_weight(w, scale_rule="amax")
     restored = dequantize_int4(q.weight_packed, q.weight_scale, q.weight_shape)
     assert error_metrics(w, restored).rel_fro == pytest.approx(0.1108, rel=0.02)
 

@@ -72,28 +72,62 @@ def test_quantize_refuses_non_finite_weights(bad):
         kernels.quantize("int4", w.bfloat16(), backend="triton")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("group_size", [32, 128])
-def test_int4_quantize_matches_formats(dtype, group_size):
+def _int4_weight(dtype: torch.dtype, group_size: int) -> torch.Tensor:
     w = _awkward_weight(72, 256, seed=4)
     # Quotients that land exactly on .5 after the BF16 scale: round half to even must decide them.
     w[60, :group_size] = torch.arange(group_size, dtype=torch.float32).remainder(16).sub(7.5) * 0.25
-    w = w.to(dtype)
-    got = kernels.quantize("int4", w, group_size=group_size, backend="triton")
-    want = formats.quantize_int4_weight(w, group_size=group_size)
+    w[61, :group_size] = 0.0
+    w[61, 3] = -5.0                       # a lone outlier: the search puts it on -8
+    w[62] = w[62].sign() * 2.0 ** torch.randint(-3, 3, (256,), generator=_generator(8)).float()  # power-of-two grid
+    return w.to(dtype)
+
+
+def _assert_same_int4(got: formats.Int4Weight, want: formats.Int4Weight) -> None:
     assert isinstance(got, formats.Int4Weight)
-    assert got.weight_packed.dtype == torch.int32 and got.weight_packed.shape == (72, 32)
-    assert torch.equal(got.weight_packed, want.weight_packed)
-    assert torch.equal(got.weight_scale.view(torch.int16), want.weight_scale.view(torch.int16))
-    assert torch.equal(got.weight_shape, want.weight_shape)
+    assert got.weight_packed.dtype == torch.int32 and got.weight_packed.shape == want.weight_packed.shape
+    assert torch.equal(got.weight_packed.cpu(), want.weight_packed.cpu())
+    assert torch.equal(got.weight_scale.view(torch.int16).cpu(), want.weight_scale.view(torch.int16).cpu())
+    assert torch.equal(got.weight_shape.cpu(), want.weight_shape.cpu())
 
 
-def test_int4_refuses_scales_that_round_to_zero():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("scale_rule", ["mse", "amax"])
+def test_int4_quantize_matches_formats(dtype, group_size, scale_rule):
+    """The kernel, and the formats function on this device, write the CPU path's bytes."""
+    w = _int4_weight(dtype, group_size)
+    cpu = formats.quantize_int4_weight(w.cpu(), group_size=group_size, scale_rule=scale_rule)
+    got = kernels.quantize("int4", w, group_size=group_size, scale_rule=scale_rule, backend="triton")
+    _assert_same_int4(got, cpu)
+    assert got.weight_packed.shape == (72, 32)
+    _assert_same_int4(formats.quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule), cpu)
+    if scale_rule == "mse":  # the search chose other scales than amax / 7.5 here, so the test tests it
+        amax = formats.quantize_int4_weight(w.cpu(), group_size=group_size, scale_rule="amax")
+        assert (cpu.weight_scale != amax.weight_scale).float().mean() > 0.3
+
+
+def test_int4_search_on_mxfp4_experts_matches_the_cpu_path():
+    """Real-size-like MXFP4-decoded weights (every row exponent, outlier columns, a zero block)."""
+    from dsv4convert.synth import realistic_mxfp4
+
+    packed, scale = realistic_mxfp4(64, 512, _generator(9))
+    w = formats.dequantize_mxfp4(packed, scale)
+    for group_size in (32, 128):
+        cpu = formats.quantize_int4_weight(w, group_size=group_size, scale_rule="mse")
+        on_device = w.to(DEVICE)
+        _assert_same_int4(kernels.quantize("int4", on_device, group_size=group_size, backend="triton"), cpu)
+        _assert_same_int4(formats.quantize_int4_weight(on_device, group_size=group_size), cpu)
+
+
+@pytest.mark.parametrize("scale_rule", ["mse", "amax"])
+def test_int4_refuses_scales_that_round_to_zero(scale_rule):
     w = torch.full((4, 128), 2.0**-133, dtype=torch.bfloat16, device=DEVICE)  # amax / 7.5 rounds to BF16 zero
     with pytest.raises(FormatError, match="positive"):
-        formats.quantize_int4_weight(w)
+        formats.quantize_int4_weight(w, scale_rule=scale_rule)
     with pytest.raises(FormatError, match="positive"):
-        kernels.quantize("int4", w, backend="triton")
+        kernels.quantize("int4", w, scale_rule=scale_rule, backend="triton")
+    with pytest.raises(FormatError, match="scale rule"):
+        kernels.quantize("int4", w, scale_rule="rms", backend="triton")
 
 
 def _mxfp4(n: int, k: int, seed: int, low: int = 118, high: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,3 +214,22 @@ def test_torch_backend_is_the_formats_function():
     w = _awkward_weight(64, 128, seed=7)
     got = kernels.quantize("int4", w, backend="torch")
     assert torch.equal(got.weight_packed, formats.quantize_int4_weight(w).weight_packed)
+
+
+@pytest.mark.parametrize("options", [[], ["--group-size", "128", "--scale-rule", "amax"], ["--group-size", "128"]])
+def test_to_w4a16_on_the_gpu_writes_the_cpu_bytes(tiny_ckpt, tmp_path, options):
+    """The converter end to end, --device cuda against the CPU: every tensor byte for byte."""
+    if DEVICE != "cuda":
+        pytest.skip("--device cuda needs a CUDA GPU (the numerics are compared above on the CPU)")
+    from dsv4convert.checkpoint import Checkpoint
+    from dsv4convert.cli import main
+
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        dst = tmp_path / device
+        assert main(["to-w4a16", "--src", str(tiny_ckpt), "--dst", str(dst), "--device", device, "--no-progress",
+                     *options]) == 0
+        ckpt = Checkpoint.open(dst)
+        outputs[device] = {name: _bytes(ckpt.read(name)) for name in ckpt.tensors}
+    assert outputs["cpu"].keys() == outputs["cuda"].keys()
+    assert all(torch.equal(outputs["cpu"][n], outputs["cuda"][n]) for n in outputs["cpu"])

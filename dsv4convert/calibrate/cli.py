@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="held-out sequences after the calibration ones (default 4 with --report, else 0)")
     p.add_argument("--report-experts", type=int, default=8,
                    help="experts per block the report evaluates, those with the most held-out tokens (default 8)")
+    p.add_argument("--report-group-size", type=int, choices=[32, 128], default=32,
+                   help="INT4 group size of the report's round-to-nearest and GPTQ errors (default 32, as the "
+                        "w4a16 recipe)")
     p.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, fraction of mean diag(H)")
     p.add_argument("--no-mtp", action="store_true", help="calibrate the backbone layers only")
     p.add_argument("--overwrite", action="store_true", help="discard a previous run's work directory")
@@ -70,7 +73,8 @@ def _calibrate(args: argparse.Namespace, world) -> int:
         source=args.src, output=args.output, data=args.calibration_data, num_sequences=args.num_sequences,
         seq_len=args.seq_len, holdout=holdout, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
         hessians=args.hessians, report=args.report, report_experts=args.report_experts, mtp=not args.no_mtp,
-        overwrite=args.overwrite, progress=not args.no_progress, gptq_damp=args.gptq_damp)
+        overwrite=args.overwrite, progress=not args.no_progress, gptq_damp=args.gptq_damp,
+        report_group_size=args.report_group_size)
     content = Calibrator(opts, world).run()
     if not world.is_main:
         return 0

@@ -15,6 +15,7 @@ import torch
 
 from dsv4convert.errors import FormatError
 from dsv4convert.formats import Int4Weight, int4_group_scales, pack_int4, quantize_int4_weight, round_to_int4
+from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, ScaleRule
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str | None) -> torch.Tensor:
@@ -46,7 +47,7 @@ def _check(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: f
         raise FormatError(f"GPTQ damping must be in (0, 1), got {damp}", tensor=name)
 
 
-def _gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float,
+def _gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float, scale_rule: ScaleRule,
                 name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes ``[N, K]``, BF16 scales ``[N, K/g]``) chosen by GPTQ."""
     n, k = weight.shape
@@ -58,7 +59,8 @@ def _gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, da
     for g, start in enumerate(range(0, k, group_size)):
         stop = start + group_size
         block = wt[start:stop]                         # a view: updated in place below
-        scale = int4_group_scales(block.T, group_size=group_size, name=name)[:, 0].to(torch.bfloat16)
+        scale = int4_group_scales(block.T, group_size=group_size, scale_rule=scale_rule, name=name)[:, 0]
+        scale = scale.to(torch.bfloat16)
         scales[g] = scale
         scale = scale.float()
         inv = upper[start:stop, start:stop]
@@ -73,17 +75,16 @@ def _gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, da
     return codes.T.contiguous(), scales.T.contiguous()
 
 
-
 def gptq_quantize_int4(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: int = 128, damp: float = 0.01,
-                       name: str | None = None) -> Int4Weight:
+                       scale_rule: ScaleRule = DEFAULT_SCALE_RULE, name: str | None = None) -> Int4Weight:
     """GPTQ INT4 of ``weight`` (float32 ``[N, K]``) for inputs with Hessian ``hessian`` ``[K, K]``.
 
     An all-zero Hessian (the expert received no calibration tokens) has no information:
-    the weight is rounded to nearest instead.
+    the weight is rounded to nearest instead (under the same ``scale_rule``).
     """
     _check(weight, hessian, group_size, damp, name)
     if not bool((torch.diagonal(hessian) > 0).any()):
-        return quantize_int4_weight(weight, group_size=group_size, name=name)
-    codes, scales = _gptq_codes(weight, hessian, group_size, damp, name)
+        return quantize_int4_weight(weight, group_size=group_size, scale_rule=scale_rule, name=name)
+    codes, scales = _gptq_codes(weight, hessian, group_size, damp, scale_rule, name)
     return Int4Weight(weight_packed=pack_int4(codes, name=name), weight_scale=scales,
                       weight_shape=torch.tensor(list(weight.shape), dtype=torch.int64))

@@ -5,7 +5,9 @@ the relative output error ``||Y - Y'||_F / ||Y||_F`` summed over ``w1``, ``w3`` 
 
 * NVFP4 activation quantization with the calibrated ``input_scale`` against the data-free
   bound (weights exact, so only the activation side differs);
-* INT4 W4A16 weights from GPTQ against round-to-nearest (activations exact).
+* INT4 W4A16 weights from GPTQ against round-to-nearest (activations exact), both with the
+  squared-error scale search (the converter's default), and round-to-nearest with
+  compressed-tensors' ``amax / 7.5`` scales beside them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dsv4convert.formats import decode_e2m1, dequantize_int4, encode_e2m1, quant
 from dsv4convert.formats.numerics import E2M1_MAX, E4M3_MAX, E4M3_MIN_EXP
 from dsv4convert.formats.nvfp4 import NVFP4_BLOCK, input_scale_from_amax
 
-METHODS = ("nvfp4_calibrated", "nvfp4_data_free", "int4_rtn", "int4_gptq")
+METHODS = ("nvfp4_calibrated", "nvfp4_data_free", "int4_rtn_amax", "int4_rtn", "int4_gptq")
 
 
 def nvfp4_activation_roundtrip(x: torch.Tensor, input_scale: torch.Tensor | float) -> torch.Tensor:
@@ -64,7 +66,7 @@ def _int4_output(x: torch.Tensor, q) -> torch.Tensor:
 @torch.no_grad()
 def block_errors(experts: nn.Module, captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
                  stats: ExpertStats, data_free_amax: tuple[float, float], *, max_experts: int,
-                 group_size: int = 128, damp: float = 0.01) -> dict:
+                 group_size: int = 32, damp: float = 0.01) -> dict:
     """The report row of one block, over its ``max_experts`` experts with the most held-out tokens."""
     held = {e: sum(x.shape[0] for x, _ in parts) for e, parts in captured.items()}
     chosen = sorted(held, key=lambda e: (-held[e], e))[:max_experts]
@@ -84,8 +86,11 @@ def block_errors(experts: nn.Module, captured: dict[int, list[tuple[torch.Tensor
         # w1 and w3 read the same inputs: quantizing them stacked is the same as one by one
         # (INT4 scales and GPTQ's updates are per output row) with one Hessian factorization.
         for x, w, ref, hessians in ((x13, w13, ref13, stats.w13_hessian), (x2, w2, ref2, stats.w2_hessian)):
-            sums.add("int4_rtn", ref, _int4_output(x, quantize_int4_weight(w, group_size=group_size)))
+            sums.add("int4_rtn_amax", ref, _int4_output(x, quantize_int4_weight(w, group_size=group_size,
+                                                                                scale_rule="amax")))
+            sums.add("int4_rtn", ref, _int4_output(x, quantize_int4_weight(w, group_size=group_size, scale_rule="mse")))
             if hessians is not None:
-                q = gptq_quantize_int4(w, hessians[e].to(w.device), group_size=group_size, damp=damp)
+                q = gptq_quantize_int4(w, hessians[e].to(w.device), group_size=group_size, damp=damp,
+                                       scale_rule="mse")
                 sums.add("int4_gptq", ref, _int4_output(x, q))
     return {"experts_evaluated": len(chosen), "heldout_rows": sum(held[e] for e in chosen), **sums.relative()}

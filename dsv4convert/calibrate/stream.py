@@ -64,6 +64,7 @@ class CalibrateOptions:
     overwrite: bool = False
     progress: bool = True
     gptq_damp: float = 0.01
+    report_group_size: int = 32       # INT4 group of the report's RTN/GPTQ rows (the w4a16 recipe's)
     max_blocks: int | None = None   # stop after this many blocks (benchmarks); the run stays resumable
 
 
@@ -198,7 +199,7 @@ class Calibrator:
                 "tokens": _token_digest(ids), "num_sequences": o.num_sequences, "holdout": o.holdout,
                 "seq_len": o.seq_len, "batch_size": o.batch_size, "device": self.device.type, "dtype": o.dtype,
                 "hessians": o.hessians, "report": o.report, "report_experts": o.report_experts,
-                "gptq_damp": o.gptq_damp, "blocks": self.blocks}
+                "gptq_damp": o.gptq_damp, "report_group_size": o.report_group_size, "blocks": self.blocks}
 
     def _prepare(self) -> torch.Tensor:
         """Token ids of all sequences (calibration then held-out), resuming or starting the work dir."""
@@ -307,7 +308,7 @@ class Calibrator:
         report = None
         if o.report and self.world.is_main:
             report = block_errors(layer.mlp.experts, recorder.captured, stats, self._data_free(block),
-                                  max_experts=o.report_experts, damp=o.gptq_damp)
+                                  max_experts=o.report_experts, group_size=o.report_group_size, damp=o.gptq_damp)
         if not o.hessians:
             stats.w13_hessian = stats.w2_hessian = None
         del layer, entry, recorder

@@ -217,12 +217,12 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
         tensors = [(weight_name, dequantize_source(source, src, weight_name).to(torch.bfloat16))]
     elif fmt is Format.INT4:
         w = dequantize_source(source, src, weight_name)
-        group = job.target.params["group_size"]
+        group, rule = job.target.params["group_size"], job.target.params["scale_rule"]
         hessian = ctx.hessian(m) if ctx.hessian is not None and job.role is Role.ROUTED_EXPERT else None
         if hessian is not None:
-            q = gptq_quantize_int4(w, hessian, group_size=group, name=weight_name)
+            q = gptq_quantize_int4(w, hessian, group_size=group, scale_rule=rule, name=weight_name)
         else:  # round-to-nearest (also for experts that saw no calibration tokens)
-            q = quantize_int4_weight(w, group_size=group, name=weight_name)
+            q = quantize_int4_weight(w, group_size=group, scale_rule=rule, name=weight_name)
         tensors = [(f"{m}.weight_packed", q.weight_packed), (f"{m}.weight_scale", q.weight_scale),
                    (f"{m}.weight_shape", q.weight_shape)]
     elif fmt is Format.NVFP4:

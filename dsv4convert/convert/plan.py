@@ -51,6 +51,8 @@ class ModuleJob:
         if fmt is Format.FP8 and self.source_format is Format.FP8:
             wanted = "F32" if self.target.params.get("scale_dtype") == "float32" else "F8_E8M0"
             return self.sources["scale"].dtype != wanted
+        if fmt is Format.INT4 and self.source_format is Format.INT4:  # regrouped: requantized
+            return _source_params(self).get("group_size") != self.target.params["group_size"]
         return fmt is not self.source_format
 
     @property
@@ -116,8 +118,9 @@ class Plan:
                 continue
             fmt = job.output_format
             params = {}
-            if fmt is Format.INT4:
-                params["group_size"] = job.target.params.get("group_size", 128)
+            if fmt is Format.INT4:  # a kept INT4 module keeps the group size it is stored with
+                params["group_size"] = (job.target.params["group_size"] if job.converts
+                                        else _source_params(job).get("group_size", 128))
             if fmt is Format.FP8:
                 params["fp8_scale_dtype"] = next(p.dtype for p in job.outputs if p.name.endswith(".scale"))
             out[job.module] = (fmt, params)
@@ -134,12 +137,22 @@ class Plan:
         return {role: dict(c) for role, c in sorted(table.items())}
 
 
-def _source_format(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None) -> Format | None:
+def _detect(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None) -> tuple[Format, dict] | None:
     if native_shape is None:
         return None
     stored = {p: (e.dtype, e.shape) for p, e in job_sources.items() if p in WEIGHT_PARAMS}
-    found = detect_linear_format(stored, *native_shape)
+    return detect_linear_format(stored, *native_shape)
+
+
+def _source_format(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None) -> Format | None:
+    found = _detect(job_sources, native_shape)
     return found[0] if found else None
+
+
+def _source_params(job: ModuleJob) -> dict:
+    """The stored parameters of a module's source format (``group_size`` of an INT4 source)."""
+    found = _detect(job.sources, job.logical_shape)
+    return found[1] if found else {}
 
 
 def _check_applicable(job: ModuleJob, recipe: Recipe) -> None:

@@ -21,6 +21,7 @@ import jsonschema
 import yaml
 
 from dsv4convert.errors import RecipeError
+from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, SCALE_RULES
 from dsv4convert.layout import Role, TensorInfo
 from dsv4convert.storage import Format
 
@@ -64,6 +65,7 @@ SCHEMA = {
                         "additionalProperties": False,
                         "properties": {
                             "group_size": {"enum": [32, 128]},
+                            "scale_rule": {"enum": list(SCALE_RULES)},
                             "scale_dtype": {"enum": ["e8m0", "float32"]},
                         },
                     },
@@ -75,7 +77,7 @@ SCHEMA = {
                     {"if": {"properties": {"format": {"const": "int4"}}},
                      "then": {"properties": {"params": {"properties": {"scale_dtype": False}}}}},
                     {"if": {"properties": {"format": {"const": "fp8"}}},
-                     "then": {"properties": {"params": {"properties": {"group_size": False}}}}},
+                     "then": {"properties": {"params": {"properties": {"group_size": False, "scale_rule": False}}}}},
                     {"if": {"properties": {"format": {"enum": ["keep", "bf16", "nvfp4"]}}},
                      "then": {"properties": {"params": {"maxProperties": 0}}}},
                 ],
@@ -199,6 +201,7 @@ def parse_recipe(text: str, source: str) -> Recipe:
         params = dict(raw.get("params", {}))
         if fmt is Format.INT4:
             params.setdefault("group_size", 128)
+            params.setdefault("scale_rule", DEFAULT_SCALE_RULE)
         if fmt is Format.FP8:
             params.setdefault("scale_dtype", "e8m0")
         rules.append(Rule(
@@ -226,19 +229,47 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
     return parse_recipe(text, str(path))
 
 
-def with_fp8_scale_dtype(recipe: Recipe, scale_dtype: str) -> Recipe:
-    """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``)."""
+def _with_params(recipe: Recipe, fmt: str, wanted: dict, label: str) -> Recipe:
+    """The recipe with ``wanted`` set in the params of every ``fmt`` rule (unchanged if they all have them)."""
     data = yaml.safe_load(recipe.text)
     changed = False
     for rule in data["rules"]:
-        if rule["format"] == "fp8" and rule.get("params", {}).get("scale_dtype", "e8m0") != scale_dtype:
-            rule.setdefault("params", {})["scale_dtype"] = scale_dtype
-            changed = True
+        if rule["format"] != fmt:
+            continue
+        params = rule.setdefault("params", {})
+        for key, value in wanted.items():
+            if params.get(key) != value:
+                params[key] = value
+                changed = True
     if not changed:
         return recipe
-    return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{recipe.source} (scale_dtype {scale_dtype})")
+    return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{recipe.source} ({label})")
+
+
+def with_fp8_scale_dtype(recipe: Recipe, scale_dtype: str) -> Recipe:
+    """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``)."""
+    if all(r.target.params.get("scale_dtype", "e8m0") == scale_dtype for r in recipe.rules
+           if r.target.format is Format.FP8):
+        return recipe
+    return _with_params(recipe, "fp8", {"scale_dtype": scale_dtype}, f"scale_dtype {scale_dtype}")
+
+
+def with_int4_params(recipe: Recipe, *, group_size: int | None = None, scale_rule: str | None = None) -> Recipe:
+    """The recipe with every INT4 rule's ``group_size`` / ``scale_rule`` overridden where given
+    (``to-w4a16 --group-size / --scale-rule``)."""
+    wanted = {key: value for key, value in (("group_size", group_size), ("scale_rule", scale_rule))
+              if value is not None}
+    if all(r.target.params.get(key) == value for r in recipe.rules if r.target.format is Format.INT4
+           for key, value in wanted.items()):
+        return recipe
+    return _with_params(recipe, "int4", wanted, ", ".join(f"{k} {v}" for k, v in wanted.items()))
 
 
 def canonical(recipe: Recipe) -> str:
-    """A stable text of the recipe's meaning, for resume signatures."""
-    return json.dumps(_load_yaml(recipe.text), sort_keys=True)
+    """A stable text of the recipe's meaning, for resume signatures.
+
+    The resolved parameters of every rule are part of it, so a default that changes between
+    versions (the INT4 ``scale_rule``) makes a resume refuse rather than mix two numerics.
+    """
+    resolved = [dict(rule.target.params) for rule in recipe.rules]
+    return json.dumps({"recipe": _load_yaml(recipe.text), "resolved_params": resolved}, sort_keys=True)

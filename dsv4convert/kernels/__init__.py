@@ -22,7 +22,7 @@ import torch
 
 from dsv4convert.errors import DSV4Error, FormatError
 from dsv4convert.formats.fp8_block import ScaleFormat, quantize_fp8_block
-from dsv4convert.formats.int4 import Int4Weight, quantize_int4_weight
+from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, Int4Weight, ScaleRule, quantize_int4_weight
 from dsv4convert.formats.nvfp4 import NVFP4Weight
 from dsv4convert.formats.transcode import ExactnessReport, mxfp4_to_fp8_block, mxfp4_to_nvfp4
 from dsv4convert.kernels import reference
@@ -148,25 +148,26 @@ def grouped_gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, expert_offse
 
 
 def quantize(fmt: Literal["fp8_block", "int4"], w: torch.Tensor, *, block: int = 128,
-             scale_fmt: ScaleFormat = "ue8m0", group_size: int = 128, backend: Backend = "auto",
-             name: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | Int4Weight:
+             scale_fmt: ScaleFormat = "ue8m0", group_size: int = 128, scale_rule: ScaleRule = DEFAULT_SCALE_RULE,
+             backend: Backend = "auto", name: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | Int4Weight:
     """Quantize a dense weight ``[N, K]`` where it lives, bit-identical to the CPU path.
 
     ``fp8_block`` returns :func:`dsv4convert.formats.quantize_fp8_block`'s ``(weight, scale)``
     (``block`` and ``scale_fmt`` apply); ``int4`` returns
-    :func:`dsv4convert.formats.quantize_int4_weight`'s :class:`Int4Weight` (``group_size`` applies).
+    :func:`dsv4convert.formats.quantize_int4_weight`'s :class:`Int4Weight` (``group_size`` and
+    ``scale_rule`` apply).
     """
     if fmt not in ("fp8_block", "int4"):
         raise FormatError(f"quantize writes 'fp8_block' or 'int4', not {fmt!r}", tensor=name)
     if not _use_triton(w.device, backend):
         if fmt == "fp8_block":
             return quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
-        return quantize_int4_weight(w, group_size=group_size, name=name)
+        return quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule, name=name)
     from dsv4convert.kernels import quantize_launch
 
     if fmt == "fp8_block":
         return quantize_launch.quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
-    return quantize_launch.quantize_int4_weight(w, group_size=group_size, name=name)
+    return quantize_launch.quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule, name=name)
 
 
 def transcode_mxfp4(target: Literal["nvfp4", "fp8_block"], packed: torch.Tensor, scale: torch.Tensor, *,

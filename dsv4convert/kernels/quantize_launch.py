@@ -66,21 +66,29 @@ def quantize_fp8_block(w: torch.Tensor, *, block: int = 128, scale_fmt: str = "u
     return codes, scale.view(torch.float8_e8m0fnu)
 
 
-def quantize_int4_weight(w: torch.Tensor, *, group_size: int = 128, name: str | None = None) -> Int4Weight:
-    """:func:`dsv4convert.formats.quantize_int4_weight` on the GPU: one program per rows x group."""
+def quantize_int4_weight(w: torch.Tensor, *, group_size: int = 128, scale_rule: int4.ScaleRule = int4.DEFAULT_SCALE_RULE,
+                         name: str | None = None) -> Int4Weight:
+    """:func:`dsv4convert.formats.quantize_int4_weight` on the GPU: one program per rows x group.
+
+    The ``"mse"`` scale search runs inside the same program, over the group already loaded.
+    """
+    int4.check_scale_rule(scale_rule, name)
     if w.ndim != 2 or not _power_of_two(group_size, 16, 1024) or w.shape[1] % group_size or not w.is_floating_point():
-        return int4.quantize_int4_weight(w, group_size=group_size, name=name)
+        return int4.quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule, name=name)
     n, k = w.shape
     w = w.contiguous()
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
     scale = torch.empty(n, k // group_size, dtype=torch.bfloat16, device=w.device)
+    divisors = int4.MSE_DIVISORS if scale_rule == "mse" else (int4.INT4_SCALE_DIVISOR,)
+    divisors = torch.tensor(divisors, dtype=torch.float32, device=w.device)
     block_rows = max(1, _INT4_ELEMENTS_PER_PROGRAM // group_size)
     grid = (triton.cdiv(n, block_rows), k // group_size)
     # compressed-tensors divides the weight by the stored BF16 scale in torch's promoted dtype.
     bf16_quotient = torch.promote_types(w.dtype, torch.bfloat16) == torch.bfloat16
     int4_quant_kernel[grid](
-        _kernel_input(w), packed, scale.view(torch.int16), n, w.stride(0), packed.stride(0), scale.stride(0),
-        torch.finfo(w.dtype).eps, BF16_QUOTIENT=bf16_quotient,
+        _kernel_input(w), packed, scale.view(torch.int16), divisors, n, w.stride(0), packed.stride(0),
+        scale.stride(0), torch.finfo(w.dtype).eps, NUM_DIVISORS=divisors.numel(),
+        NORM_EXPONENT=int4.mse_norm_exponent(group_size), BF16_QUOTIENT=bf16_quotient,
         BF16_BITS=w.dtype == torch.bfloat16, GROUP=group_size, BLOCK_ROWS=block_rows,
         num_warps=4,
     )

@@ -109,13 +109,38 @@ def _int4_codes(values, divisor, BF16_QUOTIENT: tl.constexpr):
 
 
 @triton.jit
-def int4_quant_kernel(w_ptr, packed_ptr, s_ptr, N, stride_wn, stride_pn, stride_sn, eps,
-                      BF16_QUOTIENT: tl.constexpr, BF16_BITS: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_ROWS: tl.constexpr):
+def _int4_scale_error(values, scale, BF16_QUOTIENT: tl.constexpr):
+    """int32 ``[rows]``: ``sum trunc((values - q * scale)^2)`` of normalized weights, as ``formats.int4`` measures it.
+
+    The terms are integers whose sum stays below 2^31 (``formats.int4.mse_norm_exponent``), so the
+    reduction order does not matter. ``q * scale`` is exact, so contracting it into an FMA changes nothing.
+    """
+    quotient = tl.math.div_rn(values, tl.broadcast_to(scale[:, None], values.shape))
+    if BF16_QUOTIENT:
+        quotient = (_bf16_bits(quotient) << 16).to(tl.float32, bitcast=True)
+    codes = (tl.minimum(tl.maximum(quotient, -8.0), 7.0) + _MAGIC_ROUND) - _MAGIC_ROUND
+    error = codes * scale[:, None] - values
+    return tl.sum((error * error).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _bf16_scale(amax, divisor, eps):
+    """``bf16(amax / divisor)`` as float32, a zero quotient replaced by ``eps`` first (``formats.int4``)."""
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, divisor, tl.float32))
+    scale = tl.where(scale == 0, eps, scale)
+    return (_bf16_bits(scale) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def int4_quant_kernel(w_ptr, packed_ptr, s_ptr, divisors_ptr, N, stride_wn, stride_pn, stride_sn, eps,
+                      NUM_DIVISORS: tl.constexpr, NORM_EXPONENT: tl.constexpr, BF16_QUOTIENT: tl.constexpr,
+                      BF16_BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """compressed-tensors W4A16 for ``BLOCK_ROWS`` rows of one group: BF16 scale bits and packed codes.
 
     Even and odd columns are loaded apart, so each output byte is ``code[2j] | code[2j+1] << 4``
     without interleaving registers. A group holding NaN or Inf gets the scale bits of NaN.
+    ``NUM_DIVISORS == 1``: the scale is ``amax / divisors[0]`` (the ``"amax"`` rule, 7.5). More:
+    the ``"mse"`` search of ``formats.int4.mse_group_scales`` over all of them, divisors[0] first.
     """
     rn = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
@@ -126,8 +151,27 @@ def int4_quant_kernel(w_ptr, packed_ptr, s_ptr, N, stride_wn, stride_pn, stride_
     odd = _load_f32(even_ptrs + 1, row_ok[:, None], BF16_BITS)
     amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
     has_nan = tl.max(((even != even) | (odd != odd)).to(tl.int32), axis=1) > 0
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, 7.5, tl.float32))
-    scale = tl.where(scale == 0, eps, scale)
+    baseline = _bf16_scale(amax, tl.load(divisors_ptr), eps)
+    scale = baseline
+    if NUM_DIVISORS > 1:
+        # formats.int4.mse_norm_factor: 2^clamp(NORM_EXPONENT - E, -126, 127), E from amax's exponent field.
+        exponent = tl.minimum(tl.maximum(NORM_EXPONENT + 127 - (amax.to(tl.int32, bitcast=True) >> 23), -126), 127)
+        factor = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+        even_n = even * factor[:, None]
+        odd_n = odd * factor[:, None]
+        base_error = (_int4_scale_error(even_n, baseline * factor, BF16_QUOTIENT)
+                      + _int4_scale_error(odd_n, baseline * factor, BF16_QUOTIENT))
+        best_error = tl.full(base_error.shape, 2147483647, tl.int32)  # a candidate that cannot win
+        best = baseline
+        for i in range(1, NUM_DIVISORS):
+            candidate = _bf16_scale(amax, tl.load(divisors_ptr + i), eps)
+            error = (_int4_scale_error(even_n, candidate * factor, BF16_QUOTIENT)
+                     + _int4_scale_error(odd_n, candidate * factor, BF16_QUOTIENT))
+            better = (candidate > 0) & (error < best_error)  # strict: the first of equal errors wins
+            best_error = tl.where(better, error, best_error)
+            best = tl.where(better, candidate, best)
+        threshold = base_error - (base_error >> 20) - (GROUP + 1)
+        scale = tl.where((best_error < threshold) & (baseline > 0), best, baseline)
     scale_bits = _bf16_bits(scale)
     stored = tl.where(has_nan | (amax == float("inf")), 0x7FC0, scale_bits)
     tl.store(s_ptr + rn * stride_sn + group, stored.to(tl.int16), mask=row_ok)
