@@ -73,13 +73,13 @@ def test_quantize_refuses_non_finite_weights(bad):
 
 
 def _int4_weight(dtype: torch.dtype, group_size: int) -> torch.Tensor:
-    w = _awkward_weight(72, 256, seed=4)
+    w = _awkward_weight(72, 256, seed=4).cpu()   # edited on the CPU (the generator's device), then moved
     # Quotients that land exactly on .5 after the BF16 scale: round half to even must decide them.
     w[60, :group_size] = torch.arange(group_size, dtype=torch.float32).remainder(16).sub(7.5) * 0.25
     w[61, :group_size] = 0.0
     w[61, 3] = -5.0                       # a lone outlier: the search puts it on -8
     w[62] = w[62].sign() * 2.0 ** torch.randint(-3, 3, (256,), generator=_generator(8)).float()  # power-of-two grid
-    return w.to(dtype)
+    return w.to(DEVICE, dtype)
 
 
 def _assert_same_int4(got: formats.Int4Weight, want: formats.Int4Weight) -> None:
