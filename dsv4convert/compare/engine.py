@@ -148,8 +148,11 @@ class LockstepEngine:
         self.runners = {t.label: BlockRunner(self.config, device, dtype, chunk=t.chunk or chunk) for t in tracks}
         self.sides = list({id(t.side): t.side for t in tracks}.values())   # reference's checkpoint first
         self.blocks = [b for b in self.cfg.block_prefixes() if mtp or b.startswith("layers.")]
-        self.seconds: dict[str, float] = {"read": 0.0, "forward": 0.0, "metrics": 0.0}
+        # Per block: read, forward, metrics, new host buffers, and the rest of the block (numerics installed,
+        # buffers handed over); outside blocks: embedding and output heads (in "metrics"), the total.
+        self.seconds: dict[str, float] = {"read": 0.0, "forward": 0.0, "metrics": 0.0, "buffers": 0.0, "other": 0.0}
         self._spare: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._registered: list[torch.Tensor] = []       # page-locked host buffers, unregistered after the run
         units = [(b, slice(i, min(i + batch_size, batch.ids.shape[0])))
                  for b, batch in enumerate(batches) for i in range(0, batch.ids.shape[0], batch_size)]
         self.units = [Unit(i, b, rows) for i, (b, rows) in enumerate(units)]
@@ -169,7 +172,20 @@ class LockstepEngine:
         spare = self._spare.get(shape)
         if spare:
             return spare.pop()
-        return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        t0 = time.perf_counter()
+        buffer = torch.empty(shape, dtype=self.dtype)
+        if self.device.type == "cuda":
+            # Page-locked in place: torch's pinned allocator rounds each buffer up to a power of two, which
+            # took a 64K needle grid's host streams past 125 GB; these are unregistered when the run ends.
+            size = buffer.numel() * buffer.element_size()
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0))
+            self._registered.append(buffer)
+        self.seconds["buffers"] += time.perf_counter() - t0
+        return buffer
+
+    def _unregister(self) -> None:
+        while self._registered:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._registered.pop().data_ptr()))
 
     def _release(self, streams: dict[str, dict[int, torch.Tensor]]) -> None:
         """A finished block's inputs become spare buffers (tracks of one checkpoint share the first block's)."""
@@ -218,7 +234,6 @@ class LockstepEngine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()
-        streams = self._embedded()
         results: list[BlockResult] = []
         output: dict[str, dict[int, OutputStats]] = {t.label: {} for t in self.tracks[1:]}
         retrieval: dict[str, dict[tuple[int, int], tuple[bool, float]]] = {t.label: {} for t in self.tracks}
@@ -228,11 +243,12 @@ class LockstepEngine:
         bar = tqdm(total=len(self.sides) * len(self.blocks), desc="compare", unit="block",
                    disable=not (self.progress and self.world.is_main))
         try:
+            streams = self._embedded()
             for block in self.blocks:
                 if block.startswith("mtp.") and not scored:
                     self._score_outputs(streams, output, retrieval, top1)
                     scored = True
-                before = dict(self.seconds)
+                before, block_started = dict(self.seconds), time.perf_counter()
                 shift = _shift(block)
                 nxt = {t.label: {u.index: self._host(u, shift) for u in self.mine} for t in self.tracks}
                 free = {t.label: {} for t in self.tracks[1:]}
@@ -254,12 +270,16 @@ class LockstepEngine:
                                                                               top1[track.label])
                 self._release(streams)
                 streams = nxt
+                counted = sum(self.seconds[k] - before[k] for k in self.seconds)
+                self.seconds["other"] += time.perf_counter() - block_started - counted
                 spent = {k: round(self.seconds[k] - before[k], 4) for k in self.seconds}
                 results.append(self._block_result(block, free, local, spent))
             if not scored:
                 self._score_outputs(streams, output, retrieval, top1)
         finally:
             bar.close()
+            self._unregister()
+            self._spare.clear()
         self.seconds["total"] = time.perf_counter() - started
         return self._combined(results, output, retrieval, agreement)
 
