@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jsonschema
 import yaml
 
+from dsv4convert.convert.engines import CHOICES, VLLM, engines_for
 from dsv4convert.errors import RecipeError
 from dsv4convert.layout import Role, TensorInfo
 from dsv4convert.storage import Format
@@ -38,6 +39,7 @@ SCHEMA = {
     "properties": {
         "name": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
         "description": {"type": "string"},
+        "engine": {"enum": list(CHOICES)},
         "rules": {
             "type": "array",
             "minItems": 1,
@@ -56,6 +58,11 @@ SCHEMA = {
                             ]},
                             "mtp": {"type": "boolean"},
                             "module": {"type": "string", "minLength": 1},
+                            "engine": {"oneOf": [
+                                {"enum": list(CHOICES)},
+                                {"type": "array", "items": {"enum": list(CHOICES)}, "minItems": 1,
+                                 "uniqueItems": True},
+                            ]},
                         },
                     },
                     "format": {"enum": list(TARGETS)},
@@ -111,12 +118,14 @@ class Rule:
     mtp: bool | None
     module: re.Pattern | None
     target: Target
+    engines: frozenset[str] | None = None  # engine choices (sglang/vllm/both) the rule applies to
 
-    def matches(self, info: TensorInfo) -> bool:
+    def matches(self, info: TensorInfo, engine: str) -> bool:
         return (
             (self.roles is None or info.role in self.roles)
             and (self.mtp is None or info.is_mtp == self.mtp)
             and (self.module is None or self.module.fullmatch(info.module) is not None)
+            and (self.engines is None or engine in self.engines)
         )
 
 
@@ -127,17 +136,28 @@ class Recipe:
     rules: tuple[Rule, ...]
     source: str
     text: str
+    engine: str | None = None  # the recipe's `engine:` key (None: not stated)
 
     @property
     def digest(self) -> str:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
-    def target_for(self, info: TensorInfo) -> Target:
+    def target_for(self, info: TensorInfo, engine: str = "both") -> Target:
+        """The first matching rule's target when converting for ``engine`` (sglang/vllm/both)."""
         for rule in self.rules:
-            if rule.matches(info):
-                return rule.target
-        raise RecipeError(f"no rule matches module '{info.module}' (role {info.role.value}); "
+            if rule.matches(info, engine):
+                target = rule.target
+                if target.format is Format.FP8 and "scale_dtype" not in target.params:
+                    target = replace(target, params={**target.params,
+                                                     "scale_dtype": _fp8_scale_dtype(info, engine)})
+                return target
+        raise RecipeError(f"no rule matches module '{info.module}' (role {info.role.value}) for --engine {engine}; "
                           "add a rule for it (recipes must cover every module)", file=self.source)
+
+
+def _fp8_scale_dtype(info: TensorInfo, engine: str) -> str:
+    """vLLM 0.33.0 reads FP8 expert scales only as float32 (engines.vllm_problem); E8M0 otherwise."""
+    return "float32" if info.role is Role.ROUTED_EXPERT and VLLM in engines_for(engine) else "e8m0"
 
 
 def _format_path(path) -> str:
@@ -199,15 +219,17 @@ def parse_recipe(text: str, source: str) -> Recipe:
         params = dict(raw.get("params", {}))
         if fmt is Format.INT4:
             params.setdefault("group_size", 128)
-        if fmt is Format.FP8:
-            params.setdefault("scale_dtype", "e8m0")
+        engines = match.get("engine")
+        if isinstance(engines, str):
+            engines = [engines]
         rules.append(Rule(
             roles=frozenset(Role(r) for r in roles) if roles else None,
             mtp=match.get("mtp"),
             module=pattern,
             target=Target(fmt, params, raw.get("reason"), i),
+            engines=frozenset(engines) if engines else None,
         ))
-    return Recipe(data["name"], data.get("description", ""), tuple(rules), source, text)
+    return Recipe(data["name"], data.get("description", ""), tuple(rules), source, text, data.get("engine"))
 
 
 def load_recipe(path_or_name: str | Path) -> Recipe:
@@ -227,16 +249,44 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
 
 
 def with_fp8_scale_dtype(recipe: Recipe, scale_dtype: str) -> Recipe:
-    """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``)."""
+    """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``;
+    ``auto`` leaves the recipe as it is)."""
+    if scale_dtype == "auto":
+        return recipe
     data = yaml.safe_load(recipe.text)
     changed = False
     for rule in data["rules"]:
-        if rule["format"] == "fp8" and rule.get("params", {}).get("scale_dtype", "e8m0") != scale_dtype:
+        if rule["format"] == "fp8" and rule.get("params", {}).get("scale_dtype") != scale_dtype:
             rule.setdefault("params", {})["scale_dtype"] = scale_dtype
             changed = True
     if not changed:
         return recipe
     return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{recipe.source} (scale_dtype {scale_dtype})")
+
+
+def with_mtp_experts(recipe: Recipe, fmt: str) -> Recipe:
+    """The recipe with the MTP draft's routed experts stored as ``fmt`` (fp8, bf16 or keep) for every
+    engine (``to-nvfp4 --mtp-experts``): its MTP routed-expert rules are replaced by one rule."""
+    data = yaml.safe_load(recipe.text)
+    reasons = {"keep": "MXFP4 draft experts kept as released (--mtp-experts mxfp4)",
+               "bf16": "BF16 draft experts, exact from MXFP4 (--mtp-experts bf16)"}
+    rule = {"match": {"role": "routed_expert", "mtp": True}, "format": fmt}
+    if fmt in reasons:
+        rule["reason"] = reasons[fmt]
+    kept, placed = [], False
+    for raw in data["rules"]:
+        match = raw.get("match", {})
+        if match.get("role") == "routed_expert" and match.get("mtp") is True:
+            if not placed:
+                kept.append(rule)
+                placed = True
+            continue
+        kept.append(raw)
+    if not placed:
+        raise RecipeError("the recipe has no rule for the MTP draft's routed experts (match role routed_expert, "
+                          "mtp true) to replace", file=recipe.source)
+    data["rules"] = kept
+    return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{recipe.source} (MTP experts {fmt})")
 
 
 def canonical(recipe: Recipe) -> str:
