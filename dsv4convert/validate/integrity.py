@@ -81,6 +81,11 @@ def check_integrity(ckpt: Checkpoint, inspection: Inspection) -> Integrity:
         problems.append(
             "config.json: quantization_config differs from what the stored formats need: expected "
             f"{json.dumps(expected.get('quantization_config'), sort_keys=True)[:400]}")
+    if expected.get("expert_dtype") != ckpt.config.get("expert_dtype"):
+        problems.append(
+            f"config.json: expert_dtype is {json.dumps(ckpt.config.get('expert_dtype'))}, the stored formats need "
+            f"{json.dumps(expected.get('expert_dtype'))} (vLLM 0.33.0 reads the routed experts' format from it, a "
+            "missing key meaning MXFP4; DeepSeek's inference code reads it too)")
     for name, obj in extras.items():
         path = ckpt.root / name
         if not path.exists():
