@@ -27,6 +27,7 @@ import vllm_oracle as vllm
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.convert.model_card import GPU_FAMILIES, vllm_default_launch
 from dsv4convert.convert.quant_config import servable_engines
+from dsv4convert.convert.recipe import RECIPE_DIR
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.serve.vllm_launch import VLLM_MOE_METHODS
 
@@ -37,7 +38,9 @@ FAMILIES = {gpu: name for name, (gpu, _memory) in GPU_FAMILIES.items()}
 BUILT_ON = ("sm90",)
 # conftest's outputs made for vLLM -> the layout vLLM's methods are looked up by (inspect's variant)
 VLLM_OUTPUTS = {"fp8": "fp8", "nvfp4": "nvfp4-mtp-bf16", "nvfp4-mtp-mxfp4": "nvfp4-mtp-mxfp4",
-                "nvfp4@vllm": "nvfp4-mtp-mxfp4", "w4a16": "w4a16", "bf16": "bf16"}
+                "nvfp4@vllm": "nvfp4-mtp-mxfp4", "w4a16": "w4a16", "bf16": "bf16",
+                # the mixed example recipe: NVFP4 experts, BF16 indexer and compressors (ignored_layers), BF16 draft
+                "mixed": "nvfp4-mtp-bf16"}
 # The FP8 DeepSeek-V4 config vLLM builds on CUDA (quantization/__init__.py get_quantization_config).
 FP8_CONFIG = ("DeepseekV4FP8Config", "vllm.models.deepseek_v41.quant_config")
 QUANT_CONFIG = {"fp8": FP8_CONFIG, "nvfp4-mtp-bf16": FP8_CONFIG, "nvfp4-mtp-mxfp4": FP8_CONFIG,
@@ -57,6 +60,14 @@ def _argv(spec: dict) -> list[str]:
     argv = spec["argv"]
     assert argv[:2] == ["vllm", "serve"]
     return argv[3:]
+
+
+@pytest.fixture(scope="module")
+def bound(outputs, tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
+    """conftest's outputs plus the mixed example recipe (recipes/nvfp4-bf16-indexer.yaml), for both engines."""
+    mixed = tmp_path_factory.mktemp("vllm-mixed") / "out"
+    run(tiny_ckpt, mixed, str(RECIPE_DIR / "nvfp4-bf16-indexer.yaml"))
+    return {**outputs, "mixed": mixed}
 
 
 @pytest.fixture(scope="module")
@@ -80,26 +91,26 @@ NEGATIVE_ARGV = ["--kv-cache-dtype", "fp8", "--block-size", "256", "--speculativ
 
 
 @pytest.fixture(scope="module")
-def answers(outputs, negative) -> dict[tuple, dict]:
+def answers(bound, negative) -> dict[tuple, dict]:
     """One vLLM process answers every question of this module (vLLM's import costs ~30 s)."""
     asked: dict[tuple, dict] = {}
     for name, variant in VLLM_OUTPUTS.items():
-        card = _card(outputs[name], variant)
+        card = _card(bound[name], variant)
         for gpu, family in FAMILIES.items():
             spec = card[family]
-            asked[(name, gpu, "resolve")] = vllm.request(outputs[name], _argv(spec), gpu=gpu, resolve_only=True)
+            asked[(name, gpu, "resolve")] = vllm.request(bound[name], _argv(spec), gpu=gpu, resolve_only=True)
             if spec.get("mtp"):
-                asked[(name, gpu, "resolve-mtp")] = vllm.request(outputs[name], _argv(spec["mtp"]), gpu=gpu,
+                asked[(name, gpu, "resolve-mtp")] = vllm.request(bound[name], _argv(spec["mtp"]), gpu=gpu,
                                                                  resolve_only=True)
             if gpu in BUILT_ON:
-                asked[(name, gpu, "target")] = vllm.request(outputs[name], _argv(spec["mtp"]), gpu=gpu)
-                asked[(name, gpu, "draft")] = vllm.request(outputs[name], _argv(spec["mtp"]), gpu=gpu, draft=True)
+                asked[(name, gpu, "target")] = vllm.request(bound[name], _argv(spec["mtp"]), gpu=gpu)
+                asked[(name, gpu, "draft")] = vllm.request(bound[name], _argv(spec["mtp"]), gpu=gpu, draft=True)
     for name, path in negative.items():
         for model in ("target", "draft") if name in ("fp8-e8m0-expert-dtype", "nvfp4@sglang") else ("target",):
             asked[(name, "sm90", model)] = vllm.request(path, NEGATIVE_ARGV, gpu="sm90", draft=model == "draft")
     # A larger TP with expert parallelism, as the card writes it for the real model (resolution only).
     asked[("fp8", "sm90", "resolve-tp4")] = vllm.request(
-        outputs["fp8"], ["--tensor-parallel-size", "4", "--enable-expert-parallel", "--kv-cache-dtype", "fp8",
+        bound["fp8"], ["--tensor-parallel-size", "4", "--enable-expert-parallel", "--kv-cache-dtype", "fp8",
                          "--block-size", "256"], gpu="sm90", resolve_only=True)
     keys = list(asked)
     return dict(zip(keys, vllm.run([asked[k] for k in keys])))
@@ -112,10 +123,10 @@ def _ok(answer: dict) -> dict:
 
 @pytest.mark.parametrize("gpu", BUILT_ON)
 @pytest.mark.parametrize("output", list(VLLM_OUTPUTS))
-def test_every_tensor_lands_in_vllm(answers, outputs, output, gpu):
+def test_every_tensor_lands_in_vllm(answers, bound, output, gpu):
     target, draft = _ok(answers[(output, gpu, "target")]), _ok(answers[(output, gpu, "draft")])
     assert target["error"] is None and draft["error"] is None, (target["error"], draft["error"])
-    names = set(Checkpoint.open(outputs[output]).tensors)
+    names = set(Checkpoint.open(bound[output]).tensors)
     mtp = {n for n in names if n.startswith("mtp.")}
     # The target reads every tensor and its name mapper drops mtp.*; the draft's loader is handed only the
     # MTP block's tensors (DeepSeekV4MTP.is_unused_checkpoint_weight skips the rest).
@@ -136,10 +147,10 @@ def _moe(answer: dict) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("output", list(VLLM_OUTPUTS))
-def test_vllm_chooses_the_intended_method_for_every_module(answers, outputs, output):
+def test_vllm_chooses_the_intended_method_for_every_module(answers, bound, output):
     variant = VLLM_OUTPUTS[output]
     backbone, draft_method = VLLM_MOE_METHODS[variant]
-    ckpt = Checkpoint.open(outputs[output])
+    ckpt = Checkpoint.open(bound[output])
     layers = ckpt.config["num_hidden_layers"]
     formats = inspect_checkpoint(ckpt).modules
     for gpu in BUILT_ON:
