@@ -692,6 +692,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         recipe_text=plan.recipe.text, formats_by_role=result.formats_by_role(), stats=stats,
         launch=default_launch(dst, result.variant, opened=opened) if eng.SGLANG in engines else {},
         engines=engines, not_for=not_for, source_meta=source_card_metadata(ckpt.root), model_dir=dst,
+        source=str(opts.src),
         vllm_launch=vllm_default_launch(dst, result.variant, opened=opened) if eng.VLLM in engines else None)
     atomic_write_bytes(dst / "README.md", card.encode("utf-8"))
     state.complete = True

@@ -297,12 +297,13 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
                       formats_by_role: dict[str, dict[str, int]], stats: dict, launch: dict[str, dict],
                       engines: tuple[str, ...] = (eng.SGLANG,), vllm_launch: dict[str, dict] | None = None,
                       not_for: dict[str, str] | None = None, source_meta: dict | None = None,
-                      model_dir: str | Path | None = None) -> str:
+                      model_dir: str | Path | None = None, source: str | None = None) -> str:
     """The README.md of an output checkpoint (Hugging Face front matter, then Markdown).
 
     ``launch``/``vllm_launch``: per GPU family, SGLang's and vLLM's commands (:func:`default_launch`,
     :func:`vllm_default_launch`), shown for the engines in ``engines``; ``not_for``: per engine the
-    output is not made for, why (one line).
+    output is not made for, why (one line); ``source``: what was converted, as given (default ``base_model``,
+    the Hub id the front matter names).
     """
     from dsv4convert.serve.vllm_launch import COMMON_LIMITS
 
@@ -329,7 +330,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
         "",
         f"# DeepSeek-V4-Flash, {variant} variant",
         "",
-        f"Converted from `{base_model}` by dsv4convert with the recipe `{recipe_name}`. Tensors the recipe "
+        f"Converted from `{source or base_model}` by dsv4convert with the recipe `{recipe_name}`. Tensors the recipe "
         "does not convert are copied byte for byte.",
         "",
         *_engine_lines(engines, not_for or {}),
