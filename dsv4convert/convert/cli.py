@@ -48,7 +48,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="branch, tag or commit of a Hugging Face repo id --src")
     p.add_argument("--delete-source-shards", action="store_true",
                    help="Hub sources: delete each downloaded shard from the cache once converted, so peak disk "
-                        "is the output plus two source shards")
+                        "is the output plus the source shards one output shard reads and the next one (per worker)")
     p.add_argument("--engine", choices=CHOICES, help=ENGINE_HELP)
 
 

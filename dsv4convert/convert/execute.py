@@ -452,7 +452,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
         for stale in opts.dst.glob(".*.partial"):
             stale.unlink()
         todo = _remaining(plan, state, opts.dst)
-        _check_disk(opts.dst, sum(s.bytes_out for s in todo) + _download_bytes(ckpt, todo, opts) + 64 * 1024**2)
+        _check_disk(opts.dst, sum(s.bytes_out for s in todo) + _download_bytes(ckpt, todo, opts, input_scales) + 64 * 1024**2)
         state.complete = False
         state.save()
         try:
@@ -596,12 +596,34 @@ def _source_files(job: ShardJob, input_scales: InputScales | None) -> set[str]:
     return files
 
 
-def _download_bytes(ckpt: Checkpoint, todo: list[ShardJob], opts: ConvertOptions) -> int:
-    """Disk the source shards still to be downloaded will take (two at a time when deleted after use)."""
+def source_windows(todo: list[ShardJob], input_scales: InputScales | None, workers: int,
+                   ahead: int = 1) -> list[set[str]]:
+    """The source shards held at once while each job starts, when shards are deleted after use.
+
+    An output shard may read several source shards (its modules need not fall in one), up to
+    ``workers`` jobs run at once, and the fetcher downloads the next ``ahead`` shards the later
+    jobs read: so peak disk is the largest of these windows, not a fixed two shards.
+    """
+    needs = [sorted(_source_files(job, input_scales)) for job in todo]
+    windows = []
+    for i in range(len(needs)):
+        held = {f for files in needs[i:i + workers] for f in files}
+        upcoming = [f for files in needs[i + workers:] for f in files if f not in held]
+        windows.append(held | set(dict.fromkeys(upcoming[:ahead])))
+    return windows
+
+
+def _download_bytes(ckpt: Checkpoint, todo: list[ShardJob], opts: ConvertOptions,
+                    input_scales: InputScales | None) -> int:
+    """Disk the source shards still to be downloaded will take (the largest window of
+    :func:`source_windows` when deleted after use)."""
     if ckpt.remote is None:
         return 0
-    sizes = sorted((ckpt.headers[p].file_size for p in ckpt.shards if not p.exists()), reverse=True)
-    return sum(sizes[:2]) if opts.delete_source_shards else sum(sizes)
+    sizes = {p.name: ckpt.headers[p].file_size for p in ckpt.shards if not p.exists()}
+    if not opts.delete_source_shards:
+        return sum(sizes.values())
+    return max((sum(sizes.get(f, 0) for f in window) for window in source_windows(todo, input_scales, opts.workers)),
+               default=0)
 
 
 def quiet_openmp_for_workers() -> None:

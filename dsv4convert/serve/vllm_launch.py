@@ -9,7 +9,7 @@ The flags are vLLM's own recipe for DeepSeek-V4-Flash (vllm-project/recipes,
 draft tokens, one on Hopper. The recipe lists no RTX PRO 6000 (sm_120) among its hardware, so no
 MTP command is offered there: vLLM 0.33.0's code does not refuse MTP on sm_120, but nothing we
 checked says it serves it (CI can only resolve sm_120 commands, see tests/vllm_oracle.py).
-Left out, and why: ``--trust-remote-code`` (V4 is built into vLLM; these checkpoints ship no code,
+Left out, and why: the recipe's remote-code flag (V4 is built into vLLM; these checkpoints ship no code,
 and dsv4convert never asks for remote code), the recipe's Blackwell extras
 ``--attention_config.use_fp4_indexer_cache True`` (an FP4 indexer-key cache: a recall trade-off a
 user should opt into, see ``dsv4convert compare --recall``) and ``--moe-backend deep_gemm_mega_moe``
