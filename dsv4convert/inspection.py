@@ -4,7 +4,8 @@ Every module of the DeepSeek-V4 layout is matched against what the checkpoint st
 a linear module may be in any known format (``storage.detect_linear_format``), every
 other tensor must keep the native dtype and shape. From the formats found per role the
 checkpoint's variant follows (native FP8+MXFP4, FP8-only, NVFP4 hybrid with FP8-block MTP
-experts or with MXFP4 ones (``nvfp4-mtp-mxfp4``), W4A16, BF16, or mixed for a custom recipe).
+experts or with MXFP4 (``nvfp4-mtp-mxfp4``) or BF16 (``nvfp4-mtp-bf16``) ones, W4A16 with FP8 or
+BF16 linears, BF16, or mixed for a custom recipe).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ WEIGHT_PARAMS = frozenset(
     {"weight", "scale", "weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale", "weight_packed",
      "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_global_scale"}
 )
-VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16", "mixed")
+VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "nvfp4-mtp-bf16", "w4a16", "bf16", "mixed")
 
 
 @dataclass
@@ -140,9 +141,14 @@ def _variant(modules) -> str:
     everything = set().union(*by_role.values()) if by_role else set()
     if everything == {Format.BF16}:
         return "bf16"
-    if attention != {Format.FP8} or len(experts) != 1:
+    if len(experts) != 1:
         return "mixed"
     expert_fmt = next(iter(experts))
+    if expert_fmt is Format.INT4 and mtp_experts <= {Format.INT4} and attention == {Format.BF16} and (
+            by_role[(Role.SHARED_EXPERT, False)] | by_role[(Role.INDEXER, False)]) <= {Format.BF16}:
+        return "w4a16"  # the layout both engines load: BF16 linears, INT4 experts
+    if attention != {Format.FP8}:
+        return "mixed"
     if expert_fmt is Format.MXFP4 and mtp_experts <= {Format.MXFP4}:
         return "native"
     if expert_fmt is Format.FP8 and mtp_experts <= {Format.FP8}:
@@ -151,6 +157,8 @@ def _variant(modules) -> str:
         return "nvfp4"
     if expert_fmt is Format.NVFP4 and mtp_experts == {Format.MXFP4}:
         return "nvfp4-mtp-mxfp4"
+    if expert_fmt is Format.NVFP4 and mtp_experts == {Format.BF16}:
+        return "nvfp4-mtp-bf16"
     if expert_fmt is Format.INT4 and mtp_experts <= {Format.INT4}:
         return "w4a16"
     return "mixed"

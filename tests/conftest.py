@@ -46,14 +46,23 @@ def run(src: Path, dst: Path, recipe: str, **kw):
                                   progress=False, **kw))
 
 
+# Outputs whose layout depends on the engine: "<recipe>@<engine>" (the plain name is --engine both, the default).
+ENGINE_OUTPUTS = {"fp8@sglang": ("fp8", "sglang"), "nvfp4@sglang": ("nvfp4", "sglang"),
+                  "nvfp4@vllm": ("nvfp4", "vllm"), "w4a16@sglang": ("w4a16", "sglang")}
+
+
 @pytest.fixture(scope="session")
 def outputs(tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
-    """The tiny checkpoint converted by each shipped recipe, once per session; tests must not modify them."""
+    """The tiny checkpoint converted by each shipped recipe (for both engines, the default) and, where the
+    layout differs, for one engine ("nvfp4@sglang": FP8 MTP experts, ...), once per session; tests must
+    not modify them."""
     root = tmp_path_factory.mktemp("variants")
     recipes = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
     for recipe in recipes:
         run(tiny_ckpt, root / recipe, recipe)
-    return {recipe: root / recipe for recipe in recipes}
+    for name, (recipe, engine) in ENGINE_OUTPUTS.items():
+        run(tiny_ckpt, root / name, recipe, engine=engine)
+    return {name: root / name for name in (*recipes, *ENGINE_OUTPUTS)}
 
 
 def write_plain_checkpoint(root: Path, shards: list[dict[str, torch.Tensor]], config: dict | None = None) -> Path:

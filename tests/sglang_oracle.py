@@ -416,7 +416,7 @@ def contract_quantization_config(variant: str, base: Mapping[str, Any], *,
     """
     if variant in ("native", "fp8"):
         return dict(base)
-    if variant in ("nvfp4", "nvfp4-mtp-mxfp4"):  # the two differ in the MTP experts only
+    if variant in ("nvfp4", "nvfp4-mtp-mxfp4", "nvfp4-mtp-bf16"):  # these differ in the MTP experts only
         return {**base, "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "group_size": 16,
                 "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]}
     if variant == "w4a16":

@@ -25,9 +25,18 @@ def tensor_bytes(path: Path) -> dict[str, bytes]:
     return {n: ckpt.read(n).reshape(-1).view(torch.uint8).numpy().tobytes() for n in ckpt.tensors}
 
 
-@pytest.mark.parametrize("variant", ["fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16"])
-def test_every_output_is_a_complete_checkpoint(outputs, tiny_ckpt, variant):
-    dst = outputs[variant]
+# conftest's outputs -> (the variant inspect names, the engines it was made for)
+DETECTED = {"fp8": ("fp8", ["sglang", "vllm"]), "nvfp4": ("nvfp4-mtp-bf16", ["sglang", "vllm"]),
+            "nvfp4-mtp-mxfp4": ("nvfp4-mtp-mxfp4", ["sglang", "vllm"]), "w4a16": ("w4a16", ["sglang", "vllm"]),
+            "bf16": ("bf16", ["sglang", "vllm"]), "fp8@sglang": ("fp8", ["sglang"]),
+            "nvfp4@sglang": ("nvfp4", ["sglang"]), "nvfp4@vllm": ("nvfp4-mtp-mxfp4", ["vllm"]),
+            "w4a16@sglang": ("w4a16", ["sglang"])}
+
+
+@pytest.mark.parametrize("output", list(DETECTED))
+def test_every_output_is_a_complete_checkpoint(outputs, tiny_ckpt, output):
+    dst = outputs[output]
+    variant, engines = DETECTED[output]
     ckpt = Checkpoint.open(dst)
     result = inspect_checkpoint(ckpt)
     assert result.ok and result.variant == variant
@@ -46,9 +55,10 @@ def test_every_output_is_a_complete_checkpoint(outputs, tiny_ckpt, variant):
             assert ckpt.tensors[name].dtype == entry.dtype, name
             assert torch.equal(ckpt.read(name), source.read(name)), name
     provenance = json.loads((dst / "provenance.json").read_text())
-    assert provenance["recipe"]["name"] == variant and provenance["source"] == str(tiny_ckpt)
+    assert provenance["recipe"]["name"] == output.split("@")[0] and provenance["source"] == str(tiny_ckpt)
+    assert provenance["engines"] == engines
     card = (dst / "README.md").read_text()
-    assert variant in card.lower() and "sglang" in card.lower()
+    assert variant in card.lower() and all(engine in card.lower() for engine in engines)
 
 
 def test_fp8_and_bf16_give_bit_identical_logits(outputs, tiny_ckpt):
@@ -101,18 +111,25 @@ def test_mxfp4_experts_are_lossless_in_fp8_and_nvfp4(outputs, tiny_ckpt):
 
     decode_source = Fp8Dequantize(None)._dequantize_one
     src = Checkpoint.open(tiny_ckpt)
-    fp8 = Checkpoint.open(outputs["fp8"])
+    fp8 = {name: Checkpoint.open(outputs[name]) for name in ("fp8", "fp8@sglang")}  # F32 and E8M0 scales
     nv = Checkpoint.open(outputs["nvfp4"])
+    nv_sglang, nv_vllm = Checkpoint.open(outputs["nvfp4@sglang"]), Checkpoint.open(outputs["nvfp4@vllm"])
+    assert fp8["fp8"].entry("layers.0.ffn.experts.0.w1.scale").dtype == "F32"
+    assert fp8["fp8@sglang"].entry("layers.0.ffn.experts.0.w1.scale").dtype == "F8_E8M0"
     experts = [n[: -len(".weight")] for n in src.tensors if ".experts." in n and n.endswith(".weight")]
     assert len(experts) == 144
     w2_shared = 0
     for module in experts:
         reference = decode_source(src.read(f"{module}.weight"), src.read(f"{module}.scale"), output_dtype=torch.float32)
-        got = dequantize_fp8_block(fp8.read(f"{module}.weight"), fp8.read(f"{module}.scale"))
-        assert torch.equal(got, reference), module
-        if module.startswith("mtp."):  # the draft's experts are FP8-block, as in the fp8 variant
-            got = dequantize_fp8_block(nv.read(f"{module}.weight"), nv.read(f"{module}.scale"))
+        for out in fp8.values():
+            got = dequantize_fp8_block(out.read(f"{module}.weight"), out.read(f"{module}.scale"))
             assert torch.equal(got, reference), module
+        if module.startswith("mtp."):  # the draft's experts: BF16 for both engines, FP8 for SGLang, MXFP4 for vLLM
+            assert torch.equal(nv.read(f"{module}.weight").float(), reference), module
+            got = dequantize_fp8_block(nv_sglang.read(f"{module}.weight"), nv_sglang.read(f"{module}.scale"))
+            assert torch.equal(got, reference), module
+            for suffix in ("weight", "scale"):
+                assert torch.equal(nv_vllm.read(f"{module}.{suffix}"), src.read(f"{module}.{suffix}")), module
             continue
         got = dequantize_nvfp4(nv.read(f"{module}.weight"), nv.read(f"{module}.weight_scale"),
                                nv.read(f"{module}.weight_scale_2"))
@@ -190,7 +207,11 @@ def test_dry_run_writes_nothing(tiny_ckpt, tmp_path, capsys):
     dst = tmp_path / "dry"
     assert main(["to-nvfp4", "--src", str(tiny_ckpt), "--dst", str(dst), "--dry-run", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "mxfp4 -> nvfp4 x120" in out and "mxfp4 -> fp8 x24" in out and "dry run: nothing written" in out
+    assert "mxfp4 -> nvfp4 x120" in out and "mxfp4 -> bf16 x24" in out and "dry run: nothing written" in out
+    assert "for SGLang 0.5.23 and vLLM 0.33.0 (--engine both)" in out
+    assert main(["to-nvfp4", "--src", str(tiny_ckpt), "--dst", str(dst), "--dry-run", "--engine", "sglang"]) == 0
+    out = capsys.readouterr().out
+    assert "mxfp4 -> fp8 x24" in out and "for SGLang 0.5.23 (--engine sglang)" in out
     assert not dst.exists()
 
 

@@ -81,7 +81,7 @@ def test_a_missing_remote_shard_is_named(tiny_ckpt, tmp_path):
 
 
 def test_conversion_from_the_hub_matches_a_local_one_and_frees_source_shards(tiny_ckpt, outputs, tmp_path):
-    from conftest import run
+    from conftest import SHARD, run
 
     hub = StandInHub(tiny_ckpt, tmp_path / "cache")
     peak = {"shards": 0}
@@ -103,4 +103,11 @@ def test_conversion_from_the_hub_matches_a_local_one_and_frees_source_shards(tin
                            local.read(name).reshape(-1).view(torch.uint8)), name
     assert sorted(hub.downloads) == sorted(p.name for p in Checkpoint.open(tiny_ckpt).shards)
     assert not list(hub.cache.glob("*.safetensors")), "every source shard is deleted after its last use"
-    assert peak["shards"] <= 2
+    # Peak: the source shards one output shard reads plus the next one, as the disk check plans it.
+    from dsv4convert.convert.execute import source_windows
+    from dsv4convert.convert.plan import build_plan
+    from dsv4convert.convert.recipe import load_recipe
+
+    plan = build_plan(Checkpoint.open(tiny_ckpt), load_recipe("fp8"), max_shard_bytes=SHARD)
+    planned = max(len(w) for w in source_windows(plan.shards, None, 1))
+    assert 2 <= peak["shards"] <= planned < len(hub.downloads)

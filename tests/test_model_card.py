@@ -14,15 +14,21 @@ from dsv4convert.convert.model_card import (
     render_model_card,
     shell_line,
     tensor_parallel_size,
+    upload_command,
+    vllm_default_launch,
 )
 from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.recipe import RECIPE_DIR
+from dsv4convert.inspection import detect_variant
 
 MIXED_RECIPE = RECIPE_DIR / "nvfp4-bf16-indexer.yaml"
 # The quant config class SGLang's loader builds, and whether the FP4-expert switch is on.
+# Keys: conftest's outputs (for both engines, or "<recipe>@<engine>") and the mixed example.
 EXPECTED_CONFIG = {"fp8": ("Fp8Config", "0"), "nvfp4": ("HybridFp8NvFp4Config", "0"),
                    "nvfp4-mtp-mxfp4": ("HybridFp8NvFp4Config", "1"),
                    "w4a16": ("CompressedTensorsConfig", "0"), "bf16": ("NoneType", "0"),
+                   "fp8@sglang": ("Fp8Config", "0"), "nvfp4@sglang": ("HybridFp8NvFp4Config", "0"),
+                   "w4a16@sglang": ("CompressedTensorsConfig", "0"),
                    "mixed": ("HybridFp8NvFp4Config", "0")}
 
 
@@ -95,12 +101,13 @@ def served(outputs, tiny_ckpt, tmp_path_factory) -> dict:
     return {**outputs, "mixed": mixed}
 
 
-@pytest.mark.parametrize("variant", list(EXPECTED_CONFIG))
-def test_default_launch_is_what_sglang_resolves_as_intended(served, variant):
-    model_dir = served[variant]
+@pytest.mark.parametrize("output", list(EXPECTED_CONFIG))
+def test_default_launch_is_what_sglang_resolves_as_intended(served, output):
+    model_dir = served[output]
+    variant = detect_variant(model_dir)
     launch = default_launch(model_dir, variant)
     assert list(launch) == list(GPU_FAMILIES)
-    config_class, fp4_experts = EXPECTED_CONFIG[variant]
+    config_class, fp4_experts = EXPECTED_CONFIG[output]
     for family, spec in launch.items():
         gpu = GPU_FAMILIES[family][0]
         argv = spec["argv"]
@@ -129,17 +136,85 @@ def test_default_launch_is_what_sglang_resolves_as_intended(served, variant):
             assert spec["mtp"]["argv"][:len(argv)] == argv and spec["mtp"]["env"] == spec["env"]
 
 
-@pytest.mark.parametrize("variant", ["nvfp4", "nvfp4-mtp-mxfp4", "mixed"])
-def test_written_readme_carries_the_launch_commands(served, variant):
-    readme = (served[variant] / "README.md").read_text()
-    for family, spec in default_launch(served[variant], variant).items():
+@pytest.mark.parametrize("output", ["nvfp4", "nvfp4-mtp-mxfp4", "nvfp4@sglang", "mixed"])
+def test_written_readme_carries_the_launch_commands(served, output):
+    readme = (served[output] / "README.md").read_text()
+    variant = detect_variant(served[output])
+    for family, spec in default_launch(served[output], variant).items():
         assert f"### {family}\n\n```bash\n{shell_line(spec)}\n```" in readme
         if "mtp" in spec:
             assert f"`{spec['draft_moe_method']}`):\n\n```bash\n{shell_line(spec['mtp'])}\n```" in readme
         else:
             assert f"No MTP draft on this GPU: {spec['mtp_note']}." in readme
-    assert f"SGLANG_DSV4_FP4_EXPERTS={EXPECTED_CONFIG[variant][1]}" in readme
+    assert f"SGLANG_DSV4_FP4_EXPERTS={EXPECTED_CONFIG[output][1]}" in readme
     assert "--moe-runner-backend marlin" in readme
+
+
+@pytest.mark.parametrize("output", ["fp8", "nvfp4", "w4a16", "nvfp4@vllm", "fp8@sglang", "w4a16@sglang"])
+def test_written_readme_serves_each_engine_it_is_made_for(served, output):
+    """vLLM commands (from vllm_launch, resolved by vLLM itself in test_vllm_loading.py) where the output is
+    for vLLM; otherwise one line saying why not. SGLang likewise."""
+    readme = (served[output] / "README.md").read_text()
+    variant = detect_variant(served[output])
+    engines = output.split("@")[1] if "@" in output else "both"
+    if engines in ("both", "vllm"):
+        for family, spec in vllm_default_launch(served[output], variant).items():
+            assert f"### {family}\n\n```bash\n{shell_line(spec)}\n```" in readme
+            if "mtp" in spec:
+                assert f"`{spec['draft_moe_method']}`):\n\n```bash\n{shell_line(spec['mtp'])}\n```" in readme
+            else:
+                assert f"No MTP draft on this GPU: {spec['mtp_note']}." in readme
+        assert "## Serving with vLLM 0.33.0" in readme and "Known limits:" in readme
+    else:
+        assert "vllm serve" not in readme
+        line = next(x for x in readme.splitlines() if x.startswith("Not for vLLM 0.33.0: "))
+        assert "vLLM 0.33.0" in line.removeprefix("Not for vLLM 0.33.0: ") and ": " in line
+    assert ("## Serving with SGLang 0.5.23" in readme) == (engines in ("both", "sglang"))
+    assert f"(`--engine {engines}`)" in readme
+
+
+def test_front_matter_is_what_the_hub_reads_for_a_quantized_derivative(served):
+    import yaml
+
+    readme = (served["nvfp4"] / "README.md").read_text()
+    meta = yaml.safe_load(readme.split("---\n")[1])
+    assert meta["base_model"] == "deepseek-ai/DeepSeek-V4-Flash" and meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert {"deepseek_v4", "nvfp4", "sglang", "vllm"} <= set(meta["tags"])
+    # The synthetic source has no card: the license is left to the base model's, and the card says so.
+    assert meta["license"] == "other" and meta["license_link"] == "https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash"
+    assert "the source had no model card to read it from" in readme
+
+
+def test_license_is_taken_from_the_source_card(tiny_ckpt, tmp_path):
+    import shutil
+
+    import yaml
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    (src / "README.md").write_text("---\nlicense: mit\nlibrary_name: transformers\n---\n# DeepSeek-V4-Flash\n")
+    run(src, tmp_path / "out", "bf16")
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert yaml.safe_load(readme.split("---\n")[1])["license"] == "mit"
+    assert "no model card" not in readme
+
+
+def test_upload_command_is_one_huggingface_hubs_cli_accepts(served):
+    """Parsed by the installed huggingface_hub's own `hf` CLI (its command table, then the command's options)."""
+    from huggingface_hub.cli.hf import app
+
+    readme = (served["fp8"] / "README.md").read_text()
+    argv = upload_command(served["fp8"])
+    assert shlex.join(argv) in readme and argv[:2] == ["hf", "upload"]
+    context = app.make_context("hf", argv[1:])
+    command = app.get_command(context, "upload").materialize()
+    parsed = command.make_context("upload", argv[2:], parent=context).params
+    assert parsed["repo_id"] == "<your-namespace>/<repo-name>" and parsed["local_path"] == str(served["fp8"])
+    assert parsed["repo_type"].value == "model" if hasattr(parsed["repo_type"], "value") else parsed["repo_type"] == "model"
+    # This huggingface_hub folded upload-large-folder into upload; the card names it for older releases.
+    assert app.get_command(context, "upload-large-folder") is None
+    assert "hf upload-large-folder" in readme
 
 
 def test_default_launch_of_a_missing_checkpoint_is_an_error(tmp_path):

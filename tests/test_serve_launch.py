@@ -27,7 +27,8 @@ from dsv4convert.serve.launch import (
 from dsv4convert.serve.topology import Gpu, Topology
 
 FAMILIES = ("sm90", "sm100", "sm120")
-EXPERT_SCHEME = {"native": "mxfp4", "fp8": "fp8", "nvfp4": "nvfp4", "nvfp4-mtp-mxfp4": "nvfp4", "w4a16": "wna16",
+EXPERT_SCHEME = {"native": "mxfp4", "fp8": "fp8", "nvfp4": "nvfp4", "nvfp4-mtp-mxfp4": "nvfp4", "nvfp4-mtp-bf16": "nvfp4",
+                 "w4a16": "wna16",
                  "bf16": "unquantized"}
 
 # The user's host: 8x RTX PRO 6000, GPUs 0-3 on NUMA node 0, 4-7 on node 1.
@@ -117,7 +118,7 @@ def test_mtp_flags_only_where_the_draft_runs(model_dirs, variant, family):
     defaults = variant_defaults(variant, family)
     if variant == "nvfp4-mtp-mxfp4" and family != "sm100":
         assert defaults.mtp_args is None and defaults.draft_moe_method == "Mxfp4FlashinferTrtllmMoEMethod"
-        with pytest.raises(LaunchError, match="no MTP draft .* SM100 kernel; convert with the nvfp4 recipe"):
+        with pytest.raises(LaunchError, match="no MTP draft .* SM100 kernel; convert with to-nvfp4 --mtp-experts bf16"):
             plan_single(options, None, [0, 1, 2, 3])
         with pytest.raises(LaunchError, match="no MTP draft"):
             pd_plan(model_dirs[variant], variant, family, mtp=True)

@@ -1,7 +1,9 @@
 """Every tensor of every variant through SGLang 0.5.23's own model and ``load_weights``, per GPU family.
 
-For each variant (fp8, nvfp4 with FP8 or MXFP4 MTP experts, w4a16, bf16 of the tiny synthetic
-model) and each GPU family we serve (sm_90, sm_100, sm_120), the launch command and environment
+For each variant of the tiny synthetic model as made for both engines (the default: fp8 with F32
+expert scales, nvfp4 with BF16 or MXFP4 MTP experts, w4a16 with BF16 linears, bf16) and as made for
+SGLang alone (``--engine sglang``: fp8 with E8M0 scales, nvfp4 with FP8 MTP experts, w4a16 with FP8
+linears), and each GPU family we serve (sm_90, sm_100, sm_120), the launch command and environment
 of the model card (``default_launch``, i.e. ``serve``'s ``variant_defaults``) go through SGLang's
 own resolution, ``ModelConfig``, ``_get_quantization_config`` and model construction; SGLang's
 default loader then streams the checkpoint into ``DeepseekV4ForCausalLM.load_weights``, and into
@@ -61,11 +63,13 @@ import sglang_oracle as sgl
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.convert.model_card import GPU_FAMILIES, default_launch
 from dsv4convert.formats import dequantize_fp8_block, e8m0_scale_to_float32
+from dsv4convert.inspection import detect_variant
 from dsv4convert.layout import Role, classify
 from dsv4convert.serve.launch import MTP_ARGS, variant_defaults
 
 FAMILIES = {gpu: name for name, (gpu, _memory) in GPU_FAMILIES.items()}
-VARIANTS = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
+# conftest's outputs: the shipped recipes for both engines, and "<recipe>@sglang" where SGLang's own layout differs.
+VARIANTS = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16", "fp8@sglang", "nvfp4@sglang", "w4a16@sglang")
 LANDED, CONVERTED, CONSUMED = "landed", "converted", "consumed"
 GOOD = (LANDED, CONVERTED, CONSUMED)
 
@@ -345,7 +349,7 @@ def served(checkpoints):
     def get(variant: str, gpu: str) -> Served:
         if (variant, gpu) not in cache:
             model_dir = checkpoints[variant]
-            spec = default_launch(model_dir, variant)[FAMILIES[gpu]]
+            spec = default_launch(model_dir, detect_variant(model_dir))[FAMILIES[gpu]]
             assert spec["argv"][:3] == ["python", "-m", "sglang.launch_server"]
             # Where the card offers no MTP command the draft is built with the same flags anyway, to
             # show what SGLang would make of it.
@@ -376,14 +380,16 @@ def test_every_tensor_lands_where_sglang_needs_it(served, variant, gpu):
         assert loaded.not_found == []
     counts = s.report.counts()
     assert counts[LANDED] > len(s.ckpt.tensors) // 2
-    assert (counts.get("converted (E8M0 scales to F32)", 0) > 0) == (variant != "bf16")
+    e8m0 = any(entry.dtype == "F8_E8M0" for entry in s.ckpt.tensors.values())
+    assert (counts.get("converted (E8M0 scales to F32)", 0) > 0) == e8m0 == (variant not in ("bf16", "w4a16"))
 
 
 @pytest.mark.parametrize("gpu", list(FAMILIES))
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_moe_methods_and_wo_a_are_what_serve_states(served, variant, gpu):
     s = served(variant, gpu)
-    defaults = variant_defaults(variant, gpu)
+    layout = detect_variant(s.ckpt.root)
+    defaults = variant_defaults(layout, gpu)
     target, draft = s.models["target"], s.models["draft"]
     assert set(target.moe_methods.values()) == {defaults.moe_method}
     assert len(target.moe_methods) == s.ckpt.config["num_hidden_layers"]
@@ -393,7 +399,7 @@ def test_moe_methods_and_wo_a_are_what_serve_states(served, variant, gpu):
     # TRT-LLM kernel only sm_100 has; the nvfp4 recipe's FP8 draft runs on SGLang's Triton FP8 MoE.
     assert ("mtp" in s.spec) == (draft.moe_methods["model.decoder.mlp.experts"] != "Mxfp4FlashinferTrtllmMoEMethod"
                                  or gpu == "sm100")
-    fp8_config = variant in ("fp8", "nvfp4", "nvfp4-mtp-mxfp4")
+    fp8_config = layout in ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "nvfp4-mtp-bf16")
     assert target.wo_a_fp8 == draft.wo_a_fp8 == (fp8_config and gpu == "sm100")
 
 
@@ -406,7 +412,7 @@ def test_conversions_are_the_ones_sglang_makes(served):
             assert (weight.outcome, scale.outcome) == (LANDED, CONVERTED), (weight, scale)
         else:
             assert weight.detail == f"{CONVERTED}: {how}" and scale.outcome == CONSUMED
-    nvfp4 = {v.tensor: v for v in served("nvfp4", "sm120").report.verdicts}
+    nvfp4 = {v.tensor: v for v in served("nvfp4@sglang", "sm120").report.verdicts}
     assert nvfp4["layers.1.ffn.experts.0.w1.weight"].outcome == LANDED
     assert nvfp4["layers.1.ffn.experts.0.w1.weight_scale_2"].outcome == LANDED
     assert nvfp4["mtp.0.ffn.experts.0.w1.scale"].detail == f"{CONVERTED}: E8M0 scales to F32"
@@ -417,6 +423,11 @@ def test_conversions_are_the_ones_sglang_makes(served):
     w4a16 = {v.tensor: v for v in served("w4a16", "sm90").report.verdicts}
     assert w4a16["layers.1.ffn.experts.0.w3.weight_packed"].outcome == LANDED  # transposed into w13
     assert w4a16["layers.1.ffn.experts.0.w3.weight_shape"].detail == f"{CONVERTED}: I64 to BF16"
+    assert w4a16["layers.1.attn.wo_a.weight"].outcome == LANDED  # BF16 for both engines: no dequantization
+    both = {v.tensor: v for v in served("nvfp4", "sm90").report.verdicts}
+    assert both["mtp.0.ffn.experts.0.w1.weight"].outcome == LANDED  # BF16 draft experts, unquantized MoE
+    fp8 = {v.tensor: v for v in served("fp8", "sm90").report.verdicts}
+    assert fp8["layers.1.ffn.experts.0.w1.scale"].outcome == LANDED  # F32 block scales, as SGLang holds them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,7 +522,7 @@ FAULTS = {
     # A card telling SGLang the FP8 draft experts are FP4: the draft then fails on some MTP expert
     # tensor (which one first depends on SGLang's loader threads).
     "model card with the wrong SGLANG_DSV4_FP4_EXPERTS": Fault(
-        "nvfp4", _no_edit, ("mtp.0.ffn.experts.", "raised"), None, ("README.md",), draft=True,
+        "nvfp4@sglang", _no_edit, ("mtp.0.ffn.experts.", "raised"), None, ("README.md",), draft=True,
         card_edit=lambda text: text.replace("SGLANG_DSV4_FP4_EXPERTS=0", "SGLANG_DSV4_FP4_EXPERTS=1"),
         env=(("SGLANG_DSV4_FP4_EXPERTS", "1"),)),
 }
@@ -528,7 +539,7 @@ def faulty(checkpoints, tmp_path_factory) -> dict[str, Path]:
 def test_planted_faults_are_caught(checkpoints, faulty, fault):
     f = FAULTS[fault]
     gpu = "sm120"
-    spec = default_launch(checkpoints[f.variant], f.variant)[FAMILIES[gpu]]  # the card the variant ships with
+    spec = default_launch(checkpoints[f.variant], detect_variant(checkpoints[f.variant]))[FAMILIES[gpu]]  # its card
     spec = spec["mtp"] if f.draft else spec
     argv = [str(faulty[fault]) if arg == str(checkpoints[f.variant]) else arg for arg in spec["argv"][3:]]
     loaded = sgl.load_checkpoint(faulty[fault], argv, gpu=gpu, env={**spec["env"], **dict(f.env)}, draft=f.draft)
@@ -563,8 +574,9 @@ def test_validate_passes_every_clean_variant_and_states_its_env(checkpoints, var
 
     ckpt = Checkpoint.open(checkpoints[variant])
     integrity = check_integrity(ckpt, inspect_checkpoint(ckpt))
+    layout = detect_variant(checkpoints[variant])
     assert integrity.problems == []
-    assert integrity.fp4_experts.needed == variant_defaults(variant, "sm120").env["SGLANG_DSV4_FP4_EXPERTS"]
+    assert integrity.fp4_experts.needed == variant_defaults(layout, "sm120").env["SGLANG_DSV4_FP4_EXPERTS"]
     # What validate says SGLang's probe concludes is what SGLang's ModelConfig concludes with the
     # variable unset: right only for fp8 (F8_E4M3) and nvfp4-mtp-mxfp4 (U8, and MXFP4 draft experts).
-    assert integrity.fp4_experts.probe_fp4 == sgl.is_fp4_experts(checkpoints[variant]) == (variant != "fp8")
+    assert integrity.fp4_experts.probe_fp4 == sgl.is_fp4_experts(checkpoints[variant]) == (layout != "fp8")

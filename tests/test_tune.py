@@ -80,7 +80,8 @@ def test_problem_read_from_each_checkpoint(outputs):
     assert fp8.swiglu_limit == 10.0
     int4 = MoEProblem.from_checkpoint(outputs["w4a16"], 1)
     # The Triton W4A16 layout packs two values a byte: SGLang names the file after w2's packed N = I / 2.
-    assert (int4.dtype, int4.block_shape, int4.lookup_n, int4.group_size) == ("int4_w4a16", [0, 128], 64, 128)
+    # The w4a16 recipe's group 32.
+    assert (int4.dtype, int4.block_shape, int4.lookup_n, int4.group_size) == ("int4_w4a16", [0, 32], 64, 32)
     bf16 = MoEProblem.from_checkpoint(outputs["bf16"], 2)
     assert (bf16.dtype, bf16.block_shape, bf16.intermediate) == (None, None, 64)
 

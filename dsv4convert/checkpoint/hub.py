@@ -6,7 +6,8 @@ with range requests, so the whole checkpoint is validated before any work starts
 converter then asks a :class:`ShardFetcher` for the shards each job needs: the next
 shard downloads while the current one converts, and with ``delete_after_use`` a shard is
 deleted from the cache as soon as no remaining job needs it, which keeps peak disk to the
-output plus two source shards.
+output plus the source shards the running jobs read and the next one
+(``convert.execute.source_windows``).
 """
 
 from __future__ import annotations

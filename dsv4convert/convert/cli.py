@@ -10,19 +10,26 @@ import argparse
 import signal
 from pathlib import Path
 
+from dsv4convert.convert.engines import CHOICES
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.plan import DEFAULT_MAX_SHARD_BYTES, parse_size
-from dsv4convert.convert.recipe import load_recipe, with_fp8_scale_dtype, with_int4_params
+from dsv4convert.convert.recipe import load_recipe, with_fp8_scale_dtype, with_int4_params, with_mtp_experts
 from dsv4convert.formats.int4 import SCALE_RULES
 
 SHIPPED_HELP = {
     "to-fp8": ("fp8", "routed experts cast MXFP4 -> FP8 128x128 losslessly; everything else kept"),
     "to-nvfp4": ("nvfp4", "backbone experts cast MXFP4 -> NVFP4 (ModelOpt layout), lossless where the scales fit; "
-                          "MTP draft experts FP8-block (--mtp-experts)"),
+                          "MTP draft experts as the engines need them (--mtp-experts)"),
     "to-w4a16": ("w4a16", "routed experts requantized to INT4 W4A16 (compressed-tensors pack-quantized; group 32 "
                           "and squared-error scales by default)"),
     "to-bf16": ("bf16", "everything dequantized to BF16 (F32/I64 kept): the reference"),
 }
+
+ENGINE_HELP = (
+    "the engines the checkpoint must load in: sglang (SGLang 0.5.23), vllm (vLLM 0.33.0) or both. Default: the "
+    "recipe's `engine:` key, else both where one layout serves both (the shipped recipes always do, storing "
+    "what each engine needs: F32 expert scales and expert_dtype for FP8, BF16 MTP experts for NVFP4, BF16 "
+    "linears for W4A16); a layout an engine asked for cannot load is refused, naming the engine and module")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -43,11 +50,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="branch, tag or commit of a Hugging Face repo id --src")
     p.add_argument("--delete-source-shards", action="store_true",
                    help="Hub sources: delete each downloaded shard from the cache once converted, so peak disk "
-                        "is the output plus two source shards")
+                        "is the output plus the source shards one output shard reads and the next one (per worker)")
+    p.add_argument("--engine", choices=CHOICES, help=ENGINE_HELP)
 
 
-# to-nvfp4 --mtp-experts: which shipped recipe stores the MTP draft's experts how.
-NVFP4_MTP_RECIPES = {"fp8": "nvfp4", "mxfp4": "nvfp4-mtp-mxfp4"}
+# to-nvfp4 --mtp-experts: how the MTP draft's experts are stored (auto: the nvfp4 recipe's per-engine rules).
+NVFP4_MTP_EXPERTS = {"auto": None, "fp8": "fp8", "mxfp4": "keep", "bf16": "bf16"}
 
 
 def _nvfp4_inputs(p: argparse.ArgumentParser) -> None:
@@ -84,16 +92,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         _common(p)
         if recipe == "nvfp4":
             _nvfp4_inputs(p)
-            p.add_argument("--mtp-experts", choices=sorted(NVFP4_MTP_RECIPES), default="fp8",
-                           help="the MTP draft's experts: fp8 (default; FP8-block, lossless from MXFP4, SGLang runs "
-                                "the draft on sm_90, sm_100 and sm_120) or mxfp4 (kept as released, for sm_100's "
-                                "TRT-LLM path only: recipe nvfp4-mtp-mxfp4)")
+            p.add_argument("--mtp-experts", choices=list(NVFP4_MTP_EXPERTS), default="auto",
+                           help="the MTP draft's experts, all lossless from MXFP4: auto (default) picks per --engine: "
+                                "fp8 for sglang (FP8-block; SGLang runs the draft on sm_90, sm_100 and sm_120; vLLM "
+                                "cannot load it), mxfp4 for vllm (kept as released: recipe nvfp4-mtp-mxfp4; both "
+                                "engines load it, SGLang runs that draft on sm_100 only), bf16 for both (2 bytes a "
+                                "weight, 12.9 GB at full size against 6.4 GB FP8 and 3.4 GB MXFP4; both engines run "
+                                "the draft on every family)")
         if recipe == "w4a16":
             _int4_options(p)
             _gptq_inputs(p)
         if recipe == "fp8":
-            p.add_argument("--scale-dtype", choices=["e8m0", "float32"], default="e8m0",
-                           help="expert block scales as E8M0 powers of two (native, default) or F32")
+            p.add_argument("--scale-dtype", choices=["auto", "e8m0", "float32"], default="auto",
+                           help="expert block scales: auto (default) is float32 wherever vLLM reads the output (vLLM "
+                                "0.33.0 copies E8M0 expert scales as raw bytes) and E8M0 powers of two (native) for "
+                                "--engine sglang; e8m0 or float32 force one (vLLM refuses e8m0)")
         p.set_defaults(func=_run, recipe=recipe)
     p = subparsers.add_parser("convert", help="run any recipe (YAML) on a checkpoint", description=(
         "Convert with a recipe file: ordered rules that map tensor roles (and optional module regexes) to "
@@ -111,20 +124,27 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _recipe(args: argparse.Namespace, name_or_path: str):
-    """The recipe with the command line's format overrides (FP8 scale dtype, INT4 group and scale rule)."""
-    recipe = with_fp8_scale_dtype(load_recipe(name_or_path), getattr(args, "scale_dtype", "e8m0"))
+def _recipe(args: argparse.Namespace):
+    """The recipe with the command line's overrides: the NVFP4 MTP experts, the FP8 scale dtype, the INT4
+    group and scale rule."""
+    mtp_experts = NVFP4_MTP_EXPERTS[getattr(args, "mtp_experts", None) or "auto"]
+    if mtp_experts == "keep":
+        recipe = load_recipe("nvfp4-mtp-mxfp4")
+    elif mtp_experts:
+        recipe = with_mtp_experts(load_recipe(args.recipe), mtp_experts)
+    else:
+        recipe = load_recipe(args.recipe)
+    recipe = with_fp8_scale_dtype(recipe, getattr(args, "scale_dtype", "auto"))
     return with_int4_params(recipe, group_size=getattr(args, "group_size", None),
                             scale_rule=getattr(args, "scale_rule", None))
 
 
 def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    recipe = NVFP4_MTP_RECIPES[args.mtp_experts] if getattr(args, "mtp_experts", None) else args.recipe
     convert(ConvertOptions(
         src=args.src,
         dst=args.dst,
-        recipe=_recipe(args, recipe),
+        recipe=_recipe(args),
         workers=max(1, args.workers),
         max_memory=args.max_memory,
         max_shard_bytes=args.max_shard_size,
@@ -138,5 +158,6 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         revision=args.revision,
         delete_source_shards=args.delete_source_shards,
+        engine=args.engine,
     ))
     return 0

@@ -57,7 +57,8 @@ from dsv4convert.calibrate.calibfile import CalibrationHessians, calibration_hes
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, ModuleResult, convert_module, read_module
 from dsv4convert.convert.plan import ModuleJob, Plan, ShardJob, build_plan, human_bytes
-from dsv4convert.convert.quant_config import build_quant_config
+from dsv4convert.convert import engines as eng
+from dsv4convert.convert.quant_config import build_quant_config, servable_engines
 from dsv4convert.convert.recipe import Recipe, canonical
 from dsv4convert.convert.state import STATE_DIR, DestinationLock, RunState, signature
 from dsv4convert.errors import DSV4Error
@@ -88,6 +89,7 @@ class ConvertOptions:
     revision: str | None = None               # of a Hugging Face repo id source
     delete_source_shards: bool = False        # Hub sources: delete each shard from the cache after its last use
     remote: Remote | None = None              # stands in for the Hub (tests); None: huggingface_hub
+    engine: str | None = None                 # sglang/vllm/both (--engine); None: the recipe's, else both
 
 
 @dataclass
@@ -96,6 +98,25 @@ class ConvertResult:
     dst: Path
     stats: dict = field(default_factory=dict)
     seconds: float = 0.0
+    engines: tuple[str, ...] = eng.ENGINES
+
+
+def choose_engines(plan: Plan, source_config: dict, asked: str | None) -> tuple[tuple[str, ...], str | None]:
+    """The engines the output is made for, and a notice when the default could not be both.
+
+    An engine asked for (``--engine`` or the recipe's ``engine:``) is checked by
+    ``build_quant_config``, which refuses naming the engine and module. Without one the output is for
+    both engines where its layout allows, else for the one that can load it, with the other's reason.
+    """
+    if asked is not None:
+        return eng.engines_for(asked), None
+    problems = servable_engines(source_config, plan.module_formats())
+    engines = tuple(e for e, problem in problems.items() if problem is None)
+    if engines == eng.ENGINES or not engines:
+        return engines or eng.ENGINES, None  # none: build_quant_config raises SGLang's reason
+    notes = [f"{eng.ENGINE_VERSIONS[e]} cannot load {problem}" for e, problem in problems.items() if problem]
+    return engines, (f"engine: {eng.choice_of(engines)} only ({'; '.join(notes)}); --engine {eng.choice_of(engines)} "
+                     "says so explicitly, --engine both refuses this layout")
 
 
 def available_memory() -> int:
@@ -403,8 +424,12 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     t0 = time.monotonic()
     ckpt = Checkpoint.open(opts.src, revision=opts.revision, remote=opts.remote)
     _check_paths(ckpt.root, opts.dst)
-    plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes)
-    config, extra_files = build_quant_config(ckpt.config, plan.module_formats())
+    asked = opts.engine or opts.recipe.engine
+    plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes, engine=asked or eng.DEFAULT_CHOICE)
+    engines, engine_note = choose_engines(plan, ckpt.config, asked)
+    config, extra_files = build_quant_config(ckpt.config, plan.module_formats(), engines=engines)
+    if engine_note:
+        print(f"note: {engine_note}", file=sys.stderr)
     hessians = _gptq_hessians(plan, opts)
     needs_input_scales = any(m.target.format is Format.NVFP4 for m in plan.modules.values())
     input_scales = build_input_scales(ckpt, from_checkpoint=opts.input_scales_from,
@@ -416,18 +441,18 @@ def convert(opts: ConvertOptions) -> ConvertResult:
         raise DSV4Error(f"shard job {too_big[0].name} needs about {human_bytes(pipeline_memory(too_big[0]))} of "
                         f"memory but --max-memory is {human_bytes(max_memory)}", file=opts.dst)
     options = {"max_shard_bytes": opts.max_shard_bytes, "input_scales_from": opts.input_scales_from, "gptq": opts.gptq,
-               "calibration": _file_digest(opts.calibration)}
+               "calibration": _file_digest(opts.calibration), "engines": list(engines)}
     sig = signature(ckpt, canonical(opts.recipe), options)
     if opts.dry_run:
-        print_plan(plan, ckpt, opts, max_memory)
-        return ConvertResult(plan, opts.dst)
+        print_plan(plan, ckpt, opts, max_memory, engines)
+        return ConvertResult(plan, opts.dst, engines=engines)
 
     state = _prepare_destination(opts, sig)
     with DestinationLock(opts.dst):
         for stale in opts.dst.glob(".*.partial"):
             stale.unlink()
         todo = _remaining(plan, state, opts.dst)
-        _check_disk(opts.dst, sum(s.bytes_out for s in todo) + _download_bytes(ckpt, todo, opts) + 64 * 1024**2)
+        _check_disk(opts.dst, sum(s.bytes_out for s in todo) + _download_bytes(ckpt, todo, opts, input_scales) + 64 * 1024**2)
         state.complete = False
         state.save()
         try:
@@ -436,7 +461,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
                 _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources, hessians)
             finally:
                 sources.close()
-            stats = _finalize(plan, ckpt, opts, state, config, extra_files)
+            stats = _finalize(plan, ckpt, opts, state, config, extra_files, engines)
         except KeyboardInterrupt:
             raise DSV4Error(f"interrupted; {len(state.shards)} of {len(plan.shards)} shards are complete. "
                             "Run the same command with --resume to continue", file=opts.dst) from None
@@ -445,7 +470,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
                             f"{len(state.shards)} of {len(plan.shards)} shards are complete. Run the same command "
                             "with --resume to continue (fewer --workers or a lower --max-memory use less memory)",
                             file=opts.dst) from None
-    result = ConvertResult(plan, opts.dst, stats, time.monotonic() - t0)
+    result = ConvertResult(plan, opts.dst, stats, time.monotonic() - t0, engines)
     print_stats(result)
     return result
 
@@ -571,12 +596,34 @@ def _source_files(job: ShardJob, input_scales: InputScales | None) -> set[str]:
     return files
 
 
-def _download_bytes(ckpt: Checkpoint, todo: list[ShardJob], opts: ConvertOptions) -> int:
-    """Disk the source shards still to be downloaded will take (two at a time when deleted after use)."""
+def source_windows(todo: list[ShardJob], input_scales: InputScales | None, workers: int,
+                   ahead: int = 1) -> list[set[str]]:
+    """The source shards held at once while each job starts, when shards are deleted after use.
+
+    An output shard may read several source shards (its modules need not fall in one), up to
+    ``workers`` jobs run at once, and the fetcher downloads the next ``ahead`` shards the later
+    jobs read: so peak disk is the largest of these windows, not a fixed two shards.
+    """
+    needs = [sorted(_source_files(job, input_scales)) for job in todo]
+    windows = []
+    for i in range(len(needs)):
+        held = {f for files in needs[i:i + workers] for f in files}
+        upcoming = [f for files in needs[i + workers:] for f in files if f not in held]
+        windows.append(held | set(dict.fromkeys(upcoming[:ahead])))
+    return windows
+
+
+def _download_bytes(ckpt: Checkpoint, todo: list[ShardJob], opts: ConvertOptions,
+                    input_scales: InputScales | None) -> int:
+    """Disk the source shards still to be downloaded will take (the largest window of
+    :func:`source_windows` when deleted after use)."""
     if ckpt.remote is None:
         return 0
-    sizes = sorted((ckpt.headers[p].file_size for p in ckpt.shards if not p.exists()), reverse=True)
-    return sum(sizes[:2]) if opts.delete_source_shards else sum(sizes)
+    sizes = {p.name: ckpt.headers[p].file_size for p in ckpt.shards if not p.exists()}
+    if not opts.delete_source_shards:
+        return sum(sizes.values())
+    return max((sum(sizes.get(f, 0) for f in window) for window in source_windows(todo, input_scales, opts.workers)),
+               default=0)
 
 
 def quiet_openmp_for_workers() -> None:
@@ -616,8 +663,14 @@ def aggregate(state: RunState) -> dict:
 
 
 def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunState, config: dict,
-              extra_files: dict[str, dict]) -> dict:
-    from dsv4convert.convert.model_card import default_launch, render_model_card
+              extra_files: dict[str, dict], engines: tuple[str, ...]) -> dict:
+    from dsv4convert.convert.model_card import (
+        base_model_id,
+        default_launch,
+        render_model_card,
+        source_card_metadata,
+        vllm_default_launch,
+    )
     from dsv4convert.inspection import inspect_checkpoint
 
     dst = opts.dst
@@ -639,6 +692,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         "started": state.started,
         "input_scales_from": opts.input_scales_from,
         "calibration_sha256": _file_digest(opts.calibration),
+        "engines": list(engines),
         "stats": stats,
     }
     atomic_write_json(dst / "provenance.json", provenance)
@@ -651,10 +705,17 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         (dst / INDEX_NAME).unlink()
         problem = (result.missing + result.mismatched + result.unexpected + result.problems)[0]
         raise DSV4Error(f"output failed its layout check ({problem}); the index was removed", file=dst)
+    opened = (output, result)
+    problems = servable_engines(ckpt.config, plan.module_formats())
+    not_for = {e: problems[e] or f"made for --engine {eng.choice_of(engines)} only" for e in eng.ENGINES
+               if e not in engines}
     card = render_model_card(
-        variant=result.variant, base_model=str(opts.src), recipe_name=plan.recipe.name, recipe_text=plan.recipe.text,
-        formats_by_role=result.formats_by_role(), stats=stats,
-        launch=default_launch(dst, result.variant, opened=(output, result)))
+        variant=result.variant, base_model=base_model_id(str(opts.src), ckpt.root), recipe_name=plan.recipe.name,
+        recipe_text=plan.recipe.text, formats_by_role=result.formats_by_role(), stats=stats,
+        launch=default_launch(dst, result.variant, opened=opened) if eng.SGLANG in engines else {},
+        engines=engines, not_for=not_for, source_meta=source_card_metadata(ckpt.root), model_dir=dst,
+        source=str(opts.src),
+        vllm_launch=vllm_default_launch(dst, result.variant, opened=opened) if eng.VLLM in engines else None)
     atomic_write_bytes(dst / "README.md", card.encode("utf-8"))
     state.complete = True
     state.save()
@@ -662,8 +723,9 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
     return stats
 
 
-def print_plan(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, max_memory: int) -> None:
+def print_plan(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, max_memory: int, engines: tuple[str, ...]) -> None:
     print(f"plan: {ckpt.root} -> {opts.dst} with recipe '{plan.recipe.name}' ({plan.recipe.source})")
+    print(f"  for {' and '.join(eng.ENGINE_VERSIONS[e] for e in engines)} (--engine {eng.choice_of(engines)})")
     print(f"  read {human_bytes(plan.bytes_in)}, write {human_bytes(plan.bytes_out)} in {len(plan.shards)} shards")
     per_worker = max((pipeline_memory(s) for s in plan.shards), default=0)
     print(f"  estimated peak memory {human_bytes(per_worker)} per worker x {opts.workers} "

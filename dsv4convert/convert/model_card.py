@@ -1,8 +1,11 @@
 """The README.md model card of a converted checkpoint.
 
 A card is for the person who downloads the checkpoint: what it was made from and how, what
-each part is stored as, how much of it is bit-exact, and the exact SGLang 0.5.23 command
-and environment that serve it on each GPU family.
+each part is stored as, how much of it is bit-exact, which engines it is made and checked for,
+the exact SGLang 0.5.23 and vLLM 0.33.0 commands (and environment) that serve it on each GPU
+family with each engine's known limits, and how to upload it. Its YAML front matter is what the
+Hugging Face Hub reads for a quantized derivative (``base_model``, ``base_model_relation``,
+``library_name``, ``license`` taken from the source's own card, ``tags``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv4convert.convert import engines as eng
 from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.quant_config import serving_env
 from dsv4convert.tune.problem import model_card_lines
@@ -96,6 +100,79 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     return launch
 
 
+def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
+                        ) -> dict[str, dict]:
+    """``vllm serve`` commands for a checkpoint vLLM 0.33.0 loads, per GPU family (same TP as SGLang's).
+
+    Each family's spec has ``argv``, ``env``, ``moe_method``/``draft_moe_method``, ``limits``, and
+    ``mtp`` (the command with the MTP draft) or ``mtp_note``; from :mod:`dsv4convert.serve.vllm_launch`.
+    """
+    from dsv4convert.checkpoint import Checkpoint
+    from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.serve.launch import served_like
+    from dsv4convert.serve.vllm_launch import vllm_launch
+
+    if opened is None:
+        ckpt = Checkpoint.open(model_dir)
+        opened = ckpt, inspect_checkpoint(ckpt)
+    ckpt, inspection = opened
+    formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
+    like = served_like(variant, formats)
+    weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
+    launch: dict[str, dict] = {}
+    for name, (family, memory) in GPU_FAMILIES.items():
+        tp = tensor_parallel_size(weight_bytes, memory)
+        if tp is None:
+            launch[name] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more than "
+                                                            f"{MAX_TP} of these GPUs (multi-node TP)"}
+            continue
+        plan = vllm_launch(str(model_dir), like, family, tp)
+        spec: dict = {"argv": list(plan.argv), "env": dict(plan.env), "moe_method": plan.moe_method,
+                      "draft_moe_method": plan.draft_moe_method, "limits": list(plan.limits)}
+        if plan.mtp_argv is None:
+            spec["mtp_note"] = plan.mtp_note
+        else:
+            spec["mtp"] = {"argv": list(plan.mtp_argv), "env": dict(plan.env)}
+        launch[name] = spec
+    return launch
+
+
+# What the Hub's metadata says about the base model, where the source carries no card to read it from.
+DEFAULT_BASE_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
+MAX_CARD_BYTES = 1 << 20
+
+
+def source_card_metadata(root: Path) -> dict:
+    """The YAML front matter of the source's README.md (license fields), or {} without one."""
+    import yaml
+
+    path = Path(root) / "README.md"
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_CARD_BYTES:
+            return {}
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    if not text.startswith("---\n"):
+        return {}
+    head, sep, _ = text[4:].partition("\n---")
+    try:
+        data = yaml.safe_load(head) if sep else None
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def base_model_id(src: str, root: Path) -> str:
+    """The Hub id of the model converted: ``src`` when it is one, the id of a Hub cache snapshot, else V4-Flash."""
+    if not Path(src).exists() and src.count("/") == 1:
+        return src
+    for part in Path(root).resolve().parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    return DEFAULT_BASE_MODEL
+
+
 def _percent(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.2f} %" if whole else "n/a"
 
@@ -146,7 +223,7 @@ def shell_line(spec: dict) -> str:
     return " ".join([*assignments, shlex.join(spec["argv"])])
 
 
-def _launch_lines(launch: dict[str, dict]) -> list[str]:
+def _launch_lines(launch: dict[str, dict], draft_what: str) -> list[str]:
     lines: list[str] = []
     for family, spec in launch.items():
         lines += [f"### {family}", ""]
@@ -156,30 +233,107 @@ def _launch_lines(launch: dict[str, dict]) -> list[str]:
             lines += ["```bash", shell_line(spec), "```", ""]
         method = spec.get("draft_moe_method")
         if spec.get("mtp"):
-            lines += [f"With the MTP draft (EAGLE; its routed experts run through SGLang's `{method}`):", "",
+            lines += [f"With the MTP draft ({draft_what}; its routed experts run through `{method}`):", "",
                       "```bash", shell_line(spec["mtp"]), "```", ""]
         elif spec.get("mtp_note"):
             lines += [f"No MTP draft on this GPU: {spec['mtp_note']}.", ""]
     return lines
 
 
+# Hub tags per stored expert format, beside the variant name.
+_FORMAT_TAGS = {"fp8": ["fp8"], "nvfp4": ["nvfp4", "modelopt"], "nvfp4-mtp-mxfp4": ["nvfp4", "modelopt"],
+                "nvfp4-mtp-bf16": ["nvfp4", "modelopt"], "w4a16": ["int4", "w4a16", "compressed-tensors"],
+                "bf16": ["bf16"]}
+
+
+def _front_matter(variant: str, base_model: str, engines: tuple[str, ...], source_meta: dict) -> list[str]:
+    """What the Hub reads for a quantized derivative; the license comes from the source's own card."""
+    lines = ["---", f"base_model: {json.dumps(base_model)}", "base_model_relation: quantized",
+             "library_name: transformers", "pipeline_tag: text-generation"]
+    if source_meta.get("license"):
+        for key in ("license", "license_name", "license_link"):
+            if source_meta.get(key):
+                lines.append(f"{key}: {json.dumps(str(source_meta[key]))}")
+    else:
+        lines += ["license: other", 'license_name: "base-model-license"',
+                  f"license_link: {json.dumps(f'https://huggingface.co/{base_model}')}"]
+    tags = ["deepseek_v4", variant, *_FORMAT_TAGS.get(variant, []), "quantized", *engines, "dsv4convert"]
+    lines += ["tags:", *[f"- {json.dumps(t)}" for t in dict.fromkeys(tags)], "---"]
+    return lines
+
+
+def _engine_lines(engines: tuple[str, ...], not_for: dict[str, str]) -> list[str]:
+    made = " and ".join(eng.ENGINE_VERSIONS[e] for e in engines)
+    lines = [f"Made for {made} (`--engine {eng.choice_of(engines)}`): `config.json` carries what each of them "
+             "reads, and CI builds each engine's own model from a tiny checkpoint of this layout and loads every "
+             "tensor through the engine's own loader."]
+    for engine, reason in not_for.items():
+        lines += ["", f"Not for {eng.ENGINE_VERSIONS[engine]}: {reason}"]
+    return lines
+
+
+def _limit_lines(limits: list[str]) -> list[str]:
+    return ["Known limits:", "", *[f"- {limit}" for limit in limits], ""] if limits else []
+
+
+def upload_command(model_dir: str | Path) -> list[str]:
+    """huggingface_hub's CLI for this directory (resumable: re-running it continues an interrupted upload)."""
+    return ["hf", "upload", "<your-namespace>/<repo-name>", str(model_dir), ".", "--repo-type", "model"]
+
+
+def _upload_lines(model_dir: str | Path | None) -> list[str]:
+    target = model_dir if model_dir is not None else "<this directory>"
+    return [
+        "## Upload", "",
+        "With huggingface_hub's own CLI. Since `upload_large_folder` was folded into it, `hf upload` sends a large "
+        "folder in several commits and the same command resumes an interrupted upload:", "",
+        "```bash", shlex.join(upload_command(target)), "```", "",
+        "With an older huggingface_hub (0.x or 1.x), the resumable command is `hf upload-large-folder "
+        f"<your-namespace>/<repo-name> {shlex.quote(str(target))} --repo-type=model`.", "",
+    ]
+
+
 def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe_text: str,
-                      formats_by_role: dict[str, dict[str, int]], stats: dict, launch: dict[str, dict]) -> str:
-    """The README.md of an output checkpoint (Hugging Face front matter, then Markdown)."""
+                      formats_by_role: dict[str, dict[str, int]], stats: dict, launch: dict[str, dict],
+                      engines: tuple[str, ...] = (eng.SGLANG,), vllm_launch: dict[str, dict] | None = None,
+                      not_for: dict[str, str] | None = None, source_meta: dict | None = None,
+                      model_dir: str | Path | None = None, source: str | None = None) -> str:
+    """The README.md of an output checkpoint (Hugging Face front matter, then Markdown).
+
+    ``launch``/``vllm_launch``: per GPU family, SGLang's and vLLM's commands (:func:`default_launch`,
+    :func:`vllm_default_launch`), shown for the engines in ``engines``; ``not_for``: per engine the
+    output is not made for, why (one line); ``source``: what was converted, as given (default ``base_model``,
+    the Hub id the front matter names).
+    """
+    from dsv4convert.serve.vllm_launch import COMMON_LIMITS
+
+    serves = []
+    if eng.SGLANG in engines:
+        serves += [
+            "## Serving with SGLang 0.5.23", "",
+            "One server per GPU family. The environment variables are part of the command: SGLang cannot "
+            "tell every expert layout from the files alone.", "",
+            *_launch_lines(launch, "EAGLE"),
+        ]
+    if eng.VLLM in engines and vllm_launch:
+        limits = next((spec.get("limits", []) for spec in vllm_launch.values() if spec.get("argv")), [])
+        serves += [
+            "## Serving with vLLM 0.33.0", "",
+            "The flags are vLLM's own DeepSeek-V4-Flash recipe (FP8 KV cache, 256-token blocks, tensor plus expert "
+            "parallel); vLLM reads the expert format from `config.json` (`expert_dtype`, `quantization_config`), so "
+            "no environment is needed.", "",
+            *_launch_lines(vllm_launch, "`--speculative-config` method mtp"),
+            *_limit_lines([*limits, *COMMON_LIMITS]),
+        ]
     lines = [
-        "---",
-        f"base_model: {json.dumps(base_model)}",
-        "tags:",
-        "- deepseek_v4",
-        f"- {json.dumps(variant)}",
-        "- dsv4convert",
-        "---",
+        *_front_matter(variant, base_model, engines, source_meta or {}),
         "",
         f"# DeepSeek-V4-Flash, {variant} variant",
         "",
-        f"Converted from `{base_model}` by dsv4convert with the recipe `{recipe_name}`. Tensors the recipe "
-        "does not convert are copied byte for byte; `config.json` carries the `quantization_config` "
-        "SGLang 0.5.23 reads for exactly these stored formats.",
+        f"Converted from `{source or base_model}` by dsv4convert with the recipe `{recipe_name}`. Tensors the recipe "
+        "does not convert are copied byte for byte.",
+        "",
+        *_engine_lines(engines, not_for or {}),
         "",
         "## Formats per role",
         "",
@@ -189,13 +343,10 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
         "",
         *_stats_lines(stats),
         "",
-        "## Serving with SGLang 0.5.23",
-        "",
-        "One server per GPU family. The environment variables are part of the command: SGLang cannot "
-        "tell every expert layout from the files alone.",
-        "",
-        *_launch_lines(launch),
-        *model_card_lines(variant, next((spec["env"] for spec in launch.values() if spec.get("argv")), {})),
+        *serves,
+        *(model_card_lines(variant, next((spec["env"] for spec in launch.values() if spec.get("argv")), {}))
+          if eng.SGLANG in engines else []),
+        *_upload_lines(model_dir),
         "## Recipe",
         "",
         "```yaml",
@@ -203,4 +354,8 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
         "```",
         "",
     ]
+    if not (source_meta or {}).get("license"):
+        lines.insert(lines.index(f"# DeepSeek-V4-Flash, {variant} variant") + 2,
+                     "License: the base model's; the source had no model card to read it from, so check "
+                     f"https://huggingface.co/{base_model} before publishing.\n")
     return "\n".join(lines)

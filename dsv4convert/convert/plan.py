@@ -97,6 +97,7 @@ class Plan:
     config: ModelConfig
     shards: list[ShardJob]
     modules: dict[str, ModuleJob] = field(default_factory=dict)
+    engine: str = "both"  # the engine choice the recipe's rules were resolved for
 
     @property
     def bytes_in(self) -> int:
@@ -196,8 +197,10 @@ def _outputs(job: ModuleJob) -> list[PlannedTensor]:
     return out
 
 
-def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Plan:
-    """Plan a conversion of ``ckpt`` by ``recipe``; raises on anything that would fail later."""
+def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+               engine: str = "both") -> Plan:
+    """Plan a conversion of ``ckpt`` by ``recipe`` for ``engine`` (sglang/vllm/both); raises on anything
+    that would fail later."""
     inspection = inspect_checkpoint(ckpt)
     for problem in inspection.missing[:1] + inspection.mismatched[:1] + inspection.unexpected[:1]:
         name = problem.split(":")[0]
@@ -220,7 +223,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
         info = classify(next(iter(sources.values())).name)
         shape = native_shapes.get(module)
         job = ModuleJob(module, info.role, info.is_mtp, sources, _source_format(sources, shape),
-                        recipe.target_for(info), [], shape)
+                        recipe.target_for(info, engine), [], shape)
         _check_applicable(job, recipe)
         modules[module] = job
         groups[module_shard[module]].append(job)
@@ -245,7 +248,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
             if not jobs or jobs[-1] is not owner[p.name]:
                 jobs.append(owner[p.name])
         shards.append(ShardJob(shard_name(i + 1, len(shard_lists)), jobs, planned))
-    return Plan(recipe, inspection.config, shards, modules)
+    return Plan(recipe, inspection.config, shards, modules, engine)
 
 
 def human_bytes(n: float) -> str:

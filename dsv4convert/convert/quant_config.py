@@ -32,6 +32,12 @@ for every other layout.
 ``is_fp4_experts`` cannot be set from the config without side effects: the only key
 (``routed_experts_quant_method``) also skips V4's ``topk_group`` fix in ``ModelConfig.__init__``.
 It therefore comes from ``SGLANG_DSV4_FP4_EXPERTS``, which :func:`serving_env` states.
+
+Engines: the config above is SGLang's, and is what ``engines=("sglang",)`` returns, unchanged.
+Where vLLM 0.33.0 is asked for too, :mod:`dsv4convert.convert.engines` first refuses what vLLM
+could not load (naming the module), then :func:`_add_vllm_keys` adds what vLLM reads on top:
+``expert_dtype: fp8`` for FP8-block experts, vLLM's module names in ``ignored_layers``/``ignore``,
+and ``producer.engines`` (which engines the output was made and checked for).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dsv4convert import __version__
+from dsv4convert.convert import engines as eng
 from dsv4convert.convert.recipe import NEVER_QUANTIZED
 from dsv4convert.errors import RecipeError
 from dsv4convert.layout import FP8_BLOCK, ModelConfig, Role, classify, linear_shapes
@@ -321,15 +328,65 @@ def _routed_experts_all(stored: _Stored, fmt: Format) -> bool:
     return bool(stored.experts) and stored.expert_formats() == {fmt}
 
 
-def build_quant_config(source_config: dict, module_formats: dict[str, tuple[Format, dict]]
-                       ) -> tuple[dict, dict[str, dict]]:
+def _sglang_checks(stored: _Stored) -> None:
+    """SGLang 0.5.23's rules for the expert config family (each raises naming a module)."""
+    experts = stored.expert_formats()
+    if Format.INT4 in experts:
+        _int4_config(stored)
+    elif Format.NVFP4 in experts:
+        _nvfp4_fallback(stored)
+    elif not stored.everything_bf16:
+        _check_fp8_family(stored)
+
+
+def servable_engines(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> dict[str, str | None]:
+    """Per engine, None if it can load these stored formats, else ``module: reason``."""
+    stored = _analyse(source_config, module_formats)
+    return eng.servable_engines(stored, lambda: _sglang_checks(stored))
+
+
+def build_quant_config(source_config: dict, module_formats: dict[str, tuple[Format, dict]], *,
+                       engines: tuple[str, ...] = (eng.SGLANG,)) -> tuple[dict, dict[str, dict]]:
     """The output's ``config.json`` and extra JSON files (name -> object) for what is stored.
 
     ``module_formats`` maps every linear module (native name, e.g. ``layers.3.ffn.experts.7.w1``)
     to its stored format and parameters (``group_size`` for INT4, ``fp8_scale_dtype`` for FP8).
-    Raises ``RecipeError`` naming a module when SGLang 0.5.23 could not load the combination.
+    Raises ``RecipeError`` naming the engine and a module when an engine of ``engines`` could not
+    load the combination.
     """
     stored = _analyse(source_config, module_formats)
+    eng.check_engines(stored, engines, lambda: _sglang_checks(stored))
+    config, extra = _sglang_quant_config(source_config, stored)
+    if eng.VLLM in engines:
+        _add_vllm_keys(config, extra, stored, source_config["num_hidden_layers"])
+    if tuple(engines) != (eng.SGLANG,) and "quantization_config" in config:
+        producer = {"name": "dsv4convert", "version": __version__}
+        config["quantization_config"].setdefault("producer", producer)["engines"] = list(engines)
+    return config, extra
+
+
+def _add_vllm_keys(config: dict, extra: dict[str, dict], stored: _Stored, num_layers: int) -> None:
+    """What vLLM 0.33.0 reads on top of SGLang's config (see :mod:`dsv4convert.convert.engines`)."""
+    expert_dtype = eng.vllm_expert_dtype(stored)
+    if expert_dtype:
+        config["expert_dtype"] = expert_dtype
+    quant = config.get("quantization_config")
+    if quant is None:
+        return
+    if quant["quant_method"] == "compressed-tensors":
+        quant["ignore"] += eng.CT_VLLM_IGNORE + eng.ct_vllm_expert_ignore(stored, num_layers)
+        return
+    ignored = eng.vllm_ignored_layers(stored, num_layers)
+    if ignored:
+        quant["ignored_layers"] = quant.get("ignored_layers", []) + ignored
+    if Format.NVFP4 in stored.expert_formats():
+        excludes = eng.vllm_nvfp4_excludes(stored)
+        for key in ("ignore", "exclude_modules"):
+            quant[key] = quant[key] + excludes
+        extra[HF_QUANT_CONFIG]["quantization"]["exclude_modules"] += excludes
+
+
+def _sglang_quant_config(source_config: dict, stored: _Stored) -> tuple[dict, dict[str, dict]]:
     config = copy.deepcopy(source_config)
     config.pop("quantization_config", None)
     config.pop("compression_config", None)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jsonschema
 import yaml
 
+from dsv4convert.convert.engines import CHOICES, VLLM, engines_for
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, SCALE_RULES
 from dsv4convert.layout import Role, TensorInfo
@@ -39,6 +40,7 @@ SCHEMA = {
     "properties": {
         "name": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
         "description": {"type": "string"},
+        "engine": {"enum": list(CHOICES)},
         "rules": {
             "type": "array",
             "minItems": 1,
@@ -57,6 +59,11 @@ SCHEMA = {
                             ]},
                             "mtp": {"type": "boolean"},
                             "module": {"type": "string", "minLength": 1},
+                            "engine": {"oneOf": [
+                                {"enum": list(CHOICES)},
+                                {"type": "array", "items": {"enum": list(CHOICES)}, "minItems": 1,
+                                 "uniqueItems": True},
+                            ]},
                         },
                     },
                     "format": {"enum": list(TARGETS)},
@@ -113,12 +120,14 @@ class Rule:
     mtp: bool | None
     module: re.Pattern | None
     target: Target
+    engines: frozenset[str] | None = None  # engine choices (sglang/vllm/both) the rule applies to
 
-    def matches(self, info: TensorInfo) -> bool:
+    def matches(self, info: TensorInfo, engine: str) -> bool:
         return (
             (self.roles is None or info.role in self.roles)
             and (self.mtp is None or info.is_mtp == self.mtp)
             and (self.module is None or self.module.fullmatch(info.module) is not None)
+            and (self.engines is None or engine in self.engines)
         )
 
 
@@ -129,17 +138,28 @@ class Recipe:
     rules: tuple[Rule, ...]
     source: str
     text: str
+    engine: str | None = None  # the recipe's `engine:` key (None: not stated)
 
     @property
     def digest(self) -> str:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
-    def target_for(self, info: TensorInfo) -> Target:
+    def target_for(self, info: TensorInfo, engine: str = "both") -> Target:
+        """The first matching rule's target when converting for ``engine`` (sglang/vllm/both)."""
         for rule in self.rules:
-            if rule.matches(info):
-                return rule.target
-        raise RecipeError(f"no rule matches module '{info.module}' (role {info.role.value}); "
+            if rule.matches(info, engine):
+                target = rule.target
+                if target.format is Format.FP8 and "scale_dtype" not in target.params:
+                    target = replace(target, params={**target.params,
+                                                     "scale_dtype": _fp8_scale_dtype(info, engine)})
+                return target
+        raise RecipeError(f"no rule matches module '{info.module}' (role {info.role.value}) for --engine {engine}; "
                           "add a rule for it (recipes must cover every module)", file=self.source)
+
+
+def _fp8_scale_dtype(info: TensorInfo, engine: str) -> str:
+    """vLLM 0.33.0 reads FP8 expert scales only as float32 (engines.vllm_problem); E8M0 otherwise."""
+    return "float32" if info.role is Role.ROUTED_EXPERT and VLLM in engines_for(engine) else "e8m0"
 
 
 def _format_path(path) -> str:
@@ -202,15 +222,18 @@ def parse_recipe(text: str, source: str) -> Recipe:
         if fmt is Format.INT4:
             params.setdefault("group_size", 128)
             params.setdefault("scale_rule", DEFAULT_SCALE_RULE)
-        if fmt is Format.FP8:
-            params.setdefault("scale_dtype", "e8m0")
+        # An FP8 rule without scale_dtype leaves the block scales to the engines (convert.engines).
+        engines = match.get("engine")
+        if isinstance(engines, str):
+            engines = [engines]
         rules.append(Rule(
             roles=frozenset(Role(r) for r in roles) if roles else None,
             mtp=match.get("mtp"),
             module=pattern,
             target=Target(fmt, params, raw.get("reason"), i),
+            engines=frozenset(engines) if engines else None,
         ))
-    return Recipe(data["name"], data.get("description", ""), tuple(rules), source, text)
+    return Recipe(data["name"], data.get("description", ""), tuple(rules), source, text, data.get("engine"))
 
 
 def load_recipe(path_or_name: str | Path) -> Recipe:
@@ -247,9 +270,10 @@ def _with_params(recipe: Recipe, fmt: str, wanted: dict, label: str) -> Recipe:
 
 
 def with_fp8_scale_dtype(recipe: Recipe, scale_dtype: str) -> Recipe:
-    """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``)."""
-    if all(r.target.params.get("scale_dtype", "e8m0") == scale_dtype for r in recipe.rules
-           if r.target.format is Format.FP8):
+    """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``;
+    ``auto`` leaves the recipe as it is, and the engines choose)."""
+    if scale_dtype == "auto" or all(r.target.params.get("scale_dtype") == scale_dtype for r in recipe.rules
+                                    if r.target.format is Format.FP8):
         return recipe
     return _with_params(recipe, "fp8", {"scale_dtype": scale_dtype}, f"scale_dtype {scale_dtype}")
 
@@ -263,6 +287,31 @@ def with_int4_params(recipe: Recipe, *, group_size: int | None = None, scale_rul
            for key, value in wanted.items()):
         return recipe
     return _with_params(recipe, "int4", wanted, ", ".join(f"{k} {v}" for k, v in wanted.items()))
+
+
+def with_mtp_experts(recipe: Recipe, fmt: str) -> Recipe:
+    """The recipe with the MTP draft's routed experts stored as ``fmt`` (fp8, bf16 or keep) for every
+    engine (``to-nvfp4 --mtp-experts``): its MTP routed-expert rules are replaced by one rule."""
+    data = yaml.safe_load(recipe.text)
+    reasons = {"keep": "MXFP4 draft experts kept as released (--mtp-experts mxfp4)",
+               "bf16": "BF16 draft experts, exact from MXFP4 (--mtp-experts bf16)"}
+    rule = {"match": {"role": "routed_expert", "mtp": True}, "format": fmt}
+    if fmt in reasons:
+        rule["reason"] = reasons[fmt]
+    kept, placed = [], False
+    for raw in data["rules"]:
+        match = raw.get("match", {})
+        if match.get("role") == "routed_expert" and match.get("mtp") is True:
+            if not placed:
+                kept.append(rule)
+                placed = True
+            continue
+        kept.append(raw)
+    if not placed:
+        raise RecipeError("the recipe has no rule for the MTP draft's routed experts (match role routed_expert, "
+                          "mtp true) to replace", file=recipe.source)
+    data["rules"] = kept
+    return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"{recipe.source} (MTP experts {fmt})")
 
 
 def canonical(recipe: Recipe) -> str:

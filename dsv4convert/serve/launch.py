@@ -16,7 +16,7 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.serve.topology import Topology
 from dsv4convert.storage import Format
 
-SERVED_VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
+SERVED_VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "nvfp4-mtp-bf16", "w4a16", "bf16")
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
 ROLES = ("prefill", "decode", "router", "server")
 
@@ -80,7 +80,8 @@ def _defaults(env: dict[str, str], runner: str | None, method: str, draft_method
         return VariantDefaults(env, runner, method, draft_method, MTP_ARGS + draft_args)
     return VariantDefaults(env, runner, method, draft_method, None,
                            f"SGLang 0.5.23 loads this checkpoint's MXFP4 MTP experts into {draft_method}, and {why}; "
-                           "convert with the nvfp4 recipe (FP8-block MTP experts) to serve the draft on this GPU")
+                           "convert with to-nvfp4 --mtp-experts bf16 (both engines) or --engine sglang (FP8-block MTP experts) to "
+                           "serve the draft on this GPU")
 
 
 def variant_defaults(variant: str, gpu_family: str) -> VariantDefaults:
@@ -107,6 +108,9 @@ def variant_defaults(variant: str, gpu_family: str) -> VariantDefaults:
     if variant == "nvfp4-mtp-mxfp4":
         return _defaults({"SGLANG_DSV4_FP4_EXPERTS": "1"}, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod",
                          "Mxfp4FlashinferTrtllmMoEMethod", major)
+    if variant == "nvfp4-mtp-bf16":  # BF16 draft experts (ignored_layers): SGLang's unquantized Triton MoE
+        return _defaults(not_fp4, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod", "UnquantizedFusedMoEMethod", major,
+                         ("--speculative-moe-runner-backend", "triton"))
     if variant == "w4a16":
         wna16 = "CompressedTensorsWNA16TritonMoE" if major == 10 else "CompressedTensorsWNA16MoE"
         return _defaults(not_fp4, None, wna16, wna16, major)
@@ -127,7 +131,9 @@ def served_like(variant: str, module_formats: dict[str, tuple[Format, dict]]) ->
     mtp_experts = {fmt for module, (fmt, _) in module_formats.items()
                    if ".ffn.experts." in module and module.startswith("mtp.")}
     if Format.NVFP4 in experts:
-        return "nvfp4-mtp-mxfp4" if Format.MXFP4 in mtp_experts else "nvfp4"
+        if Format.MXFP4 in mtp_experts:
+            return "nvfp4-mtp-mxfp4"
+        return "nvfp4-mtp-bf16" if mtp_experts == {Format.BF16} else "nvfp4"
     for fmt, like in ((Format.INT4, "w4a16"), (Format.MXFP4, "native")):
         if fmt in experts:
             return like

@@ -129,8 +129,8 @@ def model_card_lines(variant: str, env: dict[str, str] | None = None) -> list[st
     """The model card's paragraph on tuning SGLang's Triton MoE configs for a variant; ``env``: the variables
     the card's launch commands set (its example launch sets them too)."""
     lines = ["## Tuned MoE kernel configs", ""]
-    if variant in ("nvfp4", "native"):
-        kernels = "FlashInfer or Marlin kernels" if variant == "nvfp4" else "FlashInfer MXFP4 or Marlin kernels"
+    if variant == "native" or variant.startswith("nvfp4"):
+        kernels = "FlashInfer MXFP4 or Marlin kernels" if variant == "native" else "FlashInfer or Marlin kernels"
         reason = (f"Not applicable: SGLang 0.5.23 runs these routed experts with {kernels}, not with its Triton "
                   "fused-MoE kernel, so `dsv4convert tune` has nothing to tune (it refuses this checkpoint and says why).")
         return [*lines, reason, ""]

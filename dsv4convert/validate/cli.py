@@ -18,7 +18,7 @@ from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import linear_shapes
 from dsv4convert.validate.integrity import check_integrity
 from dsv4convert.validate.layer_error import layer_errors
-from dsv4convert.validate.report import write_reports
+from dsv4convert.validate.report import engine_line, write_reports
 
 
 @dataclass
@@ -57,7 +57,8 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
                             integrity=problems, errors=errors, threshold=fail_below_snr,
                             seconds=time.monotonic() - t0, device=device,
                             sglang_env={"SGLANG_DSV4_FP4_EXPERTS": setting.needed} if setting else None,
-                            sglang_note=setting.describe() if setting else None)
+                            sglang_note=setting.describe() if setting else None,
+                            engines=list(integrity.engines), engine_checks=integrity.engine_checks)
     return ValidationResult(summary, out)
 
 
@@ -70,6 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "0.5.23's loader would do silently (expert tensors dropped, cast or missing, scales without weights, "
             "mixed wq_a/wkv pairs, w1/w3 scales that differ), the quantization_config the stored formats need, "
             "and the SGLANG_DSV4_FP4_EXPERTS value to serve with (the model card's commands must set it). "
+            "Engines: which engines the output says it is for (SGLang 0.5.23, vLLM 0.33.0 or both), and each "
+            "engine's rules on the stored formats; an engine it is for but cannot load fails integrity. "
             "With --against SRC: every linear module is dequantized on both sides (Triton kernels on the GPU, "
             "torch on the CPU) and compared (relative error, SNR, cosine, max abs, bit-exactness), and run "
             "through the fused dequant-GEMM kernel on probe activations. Writes validate.json, validate.md and snr_per_layer.png; exits 1 when "
@@ -97,6 +100,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  integrity: {problem}")
     if len(s["integrity_problems"]) > 10:
         print(f"  ... and {len(s['integrity_problems']) - 10} more integrity problems (see the report)")
+    print(f"  engines: {engine_line(s)}")
     if s["sglang_note"]:
         print(f"  SGLang 0.5.23: {s['sglang_note']}")
     if s["below_threshold"]:

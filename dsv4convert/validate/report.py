@@ -54,7 +54,8 @@ def outliers(errors: list[ModuleError]) -> list[ModuleError]:
 
 def write_reports(out_dir: Path, *, dst: str, src: str | None, variant: str, integrity: list[str],
                   errors: list[ModuleError], threshold: float | None, seconds: float, device: str,
-                  sglang_env: dict[str, str] | None = None, sglang_note: str | None = None) -> dict:
+                  sglang_env: dict[str, str] | None = None, sglang_note: str | None = None,
+                  engines: list[str] | None = None, engine_checks: dict[str, str | None] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     aggregates = role_aggregates(errors)
     below = [e for e in errors if threshold is not None and e.snr_db < threshold]
@@ -62,6 +63,7 @@ def write_reports(out_dir: Path, *, dst: str, src: str | None, variant: str, int
         "checkpoint": dst, "against": src, "variant": variant, "device": device, "seconds": round(seconds, 3),
         "integrity_ok": not integrity, "integrity_problems": integrity,
         "sglang_env": sglang_env, "sglang_note": sglang_note,
+        "engines": engines or [], "engine_checks": engine_checks or {},
         "modules": len(errors), "exact_modules": sum(e.exact for e in errors),
         "worst_snr_db": min((e.snr_db for e in errors), default=math.inf),
         "fail_below_snr_db": threshold, "below_threshold": [e.module for e in below],
@@ -73,6 +75,19 @@ def write_reports(out_dir: Path, *, dst: str, src: str | None, variant: str, int
     if errors:
         _plot(out_dir / "snr_per_layer.png", errors)
     return summary
+
+
+def engine_line(summary: dict) -> str:
+    """Which engines the output is for and checked for, and why another engine would not load it."""
+    from dsv4convert.convert.engines import ENGINE_VERSIONS
+
+    claimed = summary.get("engines") or []
+    checks = summary.get("engine_checks") or {}
+    parts = [f"for {' and '.join(ENGINE_VERSIONS[e] for e in claimed)}" if claimed else "for no engine"]
+    for engine, problem in checks.items():
+        state = "loads it" if problem is None else f"cannot load it ({problem})"
+        parts.append(f"{ENGINE_VERSIONS[engine]} {state}{'' if engine in claimed else ' [not claimed]'}")
+    return "; ".join(parts)
 
 
 def _json_safe(obj):
@@ -95,6 +110,7 @@ def _markdown(summary: dict, aggregates: list[dict], errors: list[ModuleError]) 
                  f"{_fmt_db(summary['worst_snr_db'])} dB")
     for problem in summary["integrity_problems"][:20]:
         lines.append(f"  - integrity: {problem}")
+    lines.append(f"- engines: {engine_line(summary)}")
     if summary.get("sglang_note"):
         lines.append(f"- SGLang 0.5.23: {summary['sglang_note']}")
     if summary["fail_below_snr_db"] is not None:

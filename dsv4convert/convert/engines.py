@@ -1,0 +1,208 @@
+"""Which serving engines an output is made for, and what vLLM 0.33.0 reads from it.
+
+``--engine sglang|vllm|both`` (and a recipe's ``engine:`` key) names the engines one checkpoint
+must load in. SGLang 0.5.23's rules live in :mod:`dsv4convert.convert.quant_config`; this module
+holds vLLM 0.33.0's, each citing the vLLM file it follows (paths relative to ``vllm/`` of the
+``vllm==0.33.0`` wheel). On CUDA and ROCm, vLLM reads a DeepSeek-V4 ``quant_method: fp8`` config
+through ``models/deepseek_v41/quant_config.py::DeepseekV4FP8Config`` (chosen in
+``model_executor/layers/quantization/__init__.py::get_quantization_config``); compressed-tensors
+configs through its own ``CompressedTensorsConfig``.
+
+What differs from SGLang, as far as a converter is concerned (docs/engines.md has the full list):
+
+* Module names: vLLM keeps the checkpoint's ``attn``/``ffn`` and builds MTP block ``i`` as
+  ``model.layers.{num_hidden_layers + i}`` (``models/deepseek_v4/nvidia/mtp.py``); SGLang says
+  ``self_attn``/``mlp``/``model.decoder``. Ignore lists name modules, so both spellings are written.
+* The routed experts' format comes from the top-level ``expert_dtype`` (missing means ``"fp4"``,
+  i.e. MXFP4), not from the shards (``DeepseekV4FP8Config.expert_dtype``).
+* FP8 expert scales stored as E8M0 are reinterpreted as raw bytes before they are copied into
+  ``Fp8MoEMethod``'s float32 scales (``nvidia/model.py::DeepseekV4Model.load_weights``), so FP8
+  experts for vLLM carry F32 block scales.
+* Experts outside NVFP4 in a ModelOpt hybrid (``ignore`` patterns, matched with ``fnmatch`` on
+  native names ``layers.N.ffn.experts``/``mtp.K.ffn.experts``) are read as MXFP4, or BF16 when
+  ``ignored_layers`` lists them (``DeepseekV4FP8Config.get_quant_method``).
+* vLLM's compressed-tensors config has no ``linear_fp8_config`` (SGLang's key), and its FP8 block
+  scheme registers ``weight_scale`` while V4's name mapper renames the native ``.scale`` to
+  ``weight_scale_inv``: a compressed-tensors checkpoint's linears must be BF16 for vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dsv4convert.errors import RecipeError
+from dsv4convert.layout import classify
+from dsv4convert.storage import Format
+
+if TYPE_CHECKING:
+    from dsv4convert.convert.quant_config import _Stored
+
+SGLANG, VLLM = "sglang", "vllm"
+ENGINES = (SGLANG, VLLM)
+CHOICES = (SGLANG, VLLM, "both")
+DEFAULT_CHOICE = "both"
+ENGINE_VERSIONS = {SGLANG: "SGLang 0.5.23", VLLM: "vLLM 0.33.0"}
+_V = ENGINE_VERSIONS[VLLM]
+
+
+def engines_for(choice: str | None) -> tuple[str, ...]:
+    """``sglang``/``vllm``/``both`` (None: the default) as the engines the output must load in."""
+    choice = choice or DEFAULT_CHOICE
+    if choice not in CHOICES:
+        raise RecipeError(f"unknown engine {choice!r}; expected one of {', '.join(CHOICES)}")
+    return ENGINES if choice == "both" else (choice,)
+
+
+def choice_of(engines: tuple[str, ...] | list[str]) -> str:
+    """The ``--engine`` value naming exactly these engines."""
+    found = tuple(e for e in ENGINES if e in engines)
+    return "both" if found == ENGINES else found[0]
+
+
+# ---------------------------------------------------------------------------------- vLLM names
+
+def vllm_block(block: str, num_hidden_layers: int) -> str:
+    """vLLM's module prefix of a decoder block: MTP block ``mtp.K`` is ``model.layers.{L+K}``."""
+    kind, index = block.split(".")
+    if kind == "layers":
+        return f"model.layers.{index}"
+    return f"model.layers.{num_hidden_layers + int(index)}"
+
+
+# Native linear (inside its block) -> the module prefix vLLM's quant config is asked about. Fused
+# linears are asked per shard (quantization/utils/quant_utils.py::is_layer_skipped splits
+# fused_wqa_wkv into wq_a/wkv and gate_up_proj into w1/w3 by packed_modules_mapping); the
+# checkpoint's shared w2 is renamed down_proj by the weight mapper (nvidia/model.py).
+_VLLM_LOCAL = {"ffn.shared_experts.w2": "ffn.shared_experts.down_proj"}
+
+
+def vllm_linear_name(module: str, num_hidden_layers: int) -> str:
+    info = classify(module + ".weight")
+    local = module[len(info.block) + 1:]
+    return f"{vllm_block(info.block, num_hidden_layers)}.{_VLLM_LOCAL.get(local, local)}"
+
+
+def vllm_experts_name(block: str, num_hidden_layers: int) -> str:
+    """The RoutedExperts prefix ``DeepseekV4FP8Config.get_quant_method`` sees for a block."""
+    return f"{vllm_block(block, num_hidden_layers)}.ffn.experts"
+
+
+# compressed-tensors `ignore` entries in vLLM's names for every linear that is never INT4 here;
+# vLLM matches `re:` entries with re.match on its module prefixes
+# (quantization/compressed_tensors/utils.py::should_ignore_layer) and keeps them through its name
+# mapper (CompressedTensorsConfig.apply_vllm_mapper leaves `re:` targets alone).
+CT_VLLM_IGNORE = [
+    r"re:.*\.attn\..*",
+    r"re:.*\.ffn\.shared_experts\..*",
+    r"re:.*\.ffn\.gate$",
+    r"re:^model\.layers\.\d+\.(e_proj|h_proj)$",
+]
+
+
+# ---------------------------------------------------------------------------------- vLLM rules
+
+def _first(stored: _Stored, pred) -> str | None:
+    return next((m for m, (f, p) in stored.formats.items() if pred(m, f, p)), None)
+
+
+def _expert(module: str) -> bool:
+    return ".ffn.experts." in module
+
+
+def vllm_problem(stored: _Stored) -> tuple[str, str] | None:
+    """The first module vLLM 0.33.0 could not load as stored, and why; None if it loads all."""
+    experts = stored.expert_formats()
+    if Format.INT4 in experts:
+        fp8 = _first(stored, lambda m, f, p: f is Format.FP8 and not _expert(m))
+        if fp8:
+            return fp8, (f"{_V}'s compressed-tensors config has no linear_fp8_config (an SGLang key), and its "
+                         "FP8 block scheme registers weight_scale while the V4 name mapper turns .scale into "
+                         "weight_scale_inv; with INT4 experts store every linear BF16 for vLLM")
+        return None
+    if Format.NVFP4 in experts:
+        mtp = _first(stored, lambda m, f, p: f is Format.NVFP4 and m.startswith("mtp."))
+        if mtp:
+            return mtp, (f"{_V} reads the MTP experts of an NVFP4 hybrid (ignore lists mtp.*) as MXFP4 "
+                         "(Mxfp4MoEMethod) or, listed in ignored_layers, BF16; store them MXFP4 or BF16")
+        other = _first(stored, lambda m, f, p: _expert(m) and f not in (Format.NVFP4, Format.MXFP4, Format.BF16))
+        if other:
+            return other, (f"{_V} reads experts outside NVFP4 as MXFP4 (expert_dtype fp4 is the only one its "
+                           "NVFP4 path allows) or BF16; FP8-block experts here would load into MXFP4 "
+                           "parameters; store them MXFP4 or BF16")
+        return None
+    e8m0 = _first(stored, lambda m, f, p: f is Format.FP8 and _expert(m)
+                  and p.get("fp8_scale_dtype", "F8_E8M0") == "F8_E8M0")
+    if e8m0:
+        return e8m0, (f"{_V} views E8M0 expert scales as raw bytes before copying them into Fp8MoEMethod's "
+                      "float32 scales (2^0 would load as 127.0; nvidia/model.py DeepseekV4Model.load_weights); "
+                      "store FP8 expert scales float32 (to-fp8 --scale-dtype float32)")
+    return None
+
+
+def check_engines(stored: _Stored, engines: tuple[str, ...], sglang_check) -> None:
+    """Raise, naming the engine and module, if an engine asked for could not load the output.
+
+    ``sglang_check`` runs SGLang 0.5.23's rules (it raises ``RecipeError`` naming the module).
+    """
+    problems: list[tuple[str, str]] = []
+    if VLLM in engines and (problem := vllm_problem(stored)):
+        problems.append(problem)
+    if SGLANG in engines:
+        try:
+            sglang_check()
+        except RecipeError as exc:
+            problems.append((exc.tensor or "", exc.detail))
+    if problems:
+        first = problems[0][0]
+        reasons = [reason if module == first else f"{module}: {reason}" for module, reason in problems]
+        raise RecipeError(f"--engine {choice_of(engines)}: {'; and '.join(reasons)}", tensor=first or None)
+
+
+def servable_engines(stored: _Stored, sglang_check) -> dict[str, str | None]:
+    """Per engine: None if it loads the output, else the first problem (``module: reason``)."""
+    out: dict[str, str | None] = {}
+    problem = vllm_problem(stored)
+    out[VLLM] = f"{problem[0]}: {problem[1]}" if problem else None
+    try:
+        sglang_check()
+        out[SGLANG] = None
+    except RecipeError as exc:
+        out[SGLANG] = f"{exc.tensor}: {exc.detail}" if exc.tensor else exc.detail
+    return {e: out[e] for e in ENGINES}
+
+
+# ---------------------------------------------------------------------------- vLLM config keys
+
+def vllm_ignored_layers(stored: _Stored, num_hidden_layers: int) -> list[str]:
+    """vLLM names ``ignored_layers`` must list: BF16 config linears and BF16 FusedMoEs.
+
+    ``Fp8Config.from_config`` reads ``ignored_layers`` (else ``modules_to_not_convert``), never
+    ``ignore``, and ``is_layer_skipped`` matches them exactly (``quantization/fp8.py``).
+    """
+    names = [vllm_linear_name(m, num_hidden_layers) for m, f in stored.config_linears.items() if f is Format.BF16]
+    names += [vllm_experts_name(b, num_hidden_layers) for b, f in stored.experts.items() if f is Format.BF16]
+    return names
+
+
+def vllm_nvfp4_excludes(stored: _Stored) -> list[str]:
+    """Native ``layers.N.ffn.experts`` names of backbone FusedMoEs outside NVFP4.
+
+    ``DeepseekV4FP8Config._is_nvfp4_expert_layer`` fnmatches exactly this form against ``ignore``
+    (``layers.N.ffn.experts.*`` does not match it); ``mtp.*`` already covers the MTP block.
+    """
+    return [f"{b}.ffn.experts" for b, f in stored.experts.items()
+            if f is not Format.NVFP4 and b.startswith("layers.")]
+
+
+def vllm_expert_dtype(stored: _Stored) -> str | None:
+    """The top-level ``expert_dtype`` vLLM needs: "fp8" for FP8-block experts, else None (its "fp4")."""
+    quantized = stored.expert_formats() - {Format.BF16}
+    return "fp8" if quantized == {Format.FP8} else None
+
+
+def ct_vllm_expert_ignore(stored: _Stored, num_hidden_layers: int) -> list[str]:
+    """compressed-tensors ``ignore`` regexes, in vLLM's names, for BF16 expert blocks of an INT4 output."""
+    return [f"re:^{vllm_experts_name(b, num_hidden_layers).replace('.', chr(92) + '.')}$"
+            for b, f in stored.experts.items() if f is Format.BF16]
+
+

@@ -1,0 +1,99 @@
+"""The vLLM 0.33.0 command that serves a converted checkpoint, per GPU family (the model card's source).
+
+Pure planning, like :mod:`dsv4convert.serve.launch` for SGLang: CI parses and resolves every
+command with vLLM's own ``vllm serve`` parser and ``create_engine_config`` (tests/vllm_oracle.py).
+The flags are vLLM's own recipe for DeepSeek-V4-Flash (vllm-project/recipes,
+``models/deepseek-ai/DeepSeek-V4-Flash.yaml``): its base arguments ``--kv-cache-dtype fp8
+--block-size 256``, its default strategy ``single_node_tep`` (``--tensor-parallel-size N
+--enable-expert-parallel``) and its MTP mode ``--speculative-config {"method":"mtp",...}`` with two
+draft tokens, one on Hopper. The recipe lists no RTX PRO 6000 (sm_120) among its hardware, so no
+MTP command is offered there: vLLM 0.33.0's code does not refuse MTP on sm_120, but nothing we
+checked says it serves it (CI can only resolve sm_120 commands, see tests/vllm_oracle.py).
+Left out, and why: the recipe's remote-code flag (V4 is built into vLLM; these checkpoints ship no code,
+and dsv4convert never asks for remote code), the recipe's Blackwell extras
+``--attention_config.use_fp4_indexer_cache True`` (an FP4 indexer-key cache: a recall trade-off a
+user should opt into, see ``dsv4convert compare --recall``) and ``--moe-backend deep_gemm_mega_moe``
+(FP4 experts only: vLLM raises for ``expert_dtype`` other than fp4, ``nvidia/model.py``
+``DeepseekV4MoE.__init__``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from dsv4convert.serve.launch import LaunchError, gpu_family_major
+
+VLLM = "vLLM 0.33.0"
+BASE_ARGS = ("--kv-cache-dtype", "fp8", "--block-size", "256")
+# vLLM's recipe: 2 MTP draft tokens, 1 on Hopper; it lists no RTX PRO 6000 (sm_120), so none there.
+_MTP_TOKENS = {9: 1, 10: 2}
+
+# Routed-expert methods vLLM 0.33.0 builds for a variant's backbone and MTP draft
+# (models/deepseek_v41/quant_config.py DeepseekV4FP8Config.get_quant_method; compressed-tensors'
+# CompressedTensorsMoEMethod for W4A16). CI builds vLLM's model and checks these names.
+VLLM_MOE_METHODS: dict[str, tuple[str, str]] = {
+    "native": ("Mxfp4MoEMethod", "Mxfp4MoEMethod"),
+    "fp8": ("Fp8MoEMethod", "Fp8MoEMethod"),
+    "nvfp4-mtp-mxfp4": ("ModelOptNvFp4FusedMoE", "Mxfp4MoEMethod"),
+    "nvfp4-mtp-bf16": ("ModelOptNvFp4FusedMoE", "UnquantizedFusedMoEMethod"),
+    "w4a16": ("CompressedTensorsWNA16MoEMethod", "CompressedTensorsWNA16MoEMethod"),
+    "bf16": ("UnquantizedFusedMoEMethod", "UnquantizedFusedMoEMethod"),
+}
+
+# What a user of vLLM 0.33.0 should know, per variant (beyond the common limits below).
+_NVFP4_MTP = ("MTP acceptance under vLLM is not measured here: a converted NVFP4 checkpoint whose MTP experts vLLM "
+              "ran as NVFP4 reached 1.8 % against 80 % for the native one (vLLM #43455); this checkpoint's "
+              "config keeps vLLM off NVFP4 for the draft (ignore lists mtp.*), which CI checks")
+_VARIANT_LIMITS = {
+    "fp8": ["experts run vLLM's FP8 block MoE (Fp8MoEMethod) because config.json says expert_dtype fp8; "
+            "the recipe's `--moe-backend deep_gemm_mega_moe` is for FP4 experts and refuses this checkpoint"],
+    "nvfp4-mtp-mxfp4": ["the MTP draft's experts are MXFP4 (Mxfp4MoEMethod), as in NVIDIA's own NVFP4 checkpoint",
+                        _NVFP4_MTP],
+    "nvfp4-mtp-bf16": ["the MTP draft's experts are BF16 (UnquantizedFusedMoEMethod through ignored_layers)",
+                       _NVFP4_MTP],
+    "w4a16": ["attention, shared experts and MTP projections are BF16: vLLM's compressed-tensors path reads "
+              "linears as INT4 or BF16 only",
+              "a W4A16 MoE weight_scale sharding fault at TP > 2 was reported against vLLM (#41511, closed as "
+              "stale); whether 0.33.0 fixed it is not checked here"],
+}
+COMMON_LIMITS = [
+    "CI builds vLLM 0.33.0's own model and MTP draft on CPU and loads every tensor through its loader; no "
+    "kernel ran (the MoE backend vLLM picks depends on the GPU and the kernels installed)",
+    "the MTP draft takes the target's embedding and LM head (vLLM shares them; the checkpoint has no copies)",
+]
+
+
+@dataclass(frozen=True)
+class VllmLaunch:
+    """One ``vllm serve`` command, its MTP form where vLLM's recipe supports it, and the limits to state."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    mtp_argv: tuple[str, ...] | None
+    mtp_note: str | None
+    moe_method: str
+    draft_moe_method: str
+    limits: tuple[str, ...]
+
+
+def mtp_config(gpu_family: str) -> str | None:
+    tokens = _MTP_TOKENS.get(gpu_family_major(gpu_family))
+    return None if tokens is None else json.dumps({"method": "mtp", "num_speculative_tokens": tokens},
+                                                  separators=(",", ":"))
+
+
+def vllm_launch(model: str, variant: str, gpu_family: str, tp: int) -> VllmLaunch:
+    """The vLLM command for a checkpoint vLLM 0.33.0 loads (``engines`` includes vllm), on one GPU family."""
+    if variant not in VLLM_MOE_METHODS:
+        raise LaunchError(f"no vLLM command for the {variant!r} layout; expected one of "
+                          f"{', '.join(VLLM_MOE_METHODS)}")
+    moe, draft = VLLM_MOE_METHODS[variant]
+    argv = ("vllm", "serve", model, "--tensor-parallel-size", str(tp), *(("--enable-expert-parallel",) if tp > 1
+                                                                         else ()), *BASE_ARGS)
+    spec = mtp_config(gpu_family)
+    mtp_argv = None if spec is None else (*argv, "--speculative-config", spec)
+    note = None if spec is not None else ("vLLM's DeepSeek-V4-Flash recipe lists no RTX PRO 6000 (sm_120) and no "
+                                          "MTP setting for it, so none is offered; vLLM 0.33.0's code does not "
+                                          "refuse --speculative-config there, but it is unchecked")
+    return VllmLaunch(argv, {}, mtp_argv, note, moe, draft, tuple(_VARIANT_LIMITS.get(variant, [])))
