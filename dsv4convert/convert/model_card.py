@@ -55,6 +55,32 @@ def tensor_parallel_size(weight_bytes: int, gpu_memory: int) -> int | None:
     return tp
 
 
+def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, Inspection] | None, spec_for
+                ) -> dict[str, dict]:
+    """``spec_for(family, tp, like, formats, config)`` for every GPU family whose 8 GPUs hold the weights
+    (the TP size from their bytes), a note for the others: what both engines' launch tables share."""
+    from dsv4convert.checkpoint import Checkpoint
+    from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.serve.launch import served_like
+
+    if opened is None:
+        ckpt = Checkpoint.open(model_dir)
+        opened = ckpt, inspect_checkpoint(ckpt)
+    ckpt, inspection = opened
+    formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
+    like = served_like(variant, formats)
+    weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
+    launch: dict[str, dict] = {}
+    for name, (family, memory) in GPU_FAMILIES.items():
+        tp = tensor_parallel_size(weight_bytes, memory)
+        if tp is None:
+            launch[name] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more than "
+                                                            f"{MAX_TP} of these GPUs (multi-node TP)"}
+        else:
+            launch[name] = spec_for(family, tp, like, formats, ckpt.config)
+    return launch
+
+
 def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
                    ) -> dict[str, dict]:
     """Single-server SGLang commands for a converted checkpoint, per GPU family.
@@ -67,25 +93,10 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     ``draft_moe_method`` names that method. ``opened``: the checkpoint and its inspection where
     the caller has them already (the converter, which has just inspected its output).
     """
-    from dsv4convert.checkpoint import Checkpoint
-    from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.serve.launch import LaunchOptions, plan_single, served_like, variant_defaults
+    from dsv4convert.serve.launch import LaunchOptions, plan_single, variant_defaults
 
-    if opened is None:
-        ckpt = Checkpoint.open(model_dir)
-        opened = ckpt, inspect_checkpoint(ckpt)
-    ckpt, inspection = opened
-    formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
-    env = serving_env(ckpt.config, formats)
-    like = served_like(variant, formats)
-    weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
-    launch: dict[str, dict] = {}
-    for name, (family, memory) in GPU_FAMILIES.items():
-        tp = tensor_parallel_size(weight_bytes, memory)
-        if tp is None:
-            launch[name] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more than "
-                                                            f"{MAX_TP} of these GPUs (multi-node TP)"}
-            continue
+    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict) -> dict:
+        env = serving_env(config, formats)
         options = LaunchOptions(model=str(model_dir), variant=like, gpu_family=family, python="python")
         (command,) = plan_single(options, None, list(range(tp)))
         spec: dict = {"argv": list(command.argv), "env": {**command.env, **env}}
@@ -96,8 +107,9 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
         else:
             (draft,) = plan_single(replace(options, mtp=True), None, list(range(tp)))
             spec["mtp"] = {"argv": list(draft.argv), "env": {**draft.env, **env}}
-        launch[name] = spec
-    return launch
+        return spec
+
+    return _per_family(model_dir, variant, opened, spec_for)
 
 
 def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
@@ -107,25 +119,9 @@ def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Ch
     Each family's spec has ``argv``, ``env``, ``moe_method``/``draft_moe_method``, ``limits``, and
     ``mtp`` (the command with the MTP draft) or ``mtp_note``; from :mod:`dsv4convert.serve.vllm_launch`.
     """
-    from dsv4convert.checkpoint import Checkpoint
-    from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.serve.launch import served_like
     from dsv4convert.serve.vllm_launch import vllm_launch
 
-    if opened is None:
-        ckpt = Checkpoint.open(model_dir)
-        opened = ckpt, inspect_checkpoint(ckpt)
-    ckpt, inspection = opened
-    formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
-    like = served_like(variant, formats)
-    weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
-    launch: dict[str, dict] = {}
-    for name, (family, memory) in GPU_FAMILIES.items():
-        tp = tensor_parallel_size(weight_bytes, memory)
-        if tp is None:
-            launch[name] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more than "
-                                                            f"{MAX_TP} of these GPUs (multi-node TP)"}
-            continue
+    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict) -> dict:
         plan = vllm_launch(str(model_dir), like, family, tp)
         spec: dict = {"argv": list(plan.argv), "env": dict(plan.env), "moe_method": plan.moe_method,
                       "draft_moe_method": plan.draft_moe_method, "limits": list(plan.limits)}
@@ -133,8 +129,9 @@ def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Ch
             spec["mtp_note"] = plan.mtp_note
         else:
             spec["mtp"] = {"argv": list(plan.mtp_argv), "env": dict(plan.env)}
-        launch[name] = spec
-    return launch
+        return spec
+
+    return _per_family(model_dir, variant, opened, spec_for)
 
 
 # What the Hub's metadata says about the base model, where the source carries no card to read it from.
