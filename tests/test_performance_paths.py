@@ -18,8 +18,8 @@ import torch
 from dsv4convert.checkpoint import (Checkpoint, PlannedTensor, ShardWriter, SourceBytes, prefetch, read_tensor,
                                    safetensors_io)
 from dsv4convert.cli import main
-from dsv4convert.convert import execute
-from dsv4convert.convert.execute import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
+from dsv4convert.convert import execute, pipeline
+from dsv4convert.convert.pipeline import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
 from dsv4convert.convert.input_scales import build_input_scales
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, convert_module, partner_params, read_module
 from dsv4convert.convert.plan import build_plan
@@ -55,7 +55,7 @@ def _sequential(dst: Path, plan, shard, input_scales) -> bytes:
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8", "w4a16"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_pipeline_and_staged_transfer_write_the_sequential_bytes(plans, recipe, threads, tmp_path, monkeypatch):
-    monkeypatch.setattr(execute, "CONVERT_THREADS", threads)
+    monkeypatch.setattr(pipeline, "CONVERT_THREADS", threads)
     ckpt, by_recipe = plans
     plan = by_recipe[recipe]
     scales = build_input_scales(ckpt)
@@ -153,8 +153,8 @@ def test_reads_run_in_plan_order_within_the_read_ahead_bound(plans, tmp_path, mo
     ckpt, by_recipe = plans
     plan = by_recipe["nvfp4"]
     shard = max(plan.shards, key=lambda s: len(s.modules))
-    monkeypatch.setattr(execute, "QUEUE_BYTES", queue_bytes)
-    threads = execute.CONVERT_THREADS
+    monkeypatch.setattr(pipeline, "QUEUE_BYTES", queue_bytes)
+    threads = pipeline.CONVERT_THREADS
     # With a queue, hold the first hand-over until the reader is past the converters: it must get there.
     transfer = RecordingTransfer(hold_until_read=threads + 2 if queue_bytes else None)
     run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt), transfer=transfer)
@@ -318,8 +318,8 @@ def test_pipeline_memory_counts_the_modules_in_flight(plans):
         for shard in plan.shards:
             largest = max(sum(e.nbytes for e in m.sources.values()) + sum(p.nbytes for p in m.outputs)
                           for m in shard.modules)
-            assert pipeline_memory(shard) == (shard.memory_estimate + execute.CONVERT_THREADS * largest
-                                              + 2 * execute.QUEUE_BYTES + execute.WRITER_MEMORY)
+            assert pipeline_memory(shard) == (shard.memory_estimate + pipeline.CONVERT_THREADS * largest
+                                              + 2 * pipeline.QUEUE_BYTES + pipeline.WRITER_MEMORY)
 
 
 def test_realistic_mxfp4_is_deterministic_and_shaped_like_deepseeks_quantizer():
@@ -381,8 +381,8 @@ def test_reads_ask_the_kernel_for_what_follows_once_each(plans, tmp_path, monkey
     plan = by_recipe["nvfp4"]
     shard = max(plan.shards, key=lambda s: len(s.modules))
     hints = []
-    monkeypatch.setattr(execute, "PREFETCH_BYTES", ahead)
-    monkeypatch.setattr(execute, "prefetch", lambda entries: hints.append([e.name for e in entries]))
+    monkeypatch.setattr(pipeline, "PREFETCH_BYTES", ahead)
+    monkeypatch.setattr(pipeline, "prefetch", lambda entries: hints.append([e.name for e in entries]))
     run_shard_job(str(tmp_path), shard, _partners(plan, shard), build_input_scales(ckpt))
     following = [[e.name for e in m.sources.values()] for m in shard.modules[1:]]
     assert sum(hints, []) == sum(following, [])  # everything after the first module, once, in order

@@ -1,1 +1,1 @@
-"""Streaming conversion: recipe -> plan -> validate -> execute (see execute.py)."""
+"""Streaming conversion: recipe -> plan -> validate -> execute (execute.py: shard jobs on workers; pipeline.py: one shard read, converted, written)."""
