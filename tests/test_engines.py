@@ -53,6 +53,32 @@ def test_convert_takes_the_engine_from_the_recipe_and_the_flag_wins(tiny_ckpt, t
     assert "for SGLang 0.5.23 and vLLM 0.33.0 (--engine both)" in out and "fp8 -> bf16" in out
 
 
+# What "both" costs against each engine alone, as the converter says it before any work.
+COSTS = [
+    ("to-w4a16", ["52 modules (attention 25, attention (mtp) 5, indexer 2, mtp_projection 2, shared_expert 15, "
+                  "shared_expert (mtp) 3) are stored bf16; --engine sglang alone would store them as in the source "
+                  "(fp8)"]),
+    ("to-fp8", ["144 modules (routed_expert 120, routed_expert (mtp) 24) are stored fp8 (float32 scales); "
+                "--engine sglang alone would store them fp8 (e8m0 scales)"]),
+    ("to-nvfp4", ["24 modules (routed_expert (mtp) 24) are stored bf16; --engine sglang alone would store them fp8 "
+                  "(e8m0 scales)",
+                  "24 modules (routed_expert (mtp) 24) are stored bf16; --engine vllm alone would store them as in "
+                  "the source (mxfp4)"]),
+    ("to-bf16", []),
+]
+
+
+@pytest.mark.parametrize("command,costs", COSTS)
+def test_the_converter_says_what_both_engines_cost(tiny_ckpt, tmp_path, capsys, command, costs):
+    argv = [command, "--src", str(tiny_ckpt), "--dst", str(tmp_path / "dry"), "--dry-run"]
+    assert main(argv) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: for both engines")]
+    assert notes == [f"note: for both engines {cost} (docs/engines.md)" for cost in costs]
+    for engine in ("sglang", "vllm"):   # one engine: nothing was given up for the other
+        if main([*argv, "--engine", engine]) == 0:
+            assert "for both engines" not in capsys.readouterr().err
+
+
 def test_fp8_e8m0_expert_scales_are_refused_for_vllm(tiny_ckpt, tmp_path, capsys):
     dst = tmp_path / "out"
     argv = ["to-fp8", "--src", str(tiny_ckpt), "--dst", str(dst), "--scale-dtype", "e8m0", "--no-progress"]

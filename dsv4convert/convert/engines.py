@@ -28,6 +28,7 @@ What differs from SGLang, as far as a converter is concerned (docs/engines.md ha
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from dsv4convert.errors import RecipeError
@@ -35,7 +36,9 @@ from dsv4convert.layout import classify
 from dsv4convert.storage import Format
 
 if TYPE_CHECKING:
+    from dsv4convert.convert.plan import Plan
     from dsv4convert.convert.quant_config import _Stored
+    from dsv4convert.convert.recipe import Target
 
 SGLANG, VLLM = "sglang", "vllm"
 ENGINES = (SGLANG, VLLM)
@@ -51,6 +54,34 @@ def engines_for(choice: str | None) -> tuple[str, ...]:
     if choice not in CHOICES:
         raise RecipeError(f"unknown engine {choice!r}; expected one of {', '.join(CHOICES)}")
     return ENGINES if choice == "both" else (choice,)
+
+
+def cost_of_both(plan: Plan) -> list[str]:
+    """What storing for both engines changes against each engine alone, one line per engine and change
+    (modules counted by role): the converter prints them, so nobody is surprised by BF16 where they
+    expected FP8. Empty when the plan is for one engine or no rule depends on the engine."""
+    if engines_for(plan.engine) != ENGINES:
+        return []
+    lines = []
+    for engine in ENGINES:
+        changed: dict[tuple[str, str], Counter] = defaultdict(Counter)
+        for job in plan.modules.values():
+            alone = plan.recipe.target_for(classify(next(iter(job.sources.values())).name), engine)
+            if (alone.format, alone.params) != (job.target.format, job.target.params):
+                role = f"{job.role.value} (mtp)" if job.is_mtp and job.role.value != "mtp_projection" else job.role.value
+                changed[(_stored(job.target, job.source_format), _stored(alone, job.source_format))][role] += 1
+        for (stored, alone), roles in changed.items():
+            by_role = ", ".join(f"{role} {n}" for role, n in sorted(roles.items()))
+            lines.append(f"for both engines {sum(roles.values())} modules ({by_role}) are stored {stored}; "
+                         f"--engine {engine} alone would store them {alone}")
+    return lines
+
+
+def _stored(target: Target, source: Format | None) -> str:
+    if target.format is None:
+        return f"as in the source ({source.value})" if source is not None else "as in the source"
+    scale = target.params.get("scale_dtype") if target.format is Format.FP8 else None
+    return f"{target.format.value} ({scale} scales)" if scale else target.format.value
 
 
 def choice_of(engines: tuple[str, ...] | list[str]) -> str:
