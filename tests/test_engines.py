@@ -72,11 +72,11 @@ COSTS = [
 def test_the_converter_says_what_both_engines_cost(tiny_ckpt, tmp_path, capsys, command, costs):
     argv = [command, "--src", str(tiny_ckpt), "--dst", str(tmp_path / "dry"), "--dry-run"]
     assert main(argv) == 0
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: for both engines")]
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: for both engines")]
     assert notes == [f"note: for both engines {cost} (docs/engines.md)" for cost in costs]
     for engine in ("sglang", "vllm"):   # one engine: nothing was given up for the other
         if main([*argv, "--engine", engine]) == 0:
-            assert "for both engines" not in capsys.readouterr().err
+            assert "for both engines" not in capsys.readouterr().out
 
 
 def test_fp8_e8m0_expert_scales_are_refused_for_vllm(tiny_ckpt, tmp_path, capsys):

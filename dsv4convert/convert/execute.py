@@ -188,7 +188,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     if engine_note:
         print(f"note: {engine_note}", file=sys.stderr)
     for line in eng.cost_of_both(plan) if engines == eng.ENGINES else []:
-        print(f"note: {line} (docs/engines.md)", file=sys.stderr)
+        print(f"note: {line} (docs/engines.md)")   # stdout: stderr is kept for the one line an error gets
     hessians = _gptq_hessians(plan, opts)
     needs_input_scales = any(m.target.format is Format.NVFP4 for m in plan.modules.values())
     input_scales = build_input_scales(ckpt, from_checkpoint=opts.input_scales_from,
