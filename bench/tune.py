@@ -19,7 +19,11 @@ pydantic, pydantic-core, pyzmq, starlette, traitlets, typing-inspection; found b
 path in an environment holding only the image's packages.) About 7 minutes with the default budget.
 
 writes ``<out>.json`` (every trial, every round), ``<out>.md`` (the table) and the two tuned files in
-``<out>-configs/``. ``--config tiny`` runs the same script on the tiny synthetic shapes (CPU check).
+``<out>-configs/``. Beside the timings, a memory roofline: per batch size the bytes of the expert
+weights its routings touch (each routing's distinct experts, both projections and their scales),
+over the GPU's memory rate measured in the same run (the faster of a read-only reduction and a
+device-to-device copy), is the least time any config of SGLang's kernel can take; it bounds the
+speed-up over the default config that tuning can reach. ``--config tiny`` runs the same script on the tiny synthetic shapes (CPU check).
 """
 
 from __future__ import annotations
@@ -45,6 +49,44 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 GOAL_DECODE_SPEEDUP = 1.3
 
 
+def memory_rate(gpu) -> dict:
+    """Bytes per second the GPU moves: a reduction that only reads 4 GiB, and a copy (read + write)."""
+    import torch
+    import triton.testing
+
+    if not gpu.timed:
+        return {"read_bytes_per_s": None, "copy_bytes_per_s": None, "bytes_per_s": None}
+    size = 4 * 2**30
+    x = torch.empty(size // 2, dtype=torch.float16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    read = triton.testing.do_bench(lambda: torch.amax(x), rep=200, return_mode="median") * 1e-3
+    copy = triton.testing.do_bench(lambda: y.copy_(x), rep=200, return_mode="median") * 1e-3
+    rates = {"read_bytes_per_s": size / read, "copy_bytes_per_s": 2 * size / copy}
+    return {**rates, "bytes_per_s": max(rates.values())}
+
+
+def weight_bytes(batch) -> float:
+    """Mean bytes of expert weights (and block scales) one routing of ``batch`` reads: its distinct experts."""
+    w = batch.weights
+    per_expert = sum(t[0].numel() * t.element_size() for t in (w.w13, w.w2, w.w13_scale, w.w2_scale) if t is not None)
+    distinct = [int(ids.unique().numel()) for ids, _ in batch.routings]
+    return per_expert * sum(distinct) / len(distinct)
+
+
+def roofline(rows: list[dict], batches: dict, rate: float | None) -> dict:
+    """Per batch size the least time the weights' bytes allow, and the bound it puts on the decode mean."""
+    out = {}
+    for row in rows:
+        m = row["batch_size"]
+        least_us = weight_bytes(batches[m]) / rate * 1e6 if rate else None
+        out[m] = {"weight_bytes": weight_bytes(batches[m]), "least_us": least_us,
+                  "tuned_of_least": least_us / row["tuned"]["us"] if least_us else None,
+                  "default_over_least": row["default"]["us"] / least_us if least_us else None}
+    decode = [out[r["batch_size"]]["default_over_least"] for r in rows
+              if r["batch_size"] in compare.DECODE_BATCH_SIZES and out[r["batch_size"]]["default_over_least"]]
+    return {"per_batch": out, "decode_mean_bound_vs_default": sum(decode) / len(decode) if decode else None}
+
+
 def markdown(record: dict) -> str:
     r, s, search = record["run"], record["summary"], record["search"]
     what = (f"{record['problem']['describe']}. The MoE's two GEMMs as SGLang launches them for each pair of configs "
@@ -56,7 +98,7 @@ def markdown(record: dict) -> str:
     decode = s["decode_mean_speedup_vs_default"]
     goal = "met" if decode >= GOAL_DECODE_SPEEDUP else "MISSED"
     lines = [f"# `dsv4convert tune` on {r['device']}: SGLang's fused MoE, FP8 variant at TP{record['problem']['tp']}",
-             "", what, "", *compare.table(record["compare"]), "",
+             "", what, "", *compare.table(record["compare"]), "", *roofline_lines(record), "",
              f"- decode batch sizes 1-64: **{decode:.2f}x** SGLang's default config (goal {GOAL_DECODE_SPEEDUP}x: {goal})"]
     if s["min_speedup_vs_shipped"] is not None:
         verdict = "none slower" if s["min_speedup_vs_shipped"] >= 1.0 else "SLOWER at some"
@@ -79,6 +121,24 @@ def markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def roofline_lines(record: dict) -> list[str]:
+    roof, rate = record["roofline"], record["memory_rate"]
+    if not rate["bytes_per_s"]:
+        return ["Memory roofline: not measured (no GPU)."]
+    lines = [f"Memory roofline: the expert weights each routing reads, over the {rate['bytes_per_s'] / 1e12:.2f} TB/s "
+             f"this GPU moved in the same run (read-only reduction {rate['read_bytes_per_s'] / 1e12:.2f}, copy "
+             f"{rate['copy_bytes_per_s'] / 1e12:.2f}): no config of SGLang's kernel can take less time.", "",
+             "| batch | weights read MB | least us | tuned at % of the roofline | default / least |", "|---|---|---|---|---|"]
+    for m, r in sorted(roof["per_batch"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {m} | {r['weight_bytes'] / 1e6:.1f} | {r['least_us']:.1f} | {100 * r['tuned_of_least']:.0f}% | "
+                     f"{r['default_over_least']:.2f}x |")
+    bound = roof["decode_mean_bound_vs_default"]
+    lines += ["", f"Bound on the decode mean (1-64) over the default config at the roofline: **{bound:.2f}x**"
+              + (f" (below the {GOAL_DECODE_SPEEDUP}x goal: no tuning of this kernel can reach it on this GPU)"
+                 if bound < GOAL_DECODE_SPEEDUP else "") + "."]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="results prefix (.json, .md and -configs/ are written)")
@@ -95,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     out = Path(args.out)
     start = time.monotonic()
+    rate = memory_rate(gpu)      # first: the tuning's own buffers are not yet allocated
     with tempfile.TemporaryDirectory() as work:
         folder = Path(work) / "moe-configs"
         outcome = run.tune(problem, gpu, folder, batch_sizes=batch_sizes, budget_s=args.time_budget * 60,
@@ -117,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "search": outcome.result.summary(),
         "summary": compare.summary(outcome.rows),
         "compare": outcome.rows,
+        "memory_rate": rate,
+        "roofline": roofline(outcome.rows, outcome.result.batches, rate["bytes_per_s"]),
         "choices": [c.to_json() for c in outcome.result.choices.values()],
         "trials": trials,
         "wall_s": time.monotonic() - start,

@@ -341,6 +341,49 @@ def test_shared_memory_wrong_outputs_and_budget(outputs, monkeypatch):
     assert (stopped.choices[1].up, stopped.choices[1].down) == (default, default)
 
 
+@pytest.mark.parametrize("rival_time, shipped_kept", [(9.95, True), (9.0, False)])
+def test_shipped_entries_are_kept_unless_beaten_by_the_margin(outputs, monkeypatch, rival_time, shipped_kept):
+    """Within ``SHIPPED_MARGIN`` of the shipped pair a tuned pair is timing noise: the shipped entries are
+    written unchanged (so the tuned folder is never slower than SGLang's own file); a clear win replaces them."""
+    problem = MoEProblem.from_checkpoint(outputs["fp8"], 1)
+    shapes = [t for t in space.shape_grid(problem, SM120)[0] if space.worth_timing(t, problem, 1)]
+    shipped = shapes[0]
+    rival = next(t for t in shapes[1:] if t.block_m == shipped.block_m)
+    monkeypatch.setattr(sglang_moe, "lookup", lambda problem, root, down=False: {1: shipped.to_sglang()})
+    monkeypatch.setattr(sglang_moe, "served_configs", lambda problem, root, m: (shipped.to_sglang(),) * 2)
+    speed = {shipped: 10.0, rival: rival_time}
+    monkeypatch.setattr(search._Search, "time", lambda self, gemm, tile, batch, rep_ms: speed.get(tile, 50.0))
+    with fake_gpu(monkeypatch):
+        result = search.run_search(problem, SM120, [1], budget_s=600, max_candidates=len(shapes), progress=False)
+    choice = result.choices[1]
+    assert (choice.up, choice.down) == ((shipped, shipped) if shipped_kept else (rival, rival))
+    confirmed = {(t.gemm, t.tile) for t in result.trials if t.round == "confirm"}
+    assert {("up", shipped), ("down", shipped)} <= confirmed  # the shipped entries were re-timed with the finalists
+    assert 1 - rival_time / 10.0 > search.SHIPPED_MARGIN or shipped_kept
+
+
+def test_compare_times_identical_configs_once(outputs, monkeypatch, tmp_path):
+    """Where the tuned folder serves the shipped entries, the kernels are the same launches: one timing, ratio 1."""
+    from dsv4convert.tune import compare
+
+    problem = MoEProblem.from_checkpoint(outputs["fp8"], 1)
+    tile = Tile.from_sglang(sglang_moe.default_config(problem, 1))
+    other = next(t for t in space.shape_grid(problem, SM120)[0] if t.block_m == 16 and t != tile)
+    monkeypatch.setattr(sglang_moe, "lookup", lambda problem, root, down=False: {1: other.to_sglang()})
+    monkeypatch.setattr(sglang_moe, "served_configs", lambda problem, root, m: (other.to_sglang(),) * 2)
+    timed = []
+    monkeypatch.setattr(compare, "time_us", lambda run, device, rep_ms, calls: timed.append(run) or 7.0 + len(timed))
+    with fake_gpu(monkeypatch):
+        weights = workload.random_weights(problem, "cpu", 0)
+        batches = {1: workload.make_batch(problem, weights, 1, "cpu", 0, routings=1)}
+        rows = compare.compare(problem, SM120, batches, tmp_path, rounds=2)
+    row = rows[0]
+    assert row["same_as"] == {"tuned": "shipped"} and len(timed) == 4  # default and shipped, two rounds each
+    assert row["tuned"]["rounds_us"] == row["shipped"]["rounds_us"] and row["speedup_vs_shipped"] == 1.0
+    assert row["default"]["rounds_us"] != row["shipped"]["rounds_us"]
+    assert "(the shipped entries)" in compare.table(rows)[2]
+
+
 def test_search_space_is_sized_by_the_gpu(outputs):
     problem = MoEProblem.from_checkpoint(outputs["fp8"], 1)
     hopper = Device("NVIDIA H200", (9, 0), 227 * 1024, "cpu")
@@ -353,6 +396,9 @@ def test_search_space_is_sized_by_the_gpu(outputs):
     assert device_module.shared_memory_of((12, 0), 101376) == 101376
     tile = sm120[0]
     assert any(v.use_tma for v in space.refinements(tile, problem, SM120, tma=True))
+    deeper = [v for v in space.refinements(tile, problem, hopper, tma=True) if v.num_stages > tile.num_stages]
+    assert {v.num_stages for v in deeper} == set(range(tile.num_stages + 1, tile.num_stages + space.DEEPER_STAGES + 1))
+    assert all(space.fits(v, problem, SM120) for v in space.refinements(sm120[-1], problem, SM120, tma=True))
     ampere = Device("NVIDIA A100", (8, 0), 163 * 1024, "cpu")
     assert not any(v.use_tma for v in space.refinements(tile, problem, ampere, tma=True))
     int4 = MoEProblem.from_checkpoint(outputs["w4a16"], 1)

@@ -7,7 +7,9 @@ that pair is written as the up file and the ``_down`` file. Every candidate runs
 output of SGLang's default config before it is timed, and is dropped if it differs by more than
 the kernels' tolerance. SGLang's default config, and its shipped file's entry where one exists,
 are always timed first, so the result is never a config that was not measured against them; the
-finalists are re-timed longer before the choice.
+finalists, the shipped entry among them, are re-timed longer before the choice, and a candidate
+replaces the shipped entry only when it is faster by more than ``SHIPPED_MARGIN`` (within it the
+two are the same speed as far as timing can tell, and the shipped entry is written unchanged).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ GEMMS = ("up", "down")
 # SGLang's own tuner's default batch sizes (benchmark/kernels/fused_moe_triton/common_utils.py).
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 REFINED_SHAPES = 2  # per GEMM and batch size, the best shapes the second round varies
-CONFIRMED_PER_BLOCK_M = 2  # finalists re-timed per GEMM, batch size and BLOCK_SIZE_M
+CONFIRMED_PER_BLOCK_M = 2  # finalists re-timed per GEMM, batch size and BLOCK_SIZE_M (plus the shipped entry)
+SHIPPED_MARGIN = 0.01      # how much faster than the shipped pair a tuned pair must be to replace it
 
 
 @dataclass
@@ -105,6 +108,8 @@ class _Search:
                         for m in batch_sizes}
         self.defaults = {m: Tile.from_sglang(sglang_moe.default_config(problem, m)) for m in batch_sizes}
         self.reference: dict[tuple[str, int], object] = {}
+        self.shipped: dict[tuple[str, int], Tile] = {}   # (gemm, batch size) -> the shipped file's entry
+        self.confirmed: dict[tuple[str, int, Tile], float] = {}   # the finalists' longer timings
         self.trials: list[Trial] = []
         self.best: dict[tuple[str, int], dict[int, tuple[float, Tile]]] = defaultdict(dict)
         self.tried: set[tuple[str, Tile, int]] = set()
@@ -147,20 +152,25 @@ class _Search:
                        len(batch.routings))
 
     def confirm(self, rep_ms: int) -> None:
-        """Re-time the two fastest tiles of each ``BLOCK_SIZE_M``, per GEMM and batch size, longer and
-        alternating, so that the choice between near-equal finalists is not one short timing's noise."""
+        """Re-time the two fastest tiles of each ``BLOCK_SIZE_M`` (and the shipped entry), per GEMM and batch
+        size, longer and alternating, so that the choice between near-equal finalists is not one short
+        timing's noise."""
         for (gemm, m), table in self.best.items():
             batch = self.batches[m]
             for block_m in list(table):
                 ok = sorted((t for t in self.trials if t.gemm == gemm and t.batch_size == m and t.us is not None
                              and t.tile.block_m == block_m and t.round != "confirm"), key=lambda t: t.us)
                 finalists = list(dict.fromkeys(t.tile for t in ok))[:CONFIRMED_PER_BLOCK_M]
+                shipped = self.shipped.get((gemm, m))
+                if shipped is not None and shipped.block_m == block_m and shipped not in finalists:
+                    finalists.append(shipped)
                 times: dict[Tile, list[float]] = {tile: [] for tile in finalists}
                 for _ in range(2):
                     for tile in finalists:
                         times[tile].append(self.time(gemm, tile, batch, rep_ms))
                 for tile, measured in times.items():
                     self.trials.append(Trial(gemm, tile, m, "confirm", "ok", us=min(measured), error=0.0))
+                    self.confirmed[(gemm, m, tile)] = min(measured)
                 table[block_m] = min(((min(measured), tile) for tile, measured in times.items()), key=lambda p: p[0])
 
     def baselines(self, shipped: bool) -> None:
@@ -173,10 +183,13 @@ class _Search:
                     raise TuneError(f"SGLang's default config {default.label()} does not run on this GPU at batch "
                                     f"size {m}: {trial.note}")
                 self.reference[(gemm, m)] = self._run(gemm, default, batch, 0).clone()
-            if shipped:
-                up, down = sglang_moe.served_configs(self.problem, None, m)
-                self.evaluate("up", Tile.from_sglang(up), m, "baseline")
-                self.evaluate("down", Tile.from_sglang(down), m, "baseline")
+            if shipped and sglang_moe.lookup(self.problem, None) is not None:
+                for gemm, config in zip(GEMMS, sglang_moe.served_configs(self.problem, None, m)):
+                    tile = Tile.from_sglang(config)
+                    self.evaluate(gemm, tile, m, "baseline")
+                    if any(t.tile == tile and t.gemm == gemm and t.batch_size == m and t.us is not None
+                           for t in self.trials):
+                        self.shipped[(gemm, m)] = tile
 
     def ranked(self, gemm: str, m: int) -> list[Tile]:
         ok = [t for t in self.trials if t.gemm == gemm and t.batch_size == m and t.status == "ok" and not t.tile.use_tma]
@@ -187,11 +200,26 @@ class _Search:
         for m in self.batches:
             up, down = self.best[("up", m)], self.best[("down", m)]
             block_m = min(set(up) & set(down), key=lambda bm: up[bm][0] + down[bm][0])
+            (up_us, up_tile), (down_us, down_tile) = up[block_m], down[block_m]
+            shipped = self._shipped_pair(m)
+            if shipped is not None and up_us + down_us > (shipped[0][0] + shipped[1][0]) * (1 - SHIPPED_MARGIN):
+                (up_us, up_tile), (down_us, down_tile) = shipped
             default = self.defaults[m]
             default_us = sum(t.us for t in self.trials
                              if t.tile == default and t.batch_size == m and t.round == "baseline" and t.us is not None)
-            choices[m] = Choice(m, up[block_m][1], down[block_m][1], up[block_m][0], down[block_m][0], default_us)
+            choices[m] = Choice(m, up_tile, down_tile, up_us, down_us, default_us)
         return choices
+
+    def _shipped_pair(self, m: int) -> tuple[tuple[float, Tile], tuple[float, Tile]] | None:
+        """The shipped entries' (us, tile) for both GEMMs at batch size ``m``, where both were confirmed."""
+        pair = []
+        for gemm in GEMMS:
+            tile = self.shipped.get((gemm, m))
+            us = self.confirmed.get((gemm, m, tile))
+            if us is None:
+                return None
+            pair.append((us, tile))
+        return pair[0], pair[1]
 
 
 def run_search(problem: MoEProblem, device: Device, batch_sizes: Iterable[int], *, budget_s: float,

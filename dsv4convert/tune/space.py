@@ -2,7 +2,9 @@
 
 Two rounds, so that a short time budget still covers the usual winners: first the tile shapes
 (``BLOCK_SIZE_M/N/K``, warps, pipeline stages), most plausible first; then, around each batch
-size's best shapes, the launch order (``GROUP_SIZE_M``) and TMA. The grid is sized by the GPU:
+size's best shapes, the launch order (``GROUP_SIZE_M``), TMA and deeper pipelines (at decode
+batch sizes the GEMMs stream expert weights from memory, and the winners of the first round sit at
+its deepest pipeline: more loads in flight per SM). The grid is sized by the GPU:
 a tile whose pipeline buffers alone exceed the block's shared memory (99 KB on sm_120, 227 KB on
 Hopper) is left out before it is compiled, and one Triton still finds too large is skipped when
 it is launched (``search``).
@@ -23,6 +25,9 @@ from dsv4convert.tune.problem import MoEProblem
 TRITON_DEFAULT_WARPS = 4
 TRITON_DEFAULT_STAGES = 3
 GROUP_SIZES = (1, 16, 32, 64)
+GRID_STAGES = (3, 4, 2, 5)
+DEEPER_STAGES = 3      # the second round's extra pipeline depths past a best shape's
+MAX_STAGES = 8
 
 
 @dataclass(frozen=True, order=True)
@@ -92,7 +97,7 @@ def shape_grid(problem: MoEProblem, device: Device) -> tuple[list[Tile], int]:
     and how many were left out for shared memory."""
     grid = []
     for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 32, 256), _block_ks(problem),
-                                                       (4, 8), (3, 4, 2, 5)):
+                                                       (4, 8), GRID_STAGES):
         if warps == 8 and bm * bn < 64 * 64:
             continue  # eight warps on a tile this small leave most threads one or two values
         grid.append(Tile(bm, bn, bk, 1, warps, stages))
@@ -107,14 +112,17 @@ def shape_grid(problem: MoEProblem, device: Device) -> tuple[list[Tile], int]:
 
 
 def refinements(tile: Tile, problem: MoEProblem, device: Device, *, tma: bool) -> list[Tile]:
-    """Second round around one good shape: the other launch orders, and TMA where this GPU and SGLang's
-    kernel support it (FP8 only: the down projection's TMA path reads FP8 activations)."""
+    """Second round around one good shape: the other launch orders, TMA where this GPU and SGLang's
+    kernel support it (FP8 only: the down projection's TMA path reads FP8 activations), and up to
+    ``DEEPER_STAGES`` deeper pipelines (those that fit the GPU's shared memory)."""
     orders = [replace(tile, group_m=g) for g in GROUP_SIZES]
-    variants = list(orders)
+    stages = tile.num_stages or TRITON_DEFAULT_STAGES
+    deeper = [replace(tile, num_stages=s) for s in range(stages + 1, min(stages + DEEPER_STAGES, MAX_STAGES) + 1)]
+    variants = orders + deeper
     if tma and device.has_tma and problem.expert_format is Format.FP8:
         # TMA of the shape itself first: it changes more than the launch order does.
-        variants = [replace(tile, use_tma=True)] + [v for pair in zip(orders, (replace(o, use_tma=True) for o in orders))
-                                                    for v in pair]
+        variants = [replace(tile, use_tma=True)] + [v for pair in zip(variants, (replace(v, use_tma=True)
+                                                                               for v in variants)) for v in pair]
     unique = list(dict.fromkeys(variants))
     return [v for v in unique if v != tile and fits(v, problem, device)]
 
