@@ -159,6 +159,24 @@ def test_a_checkpoint_against_itself_overlaps_fully_and_counts_only_rows_past_th
     assert [t["retrieved"] for t in variant["trials"]] == [t["retrieved"] for t in r["tracks"]["base"]["trials"]]
 
 
+def test_noise_floor_runs_one_prompt_per_length_and_leaves_the_other_tracks_alone(k64):
+    depths = (0.1, 0.5, 0.9)
+    some = recall(k64["native"], k64["nvfp4"], recall={"depths": depths})
+    every = recall(k64["native"], k64["nvfp4"], recall={"depths": depths, "noise_floor": "all"})
+    noise = some["noise_floor"]
+    assert noise == every["noise_floor"] and noise.startswith("base, chunk ")
+    ran = some["tracks"][noise]["trials"]
+    assert [(t["length"], t["depth"]) for t in ran] == [(length, 0.5) for length in LENGTHS]
+    assert some["tracks"][noise]["prompts"] == len(LENGTHS) and every["tracks"][noise]["prompts"] == 6
+    # The noise track on its prompts is what it is when it runs every prompt; base and variant do not change.
+    assert ran == [t for t in every["tracks"][noise]["trials"] if t["depth"] == 0.5]
+    for label in ("base", "variant"):
+        assert some["tracks"][label] == every["tracks"][label]
+    for a, b in zip(some["tracks"][noise]["layers"], every["tracks"][noise]["layers"]):
+        assert 0 < a["overlap_free_running"]["rows"] < b["overlap_free_running"]["rows"]
+        assert a["needle_selected_rate"] is not None
+
+
 def test_ablation_rows_switch_on_one_part_each_and_a_lossless_cast_starts_at_the_base(k64):
     r = recall(k64["native"], k64["nvfp4"], gpu_family="sm120", moe_runner_backend="flashinfer_cutlass",
                recall={"ablate": True, "lengths": [301]})
@@ -190,7 +208,7 @@ def test_cli_writes_the_recall_report_and_refuses_bad_requests(k64, tmp_path, ca
                                                   "needle_rank.png", "topk_overlap.png"}
     md = (report / "compare.md").read_text()
     assert "## Needle accuracy per length" in md and "noise floor" in md and "layers.2" in md
-    for extra, message in ((["--lengths", "300"], "--lengths, --depths, --ablate and --local belong to --recall"),
+    for extra, message in ((["--lengths", "300"], "--lengths, --depths, --ablate, --local and --noise-floor belong to --recall"),
                            (["--recall", "--random-tokens"], "--recall builds its own needle prompts"),
                            (["--recall", "--lengths", "40"], "cannot hold the template")):
         assert main(base + extra) == 2

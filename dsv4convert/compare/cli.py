@@ -47,6 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     rec.add_argument("--local", action="store_true",
                      help="also run the variant's blocks on the base's input: each layer's own top-k overlap and "
                           "error (one more forward per block; plain compare always does)")
+    rec.add_argument("--noise-floor", choices=("per-length", "all"), default=None,
+                     help="the prompts the noise floor runs: per-length (default: one prompt per length, the middle "
+                          "depth; float rounding does not depend on the needle's place) or all (every prompt, "
+                          "half again the forward work of base and variant)")
     rec.add_argument("--fail-on-lost-needle", action="store_true",
                      help="exit 1 when the variant retrieves fewer needles than the base")
     rec.add_argument("--ablate", action="store_true",
@@ -113,9 +117,10 @@ def _options(args: argparse.Namespace):
     recall = None
     if args.recall:
         recall = RecallOptions(lengths=args.lengths, trials=args.trials, seed=args.seed, ablate=args.ablate,
-                               local=args.local, **({"depths": args.depths} if args.depths else {}))
-    elif args.lengths or args.depths or args.ablate or args.local:
-        raise DSV4Error("--lengths, --depths, --ablate and --local belong to --recall")
+                               local=args.local, noise_floor=args.noise_floor or "per-length",
+                               **({"depths": args.depths} if args.depths else {}))
+    elif args.lengths or args.depths or args.ablate or args.local or args.noise_floor:
+        raise DSV4Error("--lengths, --depths, --ablate, --local and --noise-floor belong to --recall")
     return CompareOptions(
         base=args.base, variant=args.variant, texts=list(args.text), random_tokens=args.random_tokens,
         tokens=args.tokens, seq_len=args.seq_len, numerics=args.numerics, base_numerics=args.base_numerics,

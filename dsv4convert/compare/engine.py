@@ -4,13 +4,15 @@ For each block (the backbone layers in order, then the MTP blocks) each checkpoi
 once (:mod:`dsv4convert.model.blocks`) and every *track* on that checkpoint runs through it: a track
 is a checkpoint under one set of numerics (the base as served, the variant as served, the variant
 with only some parts of its serving numerics for an ablation, the base once more in other chunks
-for a noise floor). The reference track goes first; its outputs are what every other track's are
+for a noise floor, which may run only some of the sequences). The reference track goes first; its outputs are what every other track's are
 measured against, *free-running* (each track on its own streams: the drift a user gets) and, for a
 track that asks, *local* (its layer fed the reference's input: what this block alone adds). Only one
 layer is resident at a time; each track's streams ``[sequences, seq, hc_mult, hidden]`` live on the
 host between blocks, and each micro-batch goes through the layer in query chunks
 (:class:`dsv4convert.model.forward.BlockRunner`). Batches of different lengths (a needle grid)
-share each loaded layer, so a checkpoint is read once whatever the grid.
+share each loaded layer, so a checkpoint is read once whatever the grid. The next layer is read and
+dequantized on a background thread (its own CUDA stream) while the tracks run through the current
+one, so reading costs only what the forwards do not hide; two layers are resident at most.
 
 After the backbone, each track's output head gives logits at the scored positions, compared with the
 reference's (:mod:`.metrics`) and, where a batch marks answer tokens, checked for retrieval; after each
@@ -26,8 +28,11 @@ combined in the global micro-batch order, so rank 0's result is the same for any
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,6 +73,10 @@ class Track:
     numerics: Numerics
     chunk: int | None = None      # queries per forward (None: the engine's)
     local: bool = False           # also run this track's layers on the reference's input
+    rows: frozenset[tuple[int, int]] | None = None   # the (batch, row)s it runs (None: all; the reference runs all)
+
+    def runs(self, unit: Unit) -> bool:
+        return self.rows is None or any((unit.batch, r) in self.rows for r in range(unit.rows.start, unit.rows.stop))
 
 
 @dataclass
@@ -123,7 +132,8 @@ class BlockResult:
 class EngineResult:
     blocks: list[BlockResult]
     output: dict[str, OutputStats]                         # track -> its logits against the reference's
-    retrieval: dict[str, list[list[tuple[bool, float]]]]   # track -> per batch, per row: (retrieved, log p(answer))
+    retrieval: dict[str, list[list[tuple[bool, float] | None]]]   # track -> per batch, per row: (retrieved,
+    #                                                                log p(answer)); None where the track did not run
     mtp: dict[str, dict[str, float]] = field(default_factory=dict)   # track -> draft agreement per MTP block
     seconds: dict[str, float] = field(default_factory=dict)
     peak_device_bytes: int | None = None
@@ -140,6 +150,8 @@ class LockstepEngine:
                  observers: list[BlockObserver] = (), world: World = World()):
         if len({t.label for t in tracks}) != len(tracks):
             raise ValueError("track labels must differ")
+        if tracks[0].rows is not None:
+            raise ValueError("the reference track runs every sequence")
         self.tracks, self.reference, self.batches = tracks, tracks[0], batches
         self.device, self.dtype, self.batch_size, self.progress = device, dtype, batch_size, progress
         self.observers, self.world = list(observers), world
@@ -153,16 +165,19 @@ class LockstepEngine:
         self.seconds: dict[str, float] = {"read": 0.0, "forward": 0.0, "metrics": 0.0, "buffers": 0.0, "other": 0.0}
         self._spare: dict[tuple[int, ...], list[torch.Tensor]] = {}
         self._registered: list[torch.Tensor] = []       # page-locked host buffers, unregistered after the run
+        self.background_read = 0.0                      # seconds the loading thread spent (mostly hidden)
         units = [(b, slice(i, min(i + batch_size, batch.ids.shape[0])))
                  for b, batch in enumerate(batches) for i in range(0, batch.ids.shape[0], batch_size)]
         self.units = [Unit(i, b, rows) for i, (b, rows) in enumerate(units)]
         self.mine = [u for u in self.units if world.owns(u.index)]
+        self.units_of = {t.label: [u for u in self.mine if t.runs(u)] for t in tracks}
 
     # -- the pieces -------------------------------------------------------------------------
 
     def _sync(self) -> None:
+        """Wait for this thread's stream (not the loading thread's, which runs beside it)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _host(self, unit: Unit, shift: int) -> torch.Tensor:
         """A host buffer for a micro-batch's streams: one freed by an earlier block if its shape fits (pinning
@@ -193,16 +208,42 @@ class LockstepEngine:
         for t in unique.values():
             self._spare.setdefault(tuple(t.shape), []).append(t)
 
-    def _load(self, side: Side, block: str):
-        """The side's layer for ``block``, and for an MTP block its entry and the embedding it mixes in."""
+    def _build(self, side: Side, block: str):
+        """The side's layer for ``block``, and for an MTP block its entry and the embedding it mixes in (on the
+        loading thread: its own CUDA stream, finished before the layer is handed over)."""
         t0 = time.perf_counter()
-        layer = build_layer(side.source, self.config, self.cfg, block)
-        entry = None
-        if block.startswith("mtp."):
-            entry = (MtpEntry.load(side.source, self.config, block), side.source.tensor("embed.weight"))
-        self._sync()
-        self.seconds["read"] += time.perf_counter() - t0
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(torch.no_grad())
+            stream = None
+            if self.device.type == "cuda":
+                scope.enter_context(torch.cuda.device(self.device))
+                stream = torch.cuda.Stream(self.device)
+                scope.enter_context(torch.cuda.stream(stream))
+            layer = build_layer(side.source, self.config, self.cfg, block)
+            entry = None
+            if block.startswith("mtp."):
+                entry = (MtpEntry.load(side.source, self.config, block), side.source.tensor("embed.weight"))
+            if stream is not None:
+                stream.synchronize()
+        self.background_read += time.perf_counter() - t0
         return layer, entry
+
+    def _layers(self, order: list[tuple[Side, str]]) -> Iterator[tuple[object, object]]:
+        """The layers of ``order`` one after another, each next one built while the caller runs the current;
+        "read" counts only the time the caller waits for one."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4convert-load") as pool:
+            pending = pool.submit(self._build, *order[0]) if order else None
+            try:
+                for i in range(len(order)):
+                    t0 = time.perf_counter()
+                    layer, entry = pending.result()
+                    self.seconds["read"] += time.perf_counter() - t0
+                    pending = pool.submit(self._build, *order[i + 1]) if i + 1 < len(order) else None
+                    yield layer, entry
+                    del layer, entry
+            finally:
+                if pending is not None:
+                    pending.cancel()
 
     def _forward(self, track: Track, layer, entry, streams: torch.Tensor, unit: Unit, block: str,
                  local: bool = False) -> torch.Tensor:
@@ -242,6 +283,7 @@ class LockstepEngine:
         scored = False
         bar = tqdm(total=len(self.sides) * len(self.blocks), desc="compare", unit="block",
                    disable=not (self.progress and self.world.is_main))
+        layers = self._layers([(side, block) for block in self.blocks for side in self.sides])
         try:
             streams = self._embedded()
             for block in self.blocks:
@@ -250,11 +292,11 @@ class LockstepEngine:
                     scored = True
                 before, block_started = dict(self.seconds), time.perf_counter()
                 shift = _shift(block)
-                nxt = {t.label: {u.index: self._host(u, shift) for u in self.mine} for t in self.tracks}
+                nxt = {t.label: {u.index: self._host(u, shift) for u in self.units_of[t.label]} for t in self.tracks}
                 free = {t.label: {} for t in self.tracks[1:]}
                 local = {t.label: {} for t in self.tracks[1:] if t.local}
                 for side in self.sides:
-                    layer, entry = self._load(side, block)
+                    layer, entry = next(layers)
                     for track in (t for t in self.tracks if t.side is side):
                         installed = install(layer, block, track.numerics, side.source,
                                             entry[0] if entry is not None else None)
@@ -277,6 +319,7 @@ class LockstepEngine:
             if not scored:
                 self._score_outputs(streams, output, retrieval, top1)
         finally:
+            layers.close()
             bar.close()
             self._unregister()
             self._spare.clear()
@@ -286,7 +329,7 @@ class LockstepEngine:
     def _pass(self, track: Track, layer, entry, block: str, streams, nxt, free, local) -> None:
         """``track`` through the loaded ``layer`` for this rank's micro-batches; errors against the reference."""
         ref = self.reference.label
-        for unit in self.mine:
+        for unit in self.units_of[track.label]:
             mine = self._forward(track, layer, entry, streams[track.label][unit.index], unit, block)
             if track.label != ref:
                 reference = nxt[ref][unit.index].to(self.device)
@@ -347,20 +390,22 @@ class LockstepEngine:
         for unit in self.mine:
             batch = self.batches[unit.batch]
             ids = batch.ids[unit.rows]
-            for track in self.tracks:
+            tracks = [t for t in self.tracks if t.runs(unit)]
+            for track in tracks:
                 top1[track.label][unit.index] = torch.empty(ids.shape, dtype=torch.int64)
             for label in output:
-                output[label][unit.index] = OutputStats()
+                if any(t.label == label for t in tracks):
+                    output[label][unit.index] = OutputStats()
             for i, row in enumerate(range(unit.rows.start, unit.rows.stop)):
                 first, last = batch.scored(row)
                 seq = ids.shape[1]
-                answer = {t.label: [] for t in self.tracks}
+                answer = {t.label: [] for t in tracks}
                 for start in range(0 if need_all else first - first % HEAD_POSITIONS, seq, HEAD_POSITIONS):
                     end = min(start + HEAD_POSITIONS, seq)
                     if not need_all and start >= last:
                         break
                     logits = {t.label: heads[t.side.label](final[t.label][unit.index][i:i + 1, start:end]
-                                                           .to(self.device))[0] for t in self.tracks}
+                                                           .to(self.device))[0] for t in tracks}
                     for label, value in logits.items():
                         top1[label][unit.index][i, start:end] = value.argmax(-1).cpu()
                     lo, hi = max(start, first), min(end, last)
@@ -390,7 +435,7 @@ class LockstepEngine:
         head = OutputHead(track.side.source, self.config, f"{block}.")
         shift = _shift(block)
         agree = total = 0
-        for unit in self.mine:
+        for unit in self.units_of[track.label]:
             unit_streams = streams[unit.index]
             n, seq = unit_streams.shape[:2]
             for row in range(n):
@@ -421,7 +466,7 @@ class LockstepEngine:
         by_row = {label: {k: v for rank in parts for k, v in rank["retrieval"][label].items()} for label in retrieval}
         merged_retrieval = {}
         if any(b.answers is not None for b in self.batches):
-            merged_retrieval = {label: [[rows[(b, r)] for r in range(batch.ids.shape[0])]
+            merged_retrieval = {label: [[rows.get((b, r)) for r in range(batch.ids.shape[0])]
                                         for b, batch in enumerate(self.batches)] for label, rows in by_row.items()}
         mtp = {}
         for label in agreement:
@@ -433,7 +478,7 @@ class LockstepEngine:
         for i, obs in enumerate(self.observers):
             obs.merge([rank["observers"][i] for rank in parts[1:]])
         peaks = [rank["peak"] for rank in parts if rank["peak"] is not None]
-        seconds = {k: round(v, 3) for k, v in self.seconds.items()}
+        seconds = {**{k: round(v, 3) for k, v in self.seconds.items()}, "read_in_background": round(self.background_read, 3)}
         return EngineResult(results, merged_output, merged_retrieval, mtp, seconds, max(peaks) if peaks else None,
                             [rank["tokens"] for rank in parts], [rank["peak"] for rank in parts])
 

@@ -11,7 +11,10 @@ indices, -1 invalid) gives, per track:
   selected, and at what rank (the indexer's top-k is sorted by score);
 * the top-k overlap ``|A ∩ B| / k`` with the reference on every row past the selection threshold
   (below it both sets are everything), free-running and local, and the same for a *noise floor*: the
-  base once more in other query chunks, which changes nothing but float rounding.
+  base once more in other query chunks, which changes nothing but float rounding. Rounding does not
+  depend on where the needle sits, so by default the noise floor runs one prompt per length (the
+  middle depth): every length, a third of a three-depth grid's forward work (``noise_floor="all"``
+  runs every prompt).
 
 ``--ablate`` adds tracks that switch the served numerics on one part at a time, for the base too,
 against the base with its weights only: weights only; + activation quantization; + FP8 KV cache;
@@ -51,6 +54,7 @@ class RecallOptions:
     seed: int = 0
     ablate: bool = False
     local: bool = False                     # also run the variant's blocks on the base's input (one more pass)
+    noise_floor: str = "per-length"         # the noise floor's prompts: "per-length" (middle depth) or "all"
 
 
 @dataclass
@@ -88,6 +92,25 @@ def build_grid(tokenizer, config: dict, opts: RecallOptions, template: PromptTem
         batches.append(Batch(torch.tensor([ids for _, ids, _ in group], dtype=torch.int64),
                              answers=[span for _, _, span in group]))
     return Grid(prompts, batches, where, threshold)
+
+
+NOISE_FLOORS = ("per-length", "all")
+
+
+def noise_rows(grid: Grid, which: str) -> frozenset[tuple[int, int]] | None:
+    """The (batch, row)s the noise floor runs: None for every prompt, else the first prompt of each length
+    at the grid's middle depth."""
+    if which not in NOISE_FLOORS:
+        raise DSV4Error(f"--noise-floor must be one of {', '.join(NOISE_FLOORS)}, got {which!r}")
+    if which == "all":
+        return None
+    depths = sorted({p.depth for p in grid.prompts})
+    middle = depths[(len(depths) - 1) // 2]
+    first: dict[int, int] = {}
+    for i, prompt in enumerate(grid.prompts):
+        if prompt.depth == middle:
+            first.setdefault(prompt.length, i)
+    return frozenset(grid.where[i] for i in first.values())
 
 
 def ablation_rows(served: Numerics, *, fp4_allowed: bool) -> list[tuple[str, Numerics]]:
@@ -204,10 +227,13 @@ def summarize(grid: Grid, tracks: list[Track], retrieval: dict, observer: TopkOb
     out: dict = {"threshold": grid.threshold, "lengths": sorted({p.length for p in grid.prompts}),
                  "depths": sorted({p.depth for p in grid.prompts}), "csa_layers": observer.layers, "tracks": {}}
     for track in tracks:
-        trials = []
+        trials, ran = [], []
         for i, prompt in enumerate(grid.prompts):
             b, r = grid.where[i]
+            if retrieval[track.label][b][r] is None:
+                continue            # a prompt this track does not run (the noise floor's other depths)
             retrieved, logp = retrieval[track.label][b][r]
+            ran.append(i)
             trials.append({"length": prompt.length, "depth": prompt.depth, "key": prompt.needle.key,
                            "value": prompt.needle.value, "retrieved": retrieved, "answer_logprob": logp})
         cells = defaultdict(list)
@@ -215,7 +241,7 @@ def summarize(grid: Grid, tracks: list[Track], retrieval: dict, observer: TopkOb
             cells[(t["length"], t["depth"])].append(t["retrieved"])
         layers = []
         for block in observer.layers:
-            ranks = [observer.ranks[track.label][block].get(i) for i in range(len(grid.prompts))]
+            ranks = [observer.ranks[track.label][block].get(i) for i in ran]
             selected = [r for r in ranks if r is not None]
             layers.append({
                 "layer": block,
@@ -225,7 +251,7 @@ def summarize(grid: Grid, tracks: list[Track], retrieval: dict, observer: TopkOb
                 "overlap_local": observer.overlap[(track.label, "local", block)].summary(),
             })
         out["tracks"][track.label] = {
-            "numerics": track.numerics.describe(), "chunk": track.chunk,
+            "numerics": track.numerics.describe(), "chunk": track.chunk, "prompts": len(trials),
             "accuracy": sum(t["retrieved"] for t in trials) / len(trials),
             "cells": [{"length": L, "depth": d, "accuracy": sum(v) / len(v), "trials": len(v)}
                       for (L, d), v in sorted(cells.items())],

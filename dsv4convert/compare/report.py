@@ -135,7 +135,7 @@ def render_recall_markdown(result: dict) -> str:
              f"selects every compressed entry up to {r['threshold']} tokens (4 x index_topk + sliding window), so "
              "only longer prompts test its choices. Retrieval is teacher-forced: every answer token the argmax "
              "given the ones before, what greedy decoding produces. Reference: "
-             f"{ref}; noise floor: {noise} (float rounding only).", "",
+             f"{ref}; noise floor: {noise} (float rounding only; {_noise_prompts(r, noise)}).", "",
              "## Needle accuracy per length", "",
              "| track | " + " | ".join(str(length) for length in r["lengths"]) + " | all |",
              "|---|" + "---|" * (len(r["lengths"]) + 1)]
@@ -143,7 +143,8 @@ def render_recall_markdown(result: dict) -> str:
         per: dict[int, list[float]] = {}
         for cell in track["cells"]:
             per.setdefault(cell["length"], []).append(cell["accuracy"])
-        lines.append(f"| {label} | " + " | ".join(_pct(sum(per[length]) / len(per[length])) for length in r["lengths"])
+        lines.append(f"| {label} | " + " | ".join(_pct(sum(per[length]) / len(per[length])) if per.get(length) else "-"
+                                                  for length in r["lengths"])
                      + f" | {_pct(track['accuracy'])} |")
     lines += ["", "## Each track against the reference", "",
               "At the answer positions: KLD and same top-1; over every CSA layer and every row past the threshold: "
@@ -178,6 +179,13 @@ def render_recall_markdown(result: dict) -> str:
               "topk_overlap.png (per CSA layer, with the noise floor).", "",
               f"Time: {result['seconds']}; peak device memory: {result['peak_device_bytes']}.", ""]
     return "\n".join(lines)
+
+
+def _noise_prompts(r: dict, noise: str) -> str:
+    ran, total = r["tracks"][noise].get("prompts"), len(r["tracks"][r["reference"]]["trials"])
+    if ran is None or ran == total:
+        return f"all {total} prompts"
+    return f"{ran} of the {total} prompts: one per length, at the middle depth"
 
 
 def plot_recall(result: dict, out_dir: Path) -> list[Path]:

@@ -26,6 +26,7 @@ from dsv4convert.compare.recall import (
     ablation_verdict,
     build_grid,
     noise_chunk,
+    noise_rows,
     summarize,
     verdict,
 )
@@ -189,27 +190,30 @@ def build_plan(opts: CompareOptions, world: World = World()) -> Plan:
             raise DSV4Error("--recall builds its own needle prompts: leave out --text and --random-tokens")
         grid = build_grid(load_tokenizer(base_ckpt.root), base_ckpt.config, opts.recall)
         batches = grid.batches
-        tracks, subject = recall_tracks(base, variant, base_numerics, variant_numerics, opts, grid.threshold)
+        tracks, subject = recall_tracks(base, variant, base_numerics, variant_numerics, opts, grid)
         data = {"source": "needle prompts (dsv4convert.needle)", "prompts": len(grid.prompts),
                 "lengths": sorted({p.length for p in grid.prompts}), "depths": list(opts.recall.depths),
                 "trials": opts.recall.trials, "seed": opts.recall.seed, "selection_threshold": grid.threshold,
                 "sequences": len(grid.prompts), "seq_len": max(b.ids.shape[1] for b in batches)}
     longest = max(b.ids.shape[1] for b in batches)
     tokens = sum(b.ids.numel() for b in batches)
-    estimate = estimate_resources(cfg, base_ckpt.config, longest, tokens, len(tracks), dtype, opts,
+    track_tokens = sum(tokens if t.rows is None else sum(batches[b].ids.shape[1] for b, _ in t.rows) for t in tracks)
+    estimate = estimate_resources(cfg, base_ckpt.config, longest, track_tokens, dtype, opts,
                                   (base_ckpt, variant_ckpt))
     return Plan(opts, tracks, subject, batches, device, dtype, estimate, data, grid, world)
 
 
 def recall_tracks(base: Side, variant: Side, base_numerics: Numerics, variant_numerics: Numerics,
-                  opts: CompareOptions, threshold: int) -> tuple[list[Track], Track]:
+                  opts: CompareOptions, grid: Grid) -> tuple[list[Track], Track]:
     """A recall run's tracks: the reference, the variant as served (also run on the reference's input),
-    the noise floor (the reference in other query chunks) and, with ``ablate``, every ablation row."""
-    noise = noise_chunk(opts.chunk, threshold)
+    the noise floor (the reference in other query chunks, on the prompts ``--noise-floor`` names) and,
+    with ``ablate``, every ablation row."""
+    noise = noise_chunk(opts.chunk, grid.threshold)
+    rows = noise_rows(grid, opts.recall.noise_floor)
     local = opts.recall.local
     if not opts.recall.ablate:
         tracks = [Track("base", base, base_numerics), Track("variant", variant, variant_numerics, local=local),
-                  Track(f"base, chunk {noise}", base, base_numerics, chunk=noise)]
+                  Track(f"base, chunk {noise}", base, base_numerics, chunk=noise, rows=rows)]
         return tracks, tracks[1]
     if base_numerics.serving is None or variant_numerics.serving is None:
         raise DSV4Error("--ablate needs the served numerics of both sides")
@@ -220,15 +224,15 @@ def recall_tracks(base: Side, variant: Side, base_numerics: Numerics, variant_nu
     tracks = [reference] + [Track(f"base: {name}", base, n) for name, n in base_rows[1:]]
     tracks += [Track(f"variant: {name}", variant, n, local=local and name.endswith("(served)"))
                for name, n in variant_rows]
-    tracks.append(Track(f"{reference.label}, chunk {noise}", base, reference.numerics, chunk=noise))
+    tracks.append(Track(f"{reference.label}, chunk {noise}", base, reference.numerics, chunk=noise, rows=rows))
     subject = next(t for t in tracks if t.label.startswith("variant: ") and t.label.endswith("(served)"))
     return tracks, subject
 
 
-def estimate_resources(cfg: ModelConfig, config: dict, seq: int, tokens: int, tracks: int, dtype: torch.dtype,
+def estimate_resources(cfg: ModelConfig, config: dict, seq: int, track_tokens: int, dtype: torch.dtype,
                        opts: CompareOptions, ckpts: tuple[Checkpoint, Checkpoint]) -> dict:
     """Peak device and host memory and the bytes read, from the layout alone (before anything runs):
-    ``seq`` the longest sequence, ``tokens`` all of them, ``tracks`` how many runs share each block."""
+    ``seq`` the longest sequence, ``track_tokens`` the tokens of every track together (each runs its own)."""
     item = torch.empty((), dtype=dtype).element_size()
     shapes = linear_shapes(cfg)
     per_block: dict[str, int] = {}
@@ -252,7 +256,7 @@ def estimate_resources(cfg: ModelConfig, config: dict, seq: int, tokens: int, tr
     streams = rows * chunk * cfg.hc_mult * cfg.hidden_size * item * 8
     head = 2 * cfg.vocab_size * cfg.hidden_size * item + 4 * HEAD_POSITIONS * cfg.vocab_size * 8
     device = max(layer + attention + indexer + streams, head)
-    host = 2 * tracks * tokens * cfg.hc_mult * cfg.hidden_size * item   # each track's input and output streams
+    host = 2 * track_tokens * cfg.hc_mult * cfg.hidden_size * item   # each track's input and output streams
     read = sum(e.nbytes for c in ckpts for e in c.tensors.values())
     return {"peak_device_bytes": int(device), "peak_host_bytes": int(host), "bytes_to_read": int(read),
             "largest_layer_bytes": int(layer), "chunk": chunk}
