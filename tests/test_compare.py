@@ -269,27 +269,27 @@ def test_gptq_lowers_the_kld_of_round_to_nearest(tiny_ckpt, outputs, tmp_path):
     assert 0 < kld["gptq"] < kld["rtn"], kld
 
 
-def test_a_layer_that_fails_to_load_in_the_background_is_one_error(variants, tmp_path, capsys, monkeypatch):
-    """Layers are built on the loading thread while the previous one runs: its error still reaches the user as
-    one line naming the file and tensor, exit 2, and no report is written."""
+def test_a_layer_that_fails_to_read_in_the_background_is_one_error(variants, tmp_path, capsys, monkeypatch):
+    """A block's bytes are read on the reading thread while the previous block runs: its error still reaches the
+    user as one line naming the file and tensor, exit 2, and no report is written."""
     import threading
 
-    from dsv4convert.compare import engine
     from dsv4convert.errors import CheckpointError
+    from dsv4convert.model.blocks import WeightSource
 
-    real, threads = engine.build_layer, set()
+    real, threads = WeightSource.read_block, set()
 
-    def build_layer(source, config, cfg, block):
+    def read_block(self, block):
         threads.add(threading.current_thread().name)
         if block == "layers.3":
-            raise CheckpointError("cannot dequantize", file=source.ckpt.root, tensor=f"{block}.attn.wq_a.weight")
-        return real(source, config, cfg, block)
+            raise CheckpointError("truncated shard", file=self.ckpt.root, tensor=f"{block}.attn.wq_a.weight")
+        return real(self, block)
 
-    monkeypatch.setattr(engine, "build_layer", build_layer)
+    monkeypatch.setattr(WeightSource, "read_block", read_block)
     report = tmp_path / "report"
     assert main(["compare", "--base", str(variants["native"]), "--variant", str(variants["fp8"]), "--random-tokens",
                  "--tokens", str(SEQ), "--seq-len", str(SEQ), "--no-progress", "--report", str(report)]) == 2
     err = one_error(capsys)
     assert "layers.3.attn.wq_a.weight" in err and str(variants["native"]) in err
-    assert threads and all(name.startswith("dsv4convert-load") for name in threads)
+    assert threads and all(name.startswith("dsv4convert-read") for name in threads)
     assert not (report / "compare.json").exists()

@@ -10,9 +10,10 @@ track that asks, *local* (its layer fed the reference's input: what this block a
 layer is resident at a time; each track's streams ``[sequences, seq, hc_mult, hidden]`` live on the
 host between blocks, and each micro-batch goes through the layer in query chunks
 (:class:`dsv4convert.model.forward.BlockRunner`). Batches of different lengths (a needle grid)
-share each loaded layer, so a checkpoint is read once whatever the grid. The next layer is read and
-dequantized on a background thread (its own CUDA stream) while the tracks run through the current
-one, so reading costs only what the forwards do not hide; two layers are resident at most.
+share each loaded layer, so a checkpoint is read once whatever the grid. The next layer's stored
+bytes are read from disk on a background thread while the tracks run through the current one (into
+page-locked host memory); building it (copies to the device, dequantizing) waits for its turn, so the
+device never holds more than one layer, and reading costs only what the forwards do not hide.
 
 After the backbone, each track's output head gives logits at the scored positions, compared with the
 reference's (:mod:`.metrics`) and, where a batch marks answer tokens, checked for retrieval; after each
@@ -28,7 +29,6 @@ combined in the global micro-batch order, so rank 0's result is the same for any
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -165,7 +165,7 @@ class LockstepEngine:
         self.seconds: dict[str, float] = {"read": 0.0, "forward": 0.0, "metrics": 0.0, "buffers": 0.0, "other": 0.0}
         self._spare: dict[tuple[int, ...], list[torch.Tensor]] = {}
         self._registered: list[torch.Tensor] = []       # page-locked host buffers, unregistered after the run
-        self.background_read = 0.0                      # seconds the loading thread spent (mostly hidden)
+        self.background_read = 0.0                      # seconds the reading thread spent (mostly hidden)
         units = [(b, slice(i, min(i + batch_size, batch.ids.shape[0])))
                  for b, batch in enumerate(batches) for i in range(0, batch.ids.shape[0], batch_size)]
         self.units = [Unit(i, b, rows) for i, (b, rows) in enumerate(units)]
@@ -175,9 +175,8 @@ class LockstepEngine:
     # -- the pieces -------------------------------------------------------------------------
 
     def _sync(self) -> None:
-        """Wait for this thread's stream (not the loading thread's, which runs beside it)."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
 
     def _host(self, unit: Unit, shift: int) -> torch.Tensor:
         """A host buffer for a micro-batch's streams: one freed by an earlier block if its shape fits (pinning
@@ -208,37 +207,36 @@ class LockstepEngine:
         for t in unique.values():
             self._spare.setdefault(tuple(t.shape), []).append(t)
 
-    def _build(self, side: Side, block: str):
-        """The side's layer for ``block``, and for an MTP block its entry and the embedding it mixes in (on the
-        loading thread: its own CUDA stream, finished before the layer is handed over)."""
+    def _read(self, side: Side, block: str) -> dict[str, torch.Tensor]:
+        """The block's stored tensors on the host (on the reading thread)."""
         t0 = time.perf_counter()
-        with contextlib.ExitStack() as scope:
-            scope.enter_context(torch.no_grad())
-            stream = None
-            if self.device.type == "cuda":
-                scope.enter_context(torch.cuda.device(self.device))
-                stream = torch.cuda.Stream(self.device)
-                scope.enter_context(torch.cuda.stream(stream))
+        tensors = side.source.read_block(block)
+        self.background_read += time.perf_counter() - t0
+        return tensors
+
+    def _build(self, side: Side, block: str, tensors: dict[str, torch.Tensor]):
+        """The side's layer for ``block``, and for an MTP block its entry and the embedding it mixes in."""
+        with side.source.staged(tensors):
             layer = build_layer(side.source, self.config, self.cfg, block)
             entry = None
             if block.startswith("mtp."):
                 entry = (MtpEntry.load(side.source, self.config, block), side.source.tensor("embed.weight"))
-            if stream is not None:
-                stream.synchronize()
-        self.background_read += time.perf_counter() - t0
+        self._sync()
         return layer, entry
 
     def _layers(self, order: list[tuple[Side, str]]) -> Iterator[tuple[object, object]]:
-        """The layers of ``order`` one after another, each next one built while the caller runs the current;
-        "read" counts only the time the caller waits for one."""
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4convert-load") as pool:
-            pending = pool.submit(self._build, *order[0]) if order else None
+        """The layers of ``order`` one after another; the next one's bytes are read while the caller runs the
+        current. "read" counts the time the caller waits for the bytes and builds the layer."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4convert-read") as pool:
+            pending = pool.submit(self._read, *order[0]) if order else None
             try:
-                for i in range(len(order)):
+                for i, (side, block) in enumerate(order):
                     t0 = time.perf_counter()
-                    layer, entry = pending.result()
+                    tensors = pending.result()
+                    pending = pool.submit(self._read, *order[i + 1]) if i + 1 < len(order) else None
+                    layer, entry = self._build(side, block, tensors)
+                    del tensors
                     self.seconds["read"] += time.perf_counter() - t0
-                    pending = pool.submit(self._build, *order[i + 1]) if i + 1 < len(order) else None
                     yield layer, entry
                     del layer, entry
             finally:

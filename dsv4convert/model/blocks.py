@@ -16,7 +16,8 @@ everything else becomes ``D`` (quantized weights are dequantized in float32 and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.checkpoint.safetensors_io import read_tensor
 from dsv4convert.convert.modules import dequantize_source
 from dsv4convert.errors import CheckpointError
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
@@ -98,18 +100,45 @@ def block_index(cfg: ModelConfig, block: str) -> int:
 
 
 class WeightSource:
-    """Reads and dequantizes one block's tensors from a checkpoint onto a device."""
+    """Reads and dequantizes one block's tensors from a checkpoint onto a device.
+
+    A block's stored bytes can be read ahead (:meth:`read_block`, safe on another thread: each read
+    opens its file) and handed in with :meth:`staged`; the build then only copies and dequantizes.
+    """
 
     def __init__(self, ckpt: Checkpoint, inspection: Inspection, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.inspection, self.device, self.dtype = ckpt, inspection, device, dtype
         self._weights: dict[str, dict[str, str]] = {}   # module -> {weight param: tensor name}
+        self._staged: dict[str, torch.Tensor] = {}
         for name in ckpt.tensors:
             info = try_classify(name)
             if info is not None and info.param in WEIGHT_PARAMS:
                 self._weights.setdefault(info.module, {})[info.param] = name
 
+    def read_block(self, block: str) -> dict[str, torch.Tensor]:
+        """Every stored tensor of ``block`` (and the embedding an MTP block mixes in), on the host: page-locked
+        for a GPU, so the build's copies are plain DMA."""
+        pin = self.device.type == "cuda"
+        names = [n for n in self.ckpt.tensors if n.startswith(f"{block}.")]
+        if block.startswith("mtp."):
+            names.append("embed.weight")
+        return {name: read_tensor(self.ckpt.entry(name), pin_memory=pin) for name in names}
+
+    @contextlib.contextmanager
+    def staged(self, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Reads of these names come from ``tensors`` (a :meth:`read_block` result) inside the block."""
+        self._staged = dict(tensors)
+        try:
+            yield
+        finally:
+            self._staged = {}
+
+    def _read(self, name: str) -> torch.Tensor:
+        staged = self._staged.pop(name, None)
+        return staged if staged is not None else self.ckpt.read(name)
+
     def tensor(self, name: str) -> torch.Tensor:
-        t = self.ckpt.read(name).to(self.device)
+        t = self._read(name).to(self.device)
         if t.is_floating_point() and t.dtype != torch.float32:
             return t.to(self.dtype)
         return t
@@ -119,7 +148,7 @@ class WeightSource:
         info = self.inspection.modules.get(module)
         if info is None or info.format is None:
             raise CheckpointError("linear module missing or in an unknown format", file=self.ckpt.root, tensor=module)
-        src = {param: self.ckpt.read(name).to(self.device) for param, name in self._weights[module].items()}
+        src = {param: self._read(name).to(self.device) for param, name in self._weights[module].items()}
         return dequantize_source(info.format, src, f"{module}.weight").to(self.dtype)
 
     def experts(self, block: str, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
