@@ -274,6 +274,10 @@ def test_kernel_sequence_matches_a_torch_moe(outputs):
     for tile in (default, small_tma):
         up = batch.up(tile, 0, batch.up_output()).clone()
         assert workload.relative_error(up, gate_up) < workload.TOLERANCE, tile
+        # Written expert-sorted (beside a TMA down config, as the search times it), then put back in token order.
+        rows = torch.full((batch.sorted_rows(tile.block_m), up.shape[1]), float("nan"), dtype=torch.bfloat16)
+        sorted_up = batch.up(tile, 0, rows, c_sorted=True)
+        assert torch.equal(batch.token_order(sorted_up, tile.block_m, 0), up), tile
     gate, up_half = up.float().chunk(2, dim=-1)
     gate, up_half = gate.clamp(max=10.0), up_half.clamp(-10.0, 10.0)  # DeepSeek-V4's swiglu_limit
     act = batch.activate(up, default, 0, sorted_layout=False)
@@ -353,12 +357,15 @@ def test_shipped_entries_are_kept_unless_beaten_by_the_margin(outputs, monkeypat
     monkeypatch.setattr(sglang_moe, "served_configs", lambda problem, root, m: (shipped.to_sglang(),) * 2)
     speed = {shipped: 10.0, rival: rival_time}
     monkeypatch.setattr(search._Search, "time", lambda self, gemm, tile, batch, rep_ms: speed.get(tile, 50.0))
+    monkeypatch.setattr(search._Search, "time_pair",
+                        lambda self, up, down, batch, rep_ms: speed.get(up, 50.0) + speed.get(down, 50.0))
     with fake_gpu(monkeypatch):
         result = search.run_search(problem, SM120, [1], budget_s=600, max_candidates=len(shapes), progress=False)
     choice = result.choices[1]
     assert (choice.up, choice.down) == ((shipped, shipped) if shipped_kept else (rival, rival))
     confirmed = {(t.gemm, t.tile) for t in result.trials if t.round == "confirm"}
     assert {("up", shipped), ("down", shipped)} <= confirmed  # the shipped entries were re-timed with the finalists
+    assert choice.pair_us == (20.0 if shipped_kept else 2 * rival_time)  # the pair's time together decided
     assert 1 - rival_time / 10.0 > search.SHIPPED_MARGIN or shipped_kept
 
 

@@ -256,10 +256,22 @@ def estimate_resources(cfg: ModelConfig, config: dict, seq: int, track_tokens: i
     streams = rows * chunk * cfg.hc_mult * cfg.hidden_size * item * 8
     head = 2 * cfg.vocab_size * cfg.hidden_size * item + 4 * HEAD_POSITIONS * cfg.vocab_size * 8
     device = max(layer + attention + indexer + streams, head)
-    host = 2 * track_tokens * cfg.hc_mult * cfg.hidden_size * item   # each track's input and output streams
+    # Each track's input and output streams, and the stored bytes of two blocks read ahead (one being built).
+    host = 2 * track_tokens * cfg.hc_mult * cfg.hidden_size * item + 2 * max(_largest_block(c) for c in ckpts)
     read = sum(e.nbytes for c in ckpts for e in c.tensors.values())
     return {"peak_device_bytes": int(device), "peak_host_bytes": int(host), "bytes_to_read": int(read),
             "largest_layer_bytes": int(layer), "chunk": chunk}
+
+
+def _largest_block(ckpt: Checkpoint) -> int:
+    """Stored bytes of the checkpoint's largest block (``layers.N`` / ``mtp.N``)."""
+    sizes: dict[str, int] = {}
+    for name, entry in ckpt.tensors.items():
+        kind, _, rest = name.partition(".")
+        if kind in ("layers", "mtp"):
+            block = f"{kind}.{rest.partition('.')[0]}"
+            sizes[block] = sizes.get(block, 0) + entry.nbytes
+    return max(sizes.values(), default=0)
 
 
 def run(plan: Plan) -> dict | None:

@@ -1,15 +1,17 @@
 """Find, per batch size, the fastest SGLang tile configs for a problem on this GPU, within a time budget.
 
 The two GEMMs of SGLang's MoE are separate launches that share only the token alignment, i.e.
-``BLOCK_SIZE_M`` (SGLang forces the down config's to the up config's). So each is searched on
-its own and, per batch size, the pair with one ``BLOCK_SIZE_M`` and the least total time wins;
-that pair is written as the up file and the ``_down`` file. Every candidate runs once against the
-output of SGLang's default config before it is timed, and is dropped if it differs by more than
-the kernels' tolerance. SGLang's default config, and its shipped file's entry where one exists,
-are always timed first, so the result is never a config that was not measured against them; the
-finalists, the shipped entry among them, are re-timed longer before the choice, and a candidate
-replaces the shipped entry only when it is faster by more than ``SHIPPED_MARGIN`` (within it the
-two are the same speed as far as timing can tell, and the shipped entry is written unchanged).
+``BLOCK_SIZE_M`` (SGLang forces the down config's to the up config's). So each is searched on its
+own; then, per batch size, the finalists' pairs of one ``BLOCK_SIZE_M`` are timed together as
+SGLang runs them (with a TMA down config the gate/up GEMM writes expert-sorted rows, which changes
+its speed: a GEMM timed alone does not show it), and the fastest pair is written as the up file
+and the ``_down`` file. Every candidate runs once against the output of SGLang's default config
+before it is timed, and is dropped if it differs by more than the kernels' tolerance. SGLang's
+default config, and its shipped file's entries where one exists, are always timed first, so the
+result is never a config that was not measured against them; the shipped pair is among the pairs
+timed together, and a tuned pair replaces it only when it is faster by more than
+``SHIPPED_MARGIN`` (within it the two are the same speed as far as timing can tell, and the
+shipped entries are written unchanged).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
+
+from dsv4convert.storage import Format
 from dsv4convert.tune import sglang_moe, space
 from dsv4convert.tune.device import Device
 from dsv4convert.tune.problem import MoEProblem, TuneError
@@ -31,6 +36,7 @@ GEMMS = ("up", "down")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 REFINED_SHAPES = 2  # per GEMM and batch size, the best shapes the second round varies
 CONFIRMED_PER_BLOCK_M = 2  # finalists re-timed per GEMM, batch size and BLOCK_SIZE_M (plus the shipped entry)
+PAIRED_PER_BLOCK_M = 2     # of those, the fastest per GEMM whose pairs are timed together
 SHIPPED_MARGIN = 0.01      # how much faster than the shipped pair a tuned pair must be to replace it
 
 
@@ -59,13 +65,14 @@ class Choice:
     batch_size: int
     up: Tile
     down: Tile
-    up_us: float
-    down_us: float
-    default_us: float
+    up_us: float | None         # each GEMM alone (the finalists' longer timing)
+    down_us: float | None
+    pair_us: float              # the two together, as SGLang runs them
+    default_us: float           # SGLang's default config, both GEMMs alone
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "up": self.up.to_sglang(), "down": self.down.to_sglang(),
-                "up_us": self.up_us, "down_us": self.down_us, "default_us": self.default_us}
+                "up_us": self.up_us, "down_us": self.down_us, "pair_us": self.pair_us, "default_us": self.default_us}
 
 
 @dataclass
@@ -110,17 +117,28 @@ class _Search:
         self.reference: dict[tuple[str, int], object] = {}
         self.shipped: dict[tuple[str, int], Tile] = {}   # (gemm, batch size) -> the shipped file's entry
         self.confirmed: dict[tuple[str, int, Tile], float] = {}   # the finalists' longer timings
+        self.pairs: dict[int, dict[tuple[Tile, Tile], float]] = {}  # batch size -> (up, down) -> us together
         self.trials: list[Trial] = []
         self.best: dict[tuple[str, int], dict[int, tuple[float, Tile]]] = defaultdict(dict)
         self.tried: set[tuple[str, Tile, int]] = set()
         self.out_of_resources, self.compilation_error = _launch_errors()
+        self.sorted_up = device.has_tma and problem.expert_format is Format.FP8
 
     def _run(self, gemm: str, tile: Tile, batch: Batch, routing: int):
+        """One launch, as timed. Where a TMA down config can run (FP8 on a GPU with TMA; on Hopper it wins the
+        down GEMM), the gate/up GEMM writes expert-sorted rows, as SGLang launches it beside one."""
         default_up = self.defaults[batch.size]
         if gemm == "up":
+            if self.sorted_up:
+                return batch.up(tile, routing, batch.up_output(batch.sorted_rows(tile.block_m)), c_sorted=True)
             return batch.up(tile, routing, batch.up_output())
         a2, a2_scale = batch.down_input(default_up, routing, tile)
         return batch.down(tile, routing, a2, a2_scale, batch.down_output())
+
+    def _output(self, gemm: str, tile: Tile, batch: Batch) -> torch.Tensor:
+        """The launch's result in token order (sorted rows depend on ``BLOCK_SIZE_M``), to check against the default's."""
+        out = self._run(gemm, tile, batch, 0)
+        return batch.token_order(out, tile.block_m, 0) if gemm == "up" and self.sorted_up else out
 
     def evaluate(self, gemm: str, tile: Tile, m: int, round_: str) -> Trial | None:
         if (gemm, tile, m) in self.tried:
@@ -129,7 +147,7 @@ class _Search:
         batch = self.batches[m]
         trial = Trial(gemm, tile, m, round_, "ok")
         try:
-            out = self._run(gemm, tile, batch, 0)
+            out = self._output(gemm, tile, batch)
             reference = self.reference.get((gemm, m))
             trial.error = 0.0 if reference is None else relative_error(out, reference)
             if trial.error > TOLERANCE:
@@ -173,6 +191,31 @@ class _Search:
                     self.confirmed[(gemm, m, tile)] = min(measured)
                 table[block_m] = min(((min(measured), tile) for tile, measured in times.items()), key=lambda p: p[0])
 
+    def time_pair(self, up: Tile, down: Tile, batch: Batch, rep_ms: int) -> float:
+        routings = range(len(batch.routings))
+        default = self.defaults[batch.size]
+        return time_us(lambda: [batch.gemms(up, down, r, default) for r in routings], self.device, rep_ms,
+                       len(batch.routings))
+
+    def _finalists(self, gemm: str, m: int, block_m: int) -> list[Tile]:
+        confirmed = sorted(((us, tile) for (g, size, tile), us in self.confirmed.items()
+                            if g == gemm and size == m and tile.block_m == block_m), key=lambda p: p[0])
+        return [tile for _, tile in confirmed[:PAIRED_PER_BLOCK_M]]
+
+    def confirm_pairs(self, rep_ms: int) -> None:
+        """Time the finalists' pairs of each ``BLOCK_SIZE_M``, and the shipped pair, together and alternating."""
+        for m, batch in self.batches.items():
+            pairs = [(up, down) for block_m in sorted(set(self.best[("up", m)]) & set(self.best[("down", m)]))
+                     for up in self._finalists("up", m, block_m) for down in self._finalists("down", m, block_m)]
+            shipped = self._shipped_pair(m)
+            if shipped is not None and shipped not in pairs:
+                pairs.append(shipped)
+            times: dict[tuple[Tile, Tile], list[float]] = {pair: [] for pair in pairs}
+            for _ in range(2):
+                for pair in pairs:
+                    times[pair].append(self.time_pair(*pair, batch, rep_ms))
+            self.pairs[m] = {pair: min(measured) for pair, measured in times.items()}
+
     def baselines(self, shipped: bool) -> None:
         """SGLang's default config (the reference every candidate must match), then its shipped entry."""
         for m, batch in self.batches.items():
@@ -182,7 +225,7 @@ class _Search:
                 if trial.status != "ok":
                     raise TuneError(f"SGLang's default config {default.label()} does not run on this GPU at batch "
                                     f"size {m}: {trial.note}")
-                self.reference[(gemm, m)] = self._run(gemm, default, batch, 0).clone()
+                self.reference[(gemm, m)] = self._output(gemm, default, batch).clone()
             if shipped and sglang_moe.lookup(self.problem, None) is not None:
                 for gemm, config in zip(GEMMS, sglang_moe.served_configs(self.problem, None, m)):
                     tile = Tile.from_sglang(config)
@@ -198,28 +241,23 @@ class _Search:
     def choose(self) -> dict[int, Choice]:
         choices = {}
         for m in self.batches:
-            up, down = self.best[("up", m)], self.best[("down", m)]
-            block_m = min(set(up) & set(down), key=lambda bm: up[bm][0] + down[bm][0])
-            (up_us, up_tile), (down_us, down_tile) = up[block_m], down[block_m]
+            times = self.pairs[m]
+            pair, us = min(times.items(), key=lambda kv: kv[1])
             shipped = self._shipped_pair(m)
-            if shipped is not None and up_us + down_us > (shipped[0][0] + shipped[1][0]) * (1 - SHIPPED_MARGIN):
-                (up_us, up_tile), (down_us, down_tile) = shipped
+            if shipped in times and pair != shipped and us > times[shipped] * (1 - SHIPPED_MARGIN):
+                pair, us = shipped, times[shipped]
+            up, down = pair
             default = self.defaults[m]
             default_us = sum(t.us for t in self.trials
                              if t.tile == default and t.batch_size == m and t.round == "baseline" and t.us is not None)
-            choices[m] = Choice(m, up_tile, down_tile, up_us, down_us, default_us)
+            choices[m] = Choice(m, up, down, self.confirmed.get(("up", m, up)), self.confirmed.get(("down", m, down)),
+                                us, default_us)
         return choices
 
-    def _shipped_pair(self, m: int) -> tuple[tuple[float, Tile], tuple[float, Tile]] | None:
-        """The shipped entries' (us, tile) for both GEMMs at batch size ``m``, where both were confirmed."""
-        pair = []
-        for gemm in GEMMS:
-            tile = self.shipped.get((gemm, m))
-            us = self.confirmed.get((gemm, m, tile))
-            if us is None:
-                return None
-            pair.append((us, tile))
-        return pair[0], pair[1]
+    def _shipped_pair(self, m: int) -> tuple[Tile, Tile] | None:
+        """The shipped entries for both GEMMs at batch size ``m``, where a shipped file exists and both ran."""
+        up, down = self.shipped.get(("up", m)), self.shipped.get(("down", m))
+        return (up, down) if up is not None and down is not None else None
 
 
 def run_search(problem: MoEProblem, device: Device, batch_sizes: Iterable[int], *, budget_s: float,
@@ -274,6 +312,7 @@ def run_search(problem: MoEProblem, device: Device, batch_sizes: Iterable[int], 
             bar.refresh()
             stopped = sweep(refine, "refine")
         search.confirm(confirm_rep_ms)
+        search.confirm_pairs(confirm_rep_ms)
     finally:
         bar.close()
     return SearchResult(problem, device, search.choose(), search.trials, clock() - start, budget_s, stopped,

@@ -155,6 +155,14 @@ class Batch:
             c_sorted=c_sorted, b_use_tma=tile.use_tma, filter_expert=True)
         return out
 
+    def token_order(self, sorted_out: torch.Tensor, block_m: int, routing: int) -> torch.Tensor:
+        """Rows a gate/up GEMM wrote in expert-sorted order (``c_sorted``), back in token-slot order."""
+        ids = self.alignment(routing, block_m).sorted_ids[: self.sorted_rows(block_m)].long()
+        valid = ids < self.rows
+        out = torch.empty(self.rows, sorted_out.shape[1], dtype=sorted_out.dtype, device=sorted_out.device)
+        out[ids[valid]] = sorted_out[: ids.numel()][valid]
+        return out
+
     def activate(self, gate_up: torch.Tensor, tile: Tile, routing: int, *, sorted_layout: bool) -> torch.Tensor:
         """SGLang's clamped SiLU-and-multiply of the gate/up rows (V4's ``swiglu_limit``)."""
         out = torch.empty(gate_up.shape[0], self.problem.intermediate, dtype=torch.bfloat16, device=gate_up.device)
