@@ -4,7 +4,8 @@ For each block (the backbone layers in order, then the MTP blocks) each checkpoi
 once (:mod:`dsv4convert.model.blocks`) and every *track* on that checkpoint runs through it: a track
 is a checkpoint under one set of numerics (the base as served, the variant as served, the variant
 with only some parts of its serving numerics for an ablation, the base once more in other chunks
-for a noise floor, which may run only some of the sequences). The reference track goes first; its outputs are what every other track's are
+for a noise floor, which may run only some of the sequences). The reference track goes first and
+runs every sequence; its outputs are what every other track's are
 measured against, *free-running* (each track on its own streams: the drift a user gets) and, for a
 track that asks, *local* (its layer fed the reference's input: what this block alone adds). Only one
 layer is resident at a time; each track's streams ``[sequences, seq, hc_mult, hidden]`` live on the
