@@ -7,6 +7,7 @@ until interrupted, exiting 130 as the dsv4convert CLI does on Ctrl-C.
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,9 @@ STANDIN = Path(__file__).with_name("standin_sglang_server.py")
 
 
 def main() -> int:
+    # Ctrl-C as in a terminal, whatever the test runner was started with: a job a shell puts in the
+    # background inherits SIGINT ignored, and Python then never turns it into KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     pid_file, ports = Path(sys.argv[1]), [int(p) for p in sys.argv[2:]]
     roles = ["prefill", "decode", "router", "server"]
     commands = [
