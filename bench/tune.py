@@ -78,8 +78,9 @@ def roofline(rows: list[dict], batches: dict, rate: float | None) -> dict:
     out = {}
     for row in rows:
         m = row["batch_size"]
-        least_us = weight_bytes(batches[m]) / rate * 1e6 if rate else None
-        out[m] = {"weight_bytes": weight_bytes(batches[m]), "least_us": least_us,
+        moved = weight_bytes(batches[m])
+        least_us = moved / rate * 1e6 if rate else None
+        out[m] = {"weight_bytes": moved, "least_us": least_us,
                   "tuned_of_least": least_us / row["tuned"]["us"] if least_us else None,
                   "default_over_least": row["default"]["us"] / least_us if least_us else None}
     decode = [out[r["batch_size"]]["default_over_least"] for r in rows

@@ -46,6 +46,9 @@ from dsv4convert.needle import (
 )
 
 
+NOISE_FLOORS = ("per-length", "all")    # the noise floor's prompts (``--noise-floor``)
+
+
 @dataclass
 class RecallOptions:
     lengths: list[int] | None = None        # default: needle.default_lengths of the checkpoint's threshold
@@ -92,9 +95,6 @@ def build_grid(tokenizer, config: dict, opts: RecallOptions, template: PromptTem
         batches.append(Batch(torch.tensor([ids for _, ids, _ in group], dtype=torch.int64),
                              answers=[span for _, _, span in group]))
     return Grid(prompts, batches, where, threshold)
-
-
-NOISE_FLOORS = ("per-length", "all")
 
 
 def noise_rows(grid: Grid, which: str) -> frozenset[tuple[int, int]] | None:

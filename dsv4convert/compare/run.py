@@ -33,7 +33,7 @@ from dsv4convert.compare.recall import (
 from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
-from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory
+from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory, try_classify
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
@@ -267,10 +267,9 @@ def _largest_block(ckpt: Checkpoint) -> int:
     """Stored bytes of the checkpoint's largest block (``layers.N`` / ``mtp.N``)."""
     sizes: dict[str, int] = {}
     for name, entry in ckpt.tensors.items():
-        kind, _, rest = name.partition(".")
-        if kind in ("layers", "mtp"):
-            block = f"{kind}.{rest.partition('.')[0]}"
-            sizes[block] = sizes.get(block, 0) + entry.nbytes
+        info = try_classify(name)
+        if info is not None and info.block is not None:
+            sizes[info.block] = sizes.get(info.block, 0) + entry.nbytes
     return max(sizes.values(), default=0)
 
 

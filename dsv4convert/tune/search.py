@@ -175,7 +175,7 @@ class _Search:
         timing's noise."""
         for (gemm, m), table in self.best.items():
             batch = self.batches[m]
-            for block_m in list(table):
+            for block_m in table:
                 ok = sorted((t for t in self.trials if t.gemm == gemm and t.batch_size == m and t.us is not None
                              and t.tile.block_m == block_m and t.round != "confirm"), key=lambda t: t.us)
                 finalists = list(dict.fromkeys(t.tile for t in ok))[:CONFIRMED_PER_BLOCK_M]
@@ -189,7 +189,6 @@ class _Search:
                 for tile, measured in times.items():
                     self.trials.append(Trial(gemm, tile, m, "confirm", "ok", us=min(measured), error=0.0))
                     self.confirmed[(gemm, m, tile)] = min(measured)
-                table[block_m] = min(((min(measured), tile) for tile, measured in times.items()), key=lambda p: p[0])
 
     def time_pair(self, up: Tile, down: Tile, batch: Batch, rep_ms: int) -> float:
         routings = range(len(batch.routings))
