@@ -21,12 +21,14 @@ path in an environment holding only the image's packages.) About 7 minutes with 
 writes ``<out>.json`` (every trial, every round), ``<out>.md`` (the table) and the two tuned files in
 ``<out>-configs/``. Beside the timings, a memory roofline: per batch size the bytes of the expert
 weights its routings touch (each routing's distinct experts, both projections and their scales),
-over the GPU's memory rate measured in the same run (the faster of a read-only reduction and a
-device-to-device copy), is the least time any config of SGLang's kernel can take; it bounds the
-speed-up over the default config that tuning can reach. Beside it a read floor: a plain Triton
-streaming read of the same weights in the same two launches per routing, the roofline once each
-launch's start, ramp-up and tail are paid (at decode batch sizes these, not the bytes, are most of
-the time). ``--config tiny`` runs the same script on the tiny synthetic shapes (CPU check).
+over the fastest rate the GPU read at in the same run (a 4 GiB read-only reduction, a 4 GiB
+device-to-device copy, or the read floor below), is the least time any config of SGLang's kernel
+can take; it bounds the speed-up over the default config that tuning can reach. Beside it the read
+floor: a plain Triton streaming read of the same weights in the same two launches per routing, the
+roofline once each launch's start, ramp-up and tail are paid, as the MoE's two GEMMs pay them.
+``--render JSON`` rewrites the report of a stored run with the current roofline and wording.
+``--config tiny`` runs the same script on the tiny synthetic shapes: ``tests/test_tune.py`` runs it
+so in Triton's interpreter with a stand-in GPU (a check of the script, not of any speed).
 """
 
 from __future__ import annotations
@@ -58,14 +60,13 @@ def memory_rate(gpu) -> dict:
     import triton.testing
 
     if not gpu.timed:
-        return {"read_bytes_per_s": None, "copy_bytes_per_s": None, "bytes_per_s": None}
+        return {"read_bytes_per_s": None, "copy_bytes_per_s": None}
     size = 4 * 2**30
     x = torch.empty(size // 2, dtype=torch.float16, device="cuda").normal_()
     y = torch.empty_like(x)
     read = triton.testing.do_bench(lambda: torch.amax(x), rep=200, return_mode="median") * 1e-3
     copy = triton.testing.do_bench(lambda: y.copy_(x), rep=200, return_mode="median") * 1e-3
-    rates = {"read_bytes_per_s": size / read, "copy_bytes_per_s": 2 * size / copy}
-    return {**rates, "bytes_per_s": max(rates.values())}
+    return {"read_bytes_per_s": size / read, "copy_bytes_per_s": 2 * size / copy}
 
 
 def weight_bytes(batch) -> float:
@@ -76,16 +77,19 @@ def weight_bytes(batch) -> float:
     return per_expert * sum(distinct) / len(distinct)
 
 
-def roofline(rows: list[dict], batches: dict, rate: float | None, floors: dict[int, float] | None) -> dict:
-    """Per batch size the least time the weights' bytes allow, the time a plain read of them in the same
-    two launches takes, and the bounds each puts on the decode mean."""
+def roofline(rows: list[dict], moved: dict[int, float], rates: dict, floors: dict[int, float] | None) -> dict:
+    """Per batch size the least time the weights' bytes (``moved``) allow at the fastest rate this GPU was seen
+    to read at in the run (the 4 GiB reduction, the copy, or the read floor over the experts), the time a plain
+    read of them in the same two launches takes (``floors``), and the bounds each puts on the decode mean."""
+    floors = floors or {}
+    expert_rate = max((moved[m] / (us * 1e-6) for m, us in floors.items()), default=None)
+    rate = max((r for r in (rates["read_bytes_per_s"], rates["copy_bytes_per_s"], expert_rate) if r), default=None)
     out = {}
     for row in rows:
         m = row["batch_size"]
-        moved = weight_bytes(batches[m])
-        least_us = moved / rate * 1e6 if rate else None
-        read_us = floors.get(m) if floors else None
-        out[m] = {"weight_bytes": moved, "least_us": least_us,
+        least_us = moved[m] / rate * 1e6 if rate else None
+        read_us = floors.get(m)
+        out[m] = {"weight_bytes": moved[m], "least_us": least_us,
                   "tuned_of_least": least_us / row["tuned"]["us"] if least_us else None,
                   "default_over_least": row["default"]["us"] / least_us if least_us else None,
                   "read_us": read_us, "tuned_of_read": read_us / row["tuned"]["us"] if read_us else None,
@@ -95,7 +99,8 @@ def roofline(rows: list[dict], batches: dict, rate: float | None, floors: dict[i
         values = [out[r["batch_size"]][key] for r in rows
                   if r["batch_size"] in compare.DECODE_BATCH_SIZES and out[r["batch_size"]][key]]
         return sum(values) / len(values) if values else None
-    return {"per_batch": out, "decode_mean_bound_vs_default": decode_mean("default_over_least"),
+    return {"bytes_per_s": rate, "expert_read_bytes_per_s": expert_rate, "per_batch": out,
+            "decode_mean_bound_vs_default": decode_mean("default_over_least"),
             "decode_mean_read_bound_vs_default": decode_mean("default_over_read")}
 
 
@@ -119,11 +124,20 @@ def _read_kernel():
     return read_experts
 
 
+def experts_xor(kernel, tensor, ids, xors, chunk: int):
+    """The XOR of each listed expert's words as the read kernel computes it (one launch), on the host."""
+    import numpy as np
+
+    chunks = tensor.shape[1] // chunk
+    kernel[(ids.numel(), chunks)](tensor, ids, xors, tensor.shape[1], CHUNK=chunk, BLOCK=READ_WORDS)
+    return np.bitwise_xor.reduce(xors[: ids.numel() * chunks].view(-1, chunks).cpu().numpy(), axis=1)
+
+
 def read_floors(batches: dict, gpu) -> dict[int, float] | None:
     """Per batch size, microseconds a plain streaming read of each routing's distinct experts' FP8 weights
     takes in two launches (gate/up, then down; the block scales, under 1 % of the bytes, left out), as the
     MoE's two GEMMs launch: the floor a kernel pair reaches once launch, ramp-up and tail are counted.
-    The reads are checked once against NumPy's XOR of the same words."""
+    The kernel's reads are checked once against NumPy's XOR of the same words."""
     import numpy as np
     import torch
 
@@ -133,23 +147,23 @@ def read_floors(batches: dict, gpu) -> dict[int, float] | None:
     weights = next(iter(batches.values())).weights
     experts = weights.w13.shape[0]
     tensors = [w.view(torch.int32).reshape(experts, -1) for w in (weights.w13, weights.w2)]
+    if any(t.shape[1] % chunk for t in tensors for chunk in READ_CHUNKS):
+        raise ValueError(f"the experts' words {[t.shape[1] for t in tensors]} do not split into {READ_CHUNKS}")
     xors = torch.empty(experts * max(t.shape[1] for t in tensors) // min(READ_CHUNKS), dtype=torch.int32,
                        device=weights.w13.device)
     floors = {}
     for m, batch in sorted(batches.items()):
         ids = [ids.unique().to(torch.int32) for ids, _ in batch.routings]
+        if not floors:
+            for tensor in tensors:
+                want = np.bitwise_xor.reduce(tensor[ids[0].long()].cpu().numpy(), axis=1)
+                if not np.array_equal(experts_xor(kernel, tensor, ids[0], xors, READ_CHUNKS[0]), want):
+                    raise RuntimeError("the read floor's kernel read other words than the experts' weights")
 
         def launch(chunk: int, routing: int, tensor) -> None:
             grid = (ids[routing].numel(), tensor.shape[1] // chunk)
             kernel[grid](tensor, ids[routing], xors, tensor.shape[1], CHUNK=chunk, BLOCK=READ_WORDS)
 
-        for tensor in tensors if not floors else ():   # once: the programs read the listed experts
-            launch(READ_CHUNKS[0], 0, tensor)
-            chunks = tensor.shape[1] // READ_CHUNKS[0]
-            got = np.bitwise_xor.reduce(xors[: ids[0].numel() * chunks].view(-1, chunks).cpu().numpy(), axis=1)
-            want = np.bitwise_xor.reduce(tensor[ids[0].long()].cpu().numpy(), axis=1)
-            if not np.array_equal(got, want):
-                raise RuntimeError("the read floor's kernel summed other words than the experts' weights")
         floors[m] = min(
             workload.time_us(lambda c=chunk: [launch(c, r, t) for r in range(len(ids)) for t in tensors], gpu, 20,
                              len(ids))
@@ -184,6 +198,8 @@ def markdown(record: dict) -> str:
         f"{search['left_out_for_shared_memory']} shapes left out for shared memory",
         f"- {r['device']}, torch {r['torch']}, Triton {r['triton']}, SGLang {record['sglang']}, commit {r['commit']}",
         f"- command: `{r['command']}`",
+        *([f"- this report: rendered again from the run's JSON (`bench/tune.py --render {record['rendered_from']}`), "
+           "its roofline recomputed from the measurements stored there"] if record.get("rendered_from") else []),
         ("- sm_120 (RTX PRO 6000) numbers must come from the user's machine: run `dsv4convert tune` there; these "
          "are H200 numbers, and its shared memory (227 KB per block) and tensor cores differ."),
         "",
@@ -193,11 +209,14 @@ def markdown(record: dict) -> str:
 
 def roofline_lines(record: dict) -> list[str]:
     roof, rate = record["roofline"], record["memory_rate"]
-    if not rate["bytes_per_s"]:
+    if not roof["bytes_per_s"]:
         return ["Memory roofline: not measured (no GPU)."]
-    lines = [f"Memory roofline: the expert weights each routing reads, over the {rate['bytes_per_s'] / 1e12:.2f} TB/s "
-             f"this GPU moved in the same run (read-only reduction {rate['read_bytes_per_s'] / 1e12:.2f}, copy "
-             f"{rate['copy_bytes_per_s'] / 1e12:.2f}): no config of SGLang's kernel can take less time.", "",
+    expert = roof["expert_read_bytes_per_s"]
+    lines = [f"Memory roofline: the expert weights each routing reads, over the {roof['bytes_per_s'] / 1e12:.2f} TB/s "
+             f"this GPU was seen to read at in the same run (the fastest of a 4 GiB read-only reduction, "
+             f"{rate['read_bytes_per_s'] / 1e12:.2f}, a 4 GiB copy, {rate['copy_bytes_per_s'] / 1e12:.2f}, and the "
+             f"read floor below over the experts' bytes{f', {expert / 1e12:.2f}' if expert else ''}): no config of "
+             "SGLang's kernel can take less time.", "",
              "The read floor: a plain streaming read of the same FP8 weights in the same two launches per routing "
              "(gate/up, then down; Triton, the fastest of "
              f"{len(READ_CHUNKS)} chunk sizes, CUDA graph), i.e. the roofline once each launch's start, ramp-up and "
@@ -221,6 +240,18 @@ def roofline_lines(record: dict) -> list[str]:
     return lines
 
 
+def render(source: Path, out: Path) -> int:
+    """The report of a stored run, with this script's current roofline and wording (no GPU needed)."""
+    record = json.loads(source.read_text())
+    per_batch = {int(m): r for m, r in record["roofline"]["per_batch"].items()}
+    floors = {m: r["read_us"] for m, r in per_batch.items() if r.get("read_us")}
+    record["roofline"] = roofline(record["compare"], {m: r["weight_bytes"] for m, r in per_batch.items()},
+                                  record["memory_rate"], floors)
+    record["rendered_from"] = source.name
+    report.write(str(out), record, markdown(record))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="results prefix (.json, .md and -configs/ are written)")
@@ -229,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds of the comparison")
     p.add_argument("--tp", type=int, default=4)
     p.add_argument("--config", choices=("real", "tiny"), default="real", help="tiny: a CPU check of this script")
+    p.add_argument("--render", metavar="JSON", help="no run: rewrite the report of an earlier run's JSON (its roofline "
+                   "recomputed from the stored bytes, rates and read floors) to --out")
     args = p.parse_args(argv)
+    if args.render:
+        return render(Path(args.render), Path(args.out))
 
     config = reference_config() if args.config == "real" else preset_config("tiny")
     problem = MoEProblem.from_config(config, Format.FP8, args.tp if args.config == "real" else 1)
@@ -261,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": compare.summary(outcome.rows),
         "compare": outcome.rows,
         "memory_rate": rate,
-        "roofline": roofline(outcome.rows, outcome.result.batches, rate["bytes_per_s"],
+        "roofline": roofline(outcome.rows, {m: weight_bytes(b) for m, b in outcome.result.batches.items()}, rate,
                              read_floors(outcome.result.batches, gpu)),
         "choices": [c.to_json() for c in outcome.result.choices.values()],
         "trials": trials,

@@ -495,3 +495,71 @@ def test_model_cards_say_how_to_use_tuned_configs(outputs):
     assert "SGLANG_MOE_CONFIG_DIR=" in fp8 and "--tuned-configs" in fp8
     assert "--moe-runner-backend triton" in (outputs["w4a16"] / "README.md").read_text()
     assert "Not applicable" in (outputs["nvfp4"] / "README.md").read_text()
+
+
+def _bench_tune():
+    """``bench/tune.py`` as a module (the bench folder is scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "tune.py"
+    spec = importlib.util.spec_from_file_location("bench_tune", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_script_runs_on_tiny_shapes_and_renders_its_json_again(monkeypatch, tmp_path):
+    bench = _bench_tune()
+    with fake_gpu(monkeypatch, Device("NVIDIA H200", (9, 0), 227 * 1024, "cpu")):
+        assert bench.main(["--config", "tiny", "--out", str(tmp_path / "run"), "--batch-sizes", "1,4",
+                           "--time-budget", "0.02", "--rounds", "1"]) == 0
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert [row["batch_size"] for row in record["compare"]] == [1, 4]
+    assert all(row["error_vs_default"] <= workload.SEQUENCE_TOLERANCE for row in record["compare"])
+    assert len(list((tmp_path / "run-configs").iterdir())) == 2  # the up file and the _down file
+    first = (tmp_path / "run.md").read_text()
+    assert "| 1 |" in first and "| 4 |" in first and "Memory roofline: not measured (no GPU)." in first
+
+    assert bench.main(["--render", str(tmp_path / "run.json"), "--out", str(tmp_path / "again")]) == 0
+    again = (tmp_path / "again.md").read_text().splitlines()
+    rendered = [line for line in again if "rendered again from the run's JSON" in line]
+    assert rendered and "`bench/tune.py --render run.json`" in rendered[0]
+    assert [line for line in again if line not in rendered] == first.splitlines()
+
+
+def test_bench_roofline_takes_the_fastest_read_and_bounds_the_decode_mean():
+    bench = _bench_tune()
+    rows = [{"batch_size": m, "default": {"us": d}, "tuned": {"us": t}} for m, d, t in ((1, 30.0, 20.0),
+                                                                                         (128, 500.0, 400.0))]
+    moved = {1: 30e6, 128: 1500e6}
+    rates = {"read_bytes_per_s": 3e12, "copy_bytes_per_s": 4e12}
+    floors = {1: 15.0, 128: 300.0}             # 2 TB/s and 5 TB/s over the experts' bytes
+    roof = bench.roofline(rows, moved, rates, floors)
+    assert roof["expert_read_bytes_per_s"] == pytest.approx(5e12) and roof["bytes_per_s"] == pytest.approx(5e12)
+    one = roof["per_batch"][1]
+    assert one["least_us"] == pytest.approx(6.0) and one["tuned_of_least"] == pytest.approx(0.3)
+    assert one["tuned_of_read"] == pytest.approx(0.75) and one["default_over_read"] == pytest.approx(2.0)
+    # only batch size 1 is a decode batch size (1-64)
+    assert roof["decode_mean_bound_vs_default"] == pytest.approx(5.0)
+    assert roof["decode_mean_read_bound_vs_default"] == pytest.approx(2.0)
+
+    without = bench.roofline(rows, moved, rates, None)   # no read floor: the faster 4 GiB rate, no floor columns
+    assert without["bytes_per_s"] == pytest.approx(4e12) and without["per_batch"][128]["read_us"] is None
+    assert without["decode_mean_read_bound_vs_default"] is None
+
+
+def test_bench_read_floor_kernel_reads_exactly_the_listed_experts():
+    import numpy as np
+
+    bench = _bench_tune()
+    kernel = bench._read_kernel()
+    words = torch.randint(-2**31, 2**31 - 1, (6, 4 * bench.READ_WORDS), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([4, 0, 3], dtype=torch.int32)
+    xors = torch.empty(64, dtype=torch.int32)
+    want = np.bitwise_xor.reduce(words[ids.long()].numpy(), axis=1)
+    for chunk in (bench.READ_WORDS, 2 * bench.READ_WORDS):
+        assert np.array_equal(bench.experts_xor(kernel, words, ids, xors, chunk), want)
+    words[0, 5] ^= 1                          # one bit of a listed expert: the kernel sees it
+    assert not np.array_equal(bench.experts_xor(kernel, words, ids, xors, bench.READ_WORDS), want)
