@@ -124,12 +124,17 @@ def _read_kernel():
     return read_experts
 
 
+def read_experts(kernel, tensor, ids, xors, chunk: int) -> None:
+    """One launch: the listed experts' rows of ``tensor`` [experts, words], ``chunk`` words per program."""
+    kernel[(ids.numel(), tensor.shape[1] // chunk)](tensor, ids, xors, tensor.shape[1], CHUNK=chunk, BLOCK=READ_WORDS)
+
+
 def experts_xor(kernel, tensor, ids, xors, chunk: int):
     """The XOR of each listed expert's words as the read kernel computes it (one launch), on the host."""
     import numpy as np
 
     chunks = tensor.shape[1] // chunk
-    kernel[(ids.numel(), chunks)](tensor, ids, xors, tensor.shape[1], CHUNK=chunk, BLOCK=READ_WORDS)
+    read_experts(kernel, tensor, ids, xors, chunk)
     return np.bitwise_xor.reduce(xors[: ids.numel() * chunks].view(-1, chunks).cpu().numpy(), axis=1)
 
 
@@ -159,14 +164,9 @@ def read_floors(batches: dict, gpu) -> dict[int, float] | None:
                 want = np.bitwise_xor.reduce(tensor[ids[0].long()].cpu().numpy(), axis=1)
                 if not np.array_equal(experts_xor(kernel, tensor, ids[0], xors, READ_CHUNKS[0]), want):
                     raise RuntimeError("the read floor's kernel read other words than the experts' weights")
-
-        def launch(chunk: int, routing: int, tensor) -> None:
-            grid = (ids[routing].numel(), tensor.shape[1] // chunk)
-            kernel[grid](tensor, ids[routing], xors, tensor.shape[1], CHUNK=chunk, BLOCK=READ_WORDS)
-
         floors[m] = min(
-            workload.time_us(lambda c=chunk: [launch(c, r, t) for r in range(len(ids)) for t in tensors], gpu, 20,
-                             len(ids))
+            workload.time_us(lambda c=chunk, ids=ids: [read_experts(kernel, t, i, xors, c) for i in ids for t in tensors],
+                             gpu, 20, len(ids))
             for chunk in READ_CHUNKS)
     return floors
 
