@@ -1,7 +1,7 @@
 """Whether tile dimensions outside ``tune``'s search space win at decode batch sizes 1-4 on the GPU.
 
 Two warps, BLOCK_SIZE_K 64 with pipelines to 10 stages, 8 warps on 16x64 tiles, and 32-wide tiles
-with deeper pipelines and TMA, beside the winners of ``bench/results/tune-h200.md``, in one process
+with deeper pipelines and TMA, beside the winners of ``bench/tune.py``'s run at 501b7d0, in one process
 with ``tune``'s own search machinery (each checked against SGLang's default config, then the four
 fastest per GEMM re-timed longer and the best paired as SGLang runs them). Same setup as
 ``bench/tune.py``; writes one JSON::
