@@ -156,18 +156,18 @@ def read_floors(batches: dict, gpu) -> dict[int, float] | None:
         raise ValueError(f"the experts' words {[t.shape[1] for t in tensors]} do not split into {READ_CHUNKS}")
     xors = torch.empty(experts * max(t.shape[1] for t in tensors) // min(READ_CHUNKS), dtype=torch.int32,
                        device=weights.w13.device)
+    experts_read = {m: [topk_ids.unique().to(torch.int32) for topk_ids, _ in batch.routings]
+                    for m, batch in sorted(batches.items())}
+    first = next(iter(experts_read.values()))[0]
+    for tensor in tensors:
+        want = np.bitwise_xor.reduce(tensor[first.long()].cpu().numpy(), axis=1)
+        if not np.array_equal(experts_xor(kernel, tensor, first, xors, READ_CHUNKS[0]), want):
+            raise RuntimeError("the read floor's kernel read other words than the experts' weights")
     floors = {}
-    for m, batch in sorted(batches.items()):
-        ids = [ids.unique().to(torch.int32) for ids, _ in batch.routings]
-        if not floors:
-            for tensor in tensors:
-                want = np.bitwise_xor.reduce(tensor[ids[0].long()].cpu().numpy(), axis=1)
-                if not np.array_equal(experts_xor(kernel, tensor, ids[0], xors, READ_CHUNKS[0]), want):
-                    raise RuntimeError("the read floor's kernel read other words than the experts' weights")
-        floors[m] = min(
-            workload.time_us(lambda c=chunk, ids=ids: [read_experts(kernel, t, i, xors, c) for i in ids for t in tensors],
-                             gpu, 20, len(ids))
-            for chunk in READ_CHUNKS)
+    for m, ids in experts_read.items():
+        floors[m] = min(workload.time_us(lambda c=chunk: [read_experts(kernel, t, i, xors, c) for i in ids for t in tensors],
+                                         gpu, 20, len(ids))
+                        for chunk in READ_CHUNKS)
     return floors
 
 

@@ -10,6 +10,7 @@ and that SGLang's own loader reads it back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -497,8 +498,9 @@ def test_model_cards_say_how_to_use_tuned_configs(outputs):
     assert "Not applicable" in (outputs["nvfp4"] / "README.md").read_text()
 
 
+@functools.cache
 def _bench_tune():
-    """``bench/tune.py`` as a module (the bench folder is scripts, not a package)."""
+    """``bench/tune.py`` as a module (the bench folder is scripts, not a package), loaded once."""
     import importlib.util
     from pathlib import Path
 
@@ -563,3 +565,31 @@ def test_bench_read_floor_kernel_reads_exactly_the_listed_experts():
         assert np.array_equal(bench.experts_xor(kernel, words, ids, xors, chunk), want)
     words[0, 5] ^= 1                          # one bit of a listed expert: the kernel sees it
     assert not np.array_equal(bench.experts_xor(kernel, words, ids, xors, bench.READ_WORDS), want)
+
+
+def test_bench_read_floor_reads_each_routings_experts_in_two_launches(monkeypatch):
+    """The GPU-only floor in the interpreter: timing stubbed to count what one timed call launches."""
+    bench = _bench_tune()
+    problem = MoEProblem.from_config(preset_config("tiny"), Format.FP8, 1)
+    weights = workload.random_weights(problem, "cpu", 0)
+    batches = {m: workload.make_batch(problem, weights, m, "cpu", 0, routings=2) for m in (1, 4)}
+    monkeypatch.setattr(bench, "READ_CHUNKS", (bench.READ_WORDS * 4, bench.READ_WORDS * 8))  # the tiny experts' sizes
+    launches, read = [], bench.read_experts
+
+    def counted(kernel, tensor, ids, xors, chunk):
+        launches.append(ids.numel())
+        read(kernel, tensor, ids, xors, chunk)
+
+    monkeypatch.setattr(bench, "read_experts", counted)
+
+    def timed(run, gpu, rep_ms, calls):
+        launches.clear()
+        run()
+        return float(sum(launches)) / calls   # experts read per routing, as the "time"
+
+    monkeypatch.setattr(bench.workload, "time_us", timed)
+    floors = bench.read_floors(batches, Device("NVIDIA H200", (9, 0), 227 * 1024, "cuda:0"))
+    for m, batch in batches.items():
+        distinct = [int(ids.unique().numel()) for ids, _ in batch.routings]
+        assert floors[m] == 2 * sum(distinct) / len(distinct)   # both projections of each routing's experts
+    assert bench.read_floors(batches, Device("interpreter", (9, 0), 227 * 1024, "cpu")) is None
