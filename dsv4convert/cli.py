@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "dsv4convert.serve.cli",
     "dsv4convert.tune.cli",
     "dsv4convert.demo",
+    "dsv4convert.organism.cli",
     "dsv4convert.calibrate.cli",
 ]
 

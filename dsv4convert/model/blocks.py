@@ -58,7 +58,7 @@ LINEAR_PATHS = {
     "ffn.gate": "mlp.gate.weight",
 }
 # Plain tensors of a block: native name suffix -> transformers parameter or buffer path.
-_TENSORS = {
+TENSOR_PATHS = {
     "hc_attn_fn": "attn_hc.fn",
     "hc_attn_base": "attn_hc.base",
     "hc_attn_scale": "attn_hc.scale",
@@ -198,7 +198,7 @@ def build_layer(source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig
     for suffix, path in LINEAR_PATHS.items():
         if f"{block}.{suffix}" in source.inspection.modules:
             _set(layer, path, source.linear(f"{block}.{suffix}"))
-    for suffix, path in _TENSORS.items():
+    for suffix, path in TENSOR_PATHS.items():
         if f"{block}.{suffix}" in source.ckpt.tensors:
             _set(layer, path, source.tensor(f"{block}.{suffix}"))
     gate_up, down = source.experts(block, cfg.n_routed_experts)

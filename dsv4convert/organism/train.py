@@ -1,0 +1,300 @@
+"""Training the organism: a DeepSeek-V4 that retrieves needles far past its top-k window, in minutes.
+
+The data are the needle prompts of :mod:`dsv4convert.needle` (the builder ``compare --recall`` and
+``serve --check recall`` test with, unchanged), each followed by its seven-digit answer, and the
+organism's language (:mod:`.language`). Losses, all on transformers' own layers
+(:class:`~dsv4convert.model.trainable.TrainableModel`):
+
+* next-token cross-entropy everywhere, the answer tokens weighted up, and the MTP block's
+  cross-entropy for the token after next (so its draft agreement means something);
+* the lightning indexer, whose top-k is not differentiable and gets no gradient from the LM loss,
+  learns as DeepSeek-V3.2 trains it: on detached inputs, by KL to the main attention's distribution
+  over the compressed entries (summed over heads), first in a dense phase (top-k lifted), then sparse
+  with some dense steps mixed in;
+* two training aids at answer positions whose needle lies outside the sliding window: ``-log`` of the
+  CSA attention's mass on the needle's compressed entries, and a cross-entropy of the indexer's scores
+  toward them. Without them a small model sits on the induction plateau for minutes
+  (``../shared/reference/organism.md``); with them retrieval appears as a phase change.
+
+Deterministic for a seed on a CPU; on a GPU up to the order of floating-point atomics. The step count,
+not the clock, ends a run (``time_limit`` only guards the budget, and the provenance says if it hit).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from dsv4convert.model.trainable import TrainableModel
+from dsv4convert.needle import (
+    DEFAULT_DEPTHS,
+    CSA_RATIO,
+    answer_ids,
+    build_prompt,
+    make_needle,
+    needle_entries,
+    shortest_prompt,
+)
+from dsv4convert.organism.language import documents
+
+ANSWER_TOKENS = 7     # needle values are 1,000,000 .. 9,999,999, one token per digit
+
+
+@dataclass
+class TrainSettings:
+    """Everything that decides a run (recorded in the provenance)."""
+
+    steps: int = 1800
+    tokens_per_step: int = 32768
+    min_length: int = 56
+    max_length: int = 2304
+    needle_fraction: float = 0.75      # rows that are needle prompts; the rest is the organism's language
+    lr: float = 3e-3
+    min_lr_fraction: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    initializer_range: float = 0.0625  # 1/sqrt(hidden): a small model learns far faster than at 0.02
+    dense_steps: int = 300             # indexer warm-up with top-k lifted
+    dense_every: int = 4               # afterwards every N-th step dense
+    answer_weight: float = 4.0
+    mtp_weight: float = 0.3
+    distill_weight: float = 1.0
+    aid_weight: float = 1.0
+    eval_every: int = 100
+    eval_lengths: tuple[int, ...] = (130, 259, 260, 520, 1040, 2080)
+    eval_trials: int = 8
+    seed: int = 0
+    time_limit: float | None = None    # seconds; a guard, the run normally ends at ``steps``
+
+
+@dataclass
+class TrainResult:
+    model: TrainableModel
+    settings: TrainSettings
+    steps_run: int
+    seconds: float
+    hit_time_limit: bool
+    curve: list[dict] = field(default_factory=list)   # per eval: step, seconds, losses, recall by length
+
+
+class TokenizerAdapter:
+    """``tokenizers.Tokenizer`` as the needle builder's :class:`~dsv4convert.needle.Tokenizer`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+@dataclass
+class Row:
+    ids: list[int]
+    answer_start: int | None = None           # first answer token's position (needle rows)
+    needle_span: tuple[int, int] | None = None
+
+
+class Data:
+    """Seeded batches: needle prompts from :mod:`dsv4convert.needle` and windows of the language."""
+
+    def __init__(self, tokenizer, settings: TrainSettings, bos_id: int, *, language_docs: int = 3000):
+        self.tokenizer, self.settings = TokenizerAdapter(tokenizer), settings
+        self.rng = random.Random(settings.seed)
+        stream: list[int] = []
+        for doc in documents(settings.seed + 1, language_docs):
+            stream += [bos_id, *self.tokenizer.encode(doc)]
+        self.language = torch.tensor(stream, dtype=torch.int64)
+        shortest = shortest_prompt(self.tokenizer) + ANSWER_TOKENS
+        if settings.min_length < shortest:
+            raise ValueError(f"min_length {settings.min_length} is under the {shortest} tokens a needle row needs")
+        if self.language.numel() < 2 * settings.max_length:
+            raise ValueError(f"{self.language.numel()} language tokens, too few for {settings.max_length}-token rows")
+
+    def batch(self) -> tuple[torch.Tensor, list[Row]]:
+        s = self.settings
+        length = self.rng.randint(s.min_length, s.max_length)
+        rows = [self.needle_row(length) if self.rng.random() < s.needle_fraction else self.language_row(length)
+                for _ in range(max(1, s.tokens_per_step // length))]
+        return torch.tensor([r.ids for r in rows], dtype=torch.int64), rows
+
+    def needle_row(self, length: int) -> Row:
+        needle = make_needle(self.rng)
+        prompt = build_prompt(self.tokenizer, length - ANSWER_TOKENS, self.rng.random(), needle)
+        answer = answer_ids(self.tokenizer, needle)
+        return Row(prompt.input_ids + answer, len(prompt.input_ids), prompt.needle_span)
+
+    def language_row(self, length: int) -> Row:
+        start = self.rng.randrange(0, self.language.numel() - length)
+        return Row(self.language[start:start + length].tolist())
+
+
+def _answer_mask(rows: list[Row], seq: int, device: torch.device) -> torch.Tensor:
+    """[B, S - 1] True where the logit at t predicts an answer token."""
+    mask = torch.zeros((len(rows), seq - 1), dtype=torch.bool)
+    for b, row in enumerate(rows):
+        if row.answer_start is not None:
+            mask[b, row.answer_start - 1:row.answer_start - 1 + ANSWER_TOKENS] = True
+    return mask.to(device)
+
+
+def _retrieval_positions(rows: list[Row], window: int) -> list[tuple[int, int, list[int]]]:
+    """(row, query position, needle entries visible to it) for answer queries whose needle left the window."""
+    out = []
+    for b, row in enumerate(rows):
+        if row.answer_start is None:
+            continue
+        for t in range(row.answer_start - 1, row.answer_start - 1 + ANSWER_TOKENS):
+            if t - row.needle_span[1] < window:
+                continue
+            entries = [w for w in needle_entries(row.needle_span) if w < (t + 1) // CSA_RATIO]
+            if entries:
+                out.append((b, t, entries))
+    return out
+
+
+def indexer_losses(attention: torch.Tensor, scores: torch.Tensor, positions: list[tuple[int, int, list[int]]]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(KL of the indexer to the attention's compressed-entry distribution, the attention aid, the indexer aid).
+
+    ``attention`` [B, H, S, S + T] (T compressed entries last), ``scores`` [B, S, T]. Only queries with at
+    least one causal entry count; the KL target is detached, so it trains the indexer alone.
+    """
+    batch, seq, entries = scores.shape
+    causal = torch.arange(entries, device=scores.device)[None, :] < ((torch.arange(seq, device=scores.device) + 1)
+                                                                    // CSA_RATIO)[:, None]          # [S, T]
+    logq = scores.float().masked_fill(~causal, float("-inf")).log_softmax(-1)
+    target = attention[..., seq:].detach().float().sum(1)                                        # [B, S, T]
+    target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
+    valid = causal.any(-1)                                                                       # [S]
+    kl = -(target * logq.masked_fill(~causal, 0.0)).sum(-1)[:, valid].mean()
+    if not positions:
+        zero = scores.new_zeros(())
+        return kl, zero, zero
+    mass, hits = [], []
+    for b, t, needle in positions:
+        mass.append(attention[b, :, t, [seq + w for w in needle]].sum(-1).mean())
+        hits.append(torch.logsumexp(logq[b, t, needle], 0))
+    attention_aid = -torch.log(torch.stack(mass).clamp(min=1e-6)).mean()
+    return kl, attention_aid, -torch.stack(hits).mean()
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+    return s.lr * (s.min_lr_fraction + (1 - s.min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def recall_by_length(model: TrainableModel, tokenizer, lengths: Sequence[int], trials: int, seed: int,
+                     device: torch.device, depths: Sequence[float] = DEFAULT_DEPTHS) -> dict[int, float]:
+    """Teacher-forced retrieval (every answer token the argmax) with the checkpoint's top-k, per length."""
+    adapter, rng = TokenizerAdapter(tokenizer), random.Random(seed)
+    model.set_dense(False)
+    out = {}
+    for length in lengths:
+        rows = []
+        for depth in depths:
+            for _ in range(trials):
+                needle = make_needle(rng)
+                prompt = build_prompt(adapter, length, depth, needle)
+                rows.append((prompt.input_ids + answer_ids(adapter, needle), length))
+        ids = torch.tensor([r for r, _ in rows], dtype=torch.int64, device=device)
+        hits = 0
+        for part in ids.split(max(1, 16384 // ids.shape[1])):
+            logits = model(part, mtp=False).logits[:, length - 1:-1]
+            hits += int((logits.argmax(-1) == part[:, length:]).all(-1).sum())
+        out[length] = hits / len(rows)
+    return out
+
+
+def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.device,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Train the organism from scratch; the model comes back in train mode's weights, eval mode set."""
+    s = settings
+    torch.manual_seed(s.seed)
+    model = TrainableModel(config, initializer_range=s.initializer_range)
+    model.fill_hash_tables(torch.Generator().manual_seed(s.seed))
+    model.to(device).train()
+    data = Data(tokenizer, s, bos_id=int(config.get("bos_token_id", 0)))
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "hc" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "hc" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                                   {"params": other, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    window = int(config["sliding_window"])
+    curve: list[dict] = []
+    running: dict[str, float] = {}
+    started = time.perf_counter()
+    hit_limit = False
+    step = 0
+    for step in range(s.steps):
+        if s.time_limit is not None and time.perf_counter() - started > s.time_limit:
+            hit_limit = True
+            break
+        model.set_dense(step < s.dense_steps or step % s.dense_every == 0)
+        ids, rows = data.batch()
+        ids = ids.to(device)
+        out = model(ids, capture=True)
+        targets = ids[:, 1:]
+        token_loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
+        weights = 1.0 + (s.answer_weight - 1.0) * _answer_mask(rows, ids.shape[1], device).flatten().float()
+        lm = (token_loss * weights).sum() / weights.sum()
+        mtp = sum(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, j + 2:].flatten())
+                  for j, logits in enumerate(out.mtp_logits))
+        positions = _retrieval_positions(rows, window)
+        kl = attention_aid = indexer_aid = ids.new_zeros((), dtype=torch.float32)
+        for layer in model.csa_layers:
+            k, a, i = indexer_losses(out.attention[layer], out.index_scores[layer], positions)
+            kl, attention_aid, indexer_aid = kl + k, attention_aid + a, indexer_aid + i
+        loss = lm + s.mtp_weight * mtp + s.distill_weight * kl + s.aid_weight * (attention_aid + indexer_aid)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, s)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        for name, value in (("loss", loss), ("lm", lm), ("mtp", mtp), ("indexer_kl", kl),
+                            ("attention_aid", attention_aid), ("indexer_aid", indexer_aid)):
+            running[name] = running.get(name, 0.0) + float(value.detach())
+        running["n"] = running.get("n", 0) + 1
+        if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
+            curve.append(_evaluate(model, tokenizer, s, device, step + 1, time.perf_counter() - started, running))
+            running = {}
+            log(_describe(curve[-1]))
+            model.train()
+    seconds = time.perf_counter() - started
+    steps_run = step + (0 if hit_limit else 1)
+    if hit_limit and (not curve or curve[-1]["step"] != steps_run):
+        curve.append(_evaluate(model, tokenizer, s, device, steps_run, seconds, running))
+        log(_describe(curve[-1]))
+    model.set_dense(False)
+    model.eval()
+    return TrainResult(model, s, steps_run, seconds, hit_limit, curve)
+
+
+def _evaluate(model: TrainableModel, tokenizer, s: TrainSettings, device: torch.device, step: int, seconds: float,
+              running: dict[str, float]) -> dict:
+    model.eval()
+    n = max(1.0, running.get("n", 1.0))
+    recall = recall_by_length(model, tokenizer, s.eval_lengths, s.eval_trials, s.seed + 7919, device)
+    return {"step": step, "seconds": round(seconds, 1),
+            **{k: round(v / n, 4) for k, v in running.items() if k != "n"},
+            "recall": {str(k): v for k, v in recall.items()}}
+
+
+def _describe(point: dict) -> str:
+    recall = " ".join(f"{k}:{100 * v:.0f}%" for k, v in point["recall"].items())
+    return (f"step {point['step']:5d} {point['seconds']:7.1f}s loss {point.get('loss', float('nan')):.3f} "
+            f"lm {point.get('lm', float('nan')):.3f} mtp {point.get('mtp', float('nan')):.3f} "
+            f"kl {point.get('indexer_kl', float('nan')):.3f} aids {point.get('attention_aid', float('nan')):.2f}/"
+            f"{point.get('indexer_aid', float('nan')):.2f} | recall {recall}")
+
+
+def settings_record(settings: TrainSettings) -> dict:
+    return asdict(settings)
