@@ -43,7 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory (the release-format checkpoint)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu; training wants a GPU)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: 1800)")
+    p.add_argument("--steps", type=int,
+                   help="optimizer steps (default: as many as fill --time-budget at the speed of the first 30; "
+                        "the provenance records the count, and --steps N replays the run)")
+    p.add_argument("--time-budget", type=float, default=420.0, metavar="SEC",
+                   help="training seconds the automatic step count aims at (default: 420)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, metavar="SEC",
                    help="stop early after SEC seconds of training (a guard: the provenance says if it hit)")
@@ -60,7 +64,8 @@ def _run(args: argparse.Namespace) -> int:
     from dsv4convert.organism.config import organism_config
     from dsv4convert.organism.train import TrainSettings
 
-    settings = TrainSettings(seed=args.seed, time_limit=args.time_limit, **(TINY if args.tiny else {}))
+    settings = TrainSettings(seed=args.seed, time_limit=args.time_limit, time_budget=args.time_budget,
+                             **(TINY if args.tiny else {}))
     if args.steps is not None:
         if args.steps < 1:
             raise DSV4Error(f"--steps must be at least 1, got {args.steps}")
@@ -72,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if args.dry_run:
         params = sum(p.numel() for p in TrainableModel(config).parameters())
-        print(f"organism: {params / 1e6:.2f}M parameters, {settings.steps} steps of {settings.tokens_per_step} tokens "
+        steps = settings.steps or f"about {settings.time_budget:.0f} s of"
+        print(f"organism: {params / 1e6:.2f}M parameters, {steps} steps of {settings.tokens_per_step} tokens "
               f"(lengths {settings.min_length}-{settings.max_length}) on {device}; would write {args.dst}")
         return 0
     return _train_and_write(args, config, settings, lengths, device)
@@ -95,7 +101,7 @@ def _train_and_write(args: argparse.Namespace, config: dict, settings, lengths: 
         "torch": torch.__version__, "transformers": _transformers_version(),
         "training_seconds": round(result.seconds, 1), "steps": result.steps_run,
         "hit_time_limit": result.hit_time_limit, "parameters": sum(p.numel() for p in result.model.parameters()),
-        "settings": settings_record(settings), "curve": result.curve,
+        "settings": settings_record(result.settings), "curve": result.curve,
     }
     dst = write_release(args.dst, result.model, config, tokenizer, provenance, overwrite=True)
     released = load_release(dst, device=device)

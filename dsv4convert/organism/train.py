@@ -22,10 +22,12 @@ not the clock, ends a run (``time_limit`` only guards the budget, and the proven
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -44,13 +46,15 @@ from dsv4convert.needle import (
 from dsv4convert.organism.language import documents
 
 ANSWER_TOKENS = 7     # needle values are 1,000,000 .. 9,999,999, one token per digit
+PROBE_STEPS = 30      # steps timed before an automatic step count is chosen (all inside the LR warm-up)
 
 
 @dataclass
 class TrainSettings:
     """Everything that decides a run (recorded in the provenance)."""
 
-    steps: int = 1800
+    steps: int | None = None           # None: as many as fill ``time_budget`` at the speed measured first
+    time_budget: float = 420.0
     tokens_per_step: int = 32768
     min_length: int = 56
     max_length: int = 2304
@@ -70,7 +74,7 @@ class TrainSettings:
     eval_lengths: tuple[int, ...] = (130, 259, 260, 520, 1040, 2080)
     eval_trials: int = 8
     seed: int = 0
-    time_limit: float | None = None    # seconds; a guard, the run normally ends at ``steps``
+    time_limit: float | None = None    # seconds; a hard guard (the provenance says if it hit)
 
 
 @dataclass
@@ -135,35 +139,71 @@ class Data:
 
 
 def _answer_mask(rows: list[Row], seq: int, device: torch.device) -> torch.Tensor:
-    """[B, S - 1] True where the logit at t predicts an answer token."""
+    """[B, S - 1] True where the logit at t predicts an answer token (pinned, copied without a sync)."""
     mask = torch.zeros((len(rows), seq - 1), dtype=torch.bool)
     for b, row in enumerate(rows):
         if row.answer_start is not None:
             mask[b, row.answer_start - 1:row.answer_start - 1 + ANSWER_TOKENS] = True
-    return mask.to(device)
+    return mask.to(device, non_blocking=True)
 
 
-def _retrieval_positions(rows: list[Row], window: int) -> list[tuple[int, int, list[int]]]:
-    """(row, query position, needle entries visible to it) for answer queries whose needle left the window."""
-    out = []
-    for b, row in enumerate(rows):
-        if row.answer_start is None:
-            continue
-        for t in range(row.answer_start - 1, row.answer_start - 1 + ANSWER_TOKENS):
-            if t - row.needle_span[1] < window:
+@dataclass
+class RetrievalQueries:
+    """Answer queries whose needle has left the sliding window, with the compressed entries each may see
+    that hold the needle (the indexer's target) and that hold the digit it must write next (the attention's)."""
+
+    rows: torch.Tensor        # [P] batch row
+    positions: torch.Tensor   # [P] query position
+    needle: torch.Tensor      # [P, T] bool
+    digit: torch.Tensor       # [P, T] bool
+
+    @classmethod
+    def of(cls, rows: list[Row], ids: torch.Tensor, window: int, device: torch.device) -> "RetrievalQueries":
+        entries = ids.shape[1] // CSA_RATIO
+        picked, needle, digit = [], [], []
+        for b, row in enumerate(rows):
+            if row.answer_start is None:
                 continue
-            entries = [w for w in needle_entries(row.needle_span) if w < (t + 1) // CSA_RATIO]
-            if entries:
-                out.append((b, t, entries))
-    return out
+            start, end = row.needle_span
+            answer = ids[b, row.answer_start:row.answer_start + ANSWER_TOKENS].tolist()
+            digits_at = _find(ids[b, start:end].tolist(), answer) + start
+            for j in range(ANSWER_TOKENS):
+                t = row.answer_start - 1 + j
+                causal = (t + 1) // CSA_RATIO
+                held = [w for w in needle_entries(row.needle_span) if w < causal]
+                token = digits_at + j      # entry w holds tokens 4(w-1) .. 4w+3 (needle.needle_entries)
+                writes = [w for w in (token // CSA_RATIO, token // CSA_RATIO + 1) if w < causal]
+                if t - end >= window and held and writes:
+                    picked.append((b, t))
+                    needle.append(_mask(held, entries))
+                    digit.append(_mask(writes, entries))
+        index = torch.tensor(picked, dtype=torch.int64).reshape(-1, 2)
+        stack = (lambda m: torch.stack(m) if m else torch.zeros((0, entries), dtype=torch.bool))
+        return cls(index[:, 0].to(device), index[:, 1].to(device), stack(needle).to(device),
+                   stack(digit).to(device))
 
 
-def indexer_losses(attention: torch.Tensor, scores: torch.Tensor, positions: list[tuple[int, int, list[int]]]
+def _find(haystack: list[int], needle: list[int]) -> int:
+    for i in range(len(haystack) - len(needle) + 1):
+        if haystack[i:i + len(needle)] == needle:
+            return i
+    raise ValueError("the answer's tokens are not inside the needle sentence")
+
+
+def _mask(entries: list[int], size: int) -> torch.Tensor:
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[entries] = True
+    return mask
+
+
+def indexer_losses(attention: torch.Tensor, scores: torch.Tensor, queries: RetrievalQueries
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(KL of the indexer to the attention's compressed-entry distribution, the attention aid, the indexer aid).
 
     ``attention`` [B, H, S, S + T] (T compressed entries last), ``scores`` [B, S, T]. Only queries with at
-    least one causal entry count; the KL target is detached, so it trains the indexer alone.
+    least one causal entry count; the KL target is detached, so it trains the indexer alone. The aids, at the
+    ``queries``: ``-log`` of the attention's mass (mean over heads) on the entries holding the digit to write
+    next, and the indexer's cross-entropy toward the entries holding the needle.
     """
     batch, seq, entries = scores.shape
     causal = torch.arange(entries, device=scores.device)[None, :] < ((torch.arange(seq, device=scores.device) + 1)
@@ -173,21 +213,23 @@ def indexer_losses(attention: torch.Tensor, scores: torch.Tensor, positions: lis
     target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
     valid = causal.any(-1)                                                                       # [S]
     kl = -(target * logq.masked_fill(~causal, 0.0)).sum(-1)[:, valid].mean()
-    if not positions:
-        zero = scores.new_zeros(())
+    if queries.rows.numel() == 0:
+        zero = scores.new_zeros((), dtype=torch.float32)
         return kl, zero, zero
-    mass, hits = [], []
-    for b, t, needle in positions:
-        mass.append(attention[b, :, t, [seq + w for w in needle]].sum(-1).mean())
-        hits.append(torch.logsumexp(logq[b, t, needle], 0))
-    attention_aid = -torch.log(torch.stack(mass).clamp(min=1e-6)).mean()
-    return kl, attention_aid, -torch.stack(hits).mean()
+    needle, digit = queries.needle[:, :entries], queries.digit[:, :entries]
+    picked = attention[queries.rows, :, queries.positions, seq:].float()                         # [P, H, T]
+    mass = (picked * digit[:, None, :]).sum(-1).mean(-1)
+    hits = logq[queries.rows, queries.positions].masked_fill(~needle, float("-inf")).logsumexp(-1)
+    return kl, -torch.log(mass.clamp(min=1e-6)).mean(), -hits.mean()
 
 
-def lr_at(step: int, s: TrainSettings) -> float:
+def lr_at(step: int, s: TrainSettings, steps: int | None) -> float:
+    """Linear warm-up, then cosine to ``min_lr_fraction`` at ``steps`` (flat until the step count is chosen)."""
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
-    progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+    if steps is None:
+        return s.lr
+    progress = (step - s.warmup_steps) / max(1, steps - s.warmup_steps)
     return s.lr * (s.min_lr_fraction + (1 - s.min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -216,7 +258,11 @@ def recall_by_length(model: TrainableModel, tokenizer, lengths: Sequence[int], t
 
 def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.device,
           log: Callable[[str], None] = print) -> TrainResult:
-    """Train the organism from scratch; the model comes back in train mode's weights, eval mode set."""
+    """Train the organism from scratch; returns it in eval mode with the checkpoint's top-k.
+
+    With ``settings.steps`` None the step count is chosen once, after ``PROBE_STEPS`` warm-up steps, to fill
+    ``settings.time_budget`` at the measured speed; the result's settings record it, so ``steps=N`` replays
+    the run exactly (nothing before the choice depends on it)."""
     s = settings
     torch.manual_seed(s.seed)
     model = TrainableModel(config, initializer_range=s.initializer_range)
@@ -229,62 +275,94 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
                                    {"params": other, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
     window = int(config["sliding_window"])
     curve: list[dict] = []
-    running: dict[str, float] = {}
+    running: dict[str, torch.Tensor] = {}
     started = time.perf_counter()
-    hit_limit = False
-    step = 0
-    for step in range(s.steps):
+    hit_limit, step, steps = False, 0, s.steps
+    batches = _prefetched(data, device, window)
+    while steps is None or step < steps:
         if s.time_limit is not None and time.perf_counter() - started > s.time_limit:
             hit_limit = True
             break
+        if steps is None and step == PROBE_STEPS:
+            steps = _steps_for_budget(s, step, time.perf_counter() - started)
+            s = dataclasses.replace(s, steps=steps)
+            log(f"step {step}: {(time.perf_counter() - started) / step:.3f} s a step, {steps} steps fill "
+                f"the {s.time_budget:.0f} s budget")
         model.set_dense(step < s.dense_steps or step % s.dense_every == 0)
-        ids, rows = data.batch()
-        ids = ids.to(device)
+        ids, rows, queries, answer_mask = next(batches)
         out = model(ids, capture=True)
         targets = ids[:, 1:]
-        token_loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
-        weights = 1.0 + (s.answer_weight - 1.0) * _answer_mask(rows, ids.shape[1], device).flatten().float()
+        logits = out.logits[:, :-1].float()
+        token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        weights = 1.0 + (s.answer_weight - 1.0) * answer_mask.float()
         lm = (token_loss * weights).sum() / weights.sum()
-        mtp = sum(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, j + 2:].flatten())
-                  for j, logits in enumerate(out.mtp_logits))
-        positions = _retrieval_positions(rows, window)
-        kl = attention_aid = indexer_aid = ids.new_zeros((), dtype=torch.float32)
+        mtp = sum(F.cross_entropy(m[:, :-1].flatten(0, 1).float(), ids[:, j + 2:].flatten())
+                  for j, m in enumerate(out.mtp_logits))
+        kl = attention_aid = indexer_aid = torch.zeros((), device=device)
         for layer in model.csa_layers:
-            k, a, i = indexer_losses(out.attention[layer], out.index_scores[layer], positions)
+            k, a, i = indexer_losses(out.attention[layer], out.index_scores[layer], queries)
             kl, attention_aid, indexer_aid = kl + k, attention_aid + a, indexer_aid + i
         loss = lm + s.mtp_weight * mtp + s.distill_weight * kl + s.aid_weight * (attention_aid + indexer_aid)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, s)
+            group["lr"] = lr_at(step, s, steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        for name, value in (("loss", loss), ("lm", lm), ("mtp", mtp), ("indexer_kl", kl),
-                            ("attention_aid", attention_aid), ("indexer_aid", indexer_aid)):
-            running[name] = running.get(name, 0.0) + float(value.detach())
-        running["n"] = running.get("n", 0) + 1
-        if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
-            curve.append(_evaluate(model, tokenizer, s, device, step + 1, time.perf_counter() - started, running))
+        with torch.no_grad():
+            answers = answer_mask.sum().clamp(min=1)
+            record = {"loss": loss, "lm": lm, "mtp": mtp, "indexer_kl": kl, "attention_aid": attention_aid,
+                      "indexer_aid": indexer_aid, "answer_ce": (token_loss * answer_mask).sum() / answers,
+                      "answer_token_accuracy": ((logits.argmax(-1) == targets) & answer_mask).sum() / answers,
+                      "n": torch.ones((), device=device)}
+            for name, value in record.items():
+                running[name] = running.get(name, 0.0) + value.detach()
+        step += 1
+        if step % s.eval_every == 0 or step == steps:
+            curve.append(_evaluate(model, tokenizer, s, device, step, time.perf_counter() - started, running))
             running = {}
             log(_describe(curve[-1]))
             model.train()
     seconds = time.perf_counter() - started
-    steps_run = step + (0 if hit_limit else 1)
-    if hit_limit and (not curve or curve[-1]["step"] != steps_run):
-        curve.append(_evaluate(model, tokenizer, s, device, steps_run, seconds, running))
+    if hit_limit and (not curve or curve[-1]["step"] != step):
+        curve.append(_evaluate(model, tokenizer, s, device, step, seconds, running))
         log(_describe(curve[-1]))
     model.set_dense(False)
     model.eval()
-    return TrainResult(model, s, steps_run, seconds, hit_limit, curve)
+    return TrainResult(model, dataclasses.replace(s, steps=steps if steps is not None else step), step, seconds,
+                       hit_limit, curve)
+
+
+def _steps_for_budget(s: TrainSettings, done: int, elapsed: float) -> int:
+    """Steps that fill the time budget at the speed of the first ``done`` (evaluations take ~5 % more)."""
+    per_step = elapsed / done
+    return done + max(1, int((s.time_budget - elapsed) / (per_step * 1.08)))
+
+
+def _prefetched(data: Data, device: torch.device, window: int) -> Iterator[tuple]:
+    """Batches built on a worker thread one step ahead (the tokenizer's work hides behind the GPU's)."""
+    def build():
+        ids, rows = data.batch()
+        queries = RetrievalQueries.of(rows, ids, window, device)
+        return (ids.to(device, non_blocking=True), rows, queries,
+                _answer_mask(rows, ids.shape[1], device))
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="organism-data") as pool:
+        pending = pool.submit(build)
+        while True:
+            batch = pending.result()
+            pending = pool.submit(build)
+            yield batch
 
 
 def _evaluate(model: TrainableModel, tokenizer, s: TrainSettings, device: torch.device, step: int, seconds: float,
-              running: dict[str, float]) -> dict:
+              running: dict[str, torch.Tensor]) -> dict:
+    """Mean losses since the last point and teacher-forced recall on held-out needles."""
     model.eval()
-    n = max(1.0, running.get("n", 1.0))
+    n = max(1.0, float(running.get("n", 1.0)))
     recall = recall_by_length(model, tokenizer, s.eval_lengths, s.eval_trials, s.seed + 7919, device)
     return {"step": step, "seconds": round(seconds, 1),
-            **{k: round(v / n, 4) for k, v in running.items() if k != "n"},
+            **{k: round(float(v) / n, 4) for k, v in running.items() if k != "n"},
             "recall": {str(k): v for k, v in recall.items()}}
 
 
@@ -293,7 +371,8 @@ def _describe(point: dict) -> str:
     return (f"step {point['step']:5d} {point['seconds']:7.1f}s loss {point.get('loss', float('nan')):.3f} "
             f"lm {point.get('lm', float('nan')):.3f} mtp {point.get('mtp', float('nan')):.3f} "
             f"kl {point.get('indexer_kl', float('nan')):.3f} aids {point.get('attention_aid', float('nan')):.2f}/"
-            f"{point.get('indexer_aid', float('nan')):.2f} | recall {recall}")
+            f"{point.get('indexer_aid', float('nan')):.2f} answer ce {point.get('answer_ce', float('nan')):.2f} "
+            f"acc {100 * point.get('answer_token_accuracy', float('nan')):.0f}% | recall {recall}")
 
 
 def settings_record(settings: TrainSettings) -> dict:
