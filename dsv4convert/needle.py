@@ -2,11 +2,13 @@
 
 Prompts are token-id lists built with the model's own tokenizer to an exact length, the needle at a
 stated depth; the grid's lengths follow from the checkpoint's sparse attention. A CSA layer compresses
-``ratio`` tokens into an entry and a query at position ``t`` picks the top ``index_topk`` of its
-``(t + 1) // ratio`` entries, beside a sliding window of the last ``sliding_window`` tokens: up to
-about ``ratio * index_topk + sliding_window`` tokens (2,176 for V4-Flash) the indexer selects everything
-and its choices cannot matter; past it, recall depends on what it picks. The default grid straddles
-that threshold and covers every prompt length modulo 4 (engine bugs have depended on ``len % 4``).
+``ratio`` tokens into an entry and the query at position ``t`` (0-based) chooses the top ``index_topk``
+of its ``(t + 1) // ratio`` entries (those overlapping the sliding window included). So top-k holds
+every entry of every query of a prompt up to ``ratio * index_topk + ratio - 1`` tokens (2,051 for
+V4-Flash), and the first prompt whose answer query leaves an entry out has ``ratio * index_topk +
+ratio`` tokens (2,052): :func:`selection_threshold`. Past it, recall depends on what the indexer picks.
+The default grid straddles that threshold and covers every prompt length modulo 4 (engine bugs have
+depended on ``len % 4``).
 """
 
 from __future__ import annotations
@@ -127,19 +129,52 @@ def answer_is_correct(output: str, needle: Needle) -> bool:
     return match is not None and match.group(0) == needle.value
 
 
-def selection_threshold(index_topk: int, sliding_window: int, ratio: int = CSA_RATIO) -> int:
-    """Prompt length up to which the indexer selects every compressed entry: ``ratio * index_topk + window``."""
-    return ratio * index_topk + sliding_window
+def selection_threshold(index_topk: int, ratio: int = CSA_RATIO) -> int:
+    """The first prompt length at which the indexer's top-k leaves a compressed entry out: ``ratio * index_topk
+    + ratio`` (2,052 for V4-Flash's 512; 132 for 32, 260 for 64).
+
+    The answer's first token is predicted by the query at position ``L - 1`` of an ``L``-token prompt, and
+    the query at position ``t`` chooses among all ``(t + 1) // ratio`` compressed entries, so that query
+    keeps every entry while ``L // ratio <= index_topk``, i.e. up to ``L = ratio * index_topk + ratio - 1``;
+    within a prompt, the row at position ``t`` is sparse iff ``t >= threshold - 1``. Both engines agree:
+
+    * transformers 5.19.0, ``models/deepseek_v4/modeling_deepseek_v4.py::DeepseekV4Indexer.forward``:
+      ``causal_threshold = (position_ids + 1) // self.compress_rate`` masks the later entries, then
+      ``index_scores.topk(min(self.index_topk, compressed_len))``;
+    * SGLang 0.5.23: the ratio-4 indexer's lengths are ``c4_seq_lens_raw = seq_len // 4`` of the causal
+      length ``seq_lens_casual`` (``t + 1``; ``kernels/ops/attention/dsv4/metadata_kernel.py::
+      _init_compressed_attn_metadata_kernel``, read by ``srt/layers/attention/deepseek_v4_backend.py::
+      init_forward_metadata_indexer``; ratios 1 and 2 the same in ``_low_ratio_compression_metadata``:
+      ``seq_lens_casual // compress_ratio``), and ``srt/layers/attention/dsv4/indexer.py::
+      _topk_transform_vectorized`` takes every entry in order when ``needs_sequential = seq_lens <= TOPK``.
+
+    The sliding window plays no part: entries overlapping it are candidates like any other.
+    """
+    return ratio * index_topk + ratio
 
 
-def default_lengths(threshold: int, shortest: int = 1) -> list[int]:
-    """Powers of two from about half the threshold to 64 times it (V4-Flash: 1K .. 128K), the threshold
-    -/+ 1/16 of it, each lowered by its index mod 4 so the lengths cover every residue mod 4; those
-    under ``shortest`` (what a prompt needs at least) are dropped."""
-    longest = 2 ** int(math.log2(threshold * 64))
-    powers = {2**k for k in range(int(math.log2(max(threshold // 2, 1))), int(math.log2(longest)) + 1)}
-    bases = sorted(powers | {threshold - threshold // 16, threshold + threshold // 16})
-    return [b - i % 4 for i, b in enumerate(bases) if b - i % 4 >= shortest]
+def default_lengths(threshold: int, shortest: int = 1, longest: int | None = None) -> list[int]:
+    """The default needle grid around ``threshold`` (:func:`selection_threshold`), ascending:
+
+    * ``threshold - 1`` (the longest prompt whose every query keeps every entry) and ``threshold`` (the
+      first whose answer query leaves one out), exactly;
+    * ``threshold + threshold // 16`` (at least ``threshold + 4``), a little further past, and the powers of
+      two from about half the threshold up to ``longest`` (default 64 x the threshold: 1K .. 128K for
+      V4-Flash; a small model can ask for ``8 * threshold``), each lowered by its index mod 4 among them,
+      so that with the two exact lengths (residues 3 and 0) every residue mod 4 is there (engine bugs
+      have depended on ``len % 4``).
+
+    Lengths under ``shortest`` (what a prompt needs at least) are dropped. V4-Flash (threshold 2052): 1024,
+    2047, 2051, 2052, 2178, 4093, 8192, 16383, 32766, 65533, 131072.
+    """
+    if longest is None:
+        longest = 64 * threshold
+    top = 2 ** int(math.log2(max(longest, 1)))
+    powers = {2**k for k in range(int(math.log2(max(threshold // 2, 1))), int(math.log2(top)) + 1)}
+    others = sorted(b for b in powers | {threshold + max(threshold // 16, 4)} if b - 3 >= shortest and b <= longest)
+    lowered = [b - i % 4 for i, b in enumerate(others)]
+    exact = [n for n in (threshold - 1, threshold) if n >= shortest and n <= longest]
+    return sorted(set(lowered) | set(exact))
 
 
 def parse_lengths(text: str) -> list[int]:

@@ -1,8 +1,8 @@
 """compare --recall: the shared needle prompts, teacher-forced retrieval against transformers' own greedy
 generate, the indexer hook against transformers' full forward, top-k overlap, the ablation rows, the CLI.
 
-The model is the tiny preset with index_topk 64 (threshold 4 * 64 + 8 = 264 tokens, so prompts of a few
-hundred tokens straddle it) and 32 indexer heads (no exact score ties; see tests/test_model_forward.py).
+The model is the tiny preset with index_topk 64 (selection threshold 4 * 64 + 4 = 260 tokens: the first prompt
+length whose answer query leaves an entry out, so prompts of a few hundred tokens straddle it) and 32 indexer heads (no exact score ties; see tests/test_model_forward.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dsv4convert.serve.recall import RecallSweep
 from dsv4convert.synth import preset_config, synthesize
 from transformers_oracle import load
 
-LENGTHS = [263, 301]        # just below and past the threshold, residues 3 and 1
-THRESHOLD = 4 * 64 + 8
+LENGTHS = [259, 301]        # the longest fully selected prompt and one past the threshold, residues 3 and 1
+THRESHOLD = 4 * 64 + 4
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,15 @@ def recall(base: Path, variant: Path, **kw) -> dict:
 
 
 def test_default_grid_straddles_the_threshold_and_covers_every_residue():
-    assert selection_threshold(512, 128) == 2176           # V4-Flash
-    lengths = default_lengths(2176)
-    assert lengths == [1024, 2039, 2046, 2309, 4096, 8191, 16382, 32765, 65536, 131071]
-    assert min(lengths) < 2176 < max(lengths) and {n % 4 for n in lengths} == {0, 1, 2, 3}
+    assert selection_threshold(512) == 2052 and selection_threshold(64) == THRESHOLD   # V4-Flash; the tiny k64
+    lengths = default_lengths(2052)
+    assert lengths == [1024, 2047, 2051, 2052, 2178, 4093, 8192, 16383, 32766, 65533, 131072]
+    assert {n % 4 for n in lengths} == {0, 1, 2, 3}
+    # A small model asks for half to 8 x its threshold: still both sides of it, exactly, every residue.
+    small = default_lengths(132, longest=8 * 132)
+    assert small == [64, 127, 131, 132, 138, 253, 512, 1023] and {n % 4 for n in small} == {0, 1, 2, 3}
     tiny = default_lengths(THRESHOLD, shortest=200)
-    assert min(tiny) >= 200 and {n % 4 for n in tiny} == {0, 1, 2, 3} and min(tiny) < THRESHOLD < max(tiny)
+    assert min(tiny) >= 200 and {n % 4 for n in tiny} == {0, 1, 2, 3} and {THRESHOLD - 1, THRESHOLD} <= set(tiny)
     assert parse_lengths("2K, 4099,128k") == [2048, 4099, 131072]
     with pytest.raises(ValueError, match="not a token count"):
         parse_lengths("2M")
@@ -142,7 +145,7 @@ def test_indexer_hook_sees_what_transformers_computes(k64):
         # Sets per row (the order of equal scores aside), chunked through the cache vs the single shot.
         got = Keep.seen[block]
         assert torch.equal(got.sort(-1).values, picks.sort(-1).values), block
-        assert (overlap(picks[THRESHOLD:], got[THRESHOLD:]) == 1).all()
+        assert (overlap(picks[THRESHOLD - 1:], got[THRESHOLD - 1:]) == 1).all()
 
 
 def test_a_checkpoint_against_itself_overlaps_fully_and_counts_only_rows_past_the_threshold(k64):
@@ -151,10 +154,10 @@ def test_a_checkpoint_against_itself_overlaps_fully_and_counts_only_rows_past_th
     assert all(layer["overlap_local"]["mean"] == 1.0 for layer in variant["layers"])
     assert all(layer["overlap_free_running"]["mean"] == layer["overlap_free_running"]["min"] == 1.0
                for layer in variant["layers"])
-    # Only rows past the threshold count: of each prompt + answer, the positions from 264 on.
+    # Only sparse rows count: of each prompt + answer, the positions from 259 (= threshold - 1) on.
     tokenizer = load_tokenizer(k64["native"])
     totals = [t["length"] + len(tokenizer.encode(t["value"], add_special_tokens=False)) for t in variant["trials"]]
-    assert variant["layers"][0]["overlap_free_running"]["rows"] == sum(max(0, n - THRESHOLD) for n in totals) > 0
+    assert variant["layers"][0]["overlap_free_running"]["rows"] == sum(max(0, n - (THRESHOLD - 1)) for n in totals) > 0
     assert r["verdicts"][0].startswith("variant: recall matches base at every length")
     assert [t["retrieved"] for t in variant["trials"]] == [t["retrieved"] for t in r["tracks"]["base"]["trials"]]
 
@@ -201,7 +204,7 @@ def test_ablation_rows_switch_on_one_part_each_and_a_lossless_cast_starts_at_the
 def test_cli_writes_the_recall_report_and_refuses_bad_requests(k64, tmp_path, capsys):
     report = tmp_path / "report"
     base = ["compare", "--base", str(k64["native"]), "--variant", str(k64["nvfp4"]), "--no-progress"]
-    assert main(base + ["--recall", "--lengths", "263,301", "--depths", "0.5", "--report", str(report)]) == 0
+    assert main(base + ["--recall", "--lengths", "259,301", "--depths", "0.5", "--report", str(report)]) == 0
     out = capsys.readouterr().out
     assert "variant: recall matches base" in out
     assert {p.name for p in report.iterdir()} == {"recall.json", "compare.md", "needle_heatmaps.png",

@@ -40,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "noise floor (the base in other query chunks)")
     rec.add_argument("--lengths", type=_lengths, metavar="L,L,...",
                      help="prompt lengths in tokens, K = 1024 (default: straddling the checkpoint's selection "
-                          "threshold 4*index_topk + sliding_window, to 64x it, every residue mod 4)")
+                          "threshold 4*index_topk + 4, the first length whose answer query leaves an entry out, "
+                          "to 64x it, every residue mod 4)")
     rec.add_argument("--depths", type=_depths, default=None, metavar="D,D,...",
                      help="needle depths within the haystack, 0..1 (default: 0.1,0.5,0.9)")
     rec.add_argument("--trials", type=int, default=1, help="needles per (length, depth) (default: 1)")

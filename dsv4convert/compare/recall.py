@@ -9,12 +9,12 @@ indices, -1 invalid) gives, per track:
 
 * where the needle stood in the query rows that produce the answer: is a compressed entry holding it
   selected, and at what rank (the indexer's top-k is sorted by score);
-* the top-k overlap ``|A ∩ B| / k`` with the reference on every row past the selection threshold
-  (below it both sets are everything), free-running and local, and the same for a *noise floor*: the
-  base once more in other query chunks, which changes nothing but float rounding. Rounding does not
-  depend on where the needle sits, so by default the noise floor runs one prompt per length (the
-  middle depth): every length, a third of a three-depth grid's forward work (``noise_floor="all"``
-  runs every prompt).
+* the top-k overlap ``|A ∩ B| / k`` with the reference on every sparse row (position ``t >= threshold - 1``
+  of :func:`~dsv4convert.needle.selection_threshold`; before it both sets are everything), free-running
+  and local, and the same for a *noise floor*: the base once more in other query chunks, which changes
+  nothing but float rounding. Rounding does not depend on where the needle sits, so by default the noise
+  floor runs one prompt per length (the middle depth): every length, a third of a three-depth grid's
+  forward work (``noise_floor="all"`` runs every prompt).
 
 ``--ablate`` adds tracks that switch the served numerics on one part at a time, for the base too,
 against the base with its weights only: weights only; + activation quantization; + FP8 KV cache;
@@ -58,6 +58,7 @@ class RecallOptions:
     ablate: bool = False
     local: bool = False                     # also run the variant's blocks on the base's input (one more pass)
     noise_floor: str = "per-length"         # the noise floor's prompts: "per-length" (middle depth) or "all"
+    longest: int | None = None              # the default lengths' longest (default: 64 x the threshold)
 
 
 @dataclass
@@ -67,13 +68,13 @@ class Grid:
     prompts: list[RecallPrompt]
     batches: list[Batch]
     where: list[tuple[int, int]]            # prompt index -> (batch, row)
-    threshold: int
+    threshold: int                          # the first prompt length whose answer query leaves an entry out
 
 
 def build_grid(tokenizer, config: dict, opts: RecallOptions, template: PromptTemplate = PromptTemplate()) -> Grid:
-    threshold = selection_threshold(int(config["index_topk"]), int(config["sliding_window"]))
+    threshold = selection_threshold(int(config["index_topk"]))
     shortest = shortest_prompt(tokenizer, template)
-    lengths = opts.lengths or default_lengths(threshold, shortest)
+    lengths = opts.lengths or default_lengths(threshold, shortest, opts.longest)
     if not lengths:
         raise DSV4Error(f"no needle length fits: a prompt needs at least {shortest} tokens")
     if opts.trials < 1:
@@ -178,7 +179,7 @@ class TopkObserver:
             if not local:
                 self.ranks[track.label][block][self._prompt(key)] = self._needle_rank(picks[i], key)
             if track.label != self.reference and key in self._reference_picks:
-                past = slice(threshold, None)
+                past = slice(threshold - 1, None)       # the rows whose top-k leaves entries out
                 self.overlap[(track.label, "local" if local else "free_running", block)].rows[key] = \
                     overlap(self._reference_picks[key][past], picks[i][past]).half()
 
@@ -277,7 +278,7 @@ def verdict(summary: dict, reference: str, track: str) -> str:
                 f"({100 * summary['tracks'][track]['accuracy']:.0f}% of needles, {reference} "
                 f"{100 * summary['tracks'][reference]['accuracy']:.0f}%)")
     first = lost[0]
-    side = "past" if first > summary["threshold"] else "below"
+    side = "past" if first >= summary["threshold"] else "below"
     return (f"{track}: loses needles {reference} finds from {_k(first)} on ({side} the {summary['threshold']}-token "
             f"selection threshold): {100 * mine[first]:.0f}% against {100 * ref[first]:.0f}% there")
 

@@ -131,9 +131,10 @@ def render_recall_markdown(result: dict) -> str:
     ref, subject, noise = r["reference"], r["subject"], r["noise_floor"]
     lines = [f"# compare --recall: {result['variant']['path']} against {result['base']['path']}", "",
              *[f"**{v}.**" for v in r["verdicts"]], "",
-             f"{result['data']['prompts']} needle prompts: lengths {r['lengths']}, depths {r['depths']}; the indexer "
-             f"selects every compressed entry up to {r['threshold']} tokens (4 x index_topk + sliding window), so "
-             "only longer prompts test its choices. Retrieval is teacher-forced: every answer token the argmax "
+             f"{result['data']['prompts']} needle prompts: lengths {r['lengths']}, depths {r['depths']}; the selection "
+             f"threshold is {r['threshold']} tokens (4 x index_topk + 4): the first prompt length whose answer query "
+             "has more compressed entries than index_topk to choose from, so only prompts that long or longer test "
+             "the indexer's choices. Retrieval is teacher-forced: every answer token the argmax "
              "given the ones before, what greedy decoding produces. Reference: "
              f"{ref}; noise floor: {noise} (float rounding only; {_noise_prompts(r, noise)}).", "",
              "## Needle accuracy per length", "",
@@ -147,7 +148,8 @@ def render_recall_markdown(result: dict) -> str:
                                                   for length in r["lengths"])
                      + f" | {_pct(track['accuracy'])} |")
     lines += ["", "## Each track against the reference", "",
-              "At the answer positions: KLD and same top-1; over every CSA layer and every row past the threshold: "
+              "At the answer positions: KLD and same top-1; over every CSA layer and every sparse row (position "
+              "threshold - 1 and later, where top-k leaves entries out): "
               "the mean top-k overlap |A \u2229 B| / k (free-running) and its lowest layer.", "",
               "| track | numerics | KLD at answers | same top-1 | mean top-k overlap | lowest layer (overlap) | needles |",
               "|---|---|---|---|---|---|---|"]
