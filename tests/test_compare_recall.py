@@ -15,7 +15,8 @@ import torch
 
 from dsv4convert.cli import main
 from dsv4convert.compare.engine import Batch, LockstepEngine
-from dsv4convert.compare.recall import RecallOptions, TopkObserver, build_grid, overlap
+from dsv4convert.compare.recall import RecallOptions, TopkObserver, ablation_verdict, build_grid, diagnose, overlap, verdict
+from dsv4convert.compare.report import render_recall_markdown
 from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.model.text import load_tokenizer
 from dsv4convert.needle import (
@@ -159,6 +160,9 @@ def test_a_checkpoint_against_itself_overlaps_fully_and_counts_only_rows_past_th
     totals = [t["length"] + len(tokenizer.encode(t["value"], add_special_tokens=False)) for t in variant["trials"]]
     assert variant["layers"][0]["overlap_free_running"]["rows"] == sum(max(0, n - (THRESHOLD - 1)) for n in totals) > 0
     assert r["verdicts"][0].startswith("variant: recall matches base at every length")
+    assert r["diagnosis"]["kind"] == "none" and r["diagnosis"] == r["diagnoses"]["variant"]
+    assert variant["layers"][0]["prompts_past"] == 1 and variant["layers"][0]["needle_selected_rate_past"] is not None
+    assert [sorted(t["needle_ranks"]) for t in variant["trials"]] == [["layers.2", "layers.4"]] * len(LENGTHS)
     assert [t["retrieved"] for t in variant["trials"]] == [t["retrieved"] for t in r["tracks"]["base"]["trials"]]
 
 
@@ -210,7 +214,7 @@ def test_cli_writes_the_recall_report_and_refuses_bad_requests(k64, tmp_path, ca
     assert {p.name for p in report.iterdir()} == {"recall.json", "compare.md", "needle_heatmaps.png",
                                                   "needle_rank.png", "topk_overlap.png"}
     md = (report / "compare.md").read_text()
-    assert "## Needle accuracy per length" in md and "noise floor" in md and "layers.2" in md
+    assert "## Needle accuracy per length" in md and "noise floor" in md and "layers.2" in md and "## Diagnosis" in md
     for extra, message in ((["--lengths", "300"], "--lengths, --depths, --ablate, --local and --noise-floor belong to --recall"),
                            (["--recall", "--random-tokens"], "--recall builds its own needle prompts"),
                            (["--recall", "--lengths", "40"], "cannot hold the template")):
@@ -220,3 +224,107 @@ def test_cli_writes_the_recall_report_and_refuses_bad_requests(k64, tmp_path, ca
     with pytest.raises(SystemExit):
         main(base + ["--recall", "--depths", "1.5"])
     assert "depths must be numbers in [0, 1]" in capsys.readouterr().err
+
+
+# --- diagnose: hand-built summaries (threshold 132, CSA layers 1 and 3; three depths at 131, 132 and 264) ---
+
+T = 132
+LAYERS = ("layers.1", "layers.3")
+PROMPTS = [(length, depth) for length in (T - 1, T, 2 * T) for depth in (0.1, 0.5, 0.9)]
+
+
+def hand_track(lost=(), dropped=None, local=None, free=1.0, prompts=None):
+    """A track of the summary: ``lost`` prompt indices not retrieved, ``dropped[layer]`` the prompts whose needle
+    that layer's indexer does not select, ``local[layer]`` its mean local top-k overlap (None: no local pass)."""
+    dropped, local = dropped or {}, local or {}
+    ran = range(len(PROMPTS)) if prompts is None else prompts
+    trials = [{"prompt": i, "length": PROMPTS[i][0], "depth": PROMPTS[i][1], "retrieved": i not in lost,
+               "needle_ranks": {layer: None if i in dropped.get(layer, ()) else 3 for layer in LAYERS}} for i in ran]
+    cells = [{"length": t["length"], "depth": t["depth"], "accuracy": float(t["retrieved"]), "trials": 1} for t in trials]
+    overlap = lambda mean, p1=None: {"rows": 0 if mean is None else 100, "mean": mean,
+                                     "p1": p1 if p1 is not None else mean, "min": mean}
+    layers = [{"layer": layer, "needle_selected_rate": None, "needle_median_rank": None,
+               "overlap_local": overlap(local.get(layer)), "overlap_free_running": overlap(free)} for layer in LAYERS]
+    return {"numerics": {"label": "served"}, "trials": trials, "cells": cells, "layers": layers,
+            "accuracy": sum(t["retrieved"] for t in trials) / len(trials)}
+
+
+def hand_summary(variant: dict, noise_mean=0.99, noise_p1=0.97) -> dict:
+    noise = hand_track(prompts=[1, 4, 7])
+    for layer in noise["layers"]:
+        layer["overlap_free_running"] = {"rows": 100, "mean": noise_mean, "p1": noise_p1, "min": noise_p1}
+    return {"threshold": T, "reference": "base", "subject": "variant", "noise_floor": "base, chunk 69",
+            "csa_layers": list(LAYERS),
+            "tracks": {"base": hand_track(), "variant": variant, "base, chunk 69": noise}}
+
+
+PAST = [3, 4, 5, 6, 7, 8]        # the prompts of 132 and 264 tokens
+
+
+def test_diagnose_names_the_indexer_of_the_layer_that_drops_the_needle():
+    # layers.1's indexer crushed: it drops the needle in 5 of the 6 prompts past the threshold, which are lost;
+    # its local overlap is far under the noise floor; layers.3 keeps selecting it.
+    variant = hand_track(lost=PAST[:5], dropped={"layers.1": PAST[:5]}, local={"layers.1": 0.12, "layers.3": 1.0})
+    s = hand_summary(variant)
+    d = diagnose(s, "base", "variant")
+    assert (d["kind"], d["layer"], d["first_lost_length"], d["lost_prompts_past"]) == ("indexer", "layers.1", T, 5)
+    first = d["layers"][0]
+    assert first["selected_rate_past"] == pytest.approx(1 / 6) and first["reference_selected_rate_past"] == 1.0
+    assert first["dropped_in_lost"] == 5 and first["local_under_noise_floor"] is True
+    assert d["layers"][1]["dropped_in_lost"] == 0 and d["layers"][1]["local_under_noise_floor"] is False
+    v = verdict(s, "base", "variant")
+    assert "from 132 on (past the 132-token selection threshold)" in v          # length == threshold is past
+    assert "stops being selected by layers.1's indexer" in v and "0.12 against the noise floor's 0.99" in v
+    # Without the local pass the same selection loss cannot be told from damage upstream of layers.1.
+    blind = hand_summary(hand_track(lost=PAST[:5], dropped={"layers.1": PAST[:5]}))
+    d = diagnose(blind, "base", "variant")
+    assert (d["kind"], d["layer"]) == ("unlocalized", "layers.1") and "--local" in d["sentence"]
+    # A local overlap at the noise floor (above its 1st percentile) does not make an indexer fault.
+    at_floor = hand_summary(hand_track(lost=PAST[:5], dropped={"layers.1": PAST[:5]},
+                                       local={"layers.1": 0.98, "layers.3": 1.0}))
+    assert diagnose(at_floor, "base", "variant")["kind"] == "after_selection"
+
+
+def test_diagnose_puts_an_attention_fault_after_selection():
+    # The needle stays selected by every layer (layers.1's attention damaged): after selection.
+    s = hand_summary(hand_track(lost=PAST, local={"layers.1": 1.0, "layers.3": 1.0}))
+    d = diagnose(s, "base", "variant")
+    assert (d["kind"], d["reason"], d["layer"]) == ("after_selection", "still_selected", None)
+    assert "after selection (attention or the layers after it), not the indexer" in verdict(s, "base", "variant")
+    # layers.3 fed the damaged stream drops the needle, but its own top-k on base's input matches base: not it.
+    s = hand_summary(hand_track(lost=PAST, dropped={"layers.3": PAST[:4]}, local={"layers.1": 1.0, "layers.3": 0.995},
+                                free=0.4))
+    d = diagnose(s, "base", "variant")
+    assert (d["kind"], d["reason"]) == ("after_selection", "damaged_input")
+    assert d["layers"][1]["dropped_in_lost"] == 4 and d["layers"][1]["local_under_noise_floor"] is False
+    # An indexer that diverges but drops the needle in fewer than half of the lost prompts is not blamed.
+    s = hand_summary(hand_track(lost=PAST, dropped={"layers.1": PAST[:2]}, local={"layers.1": 0.3, "layers.3": 1.0}))
+    assert diagnose(s, "base", "variant")["reason"] == "still_selected"
+
+
+def test_diagnose_without_a_loss_and_with_a_loss_below_the_threshold():
+    s = hand_summary(hand_track(local={"layers.1": 0.5, "layers.3": 1.0}))
+    d = diagnose(s, "base", "variant")
+    assert (d["kind"], d["first_lost_length"], d["lost_prompts_past"]) == ("none", None, 0)
+    assert verdict(s, "base", "variant").startswith("variant: recall matches base at every length to 264")
+    # Lost at 131 tokens, where every indexer keeps every entry: never the indexer, whatever it does past it.
+    s = hand_summary(hand_track(lost=[0, 4, 5], dropped={"layers.1": [4, 5]}, local={"layers.1": 0.1, "layers.3": 1.0}))
+    d = diagnose(s, "base", "variant")
+    assert (d["kind"], d["reason"], d["first_lost_length"], d["past_threshold"]) == (
+        "after_selection", "below_threshold", T - 1, False)
+    assert "from 131 on (below the 132-token selection threshold)" in verdict(s, "base", "variant")
+
+
+def test_ablation_verdict_diagnoses_the_first_row_that_breaks():
+    s = hand_summary(hand_track())
+    s["tracks"]["variant: + FP8 indexer"] = hand_track(lost=PAST[:5], dropped={"layers.3": PAST[:5]},
+                                                       local={"layers.1": 1.0, "layers.3": 0.2})
+    s["tracks"]["variant: FP4 indexer"] = hand_track(lost=PAST)
+    v = ablation_verdict(s, "base", ["variant", "variant: + FP8 indexer", "variant: FP4 indexer"])
+    assert v.startswith("recall first breaks at 'variant: + FP8 indexer' (from 132 on)")
+    assert "layers.3's indexer" in v
+    md = render_recall_markdown({"variant": {"path": "v"}, "base": {"path": "b"}, "data": {"prompts": 9},
+                                 "seconds": {}, "peak_device_bytes": 0,
+                                 "recall": {**s, "verdicts": [v], "diagnosis": diagnose(s, "base", "variant: + FP8 indexer"),
+                                            "lengths": [T - 1, T, 2 * T], "depths": [0.1, 0.5, 0.9]}})
+    assert "## Diagnosis" in md and "**variant: the indexer, layers.3** (dropped_and_diverges)" in md

@@ -20,6 +20,12 @@ indices, -1 invalid) gives, per track:
 against the base with its weights only: weights only; + activation quantization; + FP8 KV cache;
 + FP8 indexer (all of it: what the server runs); FP4 indexer instead. The first row that loses the
 needle names the culprit.
+
+:func:`diagnose` turns a track's numbers into the part that lost the needle: the indexer of one CSA layer
+(it drops the needle's entry in the prompts the track loses, and on the reference's input its top-k is
+clearly off the reference's, below the noise floor), or what comes after selection (the needle is lost
+below the threshold, or stays selected, or is dropped only by indexers whose own top-k matches on the
+reference's input); :func:`verdict` and :func:`ablation_verdict` say it in a sentence.
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ class RecallOptions:
     trials: int = 1
     seed: int = 0
     ablate: bool = False
-    local: bool = False                     # also run the variant's blocks on the base's input (one more pass)
+    local: bool = False                     # also run the variant's blocks on the base's input (one more pass):
+                                            # what lets diagnose() tell an indexer from damage upstream of it
     noise_floor: str = "per-length"         # the noise floor's prompts: "per-length" (middle depth) or "all"
     longest: int | None = None              # the default lengths' longest (default: 64 x the threshold)
 
@@ -223,8 +230,10 @@ def overlap(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 def summarize(grid: Grid, tracks: list[Track], retrieval: dict, observer: TopkObserver) -> dict:
-    """recall.json's content: per track the needle accuracy per (length, depth), per CSA layer the needle's
-    selection and rank and the top-k overlap with the reference; the verdicts."""
+    """recall.json's content: per track the needle accuracy per (length, depth), every trial with the needle's
+    rank per CSA layer (``needle_ranks``, None: not selected), per CSA layer the needle's selection and rank
+    (over every prompt, and over the prompts at or past the threshold: ``*_past``) and the top-k overlap
+    with the reference. The caller adds the verdicts and diagnoses (:func:`diagnose`)."""
     out: dict = {"threshold": grid.threshold, "lengths": sorted({p.length for p in grid.prompts}),
                  "depths": sorted({p.depth for p in grid.prompts}), "csa_layers": observer.layers, "tracks": {}}
     for track in tracks:
@@ -235,19 +244,21 @@ def summarize(grid: Grid, tracks: list[Track], retrieval: dict, observer: TopkOb
                 continue            # a prompt this track does not run (the noise floor's other depths)
             retrieved, logp = retrieval[track.label][b][r]
             ran.append(i)
-            trials.append({"length": prompt.length, "depth": prompt.depth, "key": prompt.needle.key,
-                           "value": prompt.needle.value, "retrieved": retrieved, "answer_logprob": logp})
+            trials.append({"prompt": i, "length": prompt.length, "depth": prompt.depth, "key": prompt.needle.key,
+                           "value": prompt.needle.value, "retrieved": retrieved, "answer_logprob": logp,
+                           "needle_ranks": {block: observer.ranks[track.label][block].get(i)
+                                            for block in observer.layers}})
         cells = defaultdict(list)
         for t in trials:
             cells[(t["length"], t["depth"])].append(t["retrieved"])
+        past = [i for i in ran if grid.prompts[i].length >= grid.threshold]
         layers = []
         for block in observer.layers:
-            ranks = [observer.ranks[track.label][block].get(i) for i in ran]
-            selected = [r for r in ranks if r is not None]
             layers.append({
                 "layer": block,
-                "needle_selected_rate": len(selected) / len(ranks) if ranks else None,
-                "needle_median_rank": float(torch.tensor(selected, dtype=torch.float64).median()) if selected else None,
+                **_selection([observer.ranks[track.label][block].get(i) for i in ran], ""),
+                **_selection([observer.ranks[track.label][block].get(i) for i in past], "_past"),
+                "prompts_past": len(past),
                 "overlap_free_running": observer.overlap[(track.label, "free_running", block)].summary(),
                 "overlap_local": observer.overlap[(track.label, "local", block)].summary(),
             })
@@ -261,6 +272,13 @@ def summarize(grid: Grid, tracks: list[Track], retrieval: dict, observer: TopkOb
     return out
 
 
+def _selection(ranks: list[int | None], suffix: str) -> dict:
+    selected = [r for r in ranks if r is not None]
+    return {f"needle_selected_rate{suffix}": len(selected) / len(ranks) if ranks else None,
+            f"needle_median_rank{suffix}": float(torch.tensor(selected, dtype=torch.float64).median())
+            if selected else None}
+
+
 def accuracy_by_length(track: dict) -> dict[int, float]:
     per: dict[int, list[float]] = defaultdict(list)
     for cell in track["cells"]:
@@ -268,8 +286,124 @@ def accuracy_by_length(track: dict) -> dict[int, float]:
     return {length: sum(v) / len(v) for length, v in sorted(per.items())}
 
 
+# A layer's indexer is suspected when it drops the needle's entry (the reference's indexer kept it) in at least
+# this share of the prompts the track loses past the threshold: the needle was lost mostly where it dropped it.
+DROPPED_SHARE = 0.5
+
+
+def diagnose(summary: dict, reference: str, track: str) -> dict:
+    """Which part makes ``track`` lose needles ``reference`` finds, from the summary alone (pure).
+
+    Per CSA layer, over the prompts at or past the threshold that both tracks ran (paired by prompt): the
+    needle's selection rate of each, and in how many of the prompts the track *loses* (the reference
+    retrieves, the track does not) this layer's indexer dropped the needle's entry the reference's kept;
+    the track's local top-k overlap (its layer on the reference's input: the indexer's own doing) against
+    the noise floor's (``summary["noise_floor"]``: the reference in other query chunks, rounding only).
+    The decision, in order:
+
+    * ``none``: no length where the track retrieves less than the reference;
+    * ``after_selection`` (``below_threshold``): it loses needles below the threshold, where every indexer
+      keeps every entry, so selection cannot be the cause;
+    * ``after_selection`` (``still_selected``): no layer's indexer drops the needle in at least
+      ``DROPPED_SHARE`` of the lost prompts;
+    * ``indexer``: a layer that does (and selects the needle less often than the reference) has a local
+      overlap clearly under the noise floor (its mean below the noise floor's 1st percentile): the one
+      dropping it most (then the lowest local overlap) is named;
+    * ``after_selection`` (``damaged_input``): the layers dropping it match the reference on its input
+      (local overlap at the noise floor): their input was damaged upstream;
+    * ``unlocalized``: layers drop it but there is no local pass (``--local``) or no noise floor to tell
+      their indexer from damage upstream.
+
+    Returns ``{"kind", "reason", "layer", "first_lost_length", "past_threshold", "lost_prompts_past",
+    "layers": [per-layer evidence], "sentence"}``.
+    """
+    threshold, tracks = summary["threshold"], summary["tracks"]
+    ref_acc, mine_acc = accuracy_by_length(tracks[reference]), accuracy_by_length(tracks[track])
+    lost_lengths = [n for n in ref_acc if n in mine_acc and mine_acc[n] < ref_acc[n]]
+    ref_trials = {t["prompt"]: t for t in tracks[reference]["trials"] if "prompt" in t}
+    mine_trials = {t["prompt"]: t for t in tracks[track]["trials"] if "prompt" in t}
+    past = [i for i in sorted(ref_trials.keys() & mine_trials.keys()) if ref_trials[i]["length"] >= threshold]
+    lost = [i for i in past if ref_trials[i]["retrieved"] and not mine_trials[i]["retrieved"]]
+    noise = summary.get("noise_floor")
+    noise_layers = {x["layer"]: x for x in tracks[noise]["layers"]} if noise in tracks else {}
+    ref_layers = {x["layer"]: x for x in tracks[reference]["layers"]}
+    evidence = []
+    for layer in tracks[track]["layers"]:
+        name = layer["layer"]
+
+        def rate(trials: dict, prompts: list[int]) -> float | None:
+            ranks = [trials[i].get("needle_ranks", {}).get(name) for i in prompts]
+            return sum(r is not None for r in ranks) / len(ranks) if ranks else None
+
+        dropped = sum(1 for i in lost if ref_trials[i].get("needle_ranks", {}).get(name) is not None
+                      and mine_trials[i].get("needle_ranks", {}).get(name) is None)
+        floor = noise_layers.get(name, {}).get("overlap_free_running", {})
+        floor_p1 = floor.get("p1") if floor.get("p1") is not None else floor.get("mean")
+        local = layer["overlap_local"]["mean"]
+        evidence.append({
+            "layer": name,
+            "selected_rate_past": rate(mine_trials, past),
+            "reference_selected_rate_past": rate(ref_trials, past),
+            "median_rank_past": layer.get("needle_median_rank_past"),
+            "reference_median_rank_past": ref_layers.get(name, {}).get("needle_median_rank_past"),
+            "dropped_in_lost": dropped,
+            "dropped_share": dropped / len(lost) if lost else None,
+            "overlap_local": local,
+            "overlap_free_running": layer["overlap_free_running"]["mean"],
+            "noise_floor_mean": floor.get("mean"),
+            "noise_floor_p1": floor_p1,
+            "local_under_noise_floor": None if local is None or floor_p1 is None else local < floor_p1,
+        })
+    out = {"kind": "none", "reason": None, "layer": None,
+           "first_lost_length": lost_lengths[0] if lost_lengths else None,
+           "past_threshold": lost_lengths[0] >= threshold if lost_lengths else None,
+           "lost_prompts_past": len(lost), "layers": evidence}
+    after = "the loss is after selection (attention or the layers after it), not the indexer"
+    if not lost_lengths:
+        return {**out, "sentence": "no needle lost"}
+    if lost_lengths[0] < threshold:
+        return {**out, "kind": "after_selection", "reason": "below_threshold",
+                "sentence": f"it loses needles below the {threshold}-token threshold, where every indexer keeps every "
+                            f"compressed entry: {after}"}
+    suspects = [e for e in evidence if e["dropped_share"] is not None and e["dropped_share"] >= DROPPED_SHARE
+                and (e["selected_rate_past"] or 0) < (e["reference_selected_rate_past"] or 0)]
+    if not suspects:
+        most = max((e["dropped_in_lost"] for e in evidence), default=0)
+        return {**out, "kind": "after_selection", "reason": "still_selected",
+                "sentence": f"the needle is still selected by every CSA layer's indexer as in {reference} (of the "
+                            f"{len(lost)} prompts lost past the threshold, no layer's indexer drops it in "
+                            + (f"more than {most} of them" if most else "any") + f"): {after}"}
+    confirmed = [e for e in suspects if e["local_under_noise_floor"]]
+    if confirmed:
+        e = min(confirmed, key=lambda e: (-e["dropped_share"], e["overlap_local"]))
+        others = [x["layer"] for x in confirmed if x is not e]
+        return {**out, "kind": "indexer", "reason": "dropped_and_diverges", "layer": e["layer"],
+                "sentence": f"the needle's compressed entry stops being selected by {e['layer']}'s indexer "
+                            f"({_rates(e, reference)}, dropped in {e['dropped_in_lost']} of the {len(lost)} prompts "
+                            f"lost; local top-k overlap {e['overlap_local']:.3g} against the noise floor's "
+                            f"{e['noise_floor_mean']:.3g}): the indexer"
+                            + (f" (also {', '.join(others)})" if others else "")}
+    e = max(suspects, key=lambda e: e["dropped_share"])
+    if any(x["local_under_noise_floor"] is None for x in suspects):
+        return {**out, "kind": "unlocalized", "reason": "no_local_pass", "layer": e["layer"],
+                "sentence": f"the needle's compressed entry stops being selected by {e['layer']}'s indexer "
+                            f"({_rates(e, reference)}, dropped in {e['dropped_in_lost']} of the {len(lost)} prompts "
+                            f"lost); without the local pass (--local) and a noise floor to compare it with, this "
+                            f"cannot be told from damage upstream of {e['layer']}"}
+    return {**out, "kind": "after_selection", "reason": "damaged_input", "layer": None,
+            "sentence": f"{e['layer']}'s indexer drops the needle in {e['dropped_in_lost']} of the {len(lost)} prompts "
+                        f"lost past the threshold, but on {reference}'s input its top-k matches {reference}'s (local "
+                        f"overlap {e['overlap_local']:.3g}, noise floor {e['noise_floor_mean']:.3g}): its input was "
+                        f"damaged upstream; {after}"}
+
+
+def _rates(e: dict, reference: str) -> str:
+    return (f"selected in {100 * (e['selected_rate_past'] or 0):.0f}% of the prompts past the threshold against "
+            f"{100 * (e['reference_selected_rate_past'] or 0):.0f}% for {reference}")
+
+
 def verdict(summary: dict, reference: str, track: str) -> str:
-    """One sentence: where ``track`` loses needles the reference finds."""
+    """One sentence: where ``track`` loses needles the reference finds, and which part loses them (:func:`diagnose`)."""
     ref, mine = accuracy_by_length(summary["tracks"][reference]), accuracy_by_length(summary["tracks"][track])
     longest = max(ref)
     lost = [length for length in ref if mine[length] < ref[length]]
@@ -280,17 +414,19 @@ def verdict(summary: dict, reference: str, track: str) -> str:
     first = lost[0]
     side = "past" if first >= summary["threshold"] else "below"
     return (f"{track}: loses needles {reference} finds from {_k(first)} on ({side} the {summary['threshold']}-token "
-            f"selection threshold): {100 * mine[first]:.0f}% against {100 * ref[first]:.0f}% there")
+            f"selection threshold): {100 * mine[first]:.0f}% against {100 * ref[first]:.0f}% there; "
+            + diagnose(summary, reference, track)["sentence"])
 
 
 def ablation_verdict(summary: dict, reference: str, rows: list[str]) -> str:
-    """The first ablation row that loses needles the reference keeps, or that none does."""
+    """The first ablation row that loses needles the reference keeps, and its diagnosis; or that none does."""
     ref = accuracy_by_length(summary["tracks"][reference])
     for label in rows:
         mine = accuracy_by_length(summary["tracks"][label])
         lost = [length for length in ref if mine[length] < ref[length]]
         if lost:
-            return f"recall first breaks at '{label}' (from {_k(lost[0])} on); the rows before it keep every needle"
+            return (f"recall first breaks at '{label}' (from {_k(lost[0])} on); the rows before it keep every needle; "
+                    + diagnose(summary, reference, label)["sentence"])
     return "no step of the served numerics loses a needle the base with its weights only finds"
 
 

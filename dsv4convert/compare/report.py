@@ -166,21 +166,54 @@ def render_recall_markdown(result: dict) -> str:
                      f"{f'{low[0]} ({_num(low[1])})' if low else '-'} | {_pct(track['accuracy'])} |")
     lines += ["", "## CSA layers: the needle and the indexer", "",
               f"Needle selected: how often an entry holding the needle is in the top-k of the query giving the "
-              f"first answer token (median rank among the selected). Overlap against {ref}: {subject} free-running "
-              f"and local (with --local), and the noise floor.", "",
-              "| layer | needle selected: reference | subject | median rank: reference | subject | overlap: free | local | noise floor |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"first answer token, over every prompt and over the prompts at or past the threshold (median rank "
+              f"among the selected). Overlap against {ref}: {subject} free-running and local (with --local), and "
+              f"the noise floor.", "",
+              "| layer | needle selected: reference | subject | past the threshold: reference | subject | "
+              "median rank: reference | subject | overlap: free | local | noise floor |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     layers = {label: {x["layer"]: x for x in t["layers"]} for label, t in r["tracks"].items()}
     for layer in r["csa_layers"]:
         a, b, n = layers[ref][layer], layers[subject][layer], layers[noise][layer]
         lines.append(f"| {layer} | {_pct(a['needle_selected_rate'])} | {_pct(b['needle_selected_rate'])} | "
+                     f"{_pct(a.get('needle_selected_rate_past'))} | {_pct(b.get('needle_selected_rate_past'))} | "
                      f"{_num(a['needle_median_rank'], 3)} | {_num(b['needle_median_rank'], 3)} | "
                      f"{_num(b['overlap_free_running']['mean'])} | {_num(b['overlap_local']['mean'])} | "
                      f"{_num(n['overlap_free_running']['mean'])} |")
+    if r.get("diagnosis"):
+        lines += _diagnosis_lines(r["diagnosis"], subject)
     lines += ["", "Plots: needle_heatmaps.png (accuracy, depth x length, reference and subject), needle_rank.png, "
               "topk_overlap.png (per CSA layer, with the noise floor).", "",
               f"Time: {result['seconds']}; peak device memory: {result['peak_device_bytes']}.", ""]
     return "\n".join(lines)
+
+
+DIAGNOSES = {
+    "none": "no needle lost",
+    "indexer": "the indexer",
+    "after_selection": "after selection (attention or the layers after it)",
+    "unlocalized": "the needle stops being selected, not localized (no local pass)",
+}
+
+
+def _diagnosis_lines(d: dict, subject: str) -> list[str]:
+    """recall.json's ``diagnosis`` of the subject: the part named, and per CSA layer the evidence."""
+    named = DIAGNOSES.get(d["kind"], d["kind"]) + (f", {d['layer']}" if d.get("layer") else "")
+    head = (f"**{subject}: {named}.**" if d["kind"] == "none" else
+            f"**{subject}: {named}** ({d['reason']}): {d['sentence']}.")
+    lines = ["", "## Diagnosis", "", head,
+             "", f"Prompts at or past the threshold that {subject} loses and the reference retrieves: "
+             f"{d['lost_prompts_past']}. An indexer is named when it drops the needle's entry (the reference's kept "
+             "it) in at least half of them, selects it less often than the reference, and its local top-k overlap "
+             "(its layer on the reference's input) is below the noise floor's 1st percentile.", "",
+             "| layer | selected past threshold: subject | reference | dropped in lost prompts | local overlap | "
+             "noise floor mean / p1 | local under noise floor |", "|---|---|---|---|---|---|---|"]
+    for e in d["layers"]:
+        under = {None: "-", True: "yes", False: "no"}[e["local_under_noise_floor"]]
+        lines.append(f"| {e['layer']} | {_pct(e['selected_rate_past'])} | {_pct(e['reference_selected_rate_past'])} | "
+                     f"{e['dropped_in_lost']} | {_num(e['overlap_local'])} | {_num(e['noise_floor_mean'])} / "
+                     f"{_num(e['noise_floor_p1'])} | {under} |")
+    return lines
 
 
 def _noise_prompts(r: dict, noise: str) -> str:

@@ -25,6 +25,7 @@ from dsv4convert.compare.recall import (
     ablation_rows,
     ablation_verdict,
     build_grid,
+    diagnose,
     noise_chunk,
     noise_rows,
     summarize,
@@ -326,6 +327,9 @@ def run_recall(plan: Plan) -> dict | None:
     ref = plan.base.label
     noise = next(t.label for t in plan.tracks if t.chunk is not None)
     summary["reference"], summary["subject"], summary["noise_floor"] = ref, plan.variant.label, noise
+    summary["diagnoses"] = {label: diagnose(summary, ref, label) for label in summary["tracks"]
+                            if label not in (ref, noise)}
+    summary["diagnosis"] = summary["diagnoses"][plan.variant.label]
     summary["verdicts"] = [verdict(summary, ref, plan.variant.label)]
     if o.recall.ablate:
         for prefix in ("base: ", "variant: "):
