@@ -153,11 +153,12 @@ def selection_threshold(index_topk: int, ratio: int = CSA_RATIO) -> int:
     return ratio * index_topk + ratio
 
 
-def default_lengths(threshold: int, shortest: int = 1, longest: int | None = None) -> list[int]:
+def default_lengths(threshold: int, shortest: int = 1, longest: int | None = None, answer_tokens: int = 1) -> list[int]:
     """The default needle grid around ``threshold`` (:func:`selection_threshold`), ascending:
 
-    * ``threshold - 1`` (the longest prompt whose every query keeps every entry) and ``threshold`` (the
-      first whose answer query leaves one out), exactly;
+    * ``threshold - answer_tokens`` (the longest prompt whose every answer query, teacher-forced, keeps every
+      entry: the last one sits ``answer_tokens - 1`` positions further) and ``threshold`` (the first whose
+      first answer query leaves one out), exactly;
     * ``threshold + threshold // 16`` (at least ``threshold + 4``), a little further past, and the powers of
       two from about half the threshold up to ``longest`` (default 64 x the threshold: 1K .. 128K for
       V4-Flash; a small model can ask for ``8 * threshold``), each lowered by its index mod 4 among them,
@@ -173,7 +174,7 @@ def default_lengths(threshold: int, shortest: int = 1, longest: int | None = Non
     powers = {2**k for k in range(int(math.log2(max(threshold // 2, 1))), int(math.log2(top)) + 1)}
     others = sorted(b for b in powers | {threshold + max(threshold // 16, 4)} if b - 3 >= shortest and b <= longest)
     lowered = [b - i % 4 for i, b in enumerate(others)]
-    exact = [n for n in (threshold - 1, threshold) if n >= shortest and n <= longest]
+    exact = [n for n in (threshold - answer_tokens, threshold) if n >= shortest and n <= longest]
     return sorted(set(lowered) | set(exact))
 
 
@@ -188,6 +189,27 @@ def parse_lengths(text: str) -> list[int]:
     if not out:
         raise ValueError("no lengths given")
     return out
+
+
+def fully_covered(length: int, answer_tokens: int, threshold: int) -> bool:
+    """Whether every query that writes a teacher-forced answer after an ``length``-token prompt keeps every
+    compressed entry (the last one, at position ``length + answer_tokens - 2``, sees
+    ``(length + answer_tokens - 1) // 4`` entries): below this, the indexer's choices cannot matter."""
+    return length + answer_tokens <= threshold
+
+
+def value_entries(input_ids: Sequence[int], span: tuple[int, int], answer: Sequence[int],
+                  ratio: int = CSA_RATIO) -> list[tuple[int, ...]]:
+    """For each answer token, the compressed entries holding it inside the needle sentence (entry ``w`` holds
+    tokens ``ratio*(w-1) .. ratio*w + ratio - 1``, :func:`needle_entries`): the value is visible to a query when
+    each of these groups has a selected entry. Where the answer's tokens do not appear as such in the needle
+    (a tokenizer that merges the number with its neighbours), one group: every entry of the needle."""
+    start, end = span
+    sentence, answer = list(input_ids[start:end]), list(answer)
+    for i in range(len(sentence) - len(answer) + 1):
+        if answer and sentence[i:i + len(answer)] == answer:
+            return [(p // ratio, p // ratio + 1) for p in range(start + i, start + i + len(answer))]
+    return [tuple(needle_entries(span, ratio))]
 
 
 def needle_entries(span: tuple[int, int], ratio: int = CSA_RATIO) -> range:

@@ -297,9 +297,16 @@ def test_diagnose_puts_an_attention_fault_after_selection():
     d = diagnose(s, "base", "variant")
     assert (d["kind"], d["reason"]) == ("after_selection", "damaged_input")
     assert d["layers"][1]["dropped_in_lost"] == 4 and d["layers"][1]["local_under_noise_floor"] is False
-    # An indexer that diverges but drops the needle in fewer than half of the lost prompts is not blamed.
-    s = hand_summary(hand_track(lost=PAST, dropped={"layers.1": PAST[:2]}, local={"layers.1": 0.3, "layers.3": 1.0}))
+    # An indexer that diverges a little (under the noise floor, over DEPARTED_OVERLAP) and drops the needle in
+    # fewer than half of the lost prompts is not blamed...
+    s = hand_summary(hand_track(lost=PAST, dropped={"layers.1": PAST[:2]}, local={"layers.1": 0.9, "layers.3": 1.0}))
     assert diagnose(s, "base", "variant")["reason"] == "still_selected"
+    # ... one whose picks depart from base's (the organism's randomized indexer keeps the needle's value but
+    # drops the entries the model relies on) is, though the needle's own entries survive.
+    s = hand_summary(hand_track(lost=PAST, dropped={"layers.1": PAST[:2]}, local={"layers.1": 0.3, "layers.3": 1.0}))
+    d = diagnose(s, "base", "variant")
+    assert (d["kind"], d["reason"], d["layer"]) == ("indexer", "departs", "layers.1")
+    assert verdict(s, "base", "variant").endswith(": the indexer")
 
 
 def test_diagnose_without_a_loss_and_with_a_loss_below_the_threshold():

@@ -42,6 +42,7 @@ from dsv4convert.needle import (
     make_needle,
     needle_entries,
     shortest_prompt,
+    value_entries,
 )
 from dsv4convert.organism.language import documents
 
@@ -164,15 +165,14 @@ class RetrievalQueries:
         for b, row in enumerate(rows):
             if row.answer_start is None:
                 continue
-            start, end = row.needle_span
+            end = row.needle_span[1]
             answer = ids[b, row.answer_start:row.answer_start + ANSWER_TOKENS].tolist()
-            digits_at = _find(ids[b, start:end].tolist(), answer) + start
+            groups = value_entries(ids[b].tolist(), row.needle_span, answer)
             for j in range(ANSWER_TOKENS):
                 t = row.answer_start - 1 + j
                 causal = (t + 1) // CSA_RATIO
                 held = [w for w in needle_entries(row.needle_span) if w < causal]
-                token = digits_at + j      # entry w holds tokens 4(w-1) .. 4w+3 (needle.needle_entries)
-                writes = [w for w in (token // CSA_RATIO, token // CSA_RATIO + 1) if w < causal]
+                writes = [w for w in groups[min(j, len(groups) - 1)] if w < causal]
                 if t - end >= window and held and writes:
                     picked.append((b, t))
                     needle.append(_mask(held, entries))
@@ -181,13 +181,6 @@ class RetrievalQueries:
         stack = (lambda m: torch.stack(m) if m else torch.zeros((0, entries), dtype=torch.bool))
         return cls(index[:, 0].to(device), index[:, 1].to(device), stack(needle).to(device),
                    stack(digit).to(device))
-
-
-def _find(haystack: list[int], needle: list[int]) -> int:
-    for i in range(len(haystack) - len(needle) + 1):
-        if haystack[i:i + len(needle)] == needle:
-            return i
-    raise ValueError("the answer's tokens are not inside the needle sentence")
 
 
 def _mask(entries: list[int], size: int) -> torch.Tensor:
