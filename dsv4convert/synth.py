@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
-from dsv4convert.checkpoint.reader import read_small_json
+from dsv4convert.checkpoint.reader import INDEX_NAME, read_small_json
 from dsv4convert.checkpoint.writer import shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
@@ -40,6 +40,9 @@ DATA_DIR = Path(__file__).parent / "data"
 # Exact copies of the released config.json and generation_config.json (HF revision 60d8d70).
 REFERENCE_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-config.json"
 GENERATION_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-generation_config.json"
+# The trained model organism in the release format (docs/organism.md), written by `train-organism`.
+ORGANISM_DIR = DATA_DIR / "organism"
+ORGANISM = "organism"
 
 
 def reference_config() -> dict:
@@ -326,6 +329,24 @@ def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = Fals
     return dst
 
 
+def write_organism(dst: Path, *, overwrite: bool = False) -> Path:
+    """Copy the shipped organism (trained weights, not synthetic ones) to ``dst``; the index is copied last,
+    so an interrupted copy never looks complete."""
+    dst = Path(dst)
+    files = sorted(p for p in ORGANISM_DIR.iterdir() if p.is_file())
+    if not any(p.name == INDEX_NAME for p in files):
+        raise DSV4Error("the package has no organism checkpoint (reinstall dsv4convert)", file=ORGANISM_DIR)
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in sorted(files, key=lambda p: p.name == INDEX_NAME):
+        shutil.copyfile(path, dst / path.name)
+        (dst / path.name).chmod(0o644)
+    return dst
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "synth",
@@ -334,11 +355,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Write a checkpoint with the native names, dtypes and layouts (FP8 + E8M0 128x128 scales, "
             "MXFP4 experts, BF16/F32/I64 elsewhere) and realistic values, deterministic by seed. "
             "Presets are small enough for CI; --config with the real config.json and --num-layers "
-            "makes real-size layers for benchmarks (~3.6 GB per layer)."
+            "makes real-size layers for benchmarks (~3.6 GB per layer). --preset organism writes the "
+            "shipped model organism instead: a small DeepSeek-V4 trained to retrieve needles, stored as "
+            "the release is (docs/organism.md)."
         ),
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default: tiny)")
+    p.add_argument("--preset", choices=sorted([*PRESETS, ORGANISM]), default="tiny",
+                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP block(s)")
@@ -348,6 +372,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.preset == ORGANISM:
+        if args.config or args.num_layers is not None or args.no_mtp or args.seed:
+            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --no-mtp and --seed "
+                            "do not apply")
+        print(f"wrote {write_organism(args.dst, overwrite=args.overwrite)} (the trained organism, docs/organism.md)")
+        return 0
     config = read_small_json(args.config) if args.config else preset_config(args.preset)
     ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
     if args.num_layers is not None or args.no_mtp:
