@@ -239,6 +239,7 @@ class LoadRules:
 
     wo_a_bf16: bool            # the FP8 wo_a GEMM is off: wo_a is dequantized to BF16 at load
     nvfp4_scale_copies: int    # 2 where the NVFP4 MoE method also allocates ``*_blockscale_swizzled`` (not TRT-LLM)
+    mxfp4_scale_bytes: tuple[int, int] = (1, 1)   # per E8M0 MXFP4 expert scale (target, draft): 4 where held as F32
 
 
 # Attention projections each TP rank holds a slice of; wq_a and wkv (fused wqkv_a) are replicated.
@@ -262,6 +263,8 @@ def _stored_bytes(tensor: Tensor, info: TensorInfo, module_scale_dtype: str | No
         return 0 if info.param == "scale" else elements * 2          # dequantized to BF16, scale consumed
     if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "fp8":
         return elements * 4                                             # FP8 block scales load as F32
+    if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "mxfp4":
+        return elements * rules.mxfp4_scale_bytes[info.is_mtp]
     if info.param == "tid2eid":
         return elements * 4                                             # I64 routing table loads as I32
     if info.param == "weight_scale" and tensor.dtype == "F8_E4M3" and info.role is Role.ROUTED_EXPERT:
@@ -280,10 +283,11 @@ def weights_per_rank(tensors: list[tuple[Tensor, TensorInfo]], tp: int, rules: L
     Routed experts split their intermediate dimension under TP, or whole experts under EP: the same
     bytes per rank. The MTP draft (``mtp.*``) shares the target's embedding and head.
     """
-    fp8_modules = {info.module for t, info in tensors if t.dtype == "F8_E4M3" and info.param == "weight"}
+    kinds = {info.module: {"F8_E4M3": "fp8", "I8": "mxfp4"}.get(t.dtype) for t, info in tensors
+             if info.param == "weight"}
     out = RankBytes()
     for tensor, info in tensors:
-        scale_kind = "fp8" if info.module in fp8_modules else None
+        scale_kind = kinds.get(info.module)
         stored = _stored_bytes(tensor, info, scale_kind, rules)
         split = info.role in _SPLIT_ROLES or info.module.endswith(_SPLIT_ATTENTION)
         per_rank = stored // tp if split else stored

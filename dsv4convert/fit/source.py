@@ -20,7 +20,7 @@ from dsv4convert.dtypes import nbytes
 from dsv4convert.fit.sizing import KvGeometry, LoadRules, ServerSettings, Tensor, classified, read_server_args
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import ModelConfig, TensorInfo, native_inventory
-from dsv4convert.serve.launch import LaunchOptions, served_like, server_args
+from dsv4convert.serve.launch import LaunchOptions, served_like, server_args, variant_defaults
 
 # Shipped variants and the recipe that makes each (None: the native checkpoint as released), as
 # ``convert`` makes them by default (for both engines).
@@ -53,11 +53,16 @@ class Source:
         return read_server_args(role, server_args(options, role, tp, options.server_port, options.prefill_nccl_port))
 
     def load_rules(self, gpu_family: str, settings: ServerSettings) -> LoadRules:
-        """How SGLang stores these tensors on this family: ``wo_a`` as BF16 where the FP8 wo_a GEMM is off, and
-        the NVFP4 MoE method's second copy of its block scales except under TRT-LLM (sm_100's runner)."""
+        """How SGLang stores these tensors on this family: ``wo_a`` as BF16 where the FP8 wo_a GEMM is off,
+        the NVFP4 MoE method's second copy of its block scales except under TRT-LLM (sm_100's runner), and
+        MXFP4 expert scales as F32 in the TRT-LLM MXFP4 method (``serve``'s ``variant_defaults`` names it)."""
         serving = serving_for(self.inspection, self.config, engine="sglang", gpu_family=gpu_family)
         trtllm = settings.moe_runner_backend is None and gpu_family == "sm100"
-        return LoadRules(wo_a_bf16=serving.wo_a() is None, nvfp4_scale_copies=1 if trtllm else 2)
+        methods = variant_defaults(self.variant, gpu_family)
+        mxfp4 = tuple(4 if method == "Mxfp4FlashinferTrtllmMoEMethod" else 1      # it holds E8M0 scales as F32
+                      for method in (methods.moe_method, methods.draft_moe_method))
+        return LoadRules(wo_a_bf16=serving.wo_a() is None, nvfp4_scale_copies=1 if trtllm else 2,
+                         mxfp4_scale_bytes=mxfp4)
 
 
 def _virtual(config: dict, specs: list[tuple[str, str, tuple[int, ...]]]) -> Checkpoint:
