@@ -221,3 +221,13 @@ def test_a_model_that_is_not_v4_is_one_error_line(tmp_path: Path, capsys) -> Non
     assert main(["fit", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {tmp_path}/config.json: not a DeepSeek-V4 config")
+
+
+def test_serve_refuses_what_cannot_fit(small) -> None:
+    """The refusal names the server, the GPU and the shortfall; a launch that fits is not refused."""
+    src, _ = small["bf16"]
+    tiny = verdict.Gpu("16 GiB card", "sm90", 16384)
+    why = verdict.refusal(src, tiny, "decode", 4, mtp=False)
+    assert why is not None and why.startswith("the decode server does not fit TP 4 x 16 GiB card (16384 MiB)")
+    assert "short" in why
+    assert verdict.refusal(src, verdict.GPUS["b200"], "decode", 4, mtp=False) is None

@@ -33,6 +33,11 @@ class FitError(DSV4Error):
     """Input fit cannot size: unknown GPU, more TP than GPUs."""
 
 
+def gpu_of_family(family: str) -> Gpu | None:
+    """The card ``serve`` assumes for a GPU family (the one we serve on), or None for another family."""
+    return next((gpu for gpu in GPUS.values() if gpu.family == family), None)
+
+
 def gpu_from(text: str, family: str | None = None) -> Gpu:
     """``rtx-pro-6000``/``h200``/``b200``, or a size in MiB (then ``family``, default sm90, picks the launch rules)."""
     if text in GPUS:
@@ -129,15 +134,14 @@ def smallest_tp(source: Source, gpu: Gpu, role: str, *, mtp: bool, context: int 
     return None
 
 
-def refusal(source: Source, gpu: Gpu, tp: int, pd: bool, *, mtp: bool) -> str | None:
-    """Why ``serve`` must not start this launch (one line naming the server, GPU and shortfall), or None."""
-    for role in roles(pd):
-        fit = sglang_server(source, gpu, role, tp, mtp=mtp)
-        if not fit.fits:
-            better = smallest_tp(source, gpu, role, mtp=mtp, context=None, max_running=None)
-            hint = f"; TP {better} fits" if better and better > tp else ""
-            return (f"the {role} server does not fit TP {tp} x {gpu.name} ({gpu.mib} MiB): "
-                    f"{sizing.gib(fit.weights_bytes_per_rank)} of weights per GPU, "
-                    f"{sizing.gib(fit.shortfall_bytes)} short at --mem-fraction-static {fit.mem_fraction_static} "
-                    f"(SGLang needs at least {fit.min_mem_fraction_static} to load){hint}")
-    return None
+def refusal(source: Source, gpu: Gpu, role: str, tp: int, *, mtp: bool) -> str | None:
+    """Why ``serve`` must not start this server (one line naming it, the GPU and the shortfall), or None."""
+    fit = sglang_server(source, gpu, role, tp, mtp=mtp)
+    if fit.fits:
+        return None
+    better = smallest_tp(source, gpu, role, mtp=mtp, context=None, max_running=None)
+    hint = f"; TP {better} fits" if better and better > tp else ""
+    return (f"the {role} server does not fit TP {tp} x {gpu.name} ({gpu.mib} MiB): "
+            f"{sizing.gib(fit.weights_bytes_per_rank)} of weights per GPU, "
+            f"{sizing.gib(fit.shortfall_bytes)} short at --mem-fraction-static {fit.mem_fraction_static} "
+            f"(SGLang needs at least {fit.min_mem_fraction_static} to load){hint}")
