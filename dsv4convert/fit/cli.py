@@ -15,6 +15,7 @@ from pathlib import Path
 from dsv4convert.checkpoint import read_small_json
 from dsv4convert.fit import sizing, source, verdict
 from dsv4convert.layout import ModelConfig
+from dsv4convert.serve.launch import LaunchError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "deepseek-v4-flash-config.json"
 
@@ -87,11 +88,17 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         raise verdict.FitError("--engine vllm: vLLM 0.33.0's KV budget comes from profiling a forward pass and is not "
                                "sized yet (docs/fit.md says what is known)")
-    rows = []
+    rows, skipped = [], []
     for src in _sources(args):
         for role in verdict.roles(args.pd):
-            fit = verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
-                                        max_running=args.max_running)
+            try:
+                fit = verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
+                                            max_running=args.max_running)
+            except LaunchError as exc:
+                if args.model:
+                    raise
+                skipped.append((src.label, exc.detail))   # a variant serve refuses here (its MTP draft)
+                break
             best = None if fit.fits else verdict.smallest_tp(src, gpu, role, mtp=args.mtp, context=args.context,
                                                              max_running=args.max_running)
             rows.append((src, fit, best))
@@ -100,11 +107,14 @@ def run(args: argparse.Namespace) -> int:
                           "tp": args.tp, "pd": args.pd, "mtp": args.mtp, "context": args.context,
                           "variants": [{"variant": src.label, "serves_as": src.variant, **fit.as_dict(),
                                         "smallest_tp": best if not fit.fits else args.tp}
-                                       for src, fit, best in rows]}))
+                                       for src, fit, best in rows],
+                          "not_served": [{"variant": label, "why": why} for label, why in skipped]}))
     else:
         print(f"SGLang 0.5.23 on {gpu.name} ({gpu.mib} MiB, {gpu.family}), TP {args.tp}"
               f"{' PD' if args.pd else ''}{' + MTP' if args.mtp else ''}; weights per GPU, memory fraction, KV:")
         for src, fit, best in rows:
             print(_line(src.label, fit, best))
+        for label, why in skipped:
+            print(f"{label:18s} not served: {why}")
         print(f"estimated: {verdict.ESTIMATED[0]}")
     return 0 if all(fit.fits for _, fit, _ in rows) else 1
