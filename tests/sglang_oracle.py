@@ -716,3 +716,74 @@ class _LogCapture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+# 6. What each TP rank of SGLang's real model holds, built on the meta device (no memory) at any TP.
+
+def rank_parameters(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str, tp: int,
+                    env: Mapping[str, str] | None = None, draft: bool = False) -> dict[str, torch.Tensor]:
+    """The parameters (meta tensors: shape and dtype) rank 0 of a ``--tp-size tp`` server builds.
+
+    SGLang's own resolution, ModelConfig, quant config and model classes run as in :func:`load_checkpoint`;
+    what is faked is the TP world: SGLang's one-rank process groups are published with ``world_size``
+    set to the configured widths (``runtime_context._WIDTH_AND_GROUP``), so every layer asks SGLang's
+    own TP size and shards as rank 0 of ``tp`` would. Nothing is allocated (``torch.device("meta")``).
+    """
+    import copy as _copy
+
+    import sglang.srt.models.deepseek_v4 as deepseek_v4
+    from sglang.srt import runtime_context
+    from sglang.srt.environ import envs
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.layers.moe.utils import (
+        draft_model_build_scope,
+        speculative_moe_a2a_backend_context,
+        speculative_moe_backend_context,
+    )
+    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+    from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
+    from sglang.srt.model_loader.loader import _initialize_model, set_default_torch_dtype
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, restore_context, snapshot_context
+
+    state = snapshot_context()
+    try:
+        with _scoped_environ(env), _cpu_host_fakes(gpu), contextlib.ExitStack() as scopes:
+            get_parallel().clear_stamp()
+            one_rank = [*argv, "--tp-size", "1", "--device", "cuda"]
+            publish(parse_server_args(one_rank), role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+            _one_rank_process_groups()                      # the real groups, built once over one rank
+            get_parallel().clear_stamp()
+            server_args = parse_server_args([*argv, "--tp-size", str(tp), "--device", "cuda"])
+            publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+            parallel = get_parallel()
+            groups = dict(_PROCESS_GROUPS)
+            for size_name, group_name in runtime_context._WIDTH_AND_GROUP:
+                if group_name in groups:
+                    wide = _copy.copy(groups[group_name])
+                    wide.world_size, wide.rank_in_group = getattr(parallel, size_name), 0
+                    groups[group_name] = wide
+            parallel.override_permanently(**groups)
+            initialize_moe_config()
+            initialize_fp8_gemm_config()
+            initialize_fp4_gemm_config()
+            wo_a_gemm = envs.SGLANG_OPT_FP8_WO_A_GEMM.get()
+            scopes.enter_context(mock.patch.multiple(deepseek_v4, _FP8_WO_A_GEMM=wo_a_gemm,
+                                                     _FP8_WO_A_UE8M0=wo_a_gemm and deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0))
+            model_config = ModelConfig.from_server_args(server_args, is_draft_model=draft)
+            load_config = build_load_config(
+                server_args=server_args, tp_rank=0, remote_instance_weight_transporter_engine=None,
+                remote_instance_weight_transporter_session_id="", draft_model_idx=None, weight_cache_mode="off",
+                weight_cache_socket=None)
+            quant_config = _get_quantization_config(model_config, load_config)
+            if draft:
+                for scope in (speculative_moe_backend_context(), speculative_moe_a2a_backend_context(),
+                              draft_model_build_scope()):
+                    scopes.enter_context(scope)
+            with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+                model = _initialize_model(model_config, load_config, quant_config)
+            return dict(model.named_parameters())
+    finally:
+        get_parallel().clear_stamp()
+        restore_context(state)

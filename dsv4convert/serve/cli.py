@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsv4convert.errors import CheckpointError
 from dsv4convert.serve import accuracy, checks, launch, mtp, recall, speed
 from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, log_tail
 from dsv4convert.serve.topology import Topology, TopologyError, discover
@@ -294,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         warnings += tuned_warnings
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    _refuse_what_cannot_fit(args, commands, "" if args.role == "router" else _gpu_family(args, topology))
     if args.dry_run:
         _print_plan(commands)
         if args.check == "accuracy" and checks_here:
@@ -329,6 +331,29 @@ def run(args: argparse.Namespace) -> int:
             print(f"serving at {client_url}; Ctrl-C stops every process")
             _hold(group)
     return 1 if failed else 0
+
+
+def _refuse_what_cannot_fit(args: argparse.Namespace, commands: list[launch.Command], family: str) -> None:
+    """``fit``'s verdict before any process starts: a server SGLang could not load is refused in one line
+    (the card of ``family`` we serve on: H200, B200 or RTX PRO 6000; another family is not sized)."""
+    from dsv4convert.fit import source, verdict
+
+    servers = [c for c in commands if c.role != "router"]
+    gpu = verdict.gpu_of_family(family)
+    if not servers or gpu is None:
+        return
+    try:
+        model = source.from_checkpoint(args.model)
+    except CheckpointError as exc:
+        if not args.dry_run:
+            raise
+        print(f"warning: not sized (fit needs the checkpoint's headers): {exc}", file=sys.stderr)
+        return
+    for command in servers:
+        tp = int(command.sglang_args[command.sglang_args.index("--tp-size") + 1])
+        why = verdict.refusal(model, gpu, command.role, tp, mtp="--speculative-algorithm" in command.sglang_args)
+        if why:
+            raise launch.LaunchError(f"{args.model}: {why} (dsv4convert fit --model {args.model} shows every term)")
 
 
 def _print_metrics_endpoints(commands: list[launch.Command]) -> None:

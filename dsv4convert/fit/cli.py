@@ -1,0 +1,120 @@
+"""``dsv4convert fit``: will a variant serve on these GPUs, and with how many tokens of KV cache.
+
+Computed as SGLang 0.5.23 computes it (docs/fit.md lists every term with its SGLang function): the
+servers ``serve`` would start (PD prefill and decode, or one), the weights each TP rank holds, the
+default ``--mem-fraction-static`` and its reserve terms, the V4 KV pool's bytes per token and the
+tokens it holds, the smallest fraction SGLang would load with, and a verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dsv4convert.checkpoint import read_small_json
+from dsv4convert.fit import sizing, source, verdict
+from dsv4convert.layout import ModelConfig
+from dsv4convert.serve.launch import LaunchError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "deepseek-v4-flash-config.json"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "fit",
+        help="will a variant serve on these GPUs, and with how many tokens of KV cache (as SGLang 0.5.23 sizes it)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Size each server `serve` would start (with --pd: prefill and decode, each on --tp GPUs) the way\n"
+            "SGLang 0.5.23 does: weights per TP rank from the checkpoint's tensor bytes and SGLang's split and\n"
+            "load rules, SGLang's default --mem-fraction-static and its reserve terms (or the one the launch\n"
+            "sets), the V4 KV pool's bytes per token (page-padded entries, sliding-window pool, compressed\n"
+            "caches, indexer, compressor state), the KV tokens it leaves, the smallest fraction that loads,\n"
+            "and a verdict. Without --model: every shipped variant planned from the released config.json\n"
+            "(no weights needed; planning the full model takes a few seconds per variant).\n"
+            "KV tokens are the full pool: concurrent requests x context <= KV tokens."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dsv4convert fit --gpu rtx-pro-6000 --count 8 --tp 4 --pd          (every shipped variant)\n"
+            "  dsv4convert fit --model out/nvfp4 --gpu rtx-pro-6000 --tp 4 --pd --mtp --context 65536\n"
+            "  dsv4convert fit --model out/fp8 --gpu 81559 --gpu-family sm90 --tp 8 --json\n"
+            "details: docs/fit.md"
+        ),
+    )
+    p.add_argument("--model", help="checkpoint directory or Hub repo id (headers only); default: every shipped variant")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                   help="without --model: the native config.json to plan the variants from (default: V4-Flash's)")
+    p.add_argument("--gpu", default="h200", help=f"{', '.join(verdict.GPUS)} or a memory size in MiB (default h200)")
+    p.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"), help="with --gpu MiB: the launch rules to use")
+    p.add_argument("--count", type=int, default=8, help="GPUs on the host (default 8)")
+    p.add_argument("--tp", type=int, default=4, help="tensor-parallel size of each server (default 4)")
+    p.add_argument("--ep", action="store_true", help="expert parallelism (whole experts per rank: same bytes per rank)")
+    p.add_argument("--pd", action="store_true", help="prefill and decode servers, each on --tp GPUs")
+    p.add_argument("--mtp", action="store_true", help="with the MTP draft (its weights and its KV share)")
+    p.add_argument("--max-running", type=int, help="--max-running-requests (SGLang's V4 default: 256)")
+    p.add_argument("--context", type=int, help="tokens per request: report how many such requests fit")
+    p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                   help="sglang (computed); vllm is not sized yet (see docs/fit.md)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def _sources(args: argparse.Namespace) -> list[source.Source]:
+    if args.model:
+        return [source.from_checkpoint(args.model)]
+    config = read_small_json(args.config)
+    ModelConfig.from_dict(config, source=str(args.config))   # one error line for a config that is not V4
+    return [source.planned(variant, config) for variant in source.SHIPPED]
+
+
+def _line(label: str, fit: verdict.ServerFit, best: int | None) -> str:
+    gib = sizing.GIB
+    head = (f"{label:18s} {fit.role:8s} {fit.weights_bytes_per_rank / gib:7.1f} GiB  mfs {fit.mem_fraction_static:.3f} "
+            f"(default {fit.default_mem_fraction_static:.3f}, min {fit.min_mem_fraction_static:.3f})  "
+            f"{fit.kv_bytes_per_token:7.0f} B/token  {fit.kv_tokens:>11,d} KV tokens")
+    if fit.requests_at_context is not None:
+        head += f" = {fit.requests_at_context} requests x context"
+    if fit.fits:
+        return head + "  fits"
+    tip = f"; smallest TP that fits: {best}" if best else "; no TP up to 8 fits"
+    return head + f"  DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short{tip})"
+
+
+def run(args: argparse.Namespace) -> int:
+    gpu = verdict.gpu_from(args.gpu, args.gpu_family)
+    verdict.check_launch(gpu, args.count, args.tp, args.pd)
+    if args.engine == "vllm":
+        raise verdict.FitError("--engine vllm: vLLM 0.33.0's KV budget comes from profiling a forward pass and is not "
+                               "sized yet (docs/fit.md says what is known)")
+    rows, skipped = [], []
+    for src in _sources(args):
+        for role in verdict.roles(args.pd):
+            try:
+                fit = verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
+                                            max_running=args.max_running)
+            except LaunchError as exc:
+                if args.model:
+                    raise
+                skipped.append((src.label, exc.detail))   # a variant serve refuses here (its MTP draft)
+                break
+            best = None if fit.fits else verdict.smallest_tp(src, gpu, role, mtp=args.mtp, context=args.context,
+                                                             max_running=args.max_running)
+            rows.append((src, fit, best))
+    if args.json:
+        print(json.dumps({"engine": "sglang 0.5.23", "gpu": gpu.name, "gpu_mib": gpu.mib, "count": args.count,
+                          "tp": args.tp, "pd": args.pd, "mtp": args.mtp, "context": args.context,
+                          "variants": [{"variant": src.label, "serves_as": src.variant, **fit.as_dict(),
+                                        "smallest_tp": best if not fit.fits else args.tp}
+                                       for src, fit, best in rows],
+                          "not_served": [{"variant": label, "why": why} for label, why in skipped]}))
+    else:
+        print(f"SGLang 0.5.23 on {gpu.name} ({gpu.mib} MiB, {gpu.family}), TP {args.tp}"
+              f"{' PD' if args.pd else ''}{' + MTP' if args.mtp else ''}; weights per GPU, memory fraction, KV:")
+        for src, fit, best in rows:
+            print(_line(src.label, fit, best))
+        for label, why in skipped:
+            print(f"{label:18s} not served: {why}")
+        print(f"estimated: {verdict.ESTIMATED[0]}")
+    return 0 if all(fit.fits for _, fit, _ in rows) else 1

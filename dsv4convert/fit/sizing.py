@@ -1,0 +1,330 @@
+"""How SGLang 0.5.23 sizes GPU memory for DeepSeek-V4: pure arithmetic, no I/O.
+
+Every function restates one piece of SGLang's own code (file and function named in its docstring;
+paths relative to ``python/sglang/``); ``tests/test_fit.py`` runs those SGLang functions on the CPU
+and compares. Inputs are the settings of one server as ``serve`` launches it (:class:`ServerSettings`,
+read from :func:`dsv4convert.serve.launch.server_args`), the model's dimensions, and the tensors it
+loads. Units: bytes unless a name says MiB; a GPU's size is what ``nvidia-smi`` reports, in MiB, which
+is what SGLang's ``get_device_memory_capacity`` reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dsv4convert.layout import Role, TensorInfo, classify
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+# srt/arg_groups/deepseek_v4_hook.py apply_deepseek_v4_defaults; model_overrides/deepseek_v4.py.
+V4_MAX_RUNNING_REQUESTS = 256
+V4_PAGE_SIZE = 256
+V4_SWA_FULL_TOKENS_RATIO = 0.1   # set before kv_cache_hook records it as explicit: ratio sizing, not cap mode
+# kernels/ops/attention/dsv4/kv_layout.py KVLayout.V4 (SGLANG_DSV4_KV_LAYOUT defaults to "v4"): 448 FP8 nope
+# + 64 BF16 rope = 576 data bytes, 8 scale bytes; a page is padded to a multiple of the 576-byte TMA row.
+V4_KV_DATA_BYTES = 576
+V4_KV_SCALE_BYTES = 8
+V4_KV_PAGE_ALIGN = 576
+COMPRESS_STATE_DTYPE_BYTES = 4   # SGLANG_DSV4_COMPRESS_STATE_DTYPE=float32
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The launch flags of one SGLang server that its memory sizing reads (None: SGLang's default)."""
+
+    role: str                                   # "prefill", "decode" or "server" (no disaggregation)
+    tp: int
+    mem_fraction_static: float | None = None
+    cuda_graph_max_bs_decode: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    speculative_num_draft_tokens: int | None = None   # None: no MTP draft
+    moe_runner_backend: str | None = None
+
+    @property
+    def mtp(self) -> bool:
+        return self.speculative_num_draft_tokens is not None
+
+
+def _flag(args: list[str] | tuple[str, ...], name: str) -> str | None:
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def read_server_args(role: str, args: list[str] | tuple[str, ...]) -> ServerSettings:
+    """The sizing-relevant flags of a ``sglang.launch_server`` argv (as ``serve`` builds it)."""
+    def number(name: str, kind=int):
+        text = _flag(args, name)
+        return None if text is None else kind(text)
+
+    return ServerSettings(
+        role=role, tp=number("--tp-size") or 1, mem_fraction_static=number("--mem-fraction-static", float),
+        cuda_graph_max_bs_decode=number("--cuda-graph-max-bs-decode"),
+        max_running_requests=number("--max-running-requests"), chunked_prefill_size=number("--chunked-prefill-size"),
+        speculative_num_draft_tokens=number("--speculative-num-draft-tokens"),
+        moe_runner_backend=_flag(args, "--moe-runner-backend"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory fraction: srt/arg_groups/memory_hook.py handle_gpu_memory_settings, reserve_for_graph_mb.
+
+@dataclass(frozen=True)
+class MemoryFraction:
+    """SGLang's default ``mem_fraction_static`` for a server, with every reserve term (MiB)."""
+
+    gpu_mib: int
+    default: float
+    used: float                   # the launch's --mem-fraction-static, else the default
+    chunked_prefill_size: int
+    decode_max_bs: int
+    activation_tokens: int
+    terms_mib: dict[str, float]   # constant, activations, parallel, graphs (before the floor)
+    reserved_mib: float           # after the 10 GiB floor
+
+
+def _capacity_defaults(gpu_mib: float, tp: int) -> tuple[int, int]:
+    """(chunked_prefill_size, decode graph max batch) by GPU memory, as handle_gpu_memory_settings sets them."""
+    if gpu_mib < 20 * 1024:
+        return 2048, 8
+    if gpu_mib < 35 * 1024:
+        return 4096, 48 if tp < 4 else 160
+    if gpu_mib < 60 * 1024:
+        return 4096, 32 if tp < 4 else 160
+    if gpu_mib < 160 * 1024:
+        return 8192, 256 if tp < 4 else 512
+    return 16384, 512
+
+
+def memory_fraction(server: ServerSettings, gpu_mib: int) -> MemoryFraction:
+    """``handle_gpu_memory_settings``: the reserve for activations and CUDA graphs, and the fraction left.
+
+    V4 turns the prefill CUDA graph off (no prefill-graph term) and sets max_running_requests only
+    after this runs, so an unset limit counts as the decode graph's max batch here. V4's post-capture
+    KV sizing is off (``overrides.py post_capture_kv_sizing_planned``), so the full reserve applies.
+    """
+    chunked, max_bs = _capacity_defaults(gpu_mib, server.tp)
+    chunked = server.chunked_prefill_size or chunked
+    if server.cuda_graph_max_bs_decode is not None:
+        max_bs = server.cuda_graph_max_bs_decode
+    elif server.max_running_requests is not None and max_bs > server.max_running_requests:
+        max_bs = server.max_running_requests
+    if server.role == "decode":
+        running = server.max_running_requests or max_bs
+        activation = max(running * (server.speculative_num_draft_tokens or 1), 2048)
+    else:
+        activation = max(chunked, 2048)
+    terms = {"constant": 512.0, "activations": activation * 1.5, "parallel": server.tp / 8 * 1024,
+             "decode_graphs": 0.0 if server.role == "prefill" else max_bs * 2.0}
+    reserved = sum(terms.values())
+    if gpu_mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    default = round((gpu_mib - reserved) / gpu_mib, 3)
+    used = server.mem_fraction_static if server.mem_fraction_static is not None else default
+    return MemoryFraction(gpu_mib, default, used, chunked, max_bs, activation, terms, reserved)
+
+
+# ---------------------------------------------------------------------------------------------
+# The V4 KV pool: srt/model_executor/pool_configurator.py DSV4PoolConfigurator.
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """What the V4 pool's size depends on, from config.json."""
+
+    layers_by_ratio: dict[int, int]   # backbone attention layers per compress ratio (0, 4, 128)
+    head_dim: int                     # 512: qk_nope 448 + rope 64
+    index_head_dim: int               # 128
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers_by_ratio.values())
+
+
+@dataclass(frozen=True)
+class KvCost:
+    """Bytes one full-pool token costs per rank, the fixed per-request state, and each term."""
+
+    bytes_per_full_token: float
+    bytes_per_swa_token: float
+    fixed_bytes: int                   # the ratio-128 compressor state ring of every request slot
+    terms: dict[str, float]            # per full token, before the MTP inflation
+    mtp_inflation: float
+
+
+def v4_page_bytes(tokens_per_page: int) -> int:
+    """``KVLayout.V4.page_bytes``: 584-byte entries, the page padded to a multiple of 576 bytes."""
+    raw = tokens_per_page * (V4_KV_DATA_BYTES + V4_KV_SCALE_BYTES)
+    return -(-raw // V4_KV_PAGE_ALIGN) * V4_KV_PAGE_ALIGN
+
+
+def paged_kv_bytes_per_token(ratio: int, page_size: int = V4_PAGE_SIZE) -> float:
+    """``_get_paged_kv_bytes_per_token``: a ratio-r cache holds page_size / r entries per page."""
+    per_page = page_size // ratio if ratio else page_size
+    return v4_page_bytes(per_page) / per_page
+
+
+def indexer_bytes_per_token(index_head_dim: int) -> int:
+    """``deepseek_v4_memory_pool.get_dsv4_indexer_bytes_per_token``, FP8 (NVIDIA keeps it for the FP4 indexer)."""
+    return index_head_dim + index_head_dim // 128 * 4
+
+
+def ring_size(ratio: int, mtp: bool) -> int:
+    """``get_compress_state_ring_size``: rows per request of a compressor's state ring."""
+    if ratio == 4:
+        return 16 if mtp else 8
+    return 256 if mtp else 128
+
+
+def request_slots(server: ServerSettings) -> int:
+    """``_get_num_req_slots``; PD decode adds ``disaggregation_decode_extra_slots`` (pd_disaggregation_hook.py:
+    2x an explicit running limit of 32 or less, else 0)."""
+    running = server.max_running_requests or V4_MAX_RUNNING_REQUESTS
+    extra = 0
+    if server.role == "decode" and server.max_running_requests is not None and server.max_running_requests <= 32:
+        extra = 2 * server.max_running_requests
+    return running + extra + 1
+
+
+def kv_cost(geometry: KvGeometry, server: ServerSettings, page_size: int = V4_PAGE_SIZE) -> KvCost:
+    """``DSV4PoolConfigurator.__init__``/``_get_bytes_per_swa_token``/``_get_bytes_per_full_token``/
+    ``_get_c128_state_fixed_bytes`` on CUDA with the flashmla backend (no unified or trtllm pool)."""
+    n = geometry.layers_by_ratio
+    n4, n128 = n.get(4, 0), n.get(128, 0)
+    ring4, ring128 = ring_size(4, server.mtp), ring_size(128, server.mtp)
+    state4 = 2 * 2 * (geometry.head_dim + geometry.index_head_dim) * COMPRESS_STATE_DTYPE_BYTES
+    swa_kv = paged_kv_bytes_per_token(0, page_size) * geometry.num_layers
+    swa_state = ring4 / page_size * state4 * n4
+    per_swa = swa_kv + swa_state
+    terms = {
+        "sliding_window_kv": V4_SWA_FULL_TOKENS_RATIO * swa_kv,
+        "ratio4_compressor_state": V4_SWA_FULL_TOKENS_RATIO * swa_state,
+        "ratio4_kv": n4 * paged_kv_bytes_per_token(4, page_size) / 4,
+        "ratio4_indexer": n4 * indexer_bytes_per_token(geometry.index_head_dim) / 4,
+        "ratio128_kv": n128 * paged_kv_bytes_per_token(128, page_size) / 128,
+    }
+    inflation = (geometry.num_layers + 1) / geometry.num_layers if server.mtp else 1.0
+    rows = request_slots(server) * ring128 + ring128 + 1
+    fixed = math.ceil(rows / 128) * 128 * 2 * geometry.head_dim * COMPRESS_STATE_DTYPE_BYTES * n128
+    return KvCost(sum(terms.values()) * inflation, per_swa * inflation, fixed, terms, inflation)
+
+
+def kv_tokens(available_bytes: int, cost: KvCost, page_size: int = V4_PAGE_SIZE) -> tuple[int, int]:
+    """``DSV4PoolConfigurator.calculate_pool_sizes``: (full-pool tokens, sliding-window tokens), whole pages."""
+    for_tokens = max(available_bytes - cost.fixed_bytes, 0)
+    full = int(for_tokens / cost.bytes_per_full_token) // page_size * page_size
+    return full, int(full * V4_SWA_FULL_TOKENS_RATIO) // page_size * page_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights per rank: srt/models/deepseek_v4.py and the quant methods' create_weights.
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LoadRules:
+    """How the loader stores what the file holds, for one launch (from ``compare.numerics.Serving``)."""
+
+    wo_a_bf16: bool            # the FP8 wo_a GEMM is off: wo_a is dequantized to BF16 at load
+    nvfp4_scale_copies: int    # 2 where the NVFP4 MoE method also allocates ``*_blockscale_swizzled`` (not TRT-LLM)
+    mxfp4_scale_bytes: tuple[int, int] = (1, 1)   # per E8M0 MXFP4 expert scale (target, draft): 4 where held as F32
+
+
+# Attention projections each TP rank holds a slice of; wq_a and wkv (fused wqkv_a) are replicated.
+_SPLIT_ATTENTION = (".attn.wq_b", ".attn.wo_a", ".attn.wo_b")
+_SPLIT_ROLES = {Role.EMBED, Role.HEAD, Role.ROUTED_EXPERT, Role.SHARED_EXPERT}
+
+
+@dataclass
+class RankBytes:
+    """Bytes one TP rank holds for the target model and for the MTP draft, and per role."""
+
+    target: int = 0
+    draft: int = 0
+    by_role: dict[str, int] = field(default_factory=dict)
+
+
+def _stored_bytes(tensor: Tensor, info: TensorInfo, module_scale_dtype: str | None, rules: LoadRules) -> int:
+    """What the loader stores for one file tensor (before any TP split)."""
+    elements = math.prod(tensor.shape) if tensor.shape else 1
+    if info.module.endswith(".attn.wo_a") and rules.wo_a_bf16 and module_scale_dtype is not None:
+        return 0 if info.param == "scale" else elements * 2          # dequantized to BF16, scale consumed
+    if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "fp8":
+        return elements * 4                                             # FP8 block scales load as F32
+    if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "mxfp4":
+        return elements * rules.mxfp4_scale_bytes[info.is_mtp]
+    if info.param == "tid2eid":
+        return elements * 4                                             # I64 routing table loads as I32
+    if info.param == "weight_scale" and tensor.dtype == "F8_E4M3" and info.role is Role.ROUTED_EXPERT:
+        return tensor.nbytes * rules.nvfp4_scale_copies
+    return tensor.nbytes
+
+
+def classified(tensors: Iterable[Tensor]) -> list[tuple[Tensor, TensorInfo]]:
+    """Each tensor with its role and module (classify once; a model has ~90,000 tensors)."""
+    return [(t, classify(t.name)) for t in tensors]
+
+
+def weights_per_rank(tensors: list[tuple[Tensor, TensorInfo]], tp: int, rules: LoadRules) -> RankBytes:
+    """Bytes one of ``tp`` ranks holds: split modules divided, replicated ones whole, as the loader stores them.
+
+    Routed experts split their intermediate dimension under TP, or whole experts under EP: the same
+    bytes per rank. The MTP draft (``mtp.*``) shares the target's embedding and head.
+    """
+    kinds = {info.module: {"F8_E4M3": "fp8", "I8": "mxfp4"}.get(t.dtype) for t, info in tensors
+             if info.param == "weight"}
+    out = RankBytes()
+    for tensor, info in tensors:
+        scale_kind = kinds.get(info.module)
+        stored = _stored_bytes(tensor, info, scale_kind, rules)
+        split = info.role in _SPLIT_ROLES or info.module.endswith(_SPLIT_ATTENTION)
+        per_rank = stored // tp if split else stored
+        if info.is_mtp:
+            out.draft += per_rank
+        else:
+            out.target += per_rank
+        out.by_role[info.role.value] = out.by_role.get(info.role.value, 0) + per_rank
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The budget: srt/mem_cache/kv_cache_configurator.py _profile_available_bytes.
+
+# Memory the CUDA context, NCCL and SGLang's communicators take before the weights load (estimated:
+# not in SGLang's code; it measures free memory instead). The KV budget counts from what is left.
+RUNTIME_OVERHEAD_MIB = 1536
+
+
+@dataclass(frozen=True)
+class Budget:
+    pre_load_bytes: int           # free memory before the weights load
+    weights_bytes: int            # target + draft
+    available_bytes: int          # the KV pool's budget (may be negative: does not load)
+    min_mem_fraction_static: float  # SGLang's "minimum viable" fraction, rounded up as it prints it
+
+
+def budget(gpu_mib: int, mem_fraction_static: float, weights_bytes: int,
+           overhead_mib: int = RUNTIME_OVERHEAD_MIB) -> Budget:
+    """``available = free_after_load - free_before_load * (1 - mem_fraction_static)``; SGLang refuses to
+    start below ``1 - free_after_load / free_before_load`` and prints it rounded up to 3 decimals."""
+    pre = (gpu_mib - overhead_mib) * MIB
+    after = pre - weights_bytes
+    available = int(after - pre * (1 - mem_fraction_static))
+    minimum = 1 - after / pre
+    return Budget(pre, weights_bytes, available, math.ceil(minimum * 1000) / 1000)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"

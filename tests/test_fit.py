@@ -1,0 +1,233 @@
+"""``dsv4convert fit`` against SGLang 0.5.23's own code, run on the CPU.
+
+* The memory fraction: SGLang's resolution pipeline (``handle_gpu_memory_settings``) resolves serve's
+  own argv with ``get_device_memory_capacity`` answering the GPU's size; its ``mem_fraction_static``,
+  with and without the launch's explicit value, must equal fit's exactly.
+* The KV pool: SGLang's ``DSV4PoolConfigurator`` is built for the resolved server (published as a
+  scheduler publishes it) over SGLang's ``ModelConfig`` of the real V4-Flash config; its bytes per
+  token, its ratio-128 state and the tokens ``calculate_pool_sizes`` gives for fit's budget must match.
+  ``select_dsv4_kv_layout`` asks ``torch.cuda``, which CPU torch cannot answer: it is patched to the
+  family's capability (the page padding then comes from SGLang's ``KVLayout``).
+* Weights per rank: SGLang's ``DeepseekV4ForCausalLM`` (and its NextN draft) is built on the meta
+  device as rank 0 of TP 4 and 8 (``sglang_oracle.rank_parameters``: SGLang's own layers shard by
+  SGLang's TP size); the parameter bytes must be within 0.5 % of fit's, for a 5-layer model of the
+  real widths that holds every layer kind of V4-Flash (hash/ratio 0, hash/ratio 4, ratio 128,
+  ratio 4, the MTP block): planning the 43-layer model costs 10-20 s per variant, the rules are per
+  layer. Not counted on SGLang's side, because SGLang frees them after loading: W4A16's act-order
+  ``g_idx``/``g_idx_sort_indices`` (``compressed_tensors_wNa16_moe.py process_weights_after_loading``
+  replaces them with empty tensors for a checkpoint without act-order) and the draft's own embedding
+  and LM head (``set_embed_and_head`` gives it the target's).
+* Not run: the native variant's MoE method on sm_90 and sm_100 needs FlashInfer, which a CPU
+  install lacks (``Mxfp4FlashinferCutlassMoEMethod`` raises in its constructor); it is built on sm_120
+  (Marlin), and its expert bytes are the file's on every family.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+import sglang_oracle as sgl
+from dsv4convert.cli import main
+from dsv4convert.fit import sizing, source, verdict
+from dsv4convert.serve.launch import LaunchOptions, server_args, variant_defaults
+
+REAL_CONFIG = json.loads((Path(__file__).resolve().parent.parent / "dsv4convert/data/deepseek-v4-flash-config.json")
+                         .read_text())
+FAMILIES = {"rtx-pro-6000": "sm120", "h200": "sm90", "b200": "sm100"}
+ROLES = ("prefill", "decode", "server")
+
+
+def _small_config() -> dict:
+    """The real widths with 5 layers: every layer kind V4-Flash has, and its MTP block."""
+    return {**REAL_CONFIG, "num_hidden_layers": 5, "compress_ratios": [0, 0, 4, 128, 4, 0]}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> dict[str, tuple[source.Source, Path]]:
+    """Each shipped variant planned for the small config, with a directory holding its config.json."""
+    out = {}
+    for variant in source.SHIPPED:
+        src = source.planned(variant, _small_config())
+        directory = tmp_path_factory.mktemp(variant)
+        (directory / "config.json").write_text(json.dumps(src.config))
+        out[variant] = (src, directory)
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("v4flash")
+    (directory / "config.json").write_text(json.dumps(REAL_CONFIG))
+    return directory
+
+
+def _argv(variant: str, family: str, role: str, tp: int, mtp: bool, model: Path) -> list[str]:
+    options = LaunchOptions(model=str(model), variant=variant, gpu_family=family, mtp=mtp)
+    return server_args(options, role, tp, options.server_port, options.prefill_nccl_port)
+
+
+def _resolve(argv: list[str], gpu: verdict.Gpu, env: dict[str, str]):
+    import sglang.srt.arg_groups.memory_hook as memory_hook
+
+    with mock.patch.object(memory_hook, "get_device_memory_capacity", lambda *_a, **_k: gpu.mib):
+        return sgl.resolve_server_args(argv, gpu=gpu.family, env=env).resolved_dict()["mem_fraction_static"]
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    if flag not in argv:
+        return argv
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+@pytest.mark.parametrize("gpu_name", list(FAMILIES))
+def test_memory_fraction_is_sglangs(gpu_name: str, real_dir: Path) -> None:
+    gpu = verdict.GPUS[gpu_name]
+    env = variant_defaults("fp8", gpu.family).env
+    checked = 0
+    for tp in (4, 8):
+        for role in ROLES:
+            for mtp in (False, True):
+                argv = _argv("fp8", gpu.family, role, tp, mtp, real_dir)
+                ours = sizing.memory_fraction(sizing.read_server_args(role, argv), gpu.mib)
+                assert _resolve(argv, gpu, env) == ours.used, (role, tp, mtp)
+                bare = _without(argv, "--mem-fraction-static")
+                theirs = _resolve(bare, gpu, env)
+                assert theirs == sizing.memory_fraction(sizing.read_server_args(role, bare), gpu.mib).default
+                assert theirs == ours.default or "--cuda-graph-max-bs-decode" in argv, (role, tp, mtp)
+                checked += 1
+    assert checked == 12
+
+
+def _sglang_pool(server_argv: list[str], gpu: verdict.Gpu, env: dict[str, str], real_dir: Path):
+    """SGLang's DSV4PoolConfigurator for this server, over SGLang's ModelConfig of the real config."""
+    import torch
+    from sglang.srt.model_executor.pool_configurator import DSV4PoolConfigurator
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    with sgl._scoped_environ(env), sgl._cpu_host_fakes(gpu.family), \
+            mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.version, "cuda", "12.9"):
+        server = sgl.parse_server_args([*server_argv, "--device", "cuda"])
+        publish(server, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        model_config = sgl.ModelConfig.from_server_args(server)
+        resolved = server.resolved_dict()
+        kvc = SimpleNamespace(
+            kv_cache_dtype_str=resolved["kv_cache_dtype"], model_config=model_config,
+            layer_info=SimpleNamespace(start_layer=0, end_layer=model_config.num_hidden_layers), pp_size=1,
+            spec_algorithm=SpeculativeAlgorithm.from_string(resolved["speculative_algorithm"]),
+            spec_aux_config=None, sliding_window_size=model_config.window_size, page_size=resolved["page_size"],
+            attn_dp_size=1)
+        return DSV4PoolConfigurator(kvc)
+
+
+@pytest.mark.parametrize("gpu_name", list(FAMILIES))
+def test_kv_pool_is_sglangs(gpu_name: str, real_dir: Path) -> None:
+    from sglang.srt.runtime_context import restore_context, snapshot_context
+
+    gpu = verdict.GPUS[gpu_name]
+    env = variant_defaults("fp8", gpu.family).env
+    geometry = source.Source.geometry.fget(SimpleNamespace(config=REAL_CONFIG))
+    for tp in (4, 8):
+        for role in ROLES:
+            for mtp in (False, True):
+                argv = _argv("fp8", gpu.family, role, tp, mtp, real_dir)
+                settings = sizing.read_server_args(role, argv)
+                ours = sizing.kv_cost(geometry, settings)
+                state = snapshot_context()
+                try:
+                    pool = _sglang_pool(argv, gpu, env, real_dir)
+                    assert pool.bytes_per_full_token == pytest.approx(ours.bytes_per_full_token, rel=1e-12)
+                    assert pool._get_c128_state_fixed_bytes(sizing.V4_MAX_RUNNING_REQUESTS) == ours.fixed_bytes
+                    available = int((tp * 11 + 20) * sizing.GIB)     # any budget: both must split it alike
+                    theirs = pool.calculate_pool_sizes(available, sizing.V4_PAGE_SIZE)
+                finally:
+                    restore_context(state)
+                full, swa = sizing.kv_tokens(available, ours)
+                assert full == pytest.approx(theirs.full_max_total_num_tokens, rel=0.01)
+                assert swa == pytest.approx(theirs.swa_max_total_num_tokens, rel=0.01)
+
+
+# Variant x family pairs SGLang's model builds on a CPU (native needs FlashInfer off sm_120).
+BUILDS = [(v, f) for v in source.SHIPPED for f in ("sm90", "sm100", "sm120") if v != "native" or f == "sm120"]
+
+
+def _sglang_bytes(params: dict, *, draft: bool) -> int:
+    skipped = ("g_idx",) + (("embed_tokens.", "lm_head.") if draft else ())
+    return sum(p.numel() * p.element_size() for n, p in params.items() if not any(s in n for s in skipped))
+
+
+@pytest.mark.parametrize("variant,family", BUILDS)
+def test_weights_per_rank_are_sglangs(variant: str, family: str, small) -> None:
+    src, directory = small[variant]
+    gpu = next(g for g in verdict.GPUS.values() if g.family == family)
+    env = variant_defaults(src.variant, family).env
+    mtp = variant_defaults(src.variant, family).mtp_args is not None
+    for tp in (4, 8):
+        fit = verdict.sglang_server(src, gpu, "server", tp, mtp=mtp)
+        argv = _argv(src.variant, family, "server", tp, mtp, directory)
+        target = _sglang_bytes(sgl.rank_parameters(directory, argv, gpu=family, tp=tp, env=env), draft=False)
+        assert fit.weights_bytes_per_rank - fit.draft_weights_bytes_per_rank == pytest.approx(target, rel=0.005)
+        if mtp:
+            draft = _sglang_bytes(sgl.rank_parameters(directory, argv, gpu=family, tp=tp, env=env, draft=True),
+                                  draft=True)
+            assert fit.draft_weights_bytes_per_rank == pytest.approx(draft, rel=0.005)
+
+
+def test_a_wrong_split_rule_is_caught(small) -> None:
+    """The weights check can fail: replicating wq_b instead of splitting it moves the figure past 0.5 %."""
+    src, _ = small["fp8"]
+    rules = src.load_rules("sm90", src.settings("sm90", "server", 4, mtp=False))
+    right = sizing.weights_per_rank(src.tensors, 4, rules).target
+    with mock.patch.object(sizing, "_SPLIT_ATTENTION", (".attn.wo_a", ".attn.wo_b")):
+        wrong = sizing.weights_per_rank(src.tensors, 4, rules).target
+    assert not math.isclose(right, wrong, rel_tol=0.005)
+
+
+def test_json_has_every_figure(small, capsys, monkeypatch) -> None:
+    src, directory = small["nvfp4"]
+    monkeypatch.setattr(source, "from_checkpoint", lambda _model: src)
+    assert main(["fit", "--model", str(directory), "--gpu", "rtx-pro-6000", "--tp", "4", "--pd", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [v["role"] for v in report["variants"]] == ["prefill", "decode"]
+    for row in report["variants"]:
+        for key in ("weights_bytes_per_rank", "mem_fraction_static", "kv_bytes_per_token", "kv_tokens",
+                    "min_mem_fraction_static", "fits"):
+            assert key in row
+        assert row["fits"] is True and row["kv_tokens"] > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["fit", "--gpu", "a100"], "--gpu 'a100'"),
+    (["fit", "--gpu", "h200", "--count", "4", "--tp", "4", "--pd"], "need 8 GPUs"),
+    (["fit", "--gpu", "h200", "--tp", "3"], "--tp 3"),
+])
+def test_bad_input_is_one_error_line(argv: list[str], needle: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+
+
+def test_a_model_that_is_not_v4_is_one_error_line(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    assert main(["fit", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path}/config.json: not a DeepSeek-V4 config")
+
+
+def test_serve_refuses_what_cannot_fit(small) -> None:
+    """The refusal names the server, the GPU and the shortfall; a launch that fits is not refused."""
+    src, _ = small["bf16"]
+    tiny = verdict.Gpu("16 GiB card", "sm90", 16384)
+    why = verdict.refusal(src, tiny, "decode", 4, mtp=False)
+    assert why is not None and why.startswith("the decode server does not fit TP 4 x 16 GiB card (16384 MiB)")
+    assert "short" in why
+    assert verdict.refusal(src, verdict.GPUS["b200"], "decode", 4, mtp=False) is None
