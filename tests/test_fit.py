@@ -12,8 +12,8 @@
   device as rank 0 of TP 4 and 8 (``sglang_oracle.rank_parameters``: SGLang's own layers shard by
   SGLang's TP size); the parameter bytes must be within 0.5 % of fit's, for a 5-layer model of the
   real widths that holds every layer kind of V4-Flash (hash/ratio 0, hash/ratio 4, ratio 128,
-  ratio 4, the MTP block): planning the 43-layer model costs 10-20 s per variant, the rules are per
-  layer. Not counted on SGLang's side, because SGLang frees them after loading: W4A16's act-order
+  ratio 4, the MTP block), planned as ``fit`` plans it (one layer of each kind, one expert, counted;
+  checked against the full plan on an 8-layer, 16-expert model). Not counted on SGLang's side, because SGLang frees them after loading: W4A16's act-order
   ``g_idx``/``g_idx_sort_indices`` (``compressed_tensors_wNa16_moe.py process_weights_after_loading``
   replaces them with empty tensors for a checkpoint without act-order) and the draft's own embedding
   and LM head (``set_embed_and_head`` gives it the target's).
@@ -189,6 +189,24 @@ def test_a_wrong_split_rule_is_caught(small) -> None:
     with mock.patch.object(sizing, "_SPLIT_ATTENTION", (".attn.wo_a", ".attn.wo_b")):
         wrong = sizing.weights_per_rank(src.tensors, 4, rules).target
     assert not math.isclose(right, wrong, rel_tol=0.005)
+
+
+def test_the_compact_plan_is_the_full_plan() -> None:
+    """``planned`` plans one layer of each kind with one expert and counts copies: every figure fit reads
+    (bytes per rank and per role at each TP and load rule, the served variant, the KV geometry) must
+    equal the full plan's, for a model with two layers of most kinds and 16 experts."""
+    config = {**REAL_CONFIG, "num_hidden_layers": 8, "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 0, 0],
+              "n_routed_experts": 16}
+    for variant in source.SHIPPED:
+        compact, full = source.planned(variant, config), source.planned(variant, config, compact=False)
+        assert 3 * len(compact.tensors) < len(full.tensors)
+        assert (compact.variant, compact.geometry) == (full.variant, full.geometry)
+        for family in FAMILIES.values():
+            rules = compact.load_rules(family, compact.settings(family, "server", 4, mtp=False))
+            assert rules == full.load_rules(family, full.settings(family, "server", 4, mtp=False))
+            for tp in (1, 4, 8):
+                ours, theirs = (sizing.weights_per_rank(s.tensors, tp, rules) for s in (compact, full))
+                assert (ours.target, ours.draft, ours.by_role) == (theirs.target, theirs.draft, theirs.by_role)
 
 
 def test_json_has_every_figure(small, capsys, monkeypatch) -> None:

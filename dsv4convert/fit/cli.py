@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "sets), the V4 KV pool's bytes per token (page-padded entries, sliding-window pool, compressed\n"
             "caches, indexer, compressor state), the KV tokens it leaves, the smallest fraction that loads,\n"
             "and a verdict. Without --model: every shipped variant planned from the released config.json\n"
-            "(no weights needed; planning the full model takes a few seconds per variant).\n"
+            "(no weights needed; one layer of each kind planned and counted: about 2 s for the table).\n"
             "KV tokens are the full pool: concurrent requests x context <= KV tokens."
         ),
         epilog=(

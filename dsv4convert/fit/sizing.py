@@ -231,6 +231,7 @@ class Tensor:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    copies: int = 1   # identical tensors of the full model it stands for (a compact plan, source.planned)
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,7 @@ def weights_per_rank(tensors: list[tuple[Tensor, TensorInfo]], tp: int, rules: L
         scale_kind = kinds.get(info.module)
         stored = _stored_bytes(tensor, info, scale_kind, rules)
         split = info.role in _SPLIT_ROLES or info.module.endswith(_SPLIT_ATTENTION)
-        per_rank = stored // tp if split else stored
+        per_rank = (stored // tp if split else stored) * tensor.copies
         if info.is_mtp:
             out.draft += per_rank
         else:

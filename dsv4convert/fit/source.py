@@ -10,7 +10,7 @@ loader's dtype rules from what ``compare`` derives from that launch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsv4convert.checkpoint import Checkpoint
@@ -19,7 +19,7 @@ from dsv4convert.compare.numerics import serving_for
 from dsv4convert.dtypes import nbytes
 from dsv4convert.fit.sizing import KvGeometry, LoadRules, ServerSettings, Tensor, classified, read_server_args
 from dsv4convert.inspection import Inspection, inspect_checkpoint
-from dsv4convert.layout import ModelConfig, TensorInfo, native_inventory
+from dsv4convert.layout import ModelConfig, Role, TensorInfo, native_inventory
 from dsv4convert.serve.launch import LaunchOptions, served_like, server_args, variant_defaults
 
 # Shipped variants and the recipe that makes each (None: the native checkpoint as released), as
@@ -86,19 +86,52 @@ def from_checkpoint(model: str | Path) -> Source:
     return _source(str(model), ckpt)
 
 
-def planned(variant: str, config: dict) -> Source:
-    """A shipped variant as ``convert`` would write it from the native checkpoint ``config`` describes."""
+def _compact(config: dict) -> tuple[dict, dict[str, int], int]:
+    """The config of a model with one backbone layer of each kind V4 has (compress ratio, hash or score
+    routing) and one routed expert per layer: (its config, how many full-model layers each of its layers
+    stands for, how many experts its one stands for). Every layer of a kind plans alike (the recipes match
+    roles, not layer numbers), and so does every expert; the router's gate rows scale with the experts."""
+    cfg = ModelConfig.from_dict(config)
+    kinds: dict[tuple[bool, int], int] = {}
+    for i in range(cfg.num_hidden_layers):
+        key = (not cfg.is_hash_block(f"layers.{i}"), cfg.ratio(f"layers.{i}"))
+        kinds[key] = kinds.get(key, 0) + 1
+    order = sorted(kinds, key=lambda kind: kind[0])            # hash layers first, as V4 numbers them
+    ratios = [ratio for _, ratio in order] + list(cfg.compress_ratios[cfg.num_hidden_layers:])
+    compact = {**config, "num_hidden_layers": len(order), "num_hash_layers": sum(not score for score, _ in order),
+               "compress_ratios": ratios, "n_routed_experts": 1}
+    return compact, {f"layers.{i}": kinds[kind] for i, kind in enumerate(order)}, cfg.n_routed_experts
+
+
+def _copies(info: TensorInfo, layers: dict[str, int], experts: int) -> int:
+    block = ".".join(info.module.split(".")[:2])
+    per_expert = info.role is Role.ROUTED_EXPERT or (info.role is Role.ROUTER and info.param != "tid2eid")
+    return layers.get(block, 1) * (experts if per_expert else 1)
+
+
+def planned(variant: str, config: dict, *, compact: bool = True) -> Source:
+    """A shipped variant as ``convert`` would write it from the native checkpoint ``config`` describes.
+
+    ``compact``: plan one layer of each kind with one expert and count each planned tensor for the
+    full-model tensors it stands for (``Tensor.copies``; tests/test_fit.py checks it against the full
+    plan): the full V4-Flash plan classifies ~200,000 tensors (10-20 s per variant), this one ~200.
+    """
     from dsv4convert.convert.plan import build_plan
     from dsv4convert.convert.quant_config import build_quant_config
     from dsv4convert.convert.recipe import load_recipe
 
-    cfg = ModelConfig.from_dict(config)
-    native = _virtual(config, [(s.name, s.dtype, s.shape) for s in native_inventory(cfg)])
+    plan_config, layers, experts = _compact(config) if compact else (config, {}, 1)
+    native = _virtual(plan_config, [(s.name, s.dtype, s.shape) for s in native_inventory(ModelConfig.from_dict(plan_config))])
     recipe = SHIPPED[variant]
-    if recipe is None:
-        return _source(variant, native)
-    plan = build_plan(native, load_recipe(recipe), engine="both")
-    out_config, _ = build_quant_config(config, plan.module_formats(), engines=("sglang", "vllm"))
-    outputs = [(p.name, p.dtype, tuple(p.shape)) for job in plan.modules.values() for p in job.outputs]
-    return _source(variant, _virtual(out_config, outputs))
-
+    ckpt = native
+    if recipe is not None:
+        plan = build_plan(native, load_recipe(recipe), engine="both")
+        out_config, _ = build_quant_config(plan_config, plan.module_formats(), engines=("sglang", "vllm"))
+        ckpt = _virtual(out_config, [(p.name, p.dtype, tuple(p.shape)) for job in plan.modules.values()
+                                     for p in job.outputs])
+    src = _source(variant, ckpt)
+    # The full model's layer counts (the KV geometry reads them) over what the plan wrote.
+    full = {key: config[key] for key in ("num_hidden_layers", "num_hash_layers", "compress_ratios", "n_routed_experts")
+            if key in config}
+    tensors = [(replace(t, copies=_copies(info, layers, experts)), info) for t, info in src.tensors]
+    return replace(src, config={**ckpt.config, **full}, tensors=tensors)
