@@ -94,3 +94,12 @@ def vocabulary_text() -> str:
              "the", "to", "a", "of", "that", "is", "was", "near", "because", "by", "across", "over",
              "eats", "ate", "follows", "followed"]
     return " ".join(words) + " " + " ".join(w.capitalize() for w in words)
+
+
+HELDOUT_SEED = 20261202   # the organism trained on other seeds' text: this is text it never saw
+
+
+def heldout_text(count: int = 60) -> str:
+    """Held-out text in the organism's language (about 15K tokens for the default count): what ``compare``
+    scores KLD, same top-1 and perplexity on (``tests/data/organism-heldout.txt`` is this text)."""
+    return "\n\n\n".join(documents(HELDOUT_SEED, count)) + "\n"
