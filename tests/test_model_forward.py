@@ -3,7 +3,7 @@
 One block at a time, in query chunks through each layer's cache, must give the logits of one
 full transformers forward of the same checkpoint, at lengths that are and are not multiples of 4
 (the CSA window) and of the chunk, long enough for the HCA compressor (128 tokens) and for the
-indexer to choose (past 4 * index_topk + sliding_window tokens).
+indexer to choose (from 4 * index_topk + 4 tokens on: needle.selection_threshold).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dsv4convert.model.forward import BlockRunner
 from dsv4convert.synth import preset_config, synthesize
 from transformers_oracle import load
 
-LENGTHS = (259, 300)  # 259 % 4 == 3; both past the tiny model's HCA window (128) and its top-k threshold (24)
+LENGTHS = (259, 300)  # 259 % 4 == 3; both past the tiny model's HCA window (128) and its top-k threshold (4 * 4 + 4 = 20)
 # The tiny model's indexer has 4 heads: all four ReLU'd scores of an entry are 0 for about one entry in
 # sixteen, and top-k breaks such ties by position, which differs between a 64-entry and a 16-entry pool.
 # With 32 heads (the real model has 64) an exact tie has odds of 2^-32 per entry, so the chunked
