@@ -148,6 +148,23 @@ def test_written_readme_carries_the_launch_commands(served, output):
             assert f"No MTP draft on this GPU: {spec['mtp_note']}." in readme
     assert f"SGLANG_DSV4_FP4_EXPERTS={EXPECTED_CONFIG[output][1]}" in readme
     assert "--moe-runner-backend marlin" in readme
+    _assert_fit_figures(readme.split("## Serving with SGLang 0.5.23")[1], served[output], "sglang")
+
+
+def _assert_fit_figures(section: str, model_dir, engine: str) -> None:
+    """Each family's weights per GPU and KV tokens are what `dsv4convert fit` computes for its command."""
+    from dsv4convert.fit import sizing, source, verdict
+
+    src = source.from_checkpoint(model_dir)
+    for block in section.split("\n## ")[0].split("### ")[1:]:
+        family = block.splitlines()[0]
+        argv = shlex.split(block.split("```bash\n")[1].split("\n```")[0])
+        tp = int(argv[argv.index("--tp-size" if engine == "sglang" else "--tensor-parallel-size") + 1])
+        gpu = verdict.gpu_of_family(GPU_FAMILIES[family][0])
+        fit = (verdict.sglang_server(src, gpu, "server", tp, mtp=False) if engine == "sglang"
+               else verdict.vllm_server(src, gpu, tp, mtp=False))
+        assert (f"on {gpu.name}: {sizing.gib(fit.weights_bytes_per_rank)} of weights per GPU, "
+                f"{fit.kv_tokens:,} KV tokens.") in block, (family, engine)
 
 
 @pytest.mark.parametrize("output", ["fp8", "nvfp4", "w4a16", "nvfp4@vllm", "fp8@sglang", "w4a16@sglang"])
@@ -165,6 +182,7 @@ def test_written_readme_serves_each_engine_it_is_made_for(served, output):
             else:
                 assert f"No MTP draft on this GPU: {spec['mtp_note']}." in readme
         assert "## Serving with vLLM 0.33.0" in readme and "Known limits:" in readme
+        _assert_fit_figures(readme.split("## Serving with vLLM")[1], served[output], "vllm")
     else:
         assert "vllm serve" not in readme
         line = next(x for x in readme.splitlines() if x.startswith("Not for vLLM 0.33.0: "))

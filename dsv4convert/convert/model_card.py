@@ -55,11 +55,14 @@ def tensor_parallel_size(weight_bytes: int, gpu_memory: int) -> int | None:
     return tp
 
 
-def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, Inspection] | None, spec_for
-                ) -> dict[str, dict]:
+def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, Inspection] | None, spec_for,
+                size_for) -> dict[str, dict]:
     """``spec_for(family, tp, like, formats, config)`` for every GPU family whose 8 GPUs hold the weights
-    (the TP size from their bytes), a note for the others: what both engines' launch tables share."""
+    (the TP size from their bytes), a note for the others: what both engines' launch tables share. Each
+    spec's ``fit`` is ``size_for(source, family, tp)``: what ``dsv4convert fit`` computes for that launch
+    from the stored bytes (weights per GPU, KV tokens)."""
     from dsv4convert.checkpoint import Checkpoint
+    from dsv4convert.fit.source import from_opened
     from dsv4convert.inspection import inspect_checkpoint
     from dsv4convert.serve.launch import served_like
 
@@ -70,6 +73,7 @@ def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, I
     formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
     like = served_like(variant, formats)
     weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
+    sized = from_opened(str(model_dir), ckpt, inspection)
     launch: dict[str, dict] = {}
     for name, (family, memory) in GPU_FAMILIES.items():
         tp = tensor_parallel_size(weight_bytes, memory)
@@ -77,8 +81,14 @@ def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, I
             launch[name] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more than "
                                                             f"{MAX_TP} of these GPUs (multi-node TP)"}
         else:
-            launch[name] = spec_for(family, tp, like, formats, ckpt.config)
+            launch[name] = {**spec_for(family, tp, like, formats, ckpt.config), "fit": size_for(sized, family, tp)}
     return launch
+
+
+def _fit_line(server) -> dict:
+    """What a card prints of one :class:`dsv4convert.fit.verdict.ServerFit`."""
+    return {"gpu": server.gpu, "weights_bytes_per_rank": server.weights_bytes_per_rank, "kv_tokens": server.kv_tokens,
+            "fits": server.fits, "upper_bound": server.engine.startswith("vllm")}
 
 
 def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
@@ -109,7 +119,12 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
             spec["mtp"] = {"argv": list(draft.argv), "env": {**draft.env, **env}}
         return spec
 
-    return _per_family(model_dir, variant, opened, spec_for)
+    def size_for(src, family: str, tp: int) -> dict:
+        from dsv4convert.fit.verdict import gpu_of_family, sglang_server
+
+        return _fit_line(sglang_server(src, gpu_of_family(family), "server", tp, mtp=False))
+
+    return _per_family(model_dir, variant, opened, spec_for, size_for)
 
 
 def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
@@ -131,7 +146,12 @@ def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Ch
             spec["mtp"] = {"argv": list(plan.mtp_argv), "env": dict(plan.env)}
         return spec
 
-    return _per_family(model_dir, variant, opened, spec_for)
+    def size_for(src, family: str, tp: int) -> dict:
+        from dsv4convert.fit.verdict import gpu_of_family, vllm_server
+
+        return _fit_line(vllm_server(src, gpu_of_family(family), tp, mtp=False))
+
+    return _per_family(model_dir, variant, opened, spec_for, size_for)
 
 
 # What the Hub's metadata says about the base model, where the source carries no card to read it from.
@@ -220,6 +240,17 @@ def shell_line(spec: dict) -> str:
     return " ".join([*assignments, shlex.join(spec["argv"])])
 
 
+def fit_sentence(fit: dict) -> str:
+    """One line of what ``dsv4convert fit`` computes for the command above it."""
+    from dsv4convert.fit.sizing import gib
+
+    verdict = "" if fit["fits"] else " It does not fit: `dsv4convert fit` gives the shortfall."
+    if fit["upper_bound"]:
+        verdict += " KV tokens before vLLM's profiled activation peak (an upper bound)."
+    return (f"Sized by `dsv4convert fit` for this command on {fit['gpu']}: {gib(fit['weights_bytes_per_rank'])} "
+            f"of weights per GPU, {fit['kv_tokens']:,} KV tokens.{verdict}")
+
+
 def _launch_lines(launch: dict[str, dict], draft_what: str) -> list[str]:
     lines: list[str] = []
     for family, spec in launch.items():
@@ -228,6 +259,8 @@ def _launch_lines(launch: dict[str, dict], draft_what: str) -> list[str]:
             lines += [spec["note"], ""]
         if spec.get("argv"):
             lines += ["```bash", shell_line(spec), "```", ""]
+        if spec.get("fit"):
+            lines += [fit_sentence(spec["fit"]), ""]
         method = spec.get("draft_moe_method")
         if spec.get("mtp"):
             lines += [f"With the MTP draft ({draft_what}; its routed experts run through `{method}`):", "",

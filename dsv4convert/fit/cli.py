@@ -50,13 +50,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"), help="with --gpu MiB: the launch rules to use")
     p.add_argument("--count", type=int, default=8, help="GPUs on the host (default 8)")
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel size of each server (default 4)")
-    p.add_argument("--ep", action="store_true", help="expert parallelism (whole experts per rank: same bytes per rank)")
+    p.add_argument("--ep", action="store_true",
+                   help="refused: fit sizes serve's launch (SGLang: TP only; vLLM: expert parallel already)")
     p.add_argument("--pd", action="store_true", help="prefill and decode servers, each on --tp GPUs")
     p.add_argument("--mtp", action="store_true", help="with the MTP draft (its weights and its KV share)")
     p.add_argument("--max-running", type=int, help="--max-running-requests (SGLang's V4 default: 256)")
     p.add_argument("--context", type=int, help="tokens per request: report how many such requests fit")
     p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
-                   help="sglang (computed); vllm is not sized yet (see docs/fit.md)")
+                   help="sglang (computed), or vllm (one server; the profiled activation peak is not known without "
+                        "a GPU: its KV tokens are an upper bound, see 'estimated')")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -71,7 +73,8 @@ def _sources(args: argparse.Namespace) -> list[source.Source]:
 
 def _line(label: str, fit: verdict.ServerFit, best: int | None) -> str:
     gib = sizing.GIB
-    head = (f"{label:18s} {fit.role:8s} {fit.weights_bytes_per_rank / gib:7.1f} GiB  mfs {fit.mem_fraction_static:.3f} "
+    name = "util" if fit.engine.startswith("vllm") else "mfs"
+    head = (f"{label:18s} {fit.role:8s} {fit.weights_bytes_per_rank / gib:7.1f} GiB  {name} {fit.mem_fraction_static:.3f} "
             f"(default {fit.default_mem_fraction_static:.3f}, min {fit.min_mem_fraction_static:.3f})  "
             f"{fit.kv_bytes_per_token:7.0f} B/token  {fit.kv_tokens:>11,d} KV tokens")
     if fit.requests_at_context is not None:
@@ -82,39 +85,65 @@ def _line(label: str, fit: verdict.ServerFit, best: int | None) -> str:
     return head + f"  DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short{tip})"
 
 
+def _refuse(args: argparse.Namespace) -> None:
+    """Flags fit would otherwise accept and not act on (one error line each)."""
+    if args.ep:
+        raise verdict.FitError("--ep: fit sizes the launch serve makes, and serve starts SGLang with tensor parallelism "
+                               "only and vLLM with --enable-expert-parallel already (whole experts per rank: the same "
+                               "routed-expert bytes per GPU, 256 experts / TP)")
+    if args.engine == "vllm" and (args.pd or args.max_running):
+        flag = "--pd" if args.pd else "--max-running"
+        raise verdict.FitError(f"{flag}: serve starts vLLM as one server with its own scheduler limits; "
+                               "fit sizes that (drop the flag or use --engine sglang)")
+
+
+def _size(src: source.Source, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> verdict.ServerFit:
+    if args.engine == "vllm":
+        return verdict.vllm_server(src, gpu, args.tp, mtp=args.mtp, context=args.context)
+    return verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
+                                 max_running=args.max_running)
+
+
+def _smallest_tp(src: source.Source, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> int | None:
+    if args.engine == "vllm":
+        return next((tp for tp in verdict.TP_SIZES
+                     if verdict.vllm_server(src, gpu, tp, mtp=args.mtp, context=args.context).fits), None)
+    return verdict.smallest_tp(src, gpu, role, mtp=args.mtp, context=args.context, max_running=args.max_running)
+
+
 def run(args: argparse.Namespace) -> int:
     gpu = verdict.gpu_from(args.gpu, args.gpu_family)
     verdict.check_launch(gpu, args.count, args.tp, args.pd)
-    if args.engine == "vllm":
-        raise verdict.FitError("--engine vllm: vLLM 0.33.0's KV budget comes from profiling a forward pass and is not "
-                               "sized yet (docs/fit.md says what is known)")
+    _refuse(args)
     rows, skipped = [], []
     for src in _sources(args):
         for role in verdict.roles(args.pd):
             try:
-                fit = verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
-                                            max_running=args.max_running)
+                fit = _size(src, gpu, role, args)
             except LaunchError as exc:
                 if args.model:
                     raise
-                skipped.append((src.label, exc.detail))   # a variant serve refuses here (its MTP draft)
+                skipped.append((src.label, exc.detail))   # a variant serve refuses here (its MTP draft, its layout)
                 break
-            best = None if fit.fits else verdict.smallest_tp(src, gpu, role, mtp=args.mtp, context=args.context,
-                                                             max_running=args.max_running)
-            rows.append((src, fit, best))
+            rows.append((src, fit, None if fit.fits else _smallest_tp(src, gpu, role, args)))
+    engine = "vLLM 0.33.0" if args.engine == "vllm" else "SGLang 0.5.23"
+    estimated = verdict.VLLM_ESTIMATED if args.engine == "vllm" else verdict.ESTIMATED
     if args.json:
-        print(json.dumps({"engine": "sglang 0.5.23", "gpu": gpu.name, "gpu_mib": gpu.mib, "count": args.count,
+        print(json.dumps({"engine": engine.lower(), "gpu": gpu.name, "gpu_mib": gpu.mib, "count": args.count,
                           "tp": args.tp, "pd": args.pd, "mtp": args.mtp, "context": args.context,
+                          "estimated": list(estimated),
                           "variants": [{"variant": src.label, "serves_as": src.variant, **fit.as_dict(),
                                         "smallest_tp": best if not fit.fits else args.tp}
                                        for src, fit, best in rows],
                           "not_served": [{"variant": label, "why": why} for label, why in skipped]}))
     else:
-        print(f"SGLang 0.5.23 on {gpu.name} ({gpu.mib} MiB, {gpu.family}), TP {args.tp}"
-              f"{' PD' if args.pd else ''}{' + MTP' if args.mtp else ''}; weights per GPU, memory fraction, KV:")
+        fraction = "gpu_memory_utilization" if args.engine == "vllm" else "memory fraction"
+        print(f"{engine} on {gpu.name} ({gpu.mib} MiB, {gpu.family}), TP {args.tp}"
+              f"{' PD' if args.pd else ''}{' + MTP' if args.mtp else ''}; weights per GPU, {fraction}, KV:")
         for src, fit, best in rows:
             print(_line(src.label, fit, best))
         for label, why in skipped:
             print(f"{label:18s} not served: {why}")
-        print(f"estimated: {verdict.ESTIMATED[0]}")
+        for line in estimated:
+            print(f"estimated: {line}")
     return 0 if all(fit.fits for _, fit, _ in rows) else 1

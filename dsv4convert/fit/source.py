@@ -73,7 +73,11 @@ def _virtual(config: dict, specs: list[tuple[str, str, tuple[int, ...]]]) -> Che
 
 
 def _source(label: str, ckpt: Checkpoint) -> Source:
-    inspection = inspect_checkpoint(ckpt)
+    return from_opened(label, ckpt, inspect_checkpoint(ckpt))
+
+
+def from_opened(label: str, ckpt: Checkpoint, inspection: Inspection) -> Source:
+    """A checkpoint already opened and inspected (the converter's output, for its model card)."""
     formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
     tensors = classified(Tensor(e.name, e.dtype, tuple(e.shape), e.nbytes) for e in ckpt.tensors.values())
     return Source(label, served_like(inspection.variant, formats), ckpt.config, tensors, inspection)

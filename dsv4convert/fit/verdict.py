@@ -6,6 +6,7 @@ Joins :mod:`dsv4convert.fit.source` (what is loaded, how ``serve`` launches it) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from dsv4convert.errors import DSV4Error
@@ -73,6 +74,7 @@ class ServerFit:
     fits: bool
     shortfall_bytes: int
     estimated: tuple[str, ...]
+    engine: str = "sglang 0.5.23"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +112,52 @@ def sglang_server(source: Source, gpu: Gpu, role: str, tp: int, *, mtp: bool, co
         requests_at_context=min(full // context, running) if context else None,
         min_mem_fraction_static=budget.min_mem_fraction_static, fits=fits, shortfall_bytes=max(short, 0),
         estimated=ESTIMATED)
+
+
+VLLM_ESTIMATED = (
+    ESTIMATED[0].replace("SGLang", "vLLM"),
+    "not subtracted: the activation peak of vLLM's profiled dummy forward and its CUDA graph memory estimate "
+    "(v1/worker/gpu_worker.py determine_available_memory measures both on the GPU): KV tokens are an upper bound",
+    "KV tokens = budget / the growing caches' bytes per token; vLLM packs V4's mixed-page caches into one block "
+    "pool (v1/core/kv_cache_planning.py), whose padding and per-request sliding-window and state blocks are not "
+    "restated",
+    "weights per rank: fit's split rules (attention and vocabulary by TP, whole experts by EP) over the file's "
+    "bytes (FP8 block scales as F32, wo_a kept FP8); vLLM's model is not built per rank to check them",
+)
+
+
+def vllm_server(source: Source, gpu: Gpu, tp: int, *, mtp: bool, context: int | None = None) -> ServerFit:
+    """One vLLM 0.33.0 server as ``serve``'s vLLM launch starts it (TP with expert parallelism, FP8 KV cache,
+    256-token blocks, the default ``gpu_memory_utilization``), as far as vLLM's code sizes it without a GPU."""
+    from dsv4convert.fit import vllm
+    from dsv4convert.serve.launch import LaunchError
+    from dsv4convert.serve.vllm_launch import vllm_launch
+
+    plan = vllm_launch("MODEL", source.variant, gpu.family, tp)      # raises for a layout vLLM does not load
+    if mtp and plan.mtp_argv is None:
+        raise LaunchError(f"no MTP draft with vLLM here: {plan.mtp_note}")
+    rules = sizing.LoadRules(wo_a_bf16=False, nvfp4_scale_copies=1)    # vLLM keeps wo_a FP8; one copy of scales
+    weights = sizing.weights_per_rank(source.tensors, tp, rules)
+    loaded = weights.target + (weights.draft if mtp else 0)
+    block = int(plan.argv[plan.argv.index("--block-size") + 1])
+    specs = vllm.cache_specs(source.geometry, window=int(source.config.get("sliding_window", 128)), block_size=block,
+                             packed=vllm.packed_layout(gpu.family), draft_layers=1 if mtp else 0)
+    per_token = sum(spec.bytes_per_token for spec in specs)
+    available = vllm.kv_budget(gpu.mib, vllm.GPU_MEMORY_UTILIZATION, loaded, sizing.RUNTIME_OVERHEAD_MIB)
+    tokens = max(int(available / per_token) // block * block, 0)
+    needed = max(context or block, block)
+    fits = tokens >= needed
+    minimum = (loaded + (sizing.RUNTIME_OVERHEAD_MIB << 20)) / (gpu.mib << 20)
+    return ServerFit(
+        role="server", gpu=gpu.name, tp=tp, mtp=mtp, weights_bytes_per_rank=loaded,
+        draft_weights_bytes_per_rank=weights.draft if mtp else 0, mem_fraction_static=vllm.GPU_MEMORY_UTILIZATION,
+        default_mem_fraction_static=vllm.GPU_MEMORY_UTILIZATION, reserved_mib=0.0, reserve_terms_mib={},
+        kv_bytes_per_token=per_token, kv_terms={spec.name: spec.bytes_per_token for spec in specs if spec.bytes_per_token},
+        fixed_state_bytes=0, available_kv_bytes=available, kv_tokens=tokens, swa_tokens=0, max_running_requests=0,
+        requests_at_context=tokens // context if context else None,
+        min_mem_fraction_static=math.ceil(minimum * 1000) / 1000, fits=fits,
+        shortfall_bytes=0 if fits else int(needed * per_token - available), estimated=VLLM_ESTIMATED,
+        engine="vllm 0.33.0")
 
 
 def roles(pd: bool) -> tuple[str, ...]:
