@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -209,6 +210,71 @@ def test_the_compact_plan_is_the_full_plan() -> None:
                 assert (ours.target, ours.draft, ours.by_role) == (theirs.target, theirs.draft, theirs.by_role)
 
 
+_VLLM_SPECS = """
+import dataclasses, json, torch
+from vllm.config.cache import CacheConfig
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+field = next(f for f in dataclasses.fields(CacheConfig) if f.name == "gpu_memory_utilization")
+out = {"utilization": field.default.default}   # a pydantic dataclass: the field's FieldInfo
+for packed in (True, False):
+    # The arguments models/deepseek_v4 (attention.py, compressor.py) and sparse_swa.py pass, per layout.
+    a = 576 if packed else 512
+    kv = dict(dtype=torch.uint8, state_content_bytes=584) if packed else dict(dtype=torch.float8_e4m3fn)
+    common = dict(num_kv_heads=1, max_tp_shards=1)
+    specs = {
+        "sliding_window": SlidingWindowMLASpec(block_size=64, head_size=512, sliding_window=128, alignment=a,
+                                               model_version="deepseek_v4", **kv, **common),
+        "ratio4_kv": MLAAttentionSpec(block_size=256, head_size=512, tokens_per_state=4, alignment=a, **kv, **common),
+        "ratio128_kv": MLAAttentionSpec(block_size=256, head_size=512, tokens_per_state=128, alignment=a, **kv,
+                                        **common),
+        "ratio4_indexer": MLAAttentionSpec(block_size=256, head_size=132, dtype=torch.uint8, tokens_per_state=4,
+                                           alignment=a, **common),
+        "ratio4_compressor_state": SlidingWindowMLASpec(block_size=4, head_size=2 * 2 * 512, dtype=torch.float32,
+                                                        sliding_window=8, alignment=a, **common),
+        "ratio4_indexer_compressor_state": SlidingWindowMLASpec(block_size=4, head_size=2 * 2 * 128,
+                                                                dtype=torch.float32, sliding_window=8, alignment=a,
+                                                                **common),
+        "ratio128_compressor_state": SlidingWindowMLASpec(block_size=8, head_size=2 * 512, dtype=torch.float32,
+                                                          sliding_window=128, alignment=a, **common),
+    }
+    out[str(packed)] = {name: [s.block_size, s.page_size_bytes, getattr(s, "sliding_window", None)]
+                        for name, s in specs.items()}
+print("SPECS " + json.dumps(out))
+"""
+
+
+def test_vllm_cache_specs_are_vllms() -> None:
+    """fit's V4 cache specs (block, padded page bytes, window) equal vLLM 0.33.0's own spec classes built with the
+    arguments its V4 layers pass, in both layouts; its default gpu_memory_utilization likewise."""
+    import subprocess
+
+    import vllm_oracle
+    from dsv4convert.fit import vllm
+
+    done = subprocess.run([str(vllm_oracle.vllm_python()), "-c", _VLLM_SPECS], capture_output=True, text=True,
+                          check=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    theirs = json.loads(done.stdout.split("SPECS ", 1)[1])
+    assert theirs["utilization"] == vllm.GPU_MEMORY_UTILIZATION
+    geometry = source.Source.geometry.fget(SimpleNamespace(config=REAL_CONFIG))
+    for packed in (True, False):
+        ours = {spec.name: [spec.block_size, spec.page_bytes, spec.sliding_window]
+                for spec in vllm.cache_specs(geometry, window=128, block_size=256, packed=packed)}
+        assert ours == theirs[str(packed)], packed
+
+
+def test_vllm_sizing(small, capsys) -> None:
+    """The vLLM server: its utilization, weights as fit splits them, the growing caches' bytes per token, and
+    every estimate named in the output."""
+    src, _ = small["nvfp4"]
+    fit = verdict.vllm_server(src, verdict.GPUS["h200"], 4, mtp=False)
+    assert fit.mem_fraction_static == 0.92 and fit.engine == "vllm 0.33.0" and fit.fits
+    assert fit.kv_bytes_per_token == pytest.approx(sum(fit.kv_terms.values()))
+    assert main(["fit", "--engine", "vllm", "--gpu", "h200", "--tp", "8", "--json"]) == 0   # BF16 needs TP 8
+    report = json.loads(capsys.readouterr().out)
+    assert report["engine"] == "vllm 0.33.0" and any("activation peak" in e for e in report["estimated"])
+    assert {row["variant"] for row in report["variants"]} == set(source.SHIPPED)
+
+
 def test_json_has_every_figure(small, capsys, monkeypatch) -> None:
     src, directory = small["nvfp4"]
     monkeypatch.setattr(source, "from_checkpoint", lambda _model: src)
@@ -226,6 +292,8 @@ def test_json_has_every_figure(small, capsys, monkeypatch) -> None:
     (["fit", "--gpu", "a100"], "--gpu 'a100'"),
     (["fit", "--gpu", "h200", "--count", "4", "--tp", "4", "--pd"], "need 8 GPUs"),
     (["fit", "--gpu", "h200", "--tp", "3"], "--tp 3"),
+    (["fit", "--ep"], "--ep: fit sizes the launch serve makes"),
+    (["fit", "--engine", "vllm", "--pd"], "--pd: serve starts vLLM as one server"),
 ])
 def test_bad_input_is_one_error_line(argv: list[str], needle: str, capsys) -> None:
     assert main(argv) == 2
