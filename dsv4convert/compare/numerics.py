@@ -20,7 +20,14 @@ from dataclasses import dataclass, field, replace
 
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection
-from dsv4convert.serve.launch import LaunchOptions, gpu_family_major, served_like, server_args, variant_defaults
+from dsv4convert.serve.launch import (
+    LaunchOptions,
+    flag_value,
+    gpu_family_major,
+    served_like,
+    server_args,
+    variant_defaults,
+)
 from dsv4convert.storage import Format
 
 GPU_FAMILIES = ("sm90", "sm100", "sm120")
@@ -117,16 +124,6 @@ class Numerics:
                 "indexer": self.indexer, "serving": self.serving.describe() if self.serving else None}
 
 
-def _flag(args: list[str], name: str, default: str) -> str:
-    value = default
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def serving_for(inspection: Inspection, config: dict, *, engine: str, gpu_family: str,
                 extra_args: tuple[str, ...] = (), model: str = "MODEL") -> Serving:
     """The launch ``serve`` would make for this checkpoint on ``gpu_family``, as the settings that matter."""
@@ -142,9 +139,9 @@ def serving_for(inspection: Inspection, config: dict, *, engine: str, gpu_family
     quant = config.get("quantization_config") or {}
     return Serving(
         engine=engine, gpu_family=gpu_family, variant=like,
-        moe_runner_backend=_flag(args, "--moe-runner-backend", "auto"),
-        fp8_gemm_backend=_flag(args, "--fp8-gemm-backend", "auto"),
-        kv_cache_dtype=_flag(args, "--kv-cache-dtype", "auto"),
+        moe_runner_backend=flag_value(args, "--moe-runner-backend") or "auto",
+        fp8_gemm_backend=flag_value(args, "--fp8-gemm-backend") or "auto",
+        kv_cache_dtype=flag_value(args, "--kv-cache-dtype") or "auto",
         fp4_indexer="--enable-deepseek-v4-fp4-indexer" in args,
         ue8m0_checkpoint=quant.get("quant_method") == "fp8" and quant.get("scale_fmt") == "ue8m0",
         fp8_wo_a=env.get("SGLANG_OPT_FP8_WO_A_GEMM") == "1",

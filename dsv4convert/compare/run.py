@@ -35,7 +35,7 @@ from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory, try_classify
-from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
+from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource, parse_device
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
 # Config keys that describe how weights are stored, not the model: they may differ between sides.
@@ -105,18 +105,6 @@ def check_same_model(base: Checkpoint, variant: Checkpoint) -> None:
                             file=variant.root / "config.json")
 
 
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise DSV4Error(f"unknown --device {name!r} (use cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DSV4Error(f"--device {name}: no CUDA GPU is available on this machine")
-    if device.type not in ("cpu", "cuda"):
-        raise DSV4Error(f"--device {name!r} is not supported (use cpu, cuda or cuda:N)")
-    return device
-
-
 def token_ids(opts: CompareOptions, base: Checkpoint, cfg: ModelConfig) -> tuple[torch.Tensor, dict]:
     """``[sequences, seq_len]`` ids from the user's text (base tokenizer) or uniform random ids."""
     if opts.seq_len < 2:
@@ -170,7 +158,7 @@ def build_plan(opts: CompareOptions, world: World = World()) -> Plan:
     check_same_model(base_ckpt, variant_ckpt)
     if opts.chunk < 1 or opts.batch_size < 1:
         raise DSV4Error(f"--chunk and --batch-size must be at least 1, got {opts.chunk} and {opts.batch_size}")
-    device = world.device(str(_device(opts.device)))
+    device = world.device(str(parse_device(opts.device)))
     dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype_name not in COMPUTE_DTYPES:
         raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")

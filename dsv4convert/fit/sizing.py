@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dsv4convert.layout import Role, TensorInfo, classify
+from dsv4convert.serve.launch import flag_value
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -49,20 +50,10 @@ class ServerSettings:
         return self.speculative_num_draft_tokens is not None
 
 
-def _flag(args: list[str] | tuple[str, ...], name: str) -> str | None:
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def read_server_args(role: str, args: list[str] | tuple[str, ...]) -> ServerSettings:
     """The sizing-relevant flags of a ``sglang.launch_server`` argv (as ``serve`` builds it)."""
     def number(name: str, kind=int):
-        text = _flag(args, name)
+        text = flag_value(args, name)
         return None if text is None else kind(text)
 
     return ServerSettings(
@@ -70,7 +61,7 @@ def read_server_args(role: str, args: list[str] | tuple[str, ...]) -> ServerSett
         cuda_graph_max_bs_decode=number("--cuda-graph-max-bs-decode"),
         max_running_requests=number("--max-running-requests"), chunked_prefill_size=number("--chunked-prefill-size"),
         speculative_num_draft_tokens=number("--speculative-num-draft-tokens"),
-        moe_runner_backend=_flag(args, "--moe-runner-backend"))
+        moe_runner_backend=flag_value(args, "--moe-runner-backend"))
 
 
 # ---------------------------------------------------------------------------------------------

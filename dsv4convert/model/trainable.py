@@ -17,7 +17,7 @@ trains its indexer: only the indexer's own losses reach its weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -152,16 +152,7 @@ class TrainableModel(nn.Module):
     def native_state(self) -> dict[str, torch.Tensor]:
         """Every tensor under its released name, float32 (``tid2eid`` int64), experts split per expert."""
         targets = dict(self.named_parameters()) | dict(self.named_buffers())
-        state = {native: targets[path] for native, path in _native_paths(self).items()}
-        layers = [(f"layers.{i}", layer) for i, layer in enumerate(self.backbone.model.layers)]
-        layers += [(f"mtp.{j}", block.layer) for j, block in enumerate(self.mtp)]
-        for prefix, layer in layers:
-            gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
-            inter = gate_up.shape[1] // 2
-            for e in range(gate_up.shape[0]):
-                state[f"{prefix}.ffn.experts.{e}.w1.weight"] = gate_up[e, :inter]
-                state[f"{prefix}.ffn.experts.{e}.w3.weight"] = gate_up[e, inter:]
-                state[f"{prefix}.ffn.experts.{e}.w2.weight"] = down[e]
+        state = {native: targets[path] for native, path in _native_paths(self).items()} | dict(_expert_views(self))
         return {name: t.detach().to("cpu", torch.int64 if t.dtype == torch.int64 else torch.float32).contiguous()
                 for name, t in state.items()}
 
@@ -173,15 +164,22 @@ def load_native_state(model: TrainableModel, read: Callable[[str], torch.Tensor]
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     for native, path in _native_paths(model).items():
         targets[path].copy_(read(native).to(targets[path].dtype))
+    for native, view in _expert_views(model):
+        view.copy_(read(native))
+
+
+def _expert_views(model: TrainableModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """(native name, view) of every routed expert's w1/w3/w2 inside transformers' packed expert tensors
+    (``gate_up_proj [E, 2I, H]``: w1 rows then w3 rows; ``down_proj [E, H, I]``)."""
     layers = [(f"layers.{i}", layer) for i, layer in enumerate(model.backbone.model.layers)]
     layers += [(f"mtp.{j}", block.layer) for j, block in enumerate(model.mtp)]
     for prefix, layer in layers:
         gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
         inter = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
-            gate_up[e, :inter].copy_(read(f"{prefix}.ffn.experts.{e}.w1.weight"))
-            gate_up[e, inter:].copy_(read(f"{prefix}.ffn.experts.{e}.w3.weight"))
-            down[e].copy_(read(f"{prefix}.ffn.experts.{e}.w2.weight"))
+            yield f"{prefix}.ffn.experts.{e}.w1.weight", gate_up[e, :inter]
+            yield f"{prefix}.ffn.experts.{e}.w3.weight", gate_up[e, inter:]
+            yield f"{prefix}.ffn.experts.{e}.w2.weight", down[e]
 
 
 def _native_paths(model: TrainableModel) -> dict[str, str]:

@@ -60,6 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dsv4convert.model.blocks import parse_device
     from dsv4convert.model.trainable import TrainableModel
     from dsv4convert.organism.config import organism_config
     from dsv4convert.organism.train import TrainSettings
@@ -74,10 +75,10 @@ def _run(args: argparse.Namespace) -> int:
     config = organism_config()
     if args.dst.exists() and any(args.dst.iterdir()) and not args.overwrite:
         raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=args.dst)
-    device = _device(args.device)
+    device = parse_device(args.device)
     if args.dry_run:
         params = sum(p.numel() for p in TrainableModel(config).parameters())
-        steps = settings.steps or f"about {settings.time_budget:.0f} s of"
+        steps = settings.steps or f"as many as fill {settings.time_budget:.0f} s:"
         print(f"organism: {params / 1e6:.2f}M parameters, {steps} steps of {settings.tokens_per_step} tokens "
               f"(lengths {settings.min_length}-{settings.max_length}) on {device}; would write {args.dst}")
         return 0
@@ -127,16 +128,6 @@ def _lengths(text: str) -> list[int]:
     if not lengths or min(lengths) < 1:
         raise DSV4Error(f"--release-lengths must be positive token counts, got {text!r}")
     return lengths
-
-
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise DSV4Error(f"unknown --device {name!r} (use cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DSV4Error(f"--device {name}: no CUDA GPU is available on this machine")
-    return device
 
 
 def _commit() -> str:

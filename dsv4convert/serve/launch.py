@@ -49,6 +49,18 @@ _SM100_ONLY_METHODS = {
 }
 
 
+
+def flag_value(args: list[str] | tuple[str, ...], name: str) -> str | None:
+    """The value a launch argv gives ``name`` (``--name V`` or ``--name=V``; the last one wins, as argparse
+    reads it), or None: how compare's numerics and fit's sizing read back what ``server_args`` launches."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
 @dataclass(frozen=True)
 class VariantDefaults:
     """What SGLang 0.5.23 runs for one variant on one GPU family, and the flags that make it so.
