@@ -212,6 +212,20 @@ def value_entries(input_ids: Sequence[int], span: tuple[int, int], answer: Seque
     return [tuple(needle_entries(span, ratio))]
 
 
+def value_rank(picks: Sequence[int], groups: Sequence[Sequence[int]]) -> int | None:
+    """The rank in one query's top-k list (``picks``, -1 for an empty slot) by which every group of
+    :func:`value_entries` has a selected entry, i.e. by which the whole value is visible; None when some
+    answer token has no selected entry holding it."""
+    rank = {int(entry): r for r, entry in enumerate(picks) if entry >= 0}
+    worst = 0
+    for group in groups:
+        found = [rank[w] for w in group if w in rank]
+        if not found:
+            return None
+        worst = max(worst, min(found))
+    return worst
+
+
 def needle_entries(span: tuple[int, int], ratio: int = CSA_RATIO) -> range:
     """Compressed entries of a CSA layer that hold part of the needle. In transformers' ``DeepseekV4``
     entry ``w`` pools window ``w`` (tokens ``ratio*w .. ratio*w + ratio - 1``, the Cb half) with the

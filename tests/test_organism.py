@@ -48,10 +48,11 @@ def faults(organism, tmp_path_factory) -> dict[str, Path]:
     return {name: inject(organism, root / name, fault) for name, fault in cases.items()}
 
 
-def recall(base: Path, variant: Path, lengths=GRID, depths=(0.1, 0.5, 0.9), **kw) -> dict:
+def recall(base: Path, variant: Path, lengths=GRID, depths=(0.1, 0.5, 0.9), local: bool = True, **kw) -> dict:
+    """compare --recall, weights only unless ``numerics`` says otherwise; the local pass localizes faults."""
     numerics = kw.pop("numerics", "weights")
     opts = CompareOptions(base=str(base), variant=str(variant), numerics=numerics, progress=False, chunk=2048,
-                          recall=RecallOptions(lengths=list(lengths), depths=tuple(depths), local=True, **kw))
+                          recall=RecallOptions(lengths=list(lengths), depths=tuple(depths), local=local, **kw))
     return run(build_plan(opts))
 
 
@@ -101,7 +102,7 @@ def build_tokenizer_from(path: Path):
 
 
 def test_base_retrieves_from_half_to_eight_times_the_threshold(organism):
-    result = recall(organism, organism)["recall"]
+    result = recall(organism, organism, local=False)["recall"]
     for label in ("base", "variant"):
         track = result["tracks"][label]
         assert {c["length"] for c in track["cells"]} == set(GRID)
@@ -119,7 +120,7 @@ def test_lossless_conversions_have_zero_kld_and_identical_recall(organism, recip
     assert main([f"to-{recipe}", "--src", str(organism), "--dst", str(dst), "--no-progress"]) == 0
     kld = text_compare(organism, dst)["output"]["kld"]
     assert kld["mean"] == 0.0 and max(kld["percentiles"].values()) == 0.0
-    result = recall(organism, dst, lengths=[COVERED, 1040], depths=(0.5,))["recall"]
+    result = recall(organism, dst, lengths=[COVERED, 1040], depths=(0.5,), local=False)["recall"]
     base, variant = result["tracks"]["base"]["trials"], result["tracks"]["variant"]["trials"]
     assert [t["retrieved"] for t in base] == [t["retrieved"] for t in variant] and all(t["retrieved"] for t in base)
     assert [t["answer_logprob"] for t in base] == [t["answer_logprob"] for t in variant]
@@ -161,7 +162,7 @@ def test_expert_damage_keeps_recall_and_points_at_its_layer(faults, organism):
 def test_every_ablation_row_runs_on_the_organism_with_its_effect_in_the_report(organism, tmp_path):
     dst = tmp_path / "nvfp4"
     assert main(["to-nvfp4", "--src", str(organism), "--dst", str(dst), "--no-progress"]) == 0
-    result = recall(organism, dst, lengths=[COVERED, 1040], depths=(0.5,), ablate=True, numerics="served")
+    result = recall(organism, dst, lengths=[COVERED, 1040], depths=(0.5,), local=False, ablate=True, numerics="served")
     rows = ["weights only", "+ activations", "+ FP8 KV cache", "+ FP8 indexer (served)", "FP8 -> FP4 indexer"]
     tracks = result["recall"]["tracks"]
     for side in ("base", "variant"):

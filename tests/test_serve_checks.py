@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 import sglang_oracle as sgl
 from dsv4convert.errors import FormatError
 from dsv4convert import needle as needles
-from dsv4convert.needle import Needle, PromptTemplate
+from dsv4convert.needle import Needle, PromptTemplate, value_entries
 from dsv4convert.serve import recall, report, speed
 from dsv4convert.serve.recall import RecallSweep
 
@@ -78,11 +78,18 @@ def test_indexer_topk_decoding_and_needle_ranks():
               1, 3, 2, -1, 0, 1, -1, -1]
     topk = recall.decode_indexer_topk(_b64(values), num_layers=2, topk=4)
     assert topk.shape == (3, 2, 4) and topk[1, 0, 2] == 6 and topk[2, 1, 3] == -1
-    # Needle tokens 9..13 lie in compressed blocks 2 and 3.
-    assert recall.needle_block_ranks(topk, 2, (9, 14)) == [1, None]
-    assert recall.needle_block_ranks(topk, 0, (9, 14)) == [2, None]
+    # Needle tokens 9..13: entries 2..4 hold them (entry w pools tokens 4(w-1) .. 4w+3); no value found in it.
+    sentence = value_entries(list(range(20)), (9, 14), [99])
+    assert sentence == [(2, 3, 4)]
+    assert recall.needle_block_ranks(topk, 2, sentence) == [1, None]
+    assert recall.needle_block_ranks(topk, 0, sentence) == [2, None]
+    # A value at tokens 10..11 needs entry 2 or 3 (token 10) and entry 2 or 3 (token 11): row 1 has neither.
+    value = value_entries(list(range(20)), (9, 14), [10, 11])
+    assert value == [(2, 3), (2, 3)]
+    assert recall.needle_block_ranks(topk, 2, value) == [1, None]
+    assert recall.needle_block_ranks(topk, 1, value) == [None, None]
     with pytest.raises(FormatError, match="query row 3 is outside"):
-        recall.needle_block_ranks(topk, 3, (9, 14))
+        recall.needle_block_ranks(topk, 3, sentence)
     with pytest.raises(FormatError, match="not a whole number of positions"):
         recall.decode_indexer_topk(_b64(values[:-1]), num_layers=2, topk=4)
     with pytest.raises(FormatError, match="not valid base64"):
@@ -96,19 +103,22 @@ def test_indexer_layers_of_the_real_model(real_config):
 
 def fake_server(tokenizer, layers: int, topk: int, forget_above: int):
     """A /generate that finds the needle in the prompt text, forgets it past ``forget_above`` tokens,
-    and reports the needle's block as selected in every layer but the last."""
+    and reports, in every layer but the last, a stray entry then the entries holding the value's digits
+    (one per token; entry w holds token p when w = p // 4) as selected."""
 
     def generate(payload: dict) -> dict:
         ids = payload["input_ids"]
         text = tokenizer.decode(ids).replace(" ", "")
         value = re.search(r"secretnumberfor[a-z]+is(\d+)", text).group(1)
         answer = value if len(ids) <= forget_above else "1234567"
-        needle_token = next(i for i in range(len(ids)) if tokenizer.decode(ids[i:i + 1]) == "secret")
+        digits = tokenizer.encode(value, add_special_tokens=False)
+        start = next(i for i in range(len(ids)) if ids[i:i + len(digits)] == digits)
+        cover = sorted({p // 4 for p in range(start, start + len(digits))})
         rows = []
         for _ in range(len(ids) + 3 - 1):  # SGLang: (prompt + generated tokens - 1) positions; say 3 generated
             for layer in range(layers):
-                block = needle_token // 4 if layer < layers - 1 else -1
-                rows.extend([block + 1000, block] + [-1] * (topk - 2))
+                picks = [cover[0] + 1000, *cover] if layer < layers - 1 else []
+                rows.extend((picks + [-1] * topk)[:topk])
         return {"text": answer, "meta_info": {"indexer_topk": _b64(rows)}}
 
     return generate
@@ -118,12 +128,14 @@ def test_sweep_summary_heatmap_and_compare(tokenizer, tmp_path):
     sweep = RecallSweep(lengths=[128, 256], depths=[0.0, 0.5, 1.0], trials=2, indexer_topk=True,
                         indexer_layers=3, index_topk=4)
     trials = sweep.run(tokenizer, fake_server(tokenizer, 3, 4, forget_above=128))
-    assert len(trials) == 12 and all(t.ranks == [1, 1, None] for t in trials)
+    # Seven one-token digits lie in two or three entries: the value is covered at rank 2 or 3 (after the stray).
+    assert len(trials) == 12 and all(t.ranks[0] == t.ranks[1] in (2, 3) and t.ranks[2] is None for t in trials)
     summary = recall.summarize(trials, layer_ids=[2, 4, 6])
     assert summary["accuracy"] == 0.5
     assert {(c["length"], c["accuracy"]) for c in summary["cells"]} == {(128, 1.0), (256, 0.0)}
-    assert [(e["layer"], e["selected_rate"], e["median_rank"]) for e in summary["indexer_layers"]] == [
-        (2, 1.0, 1.0), (4, 1.0, 1.0), (6, 0.0, None)]
+    layers = [(e["layer"], e["selected_rate"]) for e in summary["indexer_layers"]]
+    assert layers == [(2, 1.0), (4, 1.0), (6, 0.0)]
+    assert 2 <= summary["indexer_layers"][0]["median_rank"] <= 3 and summary["indexer_layers"][2]["median_rank"] is None
     assert summary["indexer_layers"][0]["selected_when_wrong"] == 1.0
 
     meta = {"model": "base", "variant": "native"}

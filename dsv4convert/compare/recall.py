@@ -52,6 +52,7 @@ from dsv4convert.needle import (
     selection_threshold,
     shortest_prompt,
     value_entries,
+    value_rank,
 )
 
 
@@ -217,17 +218,10 @@ class TopkObserver:
         return self._index[key]
 
     def _needle_rank(self, picks: torch.Tensor, key: tuple[int, int]) -> int | None:
-        """Where the needle's value stands in the top-k of the query that writes the first answer token: the
-        rank by which every answer token has a selected entry holding it (None: some token has none)."""
+        """Where the needle's value stands in the top-k of the query that writes the first answer token
+        (:func:`~dsv4convert.needle.value_rank`)."""
         start, _ = self.grid.batches[key[0]].answers[key[1]]
-        rank = {int(entry): r for r, entry in enumerate(picks[start - 1].tolist()) if entry >= 0}
-        worst = 0
-        for group in self.grid.values[self._prompt(key)]:
-            found = [rank[w] for w in group if w in rank]
-            if not found:
-                return None
-            worst = max(worst, min(found))
-        return worst
+        return value_rank(picks[start - 1].tolist(), self.grid.values[self._prompt(key)])
 
 
 def overlap(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,18 @@ from typing import Any
 import numpy as np
 
 from dsv4convert.errors import FormatError
-from dsv4convert.needle import CSA_RATIO, Needle, PromptTemplate, RecallPrompt, Tokenizer, answer_is_correct, recall_grid
+from dsv4convert.needle import (
+    CSA_RATIO,
+    Needle,
+    PromptTemplate,
+    RecallPrompt,
+    Tokenizer,
+    answer_ids,
+    answer_is_correct,
+    recall_grid,
+    value_entries,
+    value_rank,
+)
 
 DEFAULT_LENGTHS = tuple(2**k for k in range(10, 18))  # 1K .. 128K tokens
 DEFAULT_DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))  # 0% .. 100%
@@ -43,25 +54,20 @@ def indexer_layer_ids(compress_ratios: Sequence[int], num_hidden_layers: int) ->
     return [i for i, ratio in enumerate(compress_ratios[:num_hidden_layers]) if ratio == CSA_RATIO]
 
 
-def needle_block_ranks(topk: np.ndarray, query_row: int, needle_span: tuple[int, int]) -> list[int | None]:
-    """Per indexer layer, the best rank of any compressed block holding the needle (None: not selected).
+def needle_block_ranks(topk: np.ndarray, query_row: int, groups: Sequence[Sequence[int]]) -> list[int | None]:
+    """Per indexer layer, the rank by which the needle's value is selected (None: some answer token has no
+    selected entry holding it): :func:`dsv4convert.needle.value_rank` of the groups
+    :func:`dsv4convert.needle.value_entries` gives, as ``compare --recall`` reads them.
 
     Row ``p`` holds the indices used by the query at token position ``p``; SGLang returns rows for
     positions ``0 .. prompt + generated - 2``, so the query that produced the first answer token is
-    row ``prompt_length - 1``.
-
-    Block ``b`` of a ratio-4 layer compresses tokens ``4b .. 4b+3``. The rank is the position in
-    SGLang's top-k list; whether that list is sorted by score is unconfirmed, so read ranks as
-    "selected or not" first.
+    row ``prompt_length - 1``. Entry ``w`` of a ratio-4 layer pools tokens ``4(w-1) .. 4w+3`` (its window
+    and the previous one), in SGLang as in transformers. The rank is the position in SGLang's top-k list;
+    whether that list is sorted by score is unconfirmed, so read ranks as "selected or not" first.
     """
     if not 0 <= query_row < topk.shape[0]:
         raise FormatError(f"query row {query_row} is outside the {topk.shape[0]} positions indexer_topk returned")
-    blocks = np.arange(needle_span[0] // CSA_RATIO, (needle_span[1] - 1) // CSA_RATIO + 1)
-    ranks: list[int | None] = []
-    for layer_row in topk[query_row]:
-        hits = np.flatnonzero(np.isin(layer_row, blocks))
-        ranks.append(int(hits[0]) if hits.size else None)
-    return ranks
+    return [value_rank(layer_row.tolist(), groups) for layer_row in topk[query_row]]
 
 
 @dataclass
@@ -103,7 +109,9 @@ class RecallSweep:
             payload["return_indexer_topk"] = True
         return payload
 
-    def score(self, prompt: RecallPrompt, response: dict[str, Any]) -> RecallTrial:
+    def score(self, prompt: RecallPrompt, response: dict[str, Any], answer: Sequence[int] = ()) -> RecallTrial:
+        """One trial from the server's response; ``answer`` is the needle value's token ids (what the ranks
+        look for in the needle sentence; without it, any entry of the sentence)."""
         output = response.get("text")
         if not isinstance(output, str):
             raise FormatError(f"/generate answered without a text field: {sorted(response)}")
@@ -113,7 +121,8 @@ class RecallSweep:
             if not isinstance(encoded, str):
                 raise FormatError("return_indexer_topk was requested but meta_info has no indexer_topk string")
             topk = decode_indexer_topk(encoded, self.indexer_layers, self.index_topk)
-            ranks = needle_block_ranks(topk, prompt.length - 1, prompt.needle_span)
+            groups = value_entries(prompt.input_ids, prompt.needle_span, answer)
+            ranks = needle_block_ranks(topk, prompt.length - 1, groups)
         return RecallTrial(prompt.length, prompt.depth, prompt.needle, output,
                            answer_is_correct(output, prompt.needle), ranks)
 
@@ -125,7 +134,7 @@ class RecallSweep:
     ) -> list[RecallTrial]:
         results = []
         for prompt in recall_grid(tokenizer, self.lengths, self.depths, self.trials, self.seed, self.template):
-            trial = self.score(prompt, generate(self.request(prompt)))
+            trial = self.score(prompt, generate(self.request(prompt)), answer_ids(tokenizer, prompt.needle))
             progress(trial)
             results.append(trial)
         return results
