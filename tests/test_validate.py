@@ -1,4 +1,4 @@
-"""`dsv4convert validate` and `demo` on the tiny checkpoint and its conversions."""
+"""`dsv4convert validate` on the tiny checkpoint and its conversions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import shutil
 
 from dsv4convert.cli import main
-from dsv4convert.demo import run_demo
 from dsv4convert.validate.cli import validate
 
 
@@ -51,21 +50,3 @@ def test_integrity_catches_a_stale_quantization_config(outputs, tmp_path, capsys
     code = main(["validate", str(dst), "--report", str(tmp_path / "r"), "--no-progress"])
     out = capsys.readouterr().out
     assert code == 1 and "integrity FAILED" in out and "quantization_config differs" in out
-
-
-def test_demo_converts_validates_and_summarizes(tmp_path, capsys):
-    rows = run_demo(tmp_path)
-    out = capsys.readouterr().out
-    assert [r["variant"] for r in rows] == ["fp8", "nvfp4", "w4a16"]
-    assert all(r["passed"] for r in rows)
-    assert rows[0]["lossless"] == 1.0 and rows[1]["lossless"] == 1.0 and rows[2]["lossless"] is None
-    assert math.isinf(rows[0]["worst_snr_db"]) and 8 < rows[2]["worst_snr_db"] < 30
-    for variant in ("fp8", "nvfp4", "w4a16"):
-        assert variant in out and str(tmp_path / variant) in out
-    # Model level: the lossless casts are the source exactly (weights only, and NVFP4 under sm120's Marlin);
-    # INT4 is not; served FP8 experts quantize their activations (W8A8) where the source's run W4A16.
-    by = {r["variant"]: r["fidelity"] for r in rows}
-    assert by["fp8"]["weights"]["kld"] == by["nvfp4"]["weights"]["kld"] == 0.0
-    assert by["nvfp4"]["served"]["kld"] == 0.0 and by["nvfp4"]["served"]["same_top1"] == 1.0
-    assert by["w4a16"]["weights"]["kld"] > 0.0 and by["fp8"]["served"]["kld"] > 0.0
-    assert "KLD served" in out and f"{by['w4a16']['weights']['kld']:.4g}" in out
