@@ -139,6 +139,14 @@ def test_an_indexer_fault_loses_needles_only_past_the_threshold_and_is_named(fau
         assert min(local, key=local.get) == layer and max(local.values()) > 0.99
 
 
+def test_a_grid_that_never_reaches_the_threshold_has_no_sparse_rows_to_compare(faults, organism):
+    """Below the threshold every indexer keeps every entry: even a crushed indexer reads the same, and there
+    is no overlap to summarize (a grid of such prompts once crashed the summary)."""
+    result = recall(organism, faults["indexer-crushed"], lengths=[130], depths=(0.5,))["recall"]
+    assert result["diagnosis"]["kind"] == "none"
+    assert all(layer["overlap_local"]["rows"] == 0 for layer in result["tracks"]["variant"]["layers"])
+
+
 def test_an_attention_fault_loses_selected_needles_and_is_not_blamed_on_the_indexer(faults, organism):
     result = recall(organism, faults["attention"], lengths=[130, COVERED, 1040], depths=(0.5,))["recall"]
     assert result["tracks"]["variant"]["accuracy"] < result["tracks"]["base"]["accuracy"]

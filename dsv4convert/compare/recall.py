@@ -147,9 +147,9 @@ class _Overlap:
     rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (batch, row) -> float16 per position
 
     def summary(self) -> dict:
-        if not self.rows:
+        v = torch.cat([self.rows[k] for k in sorted(self.rows)] or [torch.zeros(0)]).float()
+        if v.numel() == 0:      # no row past the threshold (every prompt shorter than it)
             return {"rows": 0, "mean": None, "p1": None, "min": None}
-        v = torch.cat([self.rows[k] for k in sorted(self.rows)]).float()
         return {"rows": v.numel(), "mean": float(v.mean()),
                 "p1": float(torch.quantile(v, 0.01)) if v.numel() > 1 else float(v[0]), "min": float(v.min())}
 
