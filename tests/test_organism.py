@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dsv4convert.cli import main
-from dsv4convert.compare.recall import RecallOptions, accuracy_by_length, diagnose, verdict
+from dsv4convert.compare.recall import RecallOptions, accuracy_by_length, verdict
 from dsv4convert.compare.report import render_recall_markdown
 from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.model.blocks import OutputHead, WeightSource, build_layer, hf_config

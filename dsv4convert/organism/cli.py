@@ -20,7 +20,7 @@ import torch
 
 from dsv4convert import __version__
 from dsv4convert.errors import DSV4Error
-from dsv4convert.needle import DEFAULT_DEPTHS
+from dsv4convert.needle import DEFAULT_DEPTHS, parse_lengths
 
 # A few steps on short prompts: the whole pipeline on a CPU in seconds (it does not learn to retrieve).
 TINY = {"steps": 6, "tokens_per_step": 512, "max_length": 160, "dense_steps": 3, "eval_every": 3,
@@ -89,7 +89,9 @@ def _train_and_write(args: argparse.Namespace, config: dict, settings, lengths: 
                      device: torch.device) -> int:
     from dsv4convert.organism.export import load_release, write_release
     from dsv4convert.organism.tokenizer import build_tokenizer
-    from dsv4convert.organism.train import recall_by_length, settings_record, train
+    import transformers
+
+    from dsv4convert.organism.train import recall_by_length, train
 
     tokenizer = build_tokenizer(int(config["vocab_size"]), seed=settings.seed)
     started = time.perf_counter()
@@ -99,10 +101,10 @@ def _train_and_write(args: argparse.Namespace, config: dict, settings, lengths: 
         "command": "dsv4convert " + " ".join(args.argv),
         "commit": _commit(), "tool": f"dsv4convert {__version__}", "seed": settings.seed,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": _transformers_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
         "training_seconds": round(result.seconds, 1), "steps": result.steps_run,
         "hit_time_limit": result.hit_time_limit, "parameters": sum(p.numel() for p in result.model.parameters()),
-        "settings": settings_record(result.settings), "curve": result.curve,
+        "settings": dataclasses.asdict(result.settings), "curve": result.curve,
     }
     dst = write_release(args.dst, result.model, config, tokenizer, provenance, overwrite=True)
     released = load_release(dst, device=device)
@@ -122,12 +124,9 @@ def _train_and_write(args: argparse.Namespace, config: dict, settings, lengths: 
 
 def _lengths(text: str) -> list[int]:
     try:
-        lengths = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise DSV4Error(f"--release-lengths must be token counts like 130,260,2080, got {text!r}") from None
-    if not lengths or min(lengths) < 1:
-        raise DSV4Error(f"--release-lengths must be positive token counts, got {text!r}")
-    return lengths
+        return parse_lengths(text)
+    except ValueError as exc:
+        raise DSV4Error(f"--release-lengths: {exc}") from None
 
 
 def _commit() -> str:
@@ -139,9 +138,3 @@ def _commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__

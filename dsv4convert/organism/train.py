@@ -28,7 +28,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -140,7 +140,7 @@ class Data:
 
 
 def _answer_mask(rows: list[Row], seq: int, device: torch.device) -> torch.Tensor:
-    """[B, S - 1] True where the logit at t predicts an answer token (pinned, copied without a sync)."""
+    """[B, S - 1] True where the logit at t predicts an answer token."""
     mask = torch.zeros((len(rows), seq - 1), dtype=torch.bool)
     for b, row in enumerate(rows):
         if row.answer_start is not None:
@@ -366,7 +366,3 @@ def _describe(point: dict) -> str:
             f"kl {point.get('indexer_kl', float('nan')):.3f} aids {point.get('attention_aid', float('nan')):.2f}/"
             f"{point.get('indexer_aid', float('nan')):.2f} answer ce {point.get('answer_ce', float('nan')):.2f} "
             f"acc {100 * point.get('answer_token_accuracy', float('nan')):.0f}% | recall {recall}")
-
-
-def settings_record(settings: TrainSettings) -> dict:
-    return asdict(settings)
