@@ -28,17 +28,10 @@ What differs from SGLang, as far as a converter is concerned (docs/engines.md ha
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from typing import TYPE_CHECKING
-
+from dsv4convert.convert.stored import StoredFormats
 from dsv4convert.errors import RecipeError
 from dsv4convert.layout import classify
 from dsv4convert.storage import Format
-
-if TYPE_CHECKING:
-    from dsv4convert.convert.plan import Plan
-    from dsv4convert.convert.quant_config import _Stored
-    from dsv4convert.convert.recipe import Target
 
 SGLANG, VLLM = "sglang", "vllm"
 ENGINES = (SGLANG, VLLM)
@@ -54,34 +47,6 @@ def engines_for(choice: str | None) -> tuple[str, ...]:
     if choice not in CHOICES:
         raise RecipeError(f"unknown engine {choice!r}; expected one of {', '.join(CHOICES)}")
     return ENGINES if choice == "both" else (choice,)
-
-
-def cost_of_both(plan: Plan) -> list[str]:
-    """What storing for both engines changes against each engine alone, one line per engine and change
-    (modules counted by role): the converter prints them, so nobody is surprised by BF16 where they
-    expected FP8. Empty when the plan is for one engine or no rule depends on the engine."""
-    if engines_for(plan.engine) != ENGINES:
-        return []
-    lines = []
-    for engine in ENGINES:
-        changed: dict[tuple[str, str], Counter] = defaultdict(Counter)
-        for job in plan.modules.values():
-            alone = plan.recipe.target_for(classify(next(iter(job.sources.values())).name), engine)
-            if (alone.format, alone.params) != (job.target.format, job.target.params):
-                role = f"{job.role.value} (mtp)" if job.is_mtp and job.role.value != "mtp_projection" else job.role.value
-                changed[(_stored(job.target, job.source_format), _stored(alone, job.source_format))][role] += 1
-        for (stored, alone), roles in changed.items():
-            by_role = ", ".join(f"{role} {n}" for role, n in sorted(roles.items()))
-            lines.append(f"for both engines {sum(roles.values())} modules ({by_role}) are stored {stored}; "
-                         f"--engine {engine} alone would store them {alone}")
-    return lines
-
-
-def _stored(target: Target, source: Format | None) -> str:
-    if target.format is None:
-        return f"as in the source ({source.value})" if source is not None else "as in the source"
-    scale = target.params.get("scale_dtype") if target.format is Format.FP8 else None
-    return f"{target.format.value} ({scale} scales)" if scale else target.format.value
 
 
 def choice_of(engines: tuple[str, ...] | list[str]) -> str:
@@ -132,7 +97,7 @@ CT_VLLM_IGNORE = [
 
 # ---------------------------------------------------------------------------------- vLLM rules
 
-def _first(stored: _Stored, pred) -> str | None:
+def _first(stored: StoredFormats, pred) -> str | None:
     return next((m for m, (f, p) in stored.formats.items() if pred(m, f, p)), None)
 
 
@@ -140,7 +105,7 @@ def _expert(module: str) -> bool:
     return ".ffn.experts." in module
 
 
-def vllm_problem(stored: _Stored) -> tuple[str, str] | None:
+def vllm_problem(stored: StoredFormats) -> tuple[str, str] | None:
     """The first module vLLM 0.33.0 could not load as stored, and why; None if it loads all."""
     experts = stored.expert_formats()
     if Format.INT4 in experts:
@@ -170,7 +135,7 @@ def vllm_problem(stored: _Stored) -> tuple[str, str] | None:
     return None
 
 
-def check_engines(stored: _Stored, engines: tuple[str, ...], sglang_check) -> None:
+def check_engines(stored: StoredFormats, engines: tuple[str, ...], sglang_check) -> None:
     """Raise, naming the engine and module, if an engine asked for could not load the output.
 
     ``sglang_check`` runs SGLang 0.5.23's rules (it raises ``RecipeError`` naming the module).
@@ -189,7 +154,7 @@ def check_engines(stored: _Stored, engines: tuple[str, ...], sglang_check) -> No
         raise RecipeError(f"--engine {choice_of(engines)}: {'; and '.join(reasons)}", tensor=first or None)
 
 
-def servable_engines(stored: _Stored, sglang_check) -> dict[str, str | None]:
+def servable_engines(stored: StoredFormats, sglang_check) -> dict[str, str | None]:
     """Per engine: None if it loads the output, else the first problem (``module: reason``)."""
     out: dict[str, str | None] = {}
     problem = vllm_problem(stored)
@@ -204,7 +169,7 @@ def servable_engines(stored: _Stored, sglang_check) -> dict[str, str | None]:
 
 # ---------------------------------------------------------------------------- vLLM config keys
 
-def vllm_ignored_layers(stored: _Stored, num_hidden_layers: int) -> list[str]:
+def vllm_ignored_layers(stored: StoredFormats, num_hidden_layers: int) -> list[str]:
     """vLLM names ``ignored_layers`` must list: BF16 config linears and BF16 FusedMoEs.
 
     ``Fp8Config.from_config`` reads ``ignored_layers`` (else ``modules_to_not_convert``), never
@@ -215,7 +180,7 @@ def vllm_ignored_layers(stored: _Stored, num_hidden_layers: int) -> list[str]:
     return names
 
 
-def vllm_nvfp4_excludes(stored: _Stored) -> list[str]:
+def vllm_nvfp4_excludes(stored: StoredFormats) -> list[str]:
     """Native ``layers.N.ffn.experts`` names of backbone FusedMoEs outside NVFP4.
 
     ``DeepseekV4FP8Config._is_nvfp4_expert_layer`` fnmatches exactly this form against ``ignore``
@@ -225,13 +190,13 @@ def vllm_nvfp4_excludes(stored: _Stored) -> list[str]:
             if f is not Format.NVFP4 and b.startswith("layers.")]
 
 
-def vllm_expert_dtype(stored: _Stored) -> str | None:
+def vllm_expert_dtype(stored: StoredFormats) -> str | None:
     """The top-level ``expert_dtype`` vLLM needs: "fp8" for FP8-block experts, else None (its "fp4")."""
     quantized = stored.expert_formats() - {Format.BF16}
     return "fp8" if quantized == {Format.FP8} else None
 
 
-def ct_vllm_expert_ignore(stored: _Stored, num_hidden_layers: int) -> list[str]:
+def ct_vllm_expert_ignore(stored: StoredFormats, num_hidden_layers: int) -> list[str]:
     """compressed-tensors ``ignore`` regexes, in vLLM's names, for BF16 expert blocks of an INT4 output."""
     return [f"re:^{vllm_experts_name(b, num_hidden_layers).replace('.', chr(92) + '.')}$"
             for b, f in stored.experts.items() if f is Format.BF16]

@@ -41,7 +41,7 @@ from dsv4convert.checkpoint.writer import copy_small_files, write_index
 from dsv4convert.calibrate.calibfile import CalibrationHessians, calibration_hessians
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
 from dsv4convert.convert.pipeline import BarFeed, CONVERT_THREADS, pipeline_memory, resolve_device, run_shard_job
-from dsv4convert.convert.plan import Plan, ShardJob, build_plan, human_bytes
+from dsv4convert.convert.plan import Plan, ShardJob, build_plan, cost_of_both, human_bytes
 from dsv4convert.convert import engines as eng
 from dsv4convert.convert.quant_config import build_quant_config, servable_engines
 from dsv4convert.convert.recipe import Recipe, canonical
@@ -187,7 +187,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     config, extra_files = build_quant_config(ckpt.config, plan.module_formats(), engines=engines)
     if engine_note:
         print(f"note: {engine_note}", file=sys.stderr)
-    for line in eng.cost_of_both(plan) if engines == eng.ENGINES else []:
+    for line in cost_of_both(plan) if engines == eng.ENGINES else []:
         print(f"note: {line} (docs/engines.md)")   # stdout: stderr is kept for the one line an error gets
     hessians = _gptq_hessians(plan, opts)
     needs_input_scales = any(m.target.format is Format.NVFP4 for m in plan.modules.values())

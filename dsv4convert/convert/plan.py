@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, TensorEntry
 from dsv4convert.checkpoint.writer import group_into_shards, shard_name
+from dsv4convert.convert.engines import ENGINES, engines_for
 from dsv4convert.convert.recipe import NEVER_QUANTIZED, Recipe, Target
 from dsv4convert.errors import RecipeError
 from dsv4convert.inspection import WEIGHT_PARAMS, inspect_checkpoint
@@ -249,6 +250,34 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
                 jobs.append(owner[p.name])
         shards.append(ShardJob(shard_name(i + 1, len(shard_lists)), jobs, planned))
     return Plan(recipe, inspection.config, shards, modules, engine)
+
+
+def cost_of_both(plan: Plan) -> list[str]:
+    """What storing for both engines changes against each engine alone, one line per engine and change
+    (modules counted by role): the converter prints them, so nobody is surprised by BF16 where they
+    expected FP8. Empty when the plan is for one engine or no rule depends on the engine."""
+    if engines_for(plan.engine) != ENGINES:
+        return []
+    lines = []
+    for engine in ENGINES:
+        changed: dict[tuple[str, str], Counter] = defaultdict(Counter)
+        for job in plan.modules.values():
+            alone = plan.recipe.target_for(classify(next(iter(job.sources.values())).name), engine)
+            if (alone.format, alone.params) != (job.target.format, job.target.params):
+                role = f"{job.role.value} (mtp)" if job.is_mtp and job.role.value != "mtp_projection" else job.role.value
+                changed[(_stored(job.target, job.source_format), _stored(alone, job.source_format))][role] += 1
+        for (stored, alone), roles in changed.items():
+            by_role = ", ".join(f"{role} {n}" for role, n in sorted(roles.items()))
+            lines.append(f"for both engines {sum(roles.values())} modules ({by_role}) are stored {stored}; "
+                         f"--engine {engine} alone would store them {alone}")
+    return lines
+
+
+def _stored(target: Target, source: Format | None) -> str:
+    if target.format is None:
+        return f"as in the source ({source.value})" if source is not None else "as in the source"
+    scale = target.params.get("scale_dtype") if target.format is Format.FP8 else None
+    return f"{target.format.value} ({scale} scales)" if scale else target.format.value
 
 
 def human_bytes(n: float) -> str:

@@ -45,11 +45,11 @@ from __future__ import annotations
 import copy
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from dsv4convert import __version__
 from dsv4convert.convert import engines as eng
 from dsv4convert.convert.recipe import NEVER_QUANTIZED
+from dsv4convert.convert.stored import StoredFormats
 from dsv4convert.errors import RecipeError
 from dsv4convert.layout import FP8_BLOCK, ModelConfig, Role, classify, linear_shapes
 from dsv4convert.storage import NVFP4_GROUP, Format
@@ -94,28 +94,6 @@ _NVFP4_NATIVE_EXCLUDES = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
 _MTP_FORMAT_NAMES = {Format.FP8: "fp8_block", Format.MXFP4: "mxfp4", Format.BF16: "bf16"}
 
 
-@dataclass
-class _Stored:
-    """The output's linear formats, grouped the way SGLang builds its layers."""
-
-    formats: dict[str, tuple[Format, dict]]
-    experts: dict[str, Format] = field(default_factory=dict)    # block -> the one format of its FusedMoE
-    int4_groups: set[int] = field(default_factory=set)
-    config_linears: dict[str, Format] = field(default_factory=dict)  # native module -> format
-    fp8_scale_dtypes: set[str] = field(default_factory=set)
-
-    @property
-    def everything_bf16(self) -> bool:
-        return all(fmt is Format.BF16 for fmt, _ in self.formats.values())
-
-    def expert_formats(self, *, mtp: bool | None = None) -> set[Format]:
-        return {f for block, f in self.experts.items() if mtp is None or block.startswith("mtp.") == mtp}
-
-    @property
-    def wo_a_bf16(self) -> bool:
-        return any(f is Format.BF16 for m, f in self.config_linears.items() if m.endswith(".attn.wo_a"))
-
-
 def _sglang_block(block: str) -> str:
     """SGLang's module prefix of a decoder block; the NextN draft builds mtp.0 as ``model.decoder``."""
     kind, index = block.split(".")
@@ -142,7 +120,7 @@ def _sglang_linear_names(module: str) -> list[str]:
     return names
 
 
-def _analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> _Stored:
+def _analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> StoredFormats:
     cfg = ModelConfig.from_dict(source_config)
     expected = set(linear_shapes(cfg))
     missing = sorted(expected - set(module_formats))
@@ -151,7 +129,7 @@ def _analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]]
         raise RecipeError("not a linear module of this model's layout", tensor=unknown[0])
     if missing:
         raise RecipeError(f"no stored format given for {len(missing)} linear module(s)", tensor=missing[0])
-    stored = _Stored(dict(module_formats))
+    stored = StoredFormats(dict(module_formats))
     by_block: dict[str, dict[Format, str]] = defaultdict(dict)
     for module, (fmt, params) in module_formats.items():
         info = classify(module + ".weight")
@@ -189,7 +167,7 @@ def _analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]]
     return stored
 
 
-def _fp8_base(stored: _Stored) -> dict:
+def _fp8_base(stored: StoredFormats) -> dict:
     """The native checkpoint's FP8 block config (Fp8Config.from_config)."""
     base = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
@@ -200,7 +178,7 @@ def _fp8_base(stored: _Stored) -> dict:
     return base
 
 
-def _fp8_ignored_layers(stored: _Stored) -> list[str]:
+def _fp8_ignored_layers(stored: StoredFormats) -> list[str]:
     """SGLang names Fp8Config must skip: BF16 config linears and BF16 FusedMoEs.
 
     Fp8Config reads ``ignored_layers`` (not ``ignore``) and matches them on dotted paths in
@@ -216,7 +194,7 @@ def _fp8_ignored_layers(stored: _Stored) -> list[str]:
     return names
 
 
-def _check_fp8_family(stored: _Stored) -> None:
+def _check_fp8_family(stored: StoredFormats) -> None:
     quantized = stored.expert_formats() - {Format.BF16}
     if len(quantized) > 1:
         # Fp8Config.get_quant_method picks MXFP4 or FP8 MoE methods from one model-wide is_fp4_experts.
@@ -224,12 +202,12 @@ def _check_fp8_family(stored: _Stored) -> None:
                           "as one or the other (is_fp4_experts)", tensor=_first_expert(stored, Format.MXFP4))
 
 
-def _first_expert(stored: _Stored, fmt: Format, *, mtp: bool | None = None) -> str:
+def _first_expert(stored: StoredFormats, fmt: Format, *, mtp: bool | None = None) -> str:
     return next(m for m, (f, _) in stored.formats.items()
                 if f is fmt and ".ffn.experts." in m and (mtp is None or m.startswith("mtp.") == mtp))
 
 
-def _nvfp4_fallback(stored: _Stored) -> set[Format]:
+def _nvfp4_fallback(stored: StoredFormats) -> set[Format]:
     """Formats of the FusedMoEs the NVFP4 hybrid excludes (MTP, and backbone layers not NVFP4)."""
     mtp_nvfp4 = Format.NVFP4 in stored.expert_formats(mtp=True)
     if mtp_nvfp4:
@@ -246,7 +224,7 @@ def _nvfp4_fallback(stored: _Stored) -> set[Format]:
     return fallback
 
 
-def _nvfp4_config(stored: _Stored) -> tuple[dict, dict]:
+def _nvfp4_config(stored: StoredFormats) -> tuple[dict, dict]:
     _nvfp4_fallback(stored)
     nvfp4_blocks = [b for b, f in stored.experts.items() if f is Format.NVFP4]
     excluded = [b for b, f in stored.experts.items() if f is not Format.NVFP4 and b.startswith("layers.")]
@@ -286,7 +264,7 @@ def _nvfp4_config(stored: _Stored) -> tuple[dict, dict]:
     return config, {HF_QUANT_CONFIG: hf_quant}
 
 
-def _int4_config(stored: _Stored) -> dict:
+def _int4_config(stored: StoredFormats) -> dict:
     others = stored.expert_formats() - {Format.INT4, Format.BF16}
     if others:
         fmt = next(iter(others))
@@ -324,11 +302,11 @@ def _int4_config(stored: _Stored) -> dict:
     return config
 
 
-def _routed_experts_all(stored: _Stored, fmt: Format) -> bool:
+def _routed_experts_all(stored: StoredFormats, fmt: Format) -> bool:
     return bool(stored.experts) and stored.expert_formats() == {fmt}
 
 
-def _sglang_checks(stored: _Stored) -> None:
+def _sglang_checks(stored: StoredFormats) -> None:
     """SGLang 0.5.23's rules for the expert config family (each raises naming a module)."""
     experts = stored.expert_formats()
     if Format.INT4 in experts:
@@ -365,7 +343,7 @@ def build_quant_config(source_config: dict, module_formats: dict[str, tuple[Form
     return config, extra
 
 
-def _add_vllm_keys(config: dict, extra: dict[str, dict], stored: _Stored, num_layers: int) -> None:
+def _add_vllm_keys(config: dict, extra: dict[str, dict], stored: StoredFormats, num_layers: int) -> None:
     """What vLLM 0.33.0 reads on top of SGLang's config (see :mod:`dsv4convert.convert.engines`)."""
     expert_dtype = eng.vllm_expert_dtype(stored)
     if expert_dtype:
@@ -386,7 +364,7 @@ def _add_vllm_keys(config: dict, extra: dict[str, dict], stored: _Stored, num_la
         extra[HF_QUANT_CONFIG]["quantization"]["exclude_modules"] += excludes
 
 
-def _sglang_quant_config(source_config: dict, stored: _Stored) -> tuple[dict, dict[str, dict]]:
+def _sglang_quant_config(source_config: dict, stored: StoredFormats) -> tuple[dict, dict[str, dict]]:
     config = copy.deepcopy(source_config)
     config.pop("quantization_config", None)
     config.pop("compression_config", None)
