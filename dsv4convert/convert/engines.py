@@ -126,6 +126,11 @@ def vllm_problem(stored: StoredFormats) -> tuple[str, str] | None:
                            "NVFP4 path allows) or BF16; FP8-block experts here would load into MXFP4 "
                            "parameters; store them MXFP4 or BF16")
         return None
+    quantized = experts - {Format.BF16}
+    if len(quantized) > 1:
+        other = _first(stored, lambda m, f, p: _expert(m) and f is Format.MXFP4)
+        return other, (f"{_V} reads one expert_dtype for the whole model (DeepseekV4FP8Config.expert_dtype: fp8 or "
+                       "fp4, i.e. MXFP4); routed experts may mix it only with BF16 (ignored_layers)")
     e8m0 = _first(stored, lambda m, f, p: f is Format.FP8 and _expert(m)
                   and p.get("fp8_scale_dtype", "F8_E8M0") == "F8_E8M0")
     if e8m0:
@@ -197,8 +202,14 @@ def vllm_expert_dtype(stored: StoredFormats) -> str | None:
 
 
 def ct_vllm_expert_ignore(stored: StoredFormats, num_hidden_layers: int) -> list[str]:
-    """compressed-tensors ``ignore`` regexes, in vLLM's names, for BF16 expert blocks of an INT4 output."""
-    return [f"re:^{vllm_experts_name(b, num_hidden_layers).replace('.', chr(92) + '.')}$"
+    """compressed-tensors ``ignore`` regexes, in vLLM's names, for BF16 expert blocks of an INT4 output.
+
+    ``compressed_tensors_moe/compressed_tensors_moe.py::CompressedTensorsMoEMethod.get_moe_method`` asks
+    about the unfused names ``<RoutedExperts prefix>.0.<w1|w3|w2>``, all under ``model.layers.N.ffn.experts.``,
+    and ``should_ignore_layer`` applies ``re:`` entries with ``re.match``: a regex ending in ``experts$``
+    matched none of them (the layer was built INT4 and failed to load), one ending in ``experts\.`` matches.
+    """
+    return [f"re:^{vllm_experts_name(b, num_hidden_layers).replace('.', chr(92) + '.')}\\."
             for b, f in stored.experts.items() if f is Format.BF16]
 
 
