@@ -266,14 +266,23 @@ def test_walk_catches_a_missing_ignore_entry(tiny):
 
 
 def test_fp8_with_bf16_shared_experts_attention_and_mtp_experts(tiny):
+    # SGLang loads wo_a all FP8 or all BF16 (its _dequant_fp8_wo_a_streaming asserts otherwise): every
+    # block's wo_a is BF16 here, the rest of the attention BF16 in layers.1 only.
     overrides = {m: Format.BF16 for m in linear_shapes(ModelConfig.from_dict(tiny))
-                 if ".shared_experts." in m or m.startswith("layers.1.attn.") or m.startswith("mtp.0.e_proj")}
+                 if ".shared_experts." in m or m.startswith("layers.1.attn.") or m.startswith("mtp.0.e_proj")
+                 or m.endswith(".attn.wo_a")}
     formats = stored_formats(tiny, experts=Format.FP8, mtp_experts=Format.BF16, overrides=overrides)
     formats.update({m: (Format.BF16, {}) for m in formats if m.startswith("layers.3.ffn.experts.")})
     config, _, env = convert_config(tiny, formats)
-    # layers.1's wo_a is BF16: the FP8 wo_a GEMM must be off.
+    # wo_a is BF16: the FP8 wo_a GEMM must be off.
     assert env == {"SGLANG_DSV4_FP4_EXPERTS": "0", "SGLANG_OPT_FP8_WO_A_GEMM": "0"}
     assert_sglang_reads(config, formats, env)
+    # One block's wo_a BF16 beside FP8 ones cannot load in SGLang: refused, naming it.
+    formats.update({m: (Format.FP8, {"fp8_scale_dtype": "F8_E8M0"}) for m in formats
+                    if m.endswith(".attn.wo_a") and not m.startswith("layers.1.")})
+    with pytest.raises(RecipeError, match="wo_a all FP8 or all BF16") as refused:
+        convert_config(tiny, formats)
+    assert refused.value.tensor == "layers.1.attn.wo_a"
 
 
 def test_hybrid_with_a_backbone_layer_kept_mxfp4(tiny):
@@ -365,11 +374,18 @@ def test_w4a16_refuses_a_mix_of_fp8_and_bf16_linears(tiny):
 
 
 def test_a_bf16_wo_a_is_allowed_under_compressed_tensors_without_env(tiny):
-    formats = stored_formats(tiny, experts=Format.INT4, mtp_experts=Format.INT4,
-                             overrides={"layers.2.attn.wo_a": Format.BF16})
+    # Under compressed-tensors SGLang dequantizes wo_a at load, so BF16 works without an env -- for every
+    # wo_a at once: _dequant_fp8_wo_a_streaming asserts "<wo_a>.scale is missing" for a BF16 wo_a once it
+    # has seen a scale (SGLang's own loader shows it: tests/test_mixed_layouts.py).
+    every = {m: Format.BF16 for m in linear_shapes(ModelConfig.from_dict(tiny)) if m.endswith(".attn.wo_a")}
+    formats = stored_formats(tiny, experts=Format.INT4, mtp_experts=Format.INT4, overrides=every)
     config, _, env = convert_config(tiny, formats)
     assert "linear_fp8_config" in config["quantization_config"]
     assert env == {"SGLANG_DSV4_FP4_EXPERTS": "0"}
+    one = stored_formats(tiny, experts=Format.INT4, mtp_experts=Format.INT4, overrides={"layers.2.attn.wo_a": Format.BF16})
+    with pytest.raises(RecipeError, match="wo_a all FP8 or all BF16") as refused:
+        convert_config(tiny, one)
+    assert refused.value.tensor == "layers.2.attn.wo_a"
 
 
 def test_not_a_deepseek_v4_config_is_refused():

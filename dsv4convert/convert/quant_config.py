@@ -306,8 +306,25 @@ def _routed_experts_all(stored: StoredFormats, fmt: Format) -> bool:
     return bool(stored.experts) and stored.expert_formats() == {fmt}
 
 
+def _check_wo_a(stored: StoredFormats) -> None:
+    """Every ``wo_a`` (the MTP block's included) in one format.
+
+    Unless the FP8 wo_a GEMM is on, ``models/deepseek_v4.py::DeepseekV4ForCausalLM.load_weights`` streams the
+    whole checkpoint (target and draft alike) through ``_dequant_fp8_wo_a_streaming``, which asserts
+    ``"<wo_a>.scale is missing"`` for a BF16 wo_a once it has seen any wo_a scale; with the GEMM on, an FP8
+    parameter cannot take a BF16 wo_a. So SGLang loads wo_a all FP8 or all BF16.
+    """
+    formats = {m: f for m, f in stored.config_linears.items() if m.endswith(".attn.wo_a")}
+    if len(set(formats.values())) > 1:
+        module = next(m for m, f in formats.items() if f is Format.BF16)
+        raise RecipeError("SGLang 0.5.23 loads wo_a all FP8 or all BF16 (MTP block included): its "
+                          "_dequant_fp8_wo_a_streaming asserts every wo_a has a scale once one has; this one is BF16 "
+                          "while others are FP8", tensor=module)
+
+
 def _sglang_checks(stored: StoredFormats) -> None:
     """SGLang 0.5.23's rules for the expert config family (each raises naming a module)."""
+    _check_wo_a(stored)
     experts = stored.expert_formats()
     if Format.INT4 in experts:
         _int4_config(stored)
