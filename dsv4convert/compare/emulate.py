@@ -111,8 +111,7 @@ def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installe
            entry: MtpEntry | None) -> None:
     dense = serving.dense_scale_format()
     for suffix, path in LINEAR_PATHS.items():
-        module = source.inspection.modules.get(f"{block}.{suffix}")
-        if module is None or module.format is not Format.FP8 or suffix in UNQUANTIZED:
+        if source.format_of(f"{block}.{suffix}") is not Format.FP8 or suffix in UNQUANTIZED:
             continue
         scale_format = dense
         if suffix == "attn.wo_a":
@@ -122,16 +121,16 @@ def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installe
         target = layer.get_submodule(path.rsplit(".", 1)[0])
         installed.hook(target.register_forward_pre_hook(_on_input(_token_groups(scale_format, f"{block}.{suffix}"))))
     if entry is not None:
-        fmts = {source.inspection.modules[f"{block}.{p}"].format for p in ("e_proj", "h_proj")}
+        fmts = {source.format_of(f"{block}.{p}") for p in ("e_proj", "h_proj")}
         if fmts == {Format.FP8}:
             installed.wrap(entry, "quantize", _token_groups(dense, f"{block}.e_proj/h_proj"))
 
 
 def _experts(layer: nn.Module, block: str, serving, source: WeightSource, installed: Installed) -> None:
-    first = source.inspection.modules.get(f"{block}.ffn.experts.0.w1")
-    if first is None or first.format is None:
+    first = source.format_of(f"{block}.ffn.experts.0.w1")
+    if first is None:
         return
-    scheme = serving.expert_scheme(first.format, is_mtp=block.startswith("mtp."))
+    scheme = serving.expert_scheme(first, is_mtp=block.startswith("mtp."))
     if scheme is None:
         return
     experts = layer.mlp.experts
@@ -159,10 +158,11 @@ def _layer_input_scales(source: WeightSource, block: str, n_experts: int) -> tup
         for e in range(n_experts):
             for proj in projections:
                 name = f"{block}.ffn.experts.{e}.{proj}.input_scale"
-                if name not in source.ckpt.tensors:
+                value = source.stored_tensor(name)
+                if value is None:
                     raise DSV4Error("NVFP4 expert without its input_scale: the W4A4 activations cannot be emulated",
                                     file=source.ckpt.root, tensor=name)
-                values.append(source.ckpt.read(name).float().reshape(()))
+                values.append(value.float().reshape(()))
         return torch.stack(values).max().to(source.device)
     return largest(("w1", "w3")), largest(("w2",))
 

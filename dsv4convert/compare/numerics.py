@@ -127,16 +127,23 @@ class Numerics:
 def serving_for(inspection: Inspection, config: dict, *, engine: str, gpu_family: str,
                 extra_args: tuple[str, ...] = (), model: str = "MODEL") -> Serving:
     """The launch ``serve`` would make for this checkpoint on ``gpu_family``, as the settings that matter."""
+    formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
+    return serving_from_formats(inspection.variant, formats, config.get("quantization_config") or {}, engine=engine,
+                                gpu_family=gpu_family, extra_args=extra_args, model=model)
+
+
+def serving_from_formats(variant: str, formats: dict[str, tuple[Format, dict]], quant: dict, *, engine: str,
+                         gpu_family: str, extra_args: tuple[str, ...] = (), model: str = "MODEL") -> Serving:
+    """The launch for a checkpoint that stores ``formats`` under the ``quantization_config`` ``quant`` (one not
+    written yet, as ``automix`` plans it, or one inspected)."""
     if engine not in ENGINES:
         raise DSV4Error(f"--engine {engine!r}: compare emulates {', '.join(ENGINES)} (vLLM is not emulated yet)")
     if gpu_family not in GPU_FAMILIES:
         raise DSV4Error(f"--gpu-family must be one of {', '.join(GPU_FAMILIES)}, got {gpu_family!r}")
-    formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
-    like = served_like(inspection.variant, formats)
+    like = served_like(variant, formats)
     options = LaunchOptions(model=model, variant=like, gpu_family=gpu_family, extra_args=tuple(extra_args))
     args = server_args(options, "server", 1, options.server_port, options.prefill_nccl_port)
     env = dict(variant_defaults(like, gpu_family).env)
-    quant = config.get("quantization_config") or {}
     return Serving(
         engine=engine, gpu_family=gpu_family, variant=like,
         moe_runner_backend=flag_value(args, "--moe-runner-backend") or "auto",

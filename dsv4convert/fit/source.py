@@ -90,6 +90,16 @@ def from_checkpoint(model: str | Path) -> Source:
     return _source(str(model), ckpt)
 
 
+def from_plan(label: str, plan, source_config: dict, engines: tuple[str, ...] = ("sglang", "vllm")) -> Source:
+    """What a conversion plan (``convert.plan.Plan`` of the checkpoint ``source_config`` describes) would
+    write, sized before anything is written."""
+    from dsv4convert.convert.quant_config import build_quant_config
+
+    config, _ = build_quant_config(source_config, plan.module_formats(), engines=engines)
+    return _source(label, _virtual(config, [(p.name, p.dtype, tuple(p.shape)) for job in plan.modules.values()
+                                            for p in job.outputs]))
+
+
 def _compact(config: dict) -> tuple[dict, dict[str, int], int]:
     """The config of a model with one backbone layer of each kind V4 has (compress ratio, hash or score
     routing) and one routed expert per layer: (its config, how many full-model layers each of its layers
@@ -113,6 +123,7 @@ def _copies(info: TensorInfo, layers: dict[str, int], experts: int) -> int:
     return layers.get(block, 1) * (experts if per_expert else 1)
 
 
+
 def planned(variant: str, config: dict, *, compact: bool = True) -> Source:
     """A shipped variant as ``convert`` would write it from the native checkpoint ``config`` describes.
 
@@ -121,21 +132,15 @@ def planned(variant: str, config: dict, *, compact: bool = True) -> Source:
     plan): the full V4-Flash plan classifies ~200,000 tensors (10-20 s per variant), this one ~200.
     """
     from dsv4convert.convert.plan import build_plan
-    from dsv4convert.convert.quant_config import build_quant_config
     from dsv4convert.convert.recipe import load_recipe
 
     plan_config, layers, experts = _compact(config) if compact else (config, {}, 1)
     native = _virtual(plan_config, [(s.name, s.dtype, s.shape) for s in native_inventory(ModelConfig.from_dict(plan_config))])
     recipe = SHIPPED[variant]
-    ckpt = native
-    if recipe is not None:
-        plan = build_plan(native, load_recipe(recipe), engine="both")
-        out_config, _ = build_quant_config(plan_config, plan.module_formats(), engines=("sglang", "vllm"))
-        ckpt = _virtual(out_config, [(p.name, p.dtype, tuple(p.shape)) for job in plan.modules.values()
-                                     for p in job.outputs])
-    src = _source(variant, ckpt)
+    src = _source(variant, native) if recipe is None else from_plan(
+        variant, build_plan(native, load_recipe(recipe), engine="both"), plan_config)
     # The full model's layer counts (the KV geometry reads them) over what the plan wrote.
     full = {key: config[key] for key in ("num_hidden_layers", "num_hash_layers", "compress_ratios", "n_routed_experts")
             if key in config}
     tensors = [(replace(t, copies=_copies(info, layers, experts)), info) for t, info in src.tensors]
-    return replace(src, config={**ckpt.config, **full}, tensors=tensors)
+    return replace(src, config={**src.config, **full}, tensors=tensors)

@@ -36,6 +36,7 @@ from dsv4convert.convert.modules import dequantize_source
 from dsv4convert.errors import CheckpointError, DSV4Error
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
 from dsv4convert.layout import ModelConfig, try_classify
+from dsv4convert.storage import Format
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -156,6 +157,15 @@ class WeightSource:
             return t.to(self.dtype)
         return t
 
+    def format_of(self, module: str) -> Format | None:
+        """The stored format of a linear module (None: not a linear of this checkpoint)."""
+        info = self.inspection.modules.get(module)
+        return info.format if info is not None else None
+
+    def stored_tensor(self, name: str) -> torch.Tensor | None:
+        """A stored tensor as the file holds it (None if the checkpoint has no such tensor)."""
+        return self.ckpt.read(name) if name in self.ckpt.tensors else None
+
     def linear(self, module: str) -> torch.Tensor:
         """Float weight of a linear module, dequantized on the device from its stored format."""
         info = self.inspection.modules.get(module)
@@ -179,7 +189,8 @@ class WeightSource:
         return gate_up, down
 
 
-def _set(module: nn.Module, path: str, value: torch.Tensor) -> None:
+def set_tensor(module: nn.Module, path: str, value: torch.Tensor) -> None:
+    """Put ``value`` at ``path`` (a parameter or buffer of ``module``), refusing a shape that does not fit."""
     owner_path, _, leaf = path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     if leaf in owner._parameters:
@@ -210,13 +221,13 @@ def build_layer(source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig
     _rebuild_rotary(layer, config, source.device)
     for suffix, path in LINEAR_PATHS.items():
         if f"{block}.{suffix}" in source.inspection.modules:
-            _set(layer, path, source.linear(f"{block}.{suffix}"))
+            set_tensor(layer, path, source.linear(f"{block}.{suffix}"))
     for suffix, path in TENSOR_PATHS.items():
         if f"{block}.{suffix}" in source.ckpt.tensors:
-            _set(layer, path, source.tensor(f"{block}.{suffix}"))
+            set_tensor(layer, path, source.tensor(f"{block}.{suffix}"))
     gate_up, down = source.experts(block, cfg.n_routed_experts)
-    _set(layer, "mlp.experts.gate_up_proj", gate_up)
-    _set(layer, "mlp.experts.down_proj", down)
+    set_tensor(layer, "mlp.experts.gate_up_proj", gate_up)
+    set_tensor(layer, "mlp.experts.down_proj", down)
     left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
     if left:
         raise CheckpointError(f"block '{block}': the checkpoint does not provide {', '.join(left)}",
@@ -267,8 +278,8 @@ class OutputHead(nn.Module):
             self.hc_head = DeepseekV4HyperHead(config)
             self.norm = DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         for leaf in ("fn", "base", "scale"):
-            _set(self.hc_head, f"hc_{leaf}", source.tensor(f"{prefix}hc_head_{leaf}"))
-        _set(self.norm, "weight", source.tensor(f"{prefix}norm.weight"))
+            set_tensor(self.hc_head, f"hc_{leaf}", source.tensor(f"{prefix}hc_head_{leaf}"))
+        set_tensor(self.norm, "weight", source.tensor(f"{prefix}norm.weight"))
         self.head = source.linear("head") if source.inspection.modules.get("head") else source.tensor("head.weight")
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
