@@ -29,9 +29,15 @@ it (it probes the first expert's shard dtype, ``configs/deepseek_v4.py::try_dete
 but DeepSeek's reference inference code takes it to mean "experts are MXFP4", which is false
 for every other layout.
 
-``is_fp4_experts`` cannot be set from the config without side effects: the only key
-(``routed_experts_quant_method``) also skips V4's ``topk_group`` fix in ``ModelConfig.__init__``.
-It therefore comes from ``SGLANG_DSV4_FP4_EXPERTS``, which :func:`serving_env` states.
+``is_fp4_experts`` comes from ``SGLANG_DSV4_FP4_EXPERTS``, which :func:`serving_env` always states.
+A checkpoint whose backbone experts mix formats also says it in the config
+(``routed_experts_quant_method``, :func:`_state_expert_layout`): unset, SGLang would probe the first
+routed expert's dtype, i.e. whatever layer 0 holds. That key also skips V4's ``topk_group = n_group``
+fix in ``ModelConfig.__init__``, so ``topk_group`` is written with the value the fix would set.
+
+SGLang also loads ``wo_a`` all FP8 or all BF16 (:func:`_check_wo_a`); the other config-quantized
+linears (``ignored_layers``) may differ per layer, fused pairs (``wq_a``/``wkv``, shared ``w1``/``w3``)
+sharing one format.
 
 Engines: the config above is SGLang's, and is what ``engines=("sglang",)`` returns, unchanged.
 Where vLLM 0.33.0 is asked for too, :mod:`dsv4convert.convert.engines` first refuses what vLLM
@@ -225,7 +231,6 @@ def _nvfp4_fallback(stored: StoredFormats) -> set[Format]:
 
 
 def _nvfp4_config(stored: StoredFormats) -> tuple[dict, dict]:
-    _nvfp4_fallback(stored)
     nvfp4_blocks = [b for b, f in stored.experts.items() if f is Format.NVFP4]
     excluded = [b for b, f in stored.experts.items() if f is not Format.NVFP4 and b.startswith("layers.")]
     # ModelOptFp4Config.is_layer_excluded fullmatches the FusedMoE prefix (SGLang name); the
@@ -351,7 +356,7 @@ def build_quant_config(source_config: dict, module_formats: dict[str, tuple[Form
     """
     stored = _analyse(source_config, module_formats)
     eng.check_engines(stored, engines, lambda: _sglang_checks(stored))
-    config, extra = _sglang_quant_config(source_config, stored)
+    config, extra = _sglang_quant_config(source_config, stored, sglang=eng.SGLANG in engines)
     if eng.VLLM in engines:
         _add_vllm_keys(config, extra, stored, source_config["num_hidden_layers"])
     if tuple(engines) != (eng.SGLANG,) and "quantization_config" in config:
@@ -381,7 +386,10 @@ def _add_vllm_keys(config: dict, extra: dict[str, dict], stored: StoredFormats, 
         extra[HF_QUANT_CONFIG]["quantization"]["exclude_modules"] += excludes
 
 
-def _sglang_quant_config(source_config: dict, stored: StoredFormats) -> tuple[dict, dict[str, dict]]:
+def _sglang_quant_config(source_config: dict, stored: StoredFormats, *, sglang: bool = True
+                         ) -> tuple[dict, dict[str, dict]]:
+    """SGLang's config for what is stored; ``sglang`` False (an output for vLLM alone): SGLang's refusals
+    (already run by ``check_engines`` where SGLang is asked for) are not applied."""
     config = copy.deepcopy(source_config)
     config.pop("quantization_config", None)
     config.pop("compression_config", None)
@@ -395,16 +403,51 @@ def _sglang_quant_config(source_config: dict, stored: StoredFormats) -> tuple[di
         return config, extra
     if Format.INT4 in experts:
         config["quantization_config"] = _int4_config(stored)
-    elif Format.NVFP4 in experts:
+        return config, extra
+    if Format.NVFP4 in experts:
+        if sglang:
+            _nvfp4_fallback(stored)
         config["quantization_config"], extra = _nvfp4_config(stored)
+        fp4 = Format.MXFP4 in experts
     else:
-        _check_fp8_family(stored)
+        if sglang:
+            _check_fp8_family(stored)
         quant = _fp8_base(stored)
         ignored_layers = _fp8_ignored_layers(stored)
         if ignored_layers:
             quant["ignored_layers"] = ignored_layers
         config["quantization_config"] = quant
+        fp4 = Format.MXFP4 in experts
+    if len(stored.expert_formats(mtp=False)) > 1:
+        _state_expert_layout(config, fp4)
     return config, extra
+
+
+# transformers' DeepseekV3Config default, which SGLang's V4 config class inherits
+# (srt/utils/hf_transformers/common.py::_DeepseekV4ConfigAlias) when config.json has no n_group.
+_V3_DEFAULT_N_GROUP = 8
+
+
+def _state_expert_layout(config: dict, fp4: bool) -> None:
+    """A mixed checkpoint says what its quantized routed experts are instead of leaving it to a probe.
+
+    ``configs/model_config.py::ModelConfig.__init__`` takes ``is_fp4_experts`` from
+    ``quantization_config.routed_experts_quant_method`` (True only for "mxfp4"); without the key it takes
+    ``SGLANG_DSV4_FP4_EXPERTS`` and, when that is unset, ``configs/deepseek_v4.py::try_detect_fp4_experts``,
+    which reads the dtype of the first routed expert in the index only: in a mixed checkpoint that is
+    whatever layer 0 holds (BF16: undecided, so True; NVFP4: True), and the other layers would be built
+    for the wrong format. Any value of the key also skips the rest of that V4 block, which forces
+    ``hf_config.topk_group = n_group``: the config class (``utils/hf_transformers/common.py::
+    _DeepseekV4ConfigAlias``, transformers' DeepseekV3Config) defaults to topk_group 4 and n_group 8.
+    V4's TopK is built ungrouped (``models/deepseek_v2.py``), but its TopKConfig keeps both and the
+    DeepEP and TRT-LLM routing paths are handed them; so ``topk_group`` is written here with the value
+    that line would set, and SGLang ends with the same config either way (checked with its
+    ModelConfig: tests/test_mixed_layouts.py). The block's handling of the ``SGLANG_DSV4_FP4_DEQUANT``
+    opt-in (not used by any launch here) is skipped too. vLLM 0.33.0's V4 code reads neither key;
+    transformers' DeepseekV4Config keeps ``topk_group`` as an extra attribute.
+    """
+    config["quantization_config"]["routed_experts_quant_method"] = "mxfp4" if fp4 else "fp8"
+    config["topk_group"] = config.get("n_group", _V3_DEFAULT_N_GROUP)
 
 
 def serving_env(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> dict[str, str]:
