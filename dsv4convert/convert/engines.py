@@ -207,7 +207,7 @@ def ct_vllm_expert_ignore(stored: StoredFormats, num_hidden_layers: int) -> list
     ``compressed_tensors_moe/compressed_tensors_moe.py::CompressedTensorsMoEMethod.get_moe_method`` asks
     about the unfused names ``<RoutedExperts prefix>.0.<w1|w3|w2>``, all under ``model.layers.N.ffn.experts.``,
     and ``should_ignore_layer`` applies ``re:`` entries with ``re.match``: a regex ending in ``experts$``
-    matched none of them (the layer was built INT4 and failed to load), one ending in ``experts\.`` matches.
+    matched none of them (the layer was built INT4 and failed to load), one ending in ``experts\\.`` matches.
     """
     return [f"re:^{vllm_experts_name(b, num_hidden_layers).replace('.', chr(92) + '.')}\\."
             for b, f in stored.experts.items() if f is Format.BF16]
