@@ -49,6 +49,7 @@ class CompareOptions:
     variant: str
     texts: list[Path] = field(default_factory=list)
     random_tokens: bool = False          # uniform random ids (synthetic models, smoke tests): no text needed
+    ids: torch.Tensor | None = None      # token ids [sequences, seq_len] already made (automix's held-out windows)
     tokens: int = 65536
     seq_len: int = 4096
     numerics: str = "served"
@@ -95,11 +96,21 @@ def _open(path: str, label: str) -> tuple[Checkpoint, Inspection]:
     return ckpt, inspection
 
 
+def _engine_fix(key: str, base: dict, variant: dict) -> bool:
+    """A key the converter writes as an engine would set it itself: ``topk_group`` = ``n_group``, SGLang 0.5.23's
+    V4 fix in ``ModelConfig.__init__``, which ``routed_experts_quant_method`` (a mixed checkpoint states it) skips
+    (convert.quant_config)."""
+    from dsv4convert.convert.quant_config import sglang_topk_group
+
+    return (key == "topk_group" and base.get(key) is None and variant.get(key) == sglang_topk_group(base)
+            and "routed_experts_quant_method" in (variant.get("quantization_config") or {}))
+
+
 def check_same_model(base: Checkpoint, variant: Checkpoint) -> None:
     """The two sides must be one model stored two ways: every config key but the storage ones agrees."""
     keys = (set(base.config) | set(variant.config)) - STORAGE_KEYS
     for key in sorted(keys):
-        if base.config.get(key) != variant.config.get(key):
+        if base.config.get(key) != variant.config.get(key) and not _engine_fix(key, base.config, variant.config):
             raise DSV4Error(f"not a variant of the base model: config key {key!r} is {variant.config.get(key)!r} "
                             f"here and {base.config.get(key)!r} in {base.root / 'config.json'}",
                             file=variant.root / "config.json")
@@ -112,6 +123,11 @@ def token_ids(opts: CompareOptions, base: Checkpoint, cfg: ModelConfig) -> tuple
     if opts.tokens < opts.seq_len:
         raise DSV4Error(f"--tokens {opts.tokens} is less than one sequence of --seq-len {opts.seq_len}")
     wanted = opts.tokens // opts.seq_len
+    if opts.ids is not None:
+        if opts.texts or opts.random_tokens:
+            raise DSV4Error("give token ids, --text or --random-tokens, not more than one")
+        return opts.ids, {"source": "token ids given by the caller", "sequences": opts.ids.shape[0],
+                          "seq_len": opts.ids.shape[1]}
     if opts.random_tokens:
         if opts.texts:
             raise DSV4Error("give --text or --random-tokens, not both")

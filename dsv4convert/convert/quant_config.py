@@ -447,7 +447,12 @@ def _state_expert_layout(config: dict, fp4: bool) -> None:
     transformers' DeepseekV4Config keeps ``topk_group`` as an extra attribute.
     """
     config["quantization_config"]["routed_experts_quant_method"] = "mxfp4" if fp4 else "fp8"
-    config["topk_group"] = config.get("n_group", _V3_DEFAULT_N_GROUP)
+    config["topk_group"] = sglang_topk_group(config)
+
+
+def sglang_topk_group(config: dict) -> int:
+    """The ``topk_group`` SGLang 0.5.23's V4 fix sets (``n_group``, the V3 template's 8 when the config has none)."""
+    return config.get("n_group", _V3_DEFAULT_N_GROUP)
 
 
 def serving_env(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> dict[str, str]:
