@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "dsv4convert.validate.cli",
     "dsv4convert.compare.cli",
     "dsv4convert.fit.cli",
+    "dsv4convert.automix.cli",
     "dsv4convert.serve.cli",
     "dsv4convert.tune.cli",
     "dsv4convert.demo",

@@ -1,0 +1,1 @@
+"""`automix`: per-layer formats chosen from measured sensitivity under a memory budget (docs/automix.md)."""

@@ -1,0 +1,122 @@
+"""``dsv4convert automix``: the most faithful checkpoint that fits, chosen per layer, written and verified."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from dsv4convert.automix import run as automix
+from dsv4convert.automix import verify
+from dsv4convert.convert.engines import CHOICES
+from dsv4convert.convert.plan import human_bytes, parse_size
+from dsv4convert.errors import DSV4Error
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "automix",
+        help="per-layer formats chosen from measured sensitivity under a memory budget, written and verified",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Choose one format per decision (each MoE layer's routed experts, each layer's attention, indexer and\n"
+            "shared expert) among the layouts --engine serves on --gpu-family, so that the predicted KLD is least\n"
+            "within the budget; write the recipe, convert it into DST and measure its KLD with compare on held-out\n"
+            "text. The sensitivity pass streams the base once: each candidate is made by the converter's own code\n"
+            "and run under its served numerics on the base's input, then the rest of the model runs at the base's\n"
+            "precision to the output, where its KL divergence is measured (docs/automix.md). The budget is a\n"
+            "checkpoint size (--size) or bytes per GPU as fit computes them (--gpu, --tp, --kv-tokens)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dsv4convert automix --src base --dst out/mix --gpu rtx-pro-6000 --tp 4 --kv-tokens 1M --text data.txt "
+            "--device cuda\n"
+            "  dsv4convert automix --src base --dst out/mix --size 120G --engine both --text data.txt --dry-run\n"
+            "  dsv4convert automix --src base --dst out/mix --size 120G --text data.txt --report out/report  "
+            "(Pareto table)"
+        ),
+    )
+    p.add_argument("--src", required=True, help="the base checkpoint (a local DeepSeek-V4 directory)")
+    p.add_argument("--dst", help="where to write the chosen mix (omit to only choose and write the recipe)")
+    p.add_argument("--size", type=parse_size, help="budget: the checkpoint's bytes (e.g. 120G)")
+    p.add_argument("--gpu", help="budget per GPU: GPU name as fit knows it (rtx-pro-6000, h200, b200, ...)")
+    p.add_argument("--tp", type=int, help="tensor-parallel GPUs per server (with --gpu)")
+    p.add_argument("--kv-tokens", type=_tokens, help="tokens of KV cache the server must still hold (e.g. 1M, 262144)")
+    p.add_argument("--mtp", action="store_true", help="count the MTP draft's weights and KV in the budget (fit --mtp)")
+    p.add_argument("--engine", choices=CHOICES, default="sglang", help="engines the mix must load in (default sglang)")
+    p.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"),
+                   help="numerics the candidates are served with (default: --gpu's, else sm120)")
+    p.add_argument("--text", type=Path, help="UTF-8 text or JSONL the pass and the verification read (the user's own)")
+    p.add_argument("--tokens", type=_tokens, default=8192, help="tokens of text for the sensitivity pass (default 8K)")
+    p.add_argument("--verify-tokens", type=_tokens, default=8192,
+                   help="held-out tokens (after --tokens) for compare's verification (default 8K)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: bfloat16 on a GPU)")
+    p.add_argument("--chunk", type=int, default=2048, help="queries per forward (default 2048)")
+    p.add_argument("--calibration", type=Path, help="NVFP4 input scales from calibrate's file (as convert)")
+    p.add_argument("--report", type=Path,
+                   help="write automix.md/json and pareto.png here, measuring every uniform layout, the naive mix and "
+                        "automix at each of their sizes (one conversion and compare each)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (menu, candidates, budget) and stop")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run)
+
+
+def _tokens(text: str) -> int:
+    """``8192``, ``8K`` (1024), ``1M`` (1024^2)."""
+    t = text.strip().upper()
+    scale = {"K": 1024, "M": 1024**2}.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (examples: 8192, 8K, 1M)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _options(args: argparse.Namespace) -> automix.AutomixOptions:
+    return automix.AutomixOptions(
+        src=args.src, dst=args.dst, size=args.size, gpu=args.gpu, tp=args.tp, kv_tokens=args.kv_tokens, mtp=args.mtp,
+        engine=args.engine, gpu_family=args.gpu_family, text=args.text, tokens=args.tokens,
+        verify_tokens=args.verify_tokens, seq_len=args.seq_len, device=args.device, dtype=args.dtype, chunk=args.chunk,
+        calibration=args.calibration, report=args.report, progress=not args.no_progress)
+
+
+def _run(args: argparse.Namespace) -> int:
+    opts = _options(args)
+    if opts.dst and Path(opts.dst).exists() and any(Path(opts.dst).iterdir()):
+        raise DSV4Error("destination exists and is not empty", file=opts.dst)
+    plan = automix.build(opts)
+    automix.print_plan(plan)
+    ids, heldout = automix.windows(plan)
+    if args.dry_run:
+        return 0
+    measured = automix.run_sensitivity(plan, ids)
+    chosen = plan.solve(measured)
+    if chosen is None:
+        raise DSV4Error("no mix fits the budget")
+    print(f"automix: {chosen.layout.label}, {human_bytes(chosen.bytes)} of {human_bytes(chosen.layout.capacity)} "
+          f"({chosen.layout.unit.describe()}); predicted mean KLD {chosen.predicted:.5f}")
+    text = chosen.recipe_text(plan, measured, "per-layer formats chosen by dsv4convert automix")
+    report = opts.report or (Path(opts.dst) if opts.dst else None)
+    if report is None:
+        sys.stdout.write(text)
+        return 0
+    report.mkdir(parents=True, exist_ok=True)
+    if opts.report:
+        (report / "automix-recipe.yaml").write_text(text, encoding="utf-8")
+    row = None
+    if opts.dst:
+        row = verify.measure_row(plan, chosen, "automix", measured, heldout, Path(opts.dst), keep=Path(opts.dst))
+        print(f"automix: measured mean KLD {row.measured:.5f} ± {row.standard_error:.5f} on {heldout.numel()} held-out "
+              f"tokens (predicted {row.predicted:.5f})")
+    rows = [row] if row else []
+    if opts.report:
+        with tempfile.TemporaryDirectory(prefix="automix-", dir=opts.report) as work:
+            rows = verify.pareto(plan, measured, heldout, Path(work), None) + rows
+    for path in verify.write_report(plan, measured, rows, row, report):
+        print(f"wrote {path}")
+    return 0

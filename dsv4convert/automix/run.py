@@ -1,0 +1,413 @@
+"""``automix``: plan (menu, candidates, budget), check, measure, solve, write, convert, verify.
+
+Everything that can be refused is refused before the sensitivity pass starts: the base must be a
+DeepSeek-V4 checkpoint, the engine and GPU family must admit a family of mixed layouts
+(:func:`dsv4convert.automix.menu.menu`), each family's uniform layout must get a quantization config the
+engines load (:func:`dsv4convert.convert.quant_config.build_quant_config`), the text must hold the tokens
+asked for, and the budget must admit at least the smallest mix of some family.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv4convert.automix import budget as budgets
+from dsv4convert.automix.candidates import (
+    GROUP_OF_LOCAL,
+    LINEAR_GROUPS,
+    Candidate,
+    Decision,
+    decisions,
+    is_exact,
+    scheme_of,
+)
+from dsv4convert.automix.menu import Excluded, Family, menu
+from dsv4convert.automix.recipe import Line, write
+from dsv4convert.automix.sensitivity import (
+    Calibration,
+    Measured,
+    Probe,
+    floor_label,
+    floor_numerics,
+    host_bytes,
+    measure,
+)
+from dsv4convert.automix.solve import Option, solve
+from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare.numerics import Serving, serving_from_formats
+from dsv4convert.convert.engines import engines_for
+from dsv4convert.convert.input_scales import build_input_scales
+from dsv4convert.convert.plan import Plan, build_plan, human_bytes
+from dsv4convert.convert.quant_config import build_quant_config
+from dsv4convert.convert.recipe import Recipe, parse_recipe
+from dsv4convert.errors import DSV4Error, RecipeError
+from dsv4convert.fit.source import from_plan
+from dsv4convert.fit.verdict import Gpu, gpu_from
+from dsv4convert.inspection import Inspection, inspect_checkpoint
+from dsv4convert.layout import linear_shapes
+from dsv4convert.model.blocks import COMPUTE_DTYPES, parse_device
+from dsv4convert.model.text import token_windows
+from dsv4convert.storage import Format
+
+
+@dataclass
+class AutomixOptions:
+    src: str
+    dst: str | None = None
+    size: int | None = None              # --size: checkpoint bytes
+    gpu: str | None = None               # --gpu/--tp/--kv-tokens: bytes per GPU
+    tp: int | None = None
+    kv_tokens: int | None = None
+    mtp: bool = False                    # count the MTP draft's weights and KV (fit --mtp)
+    engine: str = "sglang"
+    gpu_family: str | None = None        # default: the --gpu's family, else sm120
+    text: Path | None = None
+    tokens: int = 8192                   # sensitivity pass
+    verify_tokens: int = 8192            # held-out, for compare
+    seq_len: int = 2048
+    device: str = "cpu"
+    dtype: str | None = None
+    chunk: int = 2048
+    calibration: Path | None = None      # NVFP4 input scales (as convert --calibration)
+    report: Path | None = None
+    progress: bool = True
+    name: str = "automix"
+
+
+@dataclass
+class Layout:
+    """One family as the solver sees it: its options per decision and the bytes no decision changes."""
+
+    family: Family
+    forced: dict[str, Format]            # decision groups in one format for the whole model (group -> format)
+    serving: Serving
+    options: dict[Decision, list[Format]]
+    fixed_bytes: int
+    unit: budgets.Unit
+    capacity: int
+    sources: dict[Decision, Format | None]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        if not self.forced:
+            return self.family.name
+        fmts = set(self.forced.values())
+        what = "linears" if len(self.forced) > 1 and len(fmts) == 1 else ", ".join(self.forced)
+        return f"{self.family.name} ({what} {'/'.join(sorted(f.value for f in fmts))})"
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace("+", "-").replace(" (", "-").replace(")", "").replace(" ", "-").replace("/", "-")
+
+
+@dataclass
+class Mix:
+    """A solved mix: its layout, its choice per decision, its bytes and predicted KLD."""
+
+    layout: Layout
+    picks: dict[Decision, Format]
+    bytes: int
+    predicted: float
+    name: str = "automix"
+
+    def recipe_text(self, plan: "AutomixPlan", measured: Measured, description: str) -> str:
+        lines = []
+        for decision, fmt in self.picks.items():
+            chosen = plan.cost(self.layout, decision, fmt, measured)
+            others = ", ".join(f"{o.value} {plan.cost(self.layout, decision, o, measured):+.5f} at "
+                               f"{human_bytes(plan.option_bytes(self.layout, decision, o))}"
+                               for o in self.layout.options[decision] if o is not fmt)
+            comment = (f"{decision.block} {decision.group}: {fmt.value}, predicted KLD {chosen:+.5f}, "
+                       f"{human_bytes(plan.option_bytes(self.layout, decision, fmt))}"
+                       + (f" (else {others})" if others else ""))
+            lines.append(Line(decision, fmt, comment))
+        header = [f"written by dsv4convert automix: family {self.layout.label}, {self.layout.unit.describe()}",
+                  f"predicted mean KLD {self.predicted:.5f} (floor {plan.floor(self.layout, measured):.5f} + choices), "
+                  f"{human_bytes(self.bytes)} of {human_bytes(self.layout.capacity)}"]
+        return write(self.name, description, plan.options.engine, lines, self.layout.sources,
+                     self.layout.family.mtp_experts, header, self.layout.forced)
+
+
+@dataclass
+class AutomixPlan:
+    options: AutomixOptions
+    ckpt: Checkpoint
+    inspection: Inspection
+    decisions: dict[Decision, list[str]]
+    layouts: list[Layout]
+    excluded: list[Excluded]
+    probes: list[Probe]
+    floors: dict[str, object]
+    calibrations: list[Calibration]
+    gpu: Gpu | None
+    gpu_family: str
+    device: torch.device
+    dtype: torch.dtype
+    memory: dict[str, int]
+    _bytes: dict = field(default_factory=dict, repr=False)
+
+    def cost(self, layout: Layout, decision: Decision, fmt: Format, measured: Measured) -> float:
+        """The predicted KLD a decision adds: its isolated cost, scaled by its format's calibration."""
+        scheme = scheme_of(decision.group, fmt, layout.serving)
+        if is_exact(scheme, layout.sources.get(decision)):
+            return 0.0
+        candidate = Candidate(decision, scheme)
+        return measured.costs[candidate] * self.scale(candidate, measured)
+
+    def scale(self, candidate: Candidate, measured: Measured) -> float:
+        """Measured KLD of the candidate's calibration track over the sum of its members' isolated costs."""
+        calibration = next(c for c in self.calibrations if any(p.candidate == candidate for p in c.probes))
+        isolated = sum(measured.costs[p.candidate] for p in calibration.probes)
+        return measured.calibrations[calibration.label] / isolated if isolated > 0 else 1.0
+
+    def floor(self, layout: Layout, measured: Measured) -> float:
+        return measured.floors[floor_label(layout.serving)]
+
+    def option_bytes(self, layout: Layout, decision: Decision, fmt: Format) -> int:
+        """Bytes of one decision stored as ``fmt``, in the layout's unit."""
+        key = (layout.label, decision, fmt)
+        if key not in self._bytes:
+            shapes = linear_shapes(self.inspection.config)
+            vllm_experts = decision.group == "experts" and "vllm" in engines_for(self.options.engine)
+            scale = "F32" if fmt is Format.FP8 and vllm_experts else "F8_E8M0"
+            tensors = [t for m in self.decisions[decision] for t in budgets.stored(m, fmt, shapes[m], scale)]
+            self._bytes[key] = layout.unit.count(tensors)
+        return self._bytes[key]
+
+    def solve(self, measured: Measured, capacity: int | None = None) -> Mix | None:
+        """The least-predicted-KLD mix over every layout within ``capacity`` (default: each layout's own)."""
+        best = None
+        for layout in self.layouts:
+            limit = (layout.capacity if capacity is None else capacity) - layout.fixed_bytes
+            order = list(layout.options)
+            groups = [[Option(f.value, self.option_bytes(layout, d, f), self.cost(layout, d, f, measured))
+                       for f in layout.options[d]] for d in order]
+            picked = solve(groups, limit)
+            if picked is None:
+                continue
+            picks = {d: layout.options[d][i] for d, i in zip(order, picked)}
+            mix = self.mix(layout, picks, measured)
+            if best is None or (mix.predicted, mix.bytes) < (best.predicted, best.bytes):
+                best = mix
+        return best
+
+    def mix(self, layout: Layout, picks: dict[Decision, Format], measured: Measured, name: str = "automix") -> Mix:
+        size = layout.fixed_bytes + sum(self.option_bytes(layout, d, f) for d, f in picks.items())
+        predicted = self.floor(layout, measured) + sum(self.cost(layout, d, f, measured) for d, f in picks.items())
+        return Mix(layout, picks, size, predicted, name)
+
+
+# ------------------------------------------------------------------------------------------- planning
+
+def uniform_picks(layout: Layout, expert: Format | None = None, linear: Format | None = None) -> dict[Decision, Format]:
+    """Every decision at one format: the family's main expert format and its first linear format by default."""
+    picks = {}
+    for decision, options in layout.options.items():
+        want = (expert or options[0]) if decision.group == "experts" else (linear or options[0])
+        picks[decision] = want if want in options else options[0]
+    return picks
+
+
+def _layout_recipe(plan_options: AutomixOptions, family: Family, forced: dict[str, Format],
+                   decision_list: dict[Decision, list[str]], sources: dict[Decision, Format | None]) -> Recipe:
+    lines = []
+    for decision in decision_list:
+        if decision.group == "experts":
+            fmt = family.experts[0]
+        else:
+            fmt = forced.get(decision.group, family.linears[0])
+        lines.append(Line(decision, fmt, "uniform"))
+    text = write(f"automix-{family.name.replace('+', '-')}", f"uniform layout of family {family.name}",
+                 plan_options.engine, lines, sources, family.mtp_experts, model_wide=forced)
+    return parse_recipe(text, f"automix family {family.name}")
+
+
+def build(opts: AutomixOptions) -> AutomixPlan:
+    """Everything but the measurement: see the module docstring."""
+    ckpt = Checkpoint.open(opts.src)
+    inspection = inspect_checkpoint(ckpt)
+    if not inspection.ok:
+        first = (inspection.missing + inspection.unexpected + inspection.mismatched + inspection.problems)[0]
+        raise DSV4Error(f"base checkpoint does not match the DeepSeek-V4 layout its config.json describes ({first})",
+                        file=ckpt.root)
+    budget_kinds = [opts.size is not None, any(v is not None for v in (opts.gpu, opts.tp, opts.kv_tokens))]
+    if sum(budget_kinds) != 1:
+        raise DSV4Error("give the budget as --size SIZE, or as --gpu G --tp N --kv-tokens T (not both)")
+    gpu = None
+    if opts.gpu is not None or opts.tp is not None or opts.kv_tokens is not None:
+        if opts.gpu is None or opts.tp is None or opts.kv_tokens is None:
+            raise DSV4Error("--gpu, --tp and --kv-tokens go together: the budget is bytes per GPU at that TP with "
+                            "that many tokens of KV")
+        if opts.tp < 1 or opts.kv_tokens < 1:
+            raise DSV4Error(f"--tp and --kv-tokens must be positive, got {opts.tp} and {opts.kv_tokens}")
+        gpu = gpu_from(opts.gpu, opts.gpu_family)
+    gpu_family = opts.gpu_family or (gpu.family if gpu else "sm120")
+    families, excluded = menu(opts.engine, gpu_family)
+    if not families:
+        reasons = "; ".join(f"{e.name}: {e.reason}" for e in excluded)
+        raise DSV4Error(f"--engine {opts.engine} on {gpu_family}: no mixed layout is servable ({reasons})")
+    device = parse_device(opts.device)
+    dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype_name not in COMPUTE_DTYPES:
+        raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")
+    dtype = COMPUTE_DTYPES[dtype_name]
+    decision_list = decisions(inspection)
+    sources = {d: inspection.modules[mods[0]].format for d, mods in decision_list.items()}
+    plan = AutomixPlan(opts, ckpt, inspection, decision_list, [], list(excluded), [], {}, [], gpu, gpu_family, device,
+                       dtype, {})
+    for family in families:
+        for forced in _model_wide(family):
+            layout = _layout(plan, family, forced, sources)
+            if layout is not None:
+                plan.layouts.append(layout)
+    if not plan.layouts:
+        raise DSV4Error(f"no family's layout could be planned for --engine {opts.engine} on {gpu_family}")
+    probes: dict[Candidate, Probe] = {}
+    for layout in plan.layouts:
+        plan.floors[floor_label(layout.serving)] = floor_numerics(layout.serving)
+        for decision, options in layout.options.items():
+            for fmt in options:
+                scheme = scheme_of(decision.group, fmt, layout.serving)
+                if not is_exact(scheme, sources[decision]):
+                    candidate = Candidate(decision, scheme)
+                    probes.setdefault(candidate, Probe(candidate, tuple(decision_list[decision]), layout.serving))
+    plan.probes = list(probes.values())
+    plan.calibrations = _calibrations(plan, probes)
+    cfg = inspection.config
+    plan.memory = {"host_bytes": host_bytes(len(plan.probes), len(plan.floors) + len(plan.calibrations), max(opts.tokens // opts.seq_len, 1),
+                                            opts.seq_len, cfg.hc_mult, cfg.hidden_size, dtype),
+                   "layer_passes": sum(_passes_after(cfg, p.candidate.decision.block) for p in plan.probes)}
+    smallest = [(layout, layout.fixed_bytes + sum(min(plan.option_bytes(layout, d, f) for f in fmts)
+                                                  for d, fmts in layout.options.items())) for layout in plan.layouts]
+    if all(size > layout.capacity for layout, size in smallest):
+        layout, size = min(smallest, key=lambda ls: ls[1] - ls[0].capacity)
+        raise DSV4Error(f"the budget ({human_bytes(layout.capacity)} of {layout.unit.describe()}) is below the smallest "
+                        f"mix any family can store ({layout.label}: {human_bytes(size)})")
+    return plan
+
+
+def _calibrations(plan: AutomixPlan, probes: dict[Candidate, Probe]) -> list[Calibration]:
+    """One whole-model track per format (and its serving) a layout offers: the experts in it everywhere, or
+    every linear decision in it."""
+    out: dict[str, Calibration] = {}
+    for layout in plan.layouts:
+        kinds: dict[str, list[Probe]] = {}
+        for decision, options in layout.options.items():
+            for fmt in options:
+                scheme = scheme_of(decision.group, fmt, layout.serving)
+                probe = probes.get(Candidate(decision, scheme))
+                if probe is None:
+                    continue
+                kind = "experts" if decision.group == "experts" else "linears"
+                kinds.setdefault(f"{kind} {fmt.value} ({probe.candidate.scheme.rounding or 'weights only'})",
+                                 []).append(probe)
+        for label, members in kinds.items():
+            out.setdefault(label, Calibration(label, tuple(members)))
+    return list(out.values())
+
+
+def _passes_after(cfg, block: str) -> int:
+    return cfg.num_hidden_layers - int(block.split(".")[1])
+
+
+def _model_wide(family: Family) -> list[dict[str, Format]]:
+    """The family's layouts: one per format of the groups it fixes for the whole model (all its linears, one
+    format; or SGLang's wo_a), or the one layout."""
+    groups = list(LINEAR_GROUPS) if not family.linears_per_layer else [
+        GROUP_OF_LOCAL[local] for local in family.model_wide_linears]
+    if not groups:
+        return [{}]
+    return [{group: fmt for group in groups} for fmt in family.linears]
+
+
+def _layout(plan: AutomixPlan, family: Family, forced: dict[str, Format],
+            sources: dict[Decision, Format | None]) -> Layout | None:
+    """The family's layout: its uniform plan checked by the converter's own rules, its serving and its bytes."""
+    opts = plan.options
+    recipe = _layout_recipe(opts, family, forced, plan.decisions, sources)
+    try:
+        uniform = build_plan(plan.ckpt, recipe, engine=opts.engine)
+        config, _ = build_quant_config(plan.ckpt.config, uniform.module_formats(), engines=engines_for(opts.engine))
+    except RecipeError as exc:
+        plan.excluded.append(Excluded(family.name, f"the base cannot be stored this way: {exc}"))
+        return None
+    formats = uniform.module_formats()
+    serving = serving_from_formats("automix", formats, config.get("quantization_config") or {}, engine="sglang",
+                                   gpu_family=plan.gpu_family)
+    options = {}
+    for decision in plan.decisions:
+        if decision.group == "experts":
+            options[decision] = list(family.experts)
+        else:
+            options[decision] = [forced[decision.group]] if decision.group in forced else list(family.linears)
+    notes = []
+    if plan.gpu is None:
+        unit, capacity = budgets.Unit(), int(opts.size)
+    else:
+        source = from_plan(family.name, uniform, plan.ckpt.config, engines_for(opts.engine))
+        rules = (budgets.sglang_rules(source, plan.gpu, opts.tp, opts.mtp) if opts.engine != "vllm"
+                 else budgets.VLLM_RULES)
+        unit = budgets.Unit(opts.tp, rules, opts.mtp)
+        capacity, notes = budgets.allowance(source, plan.gpu, opts.tp, opts.kv_tokens, engine=opts.engine,
+                                            mtp=opts.mtp)
+    decided = {m for mods in plan.decisions.values() for m in mods}
+    fixed = [(p.name, p.dtype, tuple(p.shape)) for job in uniform.modules.values() if job.module not in decided
+             for p in job.outputs]
+    return Layout(family, forced, serving, options, unit.count(fixed), unit, capacity, sources, notes)
+
+
+def _uniform_plan(plan: AutomixPlan, layout: Layout) -> Plan:
+    recipe = _layout_recipe(plan.options, layout.family, layout.forced, plan.decisions, layout.sources)
+    return build_plan(plan.ckpt, recipe, engine=plan.options.engine)
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+def windows(plan: AutomixPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sensitivity ids, held-out ids) from ``--text``: disjoint windows of ``--seq-len`` tokens."""
+    opts = plan.options
+    if opts.text is None:
+        raise DSV4Error("no data: give --text FILE (UTF-8 text, or JSONL with a \"text\" field); the sensitivity pass "
+                        "and the held-out verification both read it, nothing is downloaded")
+    if opts.seq_len < 2 or opts.tokens < opts.seq_len or opts.verify_tokens < opts.seq_len:
+        raise DSV4Error(f"--tokens and --verify-tokens must each hold one --seq-len {opts.seq_len} window at least")
+    return token_windows(plan.ckpt.root, Path(opts.text), num_sequences=opts.tokens // opts.seq_len,
+                         seq_len=opts.seq_len, holdout=opts.verify_tokens // opts.seq_len,
+                         vocab_size=plan.inspection.config.vocab_size)
+
+
+def run_sensitivity(plan: AutomixPlan, ids: torch.Tensor) -> Measured:
+    needs_scales = any(Format.NVFP4 in layout.family.experts for layout in plan.layouts)
+    scales = build_input_scales(plan.ckpt, calibration=plan.options.calibration) if needs_scales else None
+    return measure(plan.ckpt, plan.inspection, ids, plan.probes, plan.floors, plan.calibrations, device=plan.device,
+                   dtype=plan.dtype,
+                   chunk=plan.options.chunk, input_scales=scales, progress=plan.options.progress)
+
+
+def print_plan(plan: AutomixPlan, out=None) -> None:
+    out = out or sys.stdout
+    opts = plan.options
+    cfg = plan.inspection.config
+    print(f"automix: {opts.src} -> {opts.dst or '(no checkpoint)'}; --engine {opts.engine}, {plan.gpu_family}", file=out)
+    print(f"  decisions: {len(plan.decisions)} over {cfg.num_hidden_layers} layers "
+          f"({', '.join(sorted({d.group for d in plan.decisions}))})", file=out)
+    for layout in plan.layouts:
+        fmts = "/".join(f.value for f in layout.family.experts)
+        linear = "/".join(f.value for f in layout.family.linears)
+        print(f"  family {layout.label}: experts {fmts} per layer, linears {linear}; fixed "
+              f"{human_bytes(layout.fixed_bytes)}, budget {human_bytes(layout.capacity)} ({layout.unit.describe()})",
+              file=out)
+        for note in layout.notes:
+            print(f"    {note}", file=out)
+    for e in plan.excluded:
+        print(f"  not on the menu: {e.name}: {e.reason}", file=out)
+    print(f"  sensitivity: {len(plan.probes)} candidates measured ({plan.memory['layer_passes']} extra layer passes "
+          f"beside the {cfg.num_hidden_layers} of the reference), {len(plan.floors)} floor and "
+          f"{len(plan.calibrations)} calibration track(s), "
+          f"{opts.tokens // opts.seq_len} x {opts.seq_len} tokens on {plan.device} ({str(plan.dtype)[6:]}); "
+          f"host memory for the streams ~{human_bytes(plan.memory['host_bytes'])}", file=out)

@@ -1,0 +1,268 @@
+"""The sensitivity pass: every candidate's effect on the model's output, measured, in one streamed pass.
+
+The estimator is a measured KL divergence, not a proxy: a candidate's cost is the mean
+``KL(reference || model)`` over the text's positions when that candidate alone is applied (its block
+stored in its format and rounded as its server rounds it) and every other block computes as the
+reference does. The reference is the base as released, weights only (the numbers the model was made
+with); the served caches' rounding that no format choice changes (FP8 KV cache, the indexer's FP8/FP4
+cache) is one more measured term, the *floor*. A mix is predicted to cost the floor plus the sum of its
+candidates' costs, each scaled by its *calibration*: isolated costs do not add up (on the trained organism
+the sum of the isolated costs of every layer's INT4 experts is twice the KLD of all of them together, the FP8
+sum 1.7x), so the pass also runs, for each format a layout offers, one whole-model track with that format
+applied everywhere at once, and each cost of that format is scaled by the measured KLD of that track over
+the sum of its isolated costs. Scaling keeps the solver's problem additive (so exactly solvable) while the
+predicted KLD of whole mixes matches what ``compare`` measures; ``automix`` reports predicted against
+measured for every mix it writes. (ModelOpt's AutoQuantize sums isolated scores and says in its docs the
+total "is not always the sum"; here the gap is measured and corrected.)
+
+One pass reads each block once. The reference's streams go through block after block; at block ``k``
+each candidate of ``k`` runs on the reference's input and starts its own streams (a *fork*), and every
+fork started earlier goes on through the base's block ``k`` as the reference does. So a candidate's
+measurement costs the rest of the model's forward for its tokens: blocks x candidates / 2 layer passes
+in all, one read of the model, host memory for every fork's streams (:func:`host_bytes`). Calibration
+tracks and the floor each cost one pass per block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dsv4convert.automix.candidates import Candidate, CandidateMaker, CandidateView, Swapped, is_exact
+from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare.emulate import install
+from dsv4convert.compare.metrics import OutputStats
+from dsv4convert.compare.numerics import Numerics, Serving
+from dsv4convert.convert.input_scales import InputScales
+from dsv4convert.inspection import Inspection
+from dsv4convert.model.blocks import OutputHead, WeightSource, build_layer, hf_config
+from dsv4convert.model.forward import BlockRunner
+from dsv4convert.storage import Format
+
+HEAD_POSITIONS = 1024
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One candidate to measure: its modules and the server whose rounding it gets."""
+
+    candidate: Candidate
+    modules: tuple[str, ...]
+    serving: Serving
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A whole-model track with ``probes`` all applied (each in its block), to measure how their costs add up."""
+
+    label: str
+    probes: tuple[Probe, ...]
+
+
+@dataclass
+class Measured:
+    costs: dict[Candidate, float]             # mean KLD per position against the reference
+    floors: dict[str, float]                  # floor label -> mean KLD of the served caches alone
+    calibrations: dict[str, float]            # calibration label -> mean KLD of its whole-model track
+    positions: int
+    sequences: int
+    seq_len: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    blocks: list[dict] = field(default_factory=list)      # per block: seconds of each part and passes run
+
+    def to_json(self) -> dict:
+        return {"positions": self.positions, "sequences": self.sequences, "seq_len": self.seq_len,
+                "floors": self.floors, "calibrations": self.calibrations, "seconds": self.seconds,
+                "blocks": self.blocks,
+                "candidates": [{"block": c.decision.block, "group": c.decision.group, "format": c.scheme.format.value,
+                                "rounding": c.scheme.rounding, "kld": cost} for c, cost in self.costs.items()]}
+
+
+def floor_numerics(serving: Serving) -> Numerics:
+    """The served caches alone (the part of the served numerics no format choice changes)."""
+    kv = serving.kv_cache_dtype in ("fp8_e4m3", "auto")
+    return Numerics(serving, kv_cache=kv, indexer="fp4" if serving.fp4_indexer else "fp8")
+
+
+def floor_label(serving: Serving) -> str:
+    return floor_numerics(serving).label
+
+
+def host_bytes(probes: int, tracks: int, sequences: int, seq_len: int, hc_mult: int, hidden: int,
+               dtype: torch.dtype) -> int:
+    """Host memory of every stream held at once: the reference, each fork and whole-model track, one block's
+    outputs."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return (2 + probes + tracks) * sequences * seq_len * hc_mult * hidden * item
+
+
+class ForkBank:
+    """Every fork's streams in one tensor ``[forks x sequences, seq, hc_mult, hidden]``: on the device when they
+    fit in half its free memory, else on the host. Forks go through a base block ``per_forward`` at a time,
+    in place (a block's forward reads each query chunk before it writes that chunk's output)."""
+
+    def __init__(self, count: int, ids: torch.Tensor, hc_mult: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device, batch_tokens: int):
+        shape = (max(count, 1) * ids.shape[0], ids.shape[1], hc_mult, hidden)
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        place = device if device.type == "cuda" and size < torch.cuda.mem_get_info(device)[0] * 0.5 else "cpu"
+        self.data = torch.empty(shape, dtype=dtype, device=place)
+        self.ids, self.rows = ids, ids.shape[0]
+        self.per_forward = max(1, batch_tokens // ids.numel())
+        self.index: dict[object, int] = {}
+
+    @property
+    def on_device(self) -> bool:
+        return self.data.device.type == "cuda"
+
+    def slot(self, key: object) -> torch.Tensor:
+        """The streams of ``key`` (a new slot for a new key)."""
+        i = self.index.setdefault(key, len(self.index))
+        return self.data[i * self.rows:(i + 1) * self.rows]
+
+    def advance(self, layer, runner: BlockRunner) -> None:
+        """Every fork through ``layer`` as the reference computes it."""
+        used = len(self.index) * self.rows
+        step = self.per_forward * self.rows
+        for start in range(0, used, step):
+            part = self.data[start:min(start + step, used)]
+            runner(layer, part, self.ids.repeat(part.shape[0] // self.rows, 1), out=part)
+
+
+def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes: list[Probe],
+            floors: dict[str, Numerics], calibrations: list[Calibration], *, device: torch.device,
+            dtype: torch.dtype, chunk: int | None, input_scales: InputScales | None,
+            batch_tokens: int = 32768, progress: bool = True) -> Measured:
+    """Run the pass over ``ids`` ``[sequences, seq_len]``; see the module docstring."""
+    t0 = time.perf_counter()
+    cfg = inspection.config
+    config = hf_config(ckpt.config)
+    source = WeightSource(ckpt, inspection, device, dtype)
+    apply = _Applier(source, CandidateMaker(ckpt, device, dtype, input_scales))
+    runner = BlockRunner(config, device, dtype, chunk=chunk)
+    seconds = {"read": 0.0, "candidates": 0.0, "forks": 0.0, "tracks": 0.0, "reference": 0.0, "head": 0.0}
+    by_block: dict[str, list[Probe]] = {}
+    for probe in probes:
+        by_block.setdefault(probe.candidate.decision.block, []).append(probe)
+    labels = [*floors, *(c.label for c in calibrations)]
+    # One allocation: the forks, then the whole-model tracks, then the reference's next streams.
+    bank = ForkBank(len(probes) + len(labels) + 1, ids, cfg.hc_mult, cfg.hidden_size, dtype, device, batch_tokens)
+    with torch.no_grad():
+        embed = source.tensor("embed.weight")
+        reference = (F.embedding(ids.to(device), embed).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)
+                     .to(bank.data.device, dtype).contiguous())
+        del embed
+        offset = len(probes)
+        track_rows = {label: bank.data[(offset + i) * ids.shape[0]:(offset + i + 1) * ids.shape[0]]
+                      for i, label in enumerate(labels)}
+        scratch = bank.data[(offset + len(labels)) * ids.shape[0]:(offset + len(labels) + 1) * ids.shape[0]]
+        for rows in track_rows.values():
+            rows.copy_(reference)
+        blocks = [b for b in cfg.block_prefixes() if b.startswith("layers.")]
+        bar = tqdm(blocks, desc="automix sensitivity", unit="block", disable=not progress)
+        per_block: list[dict] = []
+        for block in bar:
+            before, forks_before = dict(seconds), len(bank.index)
+            t = time.perf_counter()
+            staged = source.read_block(block)
+            with source.staged(staged):
+                layer = build_layer(source, config, cfg, block)
+            seconds["read"] += time.perf_counter() - t
+            t = time.perf_counter()
+            bank.advance(layer, runner)
+            seconds["forks"] += time.perf_counter() - t
+            t = time.perf_counter()
+            for label, numerics in floors.items():
+                installed = install(layer, block, numerics, source)
+                try:
+                    runner(layer, track_rows[label], ids, out=track_rows[label])
+                finally:
+                    installed.remove()
+            here = {c.label: [p for p in c.probes if p.candidate.decision.block == block] for c in calibrations}
+            for label, members in here.items():
+                if len(members) != 1:       # one candidate's tracks run below, with its weights made once
+                    with apply(layer, block, members, staged):
+                        runner(layer, track_rows[label], ids, out=track_rows[label])
+            seconds["tracks"] += time.perf_counter() - t
+            t = time.perf_counter()
+            for probe in by_block.get(block, []):
+                with apply(layer, block, [probe], staged):
+                    runner(layer, reference, ids, out=bank.slot(probe.candidate))
+                    for label, members in here.items():
+                        if members == [probe]:
+                            runner(layer, track_rows[label], ids, out=track_rows[label])
+            seconds["candidates"] += time.perf_counter() - t
+            t = time.perf_counter()
+            runner(layer, reference, ids, out=scratch)
+            reference, scratch = scratch, reference
+            seconds["reference"] += time.perf_counter() - t
+            bar.set_postfix(forks=len(bank.index))
+            per_block.append({"block": block, "fork_passes": forks_before, "n_candidates": len(by_block.get(block, [])),
+                              "n_tracks": len(labels), **{k: round(seconds[k] - before[k], 4) for k in seconds}})
+            del layer, staged
+        bar.close()
+        t = time.perf_counter()
+        streams = {**{key: bank.slot(key) for key in list(bank.index)}, **track_rows}
+        stats = _score(source, config, reference, streams, ids, device)
+        seconds["head"] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - t0
+    return Measured({p.candidate: stats[p.candidate] for p in probes}, {k: stats[k] for k in floors},
+                    {c.label: stats[c.label] for c in calibrations}, (ids.shape[1] - 1) * ids.shape[0],
+                    ids.shape[0], ids.shape[1], {k: round(v, 3) for k, v in seconds.items()}, per_block)
+
+
+class _Applier:
+    """Applies candidates to a built layer (their weights and their served rounding) and takes them off."""
+
+    def __init__(self, source: WeightSource, maker: CandidateMaker):
+        self.source, self.maker = source, maker
+
+    @contextlib.contextmanager
+    def __call__(self, layer, block: str, probes: list[Probe], staged: dict[str, torch.Tensor]) -> Iterator[None]:
+        if not probes:
+            yield
+            return
+        formats: dict[str, Format] = {}
+        stored: dict[str, torch.Tensor] = {}
+        swaps: list[Swapped] = []
+        installed = None
+        try:
+            for probe in probes:
+                scheme, group = probe.candidate.scheme, probe.candidate.decision.group
+                modules = list(probe.modules)
+                source_format = self.source.format_of(modules[0])
+                formats.update({m: scheme.format for m in modules})
+                if scheme.format is not source_format and not is_exact(scheme, source_format):
+                    made = self.maker.made(modules, scheme.format, group, staged, stored)
+                    swaps.append(Swapped(layer, block, group, made))
+            view = CandidateView(self.source, formats, stored)
+            installed = install(layer, block, Numerics(probes[0].serving, activations=True), view)
+            yield
+        finally:
+            if installed is not None:
+                installed.remove()
+            for swap in reversed(swaps):
+                swap.restore()
+
+
+def _score(source: WeightSource, config, reference: torch.Tensor, forks: dict, ids: torch.Tensor,
+           device: torch.device) -> dict:
+    """Mean KLD of each fork's next-token distribution against the reference's, over every scored position."""
+    head = OutputHead(source, config)
+    stats = {key: OutputStats() for key in forks}
+    seq = ids.shape[1] - 1
+    for row in range(ids.shape[0]):
+        for start in range(0, seq, HEAD_POSITIONS):
+            end = min(start + HEAD_POSITIONS, seq)
+            nxt = ids[row, start + 1:end + 1]
+            ref = head(reference[row:row + 1, start:end].to(device))[0]
+            for key, streams in forks.items():
+                stats[key].add(ref, head(streams[row:row + 1, start:end].to(device))[0], nxt)
+    return {key: float(torch.cat(s.kld).double().mean()) for key, s in stats.items()}

@@ -1,0 +1,200 @@
+"""Verification: convert a mix with the converter, measure it with ``compare``, and the Pareto table.
+
+Every row is a real checkpoint: written by :func:`dsv4convert.convert.execute.convert` from its recipe and
+compared with the base by :mod:`dsv4convert.compare` on the held-out windows (the variant under its served
+numerics, the base weights only: the reference the sensitivity pass measured against). The rows are the
+uniform layout of every family, the all-BF16 layout, the naive mix (the first and last layers' decisions
+in BF16, the rest the family's main format: the heuristic auto-round's AutoScheme was shown to beat), and
+automix at the user's budget and at each of those rows' bytes, so that each baseline meets automix at
+equal or fewer bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsv4convert.automix.run import AutomixPlan, Layout, Mix, uniform_picks
+from dsv4convert.automix.sensitivity import Measured
+from dsv4convert.compare.run import CompareOptions
+from dsv4convert.compare.run import build_plan as build_compare
+from dsv4convert.compare.run import run as run_compare
+from dsv4convert.convert.execute import ConvertOptions, convert
+from dsv4convert.convert.plan import human_bytes
+from dsv4convert.convert.recipe import parse_recipe
+from dsv4convert.storage import Format
+
+
+@dataclass
+class Row:
+    name: str
+    kind: str                  # uniform | naive | automix
+    layout: str
+    bytes: int
+    predicted: float
+    measured: float | None = None
+    standard_error: float | None = None
+    same_top1: float | None = None
+    served_as: str | None = None
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def write_mix(plan: AutomixPlan, mix: Mix, measured: Measured, dst: Path, *, overwrite: bool = False) -> Path:
+    """Convert ``mix`` into ``dst`` (its recipe saved beside the weights as ``automix-recipe.yaml``)."""
+    text = mix.recipe_text(plan, measured, f"{mix.name}: per-layer formats chosen by dsv4convert automix")
+    recipe = parse_recipe(text, f"{dst}/automix-recipe.yaml")
+    convert(ConvertOptions(src=plan.options.src, dst=dst, recipe=recipe, engine=plan.options.engine,
+                           calibration=plan.options.calibration, progress=plan.options.progress,
+                           device=plan.options.device, overwrite=overwrite))
+    (dst / "automix-recipe.yaml").write_text(text, encoding="utf-8")
+    return dst
+
+
+def compare_mix(plan: AutomixPlan, variant: Path, heldout: torch.Tensor) -> dict:
+    """``compare`` of a written mix against the base on the held-out ids: its ``compare.json`` content."""
+    opts = plan.options
+    compare_opts = CompareOptions(base=opts.src, variant=str(variant), ids=heldout, seq_len=heldout.shape[1],
+                                  tokens=heldout.numel(), numerics="served", base_numerics="weights",
+                                  engine="sglang", gpu_family=plan.gpu_family, device=opts.device, dtype=opts.dtype,
+                                  chunk=opts.chunk, mtp=False, progress=opts.progress)
+    return run_compare(build_compare(compare_opts))
+
+
+def measure_row(plan: AutomixPlan, mix: Mix, kind: str, measured: Measured, heldout: torch.Tensor,
+                work: Path, keep: Path | None = None) -> Row:
+    """Write, compare and (unless ``keep``) delete one mix; its row of the table."""
+    dst = keep or work / mix.name
+    write_mix(plan, mix, measured, dst, overwrite=keep is None)
+    try:
+        result = compare_mix(plan, dst, heldout)
+    finally:
+        if keep is None:
+            shutil.rmtree(dst, ignore_errors=True)
+    output = result["output"]
+    return Row(mix.name, kind, mix.layout.label, mix.bytes, mix.predicted, output["kld"]["mean"],
+               output["kld"]["standard_error"], output["same_top1"], result["variant"]["numerics"]["serving"]
+               ["variant_rules"])
+
+
+# Most precise first: what "high precision" means for the naive mix, within what a family allows.
+PRECISION = (Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4, Format.INT4)
+
+
+def naive_picks(layout: Layout) -> dict:
+    """The first and last layers' decisions at their most precise option, the rest uniform."""
+    picks = uniform_picks(layout)
+    layers = sorted({int(d.block.split(".")[1]) for d in picks})
+    ends = {f"layers.{layers[0]}", f"layers.{layers[-1]}"}
+    for decision, options in layout.options.items():
+        if decision.block in ends:
+            picks[decision] = min(options, key=PRECISION.index)
+    return picks
+
+
+def baselines(plan: AutomixPlan, measured: Measured) -> list[tuple[str, Mix]]:
+    """Uniform layouts (each family's main format, and all BF16 once) and each family's naive mix."""
+    rows: list[tuple[str, Mix]] = []
+    seen = set()
+    for layout in plan.layouts:
+        for kind, picks, name in (("uniform", uniform_picks(layout), f"uniform-{layout.slug}"),
+                                  ("naive", naive_picks(layout), f"naive-{layout.slug}")):
+            key = tuple(sorted((d.block, d.group, f.value) for d, f in picks.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append((kind, plan.mix(layout, picks, measured, name.replace("+", "-"))))
+    bf16 = next((layout for layout in plan.layouts if all(Format.BF16 in o for o in layout.options.values())), None)
+    if bf16 is not None:
+        picks = {d: Format.BF16 for d in bf16.options}
+        key = tuple(sorted((d.block, d.group, "bf16") for d in picks))
+        if key not in seen:
+            rows.append(("uniform", plan.mix(bf16, picks, measured, "uniform-bf16")))
+    return rows
+
+
+def pareto(plan: AutomixPlan, measured: Measured, heldout: torch.Tensor, work: Path,
+           chosen: Mix | None) -> list[Row]:
+    """Every baseline, and automix at each baseline's bytes (and the user's budget), measured."""
+    rows = []
+    automix: dict[tuple, Mix] = {}
+    for kind, mix in baselines(plan, measured):
+        rows.append(measure_row(plan, mix, kind, measured, heldout, work))
+        same_unit = all(layout.unit == mix.layout.unit for layout in plan.layouts)
+        if same_unit:
+            best = plan.solve(measured, capacity=mix.bytes)
+            if best is not None:
+                best.name = f"automix-at-{mix.name}"
+                automix.setdefault(tuple(sorted(best.picks.items())), best)
+    if chosen is not None:
+        automix.setdefault(tuple(sorted(chosen.picks.items())), chosen)
+    for mix in automix.values():
+        rows.append(measure_row(plan, mix, "automix", measured, heldout, work))
+    return sorted(rows, key=lambda r: (r.bytes, r.name))
+
+
+def render(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen: Row | None) -> str:
+    """The report's markdown: the choice, predicted against measured, the Pareto table."""
+    lines = [f"# automix: {plan.options.src}", "",
+             f"--engine {plan.options.engine}, {plan.gpu_family}; sensitivity on {measured.positions} positions "
+             f"({measured.sequences} x {measured.seq_len} tokens), verification on held-out windows; "
+             f"reference: the base weights only; floor (served caches) "
+             + ", ".join(f"{k}: {v:.5f}" for k, v in measured.floors.items()), ""]
+    if chosen is not None:
+        lines += [f"Chosen: **{chosen.name}** ({chosen.layout}), {human_bytes(chosen.bytes)}; predicted KLD "
+                  f"{chosen.predicted:.5f}, measured {chosen.measured:.5f} ± {chosen.standard_error:.5f}", ""]
+    lines += ["| recipe | kind | family | bytes | predicted KLD | measured KLD | measured/predicted | same top-1 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r.measured / r.predicted if r.measured is not None and r.predicted > 0 else float("nan")
+        measured_text = f"{r.measured:.5f} ± {r.standard_error:.5f}" if r.measured is not None else "-"
+        top1 = f"{r.same_top1:.4f}" if r.same_top1 is not None else "-"
+        lines.append(f"| {r.name} | {r.kind} | {r.layout} | {human_bytes(r.bytes)} | {r.predicted:.5f} | "
+                     f"{measured_text} | {ratio:.2f} | {top1} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], path: Path, unit: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, marker in (("uniform", "s"), ("naive", "^"), ("automix", "o")):
+        pts = [(r.bytes / 1e9, r.measured) for r in rows if r.kind == kind and r.measured is not None]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, label=f"{kind} (measured)", zorder=3)
+    auto = sorted((r.bytes / 1e9, r.measured, r.predicted) for r in rows if r.kind == "automix" and r.measured)
+    if auto:
+        ax.plot([a[0] for a in auto], [a[1] for a in auto], "-", alpha=0.5)
+        ax.scatter([a[0] for a in auto], [a[2] for a in auto], marker="x", color="gray", label="automix (predicted)")
+    ax.set_xlabel(f"GB ({unit})")
+    ax.set_ylabel("mean KLD vs base (nats)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen: Row | None, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(plan.options).items()},
+            "gpu_family": plan.gpu_family, "sensitivity": measured.to_json(),
+            "layouts": [{"label": lay.label, "capacity": lay.capacity, "fixed_bytes": lay.fixed_bytes,
+                         "unit": lay.unit.describe(), "notes": lay.notes} for lay in plan.layouts],
+            "excluded": [{"name": e.name, "reason": e.reason} for e in plan.excluded],
+            "chosen": chosen.to_json() if chosen else None, "rows": [r.to_json() for r in rows]}
+    paths = [out / "automix.json", out / "automix.md"]
+    paths[0].write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    paths[1].write_text(render(plan, measured, rows, chosen), encoding="utf-8")
+    if any(r.measured is not None for r in rows):
+        paths.append(plot(rows, out / "pareto.png", plan.layouts[0].unit.describe()))
+    return paths
