@@ -76,11 +76,12 @@ class Measured:
     seq_len: int
     seconds: dict[str, float] = field(default_factory=dict)
     blocks: list[dict] = field(default_factory=list)      # per block: seconds of each part and passes run
+    bank: str = "host"                                    # where the forks' streams lived
 
     def to_json(self) -> dict:
         return {"positions": self.positions, "sequences": self.sequences, "seq_len": self.seq_len,
                 "floors": self.floors, "calibrations": self.calibrations, "seconds": self.seconds,
-                "blocks": self.blocks,
+                "blocks": self.blocks, "bank": self.bank,
                 "candidates": [{"block": c.decision.block, "group": c.decision.group, "format": c.scheme.format.value,
                                 "rounding": c.scheme.rounding, "kld": cost} for c, cost in self.costs.items()]}
 
@@ -103,17 +104,30 @@ def host_bytes(probes: int, tracks: int, sequences: int, seq_len: int, hc_mult: 
     return (2 + probes + tracks) * sequences * seq_len * hc_mult * hidden * item
 
 
+# Device memory kept free beside the bank: the layer, one candidate's copy of it, their conversion temporaries and
+# one forward's activations, in units of the largest layer's compute-dtype bytes (plus the activations' estimate).
+LAYER_COPIES = 3
+
+
 class ForkBank:
-    """Every fork's streams in one tensor ``[forks x sequences, seq, hc_mult, hidden]``: on the device when they
-    fit in half its free memory, else on the host. Forks go through a base block ``per_forward`` at a time,
-    in place (a block's forward reads each query chunk before it writes that chunk's output)."""
+    """Every fork's streams in one tensor ``[forks x sequences, seq, hc_mult, hidden]``.
+
+    On the device when it fits beside ``reserve`` bytes (``place="auto"``), else in page-locked host memory
+    (registered in place, as compare's host streams: torch's pinned allocator rounds up to a power of two).
+    Forks go through a base block ``per_forward`` at a time, in place: a block's forward reads each query
+    chunk before it writes that chunk's output (from the host, the copies are ordered on one stream).
+    """
 
     def __init__(self, count: int, ids: torch.Tensor, hc_mult: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device, batch_tokens: int):
+                 device: torch.device, batch_tokens: int, reserve: int = 0, place: str = "auto"):
         shape = (max(count, 1) * ids.shape[0], ids.shape[1], hc_mult, hidden)
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        place = device if device.type == "cuda" and size < torch.cuda.mem_get_info(device)[0] * 0.5 else "cpu"
-        self.data = torch.empty(shape, dtype=dtype, device=place)
+        self.bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        on_gpu = device.type == "cuda" and (
+            place == "device" or (place == "auto" and self.bytes + reserve < torch.cuda.mem_get_info(device)[0]))
+        self.data = torch.empty(shape, dtype=dtype, device=device if on_gpu else "cpu")
+        self.registered = device.type == "cuda" and not on_gpu
+        if self.registered:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.bytes, 0))
         self.ids, self.rows = ids, ids.shape[0]
         self.per_forward = max(1, batch_tokens // ids.numel())
         self.index: dict[object, int] = {}
@@ -121,6 +135,12 @@ class ForkBank:
     @property
     def on_device(self) -> bool:
         return self.data.device.type == "cuda"
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.synchronize()
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr()))
+            self.registered = False
 
     def slot(self, key: object) -> torch.Tensor:
         """The streams of ``key`` (a new slot for a new key)."""
@@ -136,11 +156,18 @@ class ForkBank:
             runner(layer, part, self.ids.repeat(part.shape[0] // self.rows, 1), out=part)
 
 
+def _layer_bytes(cfg, dtype: torch.dtype) -> int:
+    """Compute-dtype bytes of the largest block's routed experts (what a candidate copies)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return cfg.n_routed_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size * item
+
+
 def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes: list[Probe],
             floors: dict[str, Numerics], calibrations: list[Calibration], *, device: torch.device,
             dtype: torch.dtype, chunk: int | None, input_scales: InputScales | None,
-            batch_tokens: int = 32768, progress: bool = True) -> Measured:
-    """Run the pass over ``ids`` ``[sequences, seq_len]``; see the module docstring."""
+            batch_tokens: int = 16384, bank_place: str = "auto", progress: bool = True) -> Measured:
+    """Run the pass over ``ids`` ``[sequences, seq_len]``; see the module docstring. ``bank_place``: where the
+    forks' streams live (auto, device, host; :class:`ForkBank`)."""
     t0 = time.perf_counter()
     cfg = inspection.config
     config = hf_config(ckpt.config)
@@ -153,69 +180,74 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
         by_block.setdefault(probe.candidate.decision.block, []).append(probe)
     labels = [*floors, *(c.label for c in calibrations)]
     # One allocation: the forks, then the whole-model tracks, then the reference's next streams.
-    bank = ForkBank(len(probes) + len(labels) + 1, ids, cfg.hc_mult, cfg.hidden_size, dtype, device, batch_tokens)
-    with torch.no_grad():
-        embed = source.tensor("embed.weight")
-        reference = (F.embedding(ids.to(device), embed).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)
-                     .to(bank.data.device, dtype).contiguous())
-        del embed
-        offset = len(probes)
-        track_rows = {label: bank.data[(offset + i) * ids.shape[0]:(offset + i + 1) * ids.shape[0]]
-                      for i, label in enumerate(labels)}
-        scratch = bank.data[(offset + len(labels)) * ids.shape[0]:(offset + len(labels) + 1) * ids.shape[0]]
-        for rows in track_rows.values():
-            rows.copy_(reference)
-        blocks = [b for b in cfg.block_prefixes() if b.startswith("layers.")]
-        bar = tqdm(blocks, desc="automix sensitivity", unit="block", disable=not progress)
-        per_block: list[dict] = []
-        for block in bar:
-            before, forks_before = dict(seconds), len(bank.index)
-            t = time.perf_counter()
-            staged = source.read_block(block)
-            with source.staged(staged):
-                layer = build_layer(source, config, cfg, block)
-            seconds["read"] += time.perf_counter() - t
-            t = time.perf_counter()
-            bank.advance(layer, runner)
-            seconds["forks"] += time.perf_counter() - t
-            t = time.perf_counter()
-            for label, numerics in floors.items():
-                installed = install(layer, block, numerics, source)
-                try:
-                    runner(layer, track_rows[label], ids, out=track_rows[label])
-                finally:
-                    installed.remove()
-            here = {c.label: [p for p in c.probes if p.candidate.decision.block == block] for c in calibrations}
-            for label, members in here.items():
-                if len(members) != 1:       # one candidate's tracks run below, with its weights made once
-                    with apply(layer, block, members, staged):
+    bank = ForkBank(len(probes) + len(labels) + 1, ids, cfg.hc_mult, cfg.hidden_size, dtype, device, batch_tokens,
+                    reserve=LAYER_COPIES * _layer_bytes(cfg, dtype) + 16 * 2**30, place=bank_place)
+    try:
+        with torch.no_grad():
+            embed = source.tensor("embed.weight")
+            reference = (F.embedding(ids.to(device), embed).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)
+                         .to(bank.data.device, dtype).contiguous())
+            del embed
+            offset = len(probes)
+            track_rows = {label: bank.data[(offset + i) * ids.shape[0]:(offset + i + 1) * ids.shape[0]]
+                          for i, label in enumerate(labels)}
+            scratch = bank.data[(offset + len(labels)) * ids.shape[0]:(offset + len(labels) + 1) * ids.shape[0]]
+            for rows in track_rows.values():
+                rows.copy_(reference)
+            blocks = [b for b in cfg.block_prefixes() if b.startswith("layers.")]
+            bar = tqdm(blocks, desc="automix sensitivity", unit="block", disable=not progress)
+            per_block: list[dict] = []
+            for block in bar:
+                before, forks_before = dict(seconds), len(bank.index)
+                t = time.perf_counter()
+                staged = source.read_block(block)
+                with source.staged(staged):
+                    layer = build_layer(source, config, cfg, block)
+                seconds["read"] += time.perf_counter() - t
+                t = time.perf_counter()
+                bank.advance(layer, runner)
+                seconds["forks"] += time.perf_counter() - t
+                t = time.perf_counter()
+                for label, numerics in floors.items():
+                    installed = install(layer, block, numerics, source)
+                    try:
                         runner(layer, track_rows[label], ids, out=track_rows[label])
-            seconds["tracks"] += time.perf_counter() - t
-            t = time.perf_counter()
-            for probe in by_block.get(block, []):
-                with apply(layer, block, [probe], staged):
-                    runner(layer, reference, ids, out=bank.slot(probe.candidate))
-                    for label, members in here.items():
-                        if members == [probe]:
+                    finally:
+                        installed.remove()
+                here = {c.label: [p for p in c.probes if p.candidate.decision.block == block] for c in calibrations}
+                for label, members in here.items():
+                    if len(members) != 1:       # one candidate's tracks run below, with its weights made once
+                        with apply(layer, block, members, staged):
                             runner(layer, track_rows[label], ids, out=track_rows[label])
-            seconds["candidates"] += time.perf_counter() - t
+                seconds["tracks"] += time.perf_counter() - t
+                t = time.perf_counter()
+                for probe in by_block.get(block, []):
+                    with apply(layer, block, [probe], staged):
+                        runner(layer, reference, ids, out=bank.slot(probe.candidate))
+                        for label, members in here.items():
+                            if members == [probe]:
+                                runner(layer, track_rows[label], ids, out=track_rows[label])
+                seconds["candidates"] += time.perf_counter() - t
+                t = time.perf_counter()
+                runner(layer, reference, ids, out=scratch)
+                reference, scratch = scratch, reference
+                seconds["reference"] += time.perf_counter() - t
+                bar.set_postfix(forks=len(bank.index))
+                per_block.append({"block": block, "fork_passes": forks_before, "n_candidates": len(by_block.get(block, [])),
+                                  "n_tracks": len(labels), **{k: round(seconds[k] - before[k], 4) for k in seconds}})
+                del layer, staged
+            bar.close()
             t = time.perf_counter()
-            runner(layer, reference, ids, out=scratch)
-            reference, scratch = scratch, reference
-            seconds["reference"] += time.perf_counter() - t
-            bar.set_postfix(forks=len(bank.index))
-            per_block.append({"block": block, "fork_passes": forks_before, "n_candidates": len(by_block.get(block, [])),
-                              "n_tracks": len(labels), **{k: round(seconds[k] - before[k], 4) for k in seconds}})
-            del layer, staged
-        bar.close()
-        t = time.perf_counter()
-        streams = {**{key: bank.slot(key) for key in list(bank.index)}, **track_rows}
-        stats = _score(source, config, reference, streams, ids, device)
-        seconds["head"] = time.perf_counter() - t
-    seconds["total"] = time.perf_counter() - t0
-    return Measured({p.candidate: stats[p.candidate] for p in probes}, {k: stats[k] for k in floors},
-                    {c.label: stats[c.label] for c in calibrations}, (ids.shape[1] - 1) * ids.shape[0],
-                    ids.shape[0], ids.shape[1], {k: round(v, 3) for k, v in seconds.items()}, per_block)
+            streams = {**{key: bank.slot(key) for key in list(bank.index)}, **track_rows}
+            stats = _score(source, config, reference, streams, ids, device)
+            seconds["head"] = time.perf_counter() - t
+        seconds["total"] = time.perf_counter() - t0
+        return Measured({p.candidate: stats[p.candidate] for p in probes}, {k: stats[k] for k in floors},
+                        {c.label: stats[c.label] for c in calibrations}, (ids.shape[1] - 1) * ids.shape[0],
+                        ids.shape[0], ids.shape[1], {k: round(v, 3) for k, v in seconds.items()}, per_block,
+                    "device" if bank.on_device else "host")
+    finally:
+        bank.close()
 
 
 class _Applier:
