@@ -56,8 +56,6 @@ def group_of(module: str) -> str | None:
     if local in GROUP_OF_LOCAL:
         return GROUP_OF_LOCAL[local]
     return next((g for g, role in GROUPS.items() if role is info.role and g not in GROUP_OF_LOCAL.values()), None)
-# Formats a candidate's weights are converted to (the others are the base's weights: kept, or BF16 exactly).
-CONVERTED = (Format.NVFP4, Format.FP8, Format.INT4)
 
 
 @dataclass(frozen=True, order=True)

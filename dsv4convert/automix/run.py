@@ -41,7 +41,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare.numerics import Serving, serving_from_formats
 from dsv4convert.convert.engines import engines_for
 from dsv4convert.convert.input_scales import build_input_scales
-from dsv4convert.convert.plan import Plan, build_plan, human_bytes
+from dsv4convert.convert.plan import build_plan, human_bytes
 from dsv4convert.convert.quant_config import build_quant_config
 from dsv4convert.convert.recipe import Recipe, parse_recipe
 from dsv4convert.errors import DSV4Error, RecipeError
@@ -361,11 +361,6 @@ def _layout(plan: AutomixPlan, family: Family, forced: dict[str, Format],
     return Layout(family, forced, serving, options, unit.count(fixed), unit, capacity, sources, notes)
 
 
-def _uniform_plan(plan: AutomixPlan, layout: Layout) -> Plan:
-    recipe = _layout_recipe(plan.options, layout.family, layout.forced, plan.decisions, layout.sources)
-    return build_plan(plan.ckpt, recipe, engine=plan.options.engine)
-
-
 # ------------------------------------------------------------------------------------------- measuring
 
 def windows(plan: AutomixPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,8 +401,11 @@ def print_plan(plan: AutomixPlan, out=None) -> None:
             print(f"    {note}", file=out)
     for e in plan.excluded:
         print(f"  not on the menu: {e.name}: {e.reason}", file=out)
+    if "vllm" in engines_for(opts.engine):
+        print(f"  note: candidates are measured under SGLang 0.5.23's served numerics on {plan.gpu_family} (compare "
+              "emulates SGLang only); vLLM's kernels may round differently", file=out)
     print(f"  sensitivity: {len(plan.probes)} candidates measured ({plan.memory['layer_passes']} extra layer passes "
           f"beside the {cfg.num_hidden_layers} of the reference), {len(plan.floors)} floor and "
           f"{len(plan.calibrations)} calibration track(s), "
           f"{opts.tokens // opts.seq_len} x {opts.seq_len} tokens on {plan.device} ({str(plan.dtype)[6:]}); "
-          f"host memory for the streams ~{human_bytes(plan.memory['host_bytes'])}", file=out)
+          f"the forks' streams ~{human_bytes(plan.memory['host_bytes'])} (on the GPU when they fit)", file=out)

@@ -125,14 +125,13 @@ def pareto(plan: AutomixPlan, measured: Measured, heldout: torch.Tensor, work: P
     automix: dict[tuple, Mix] = {}
     for kind, mix in baselines(plan, measured):
         rows.append(measure_row(plan, mix, kind, measured, heldout, work))
-        same_unit = all(layout.unit == mix.layout.unit for layout in plan.layouts)
-        if same_unit:
-            best = plan.solve(measured, capacity=mix.bytes)
-            if best is not None:
-                best.name = f"automix-at-{mix.name}"
-                automix.setdefault(tuple(sorted(best.picks.items())), best)
+        # Each layout counts its own bytes (per GPU, the load rules of its own launch).
+        best = plan.solve(measured, capacity=mix.bytes)
+        if best is not None:
+            best.name = f"automix-at-{mix.name}"
+            automix.setdefault((best.layout.label, tuple(sorted(best.picks.items()))), best)
     if chosen is not None:
-        automix.setdefault(tuple(sorted(chosen.picks.items())), chosen)
+        automix.setdefault((chosen.layout.label, tuple(sorted(chosen.picks.items()))), chosen)
     for mix in automix.values():
         rows.append(measure_row(plan, mix, "automix", measured, heldout, work))
     return sorted(rows, key=lambda r: (r.bytes, r.name))
