@@ -143,3 +143,24 @@ def test_dry_run_prints_the_menu_and_the_gpu_budget(organism, capsys):
     out = capsys.readouterr().out
     assert "sm120" in out and "bytes per GPU at TP 1" in out and "KV per token" in out
     assert "not on the menu: nvfp4+fp8+bf16: fp8 experts" in out   # FP8 beside NVFP4 has no Marlin runner
+
+
+def test_a_gpu_budget_binds_exactly_as_fit_counts(measured, organism):
+    """--gpu b200 --tp 1 with so many KV tokens that only ~9 MB per GPU is left for weights: the chosen mix is
+    within the allowance, and fit's own server check of the planned mix holds those tokens."""
+    plan, sensitivity, _ = measured
+
+    def gpu_plan(kv_tokens: int):
+        opts = automix.AutomixOptions(src=str(organism), gpu="b200", tp=1, kv_tokens=kv_tokens, text=TEXT,
+                                      **{k: v for k, v in SETTINGS.items() if k != "gpu_family"})
+        return automix.build(opts)
+
+    probe = gpu_plan(65536).layouts[0]
+    per_token = (probe.capacity - gpu_plan(131072).layouts[0].capacity) / 65536
+    kv_tokens = int(65536 + (probe.capacity - 9_000_000) / per_token)
+    tight = gpu_plan(kv_tokens)
+    assert 8_000_000 < tight.layouts[0].capacity < 10_000_000
+    mix = tight.solve(sensitivity)
+    assert mix.bytes <= mix.layout.capacity
+    lines = automix.check_fit(tight, mix, sensitivity)
+    assert lines and f"(asked {kv_tokens})" in lines[0]

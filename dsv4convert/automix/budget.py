@@ -10,12 +10,15 @@ tensors, so a mix's bytes are its fixed part plus its choices' bytes, exactly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dsv4convert.fit import sizing
 from dsv4convert.fit.source import Source
 from dsv4convert.fit.verdict import Gpu, sglang_server, vllm_server
 from dsv4convert.layout import classify
+from dsv4convert.serve.launch import flag_value
+from dsv4convert.serve.vllm_launch import BASE_ARGS
 from dsv4convert.storage import Format, linear_storage
 from dsv4convert import dtypes
 
@@ -58,6 +61,7 @@ def sglang_rules(source: Source, gpu: Gpu, tp: int, mtp: bool) -> sizing.LoadRul
 
 
 VLLM_RULES = sizing.LoadRules(wo_a_bf16=False, nvfp4_scale_copies=1)   # vllm_server's rules
+VLLM_BLOCK = int(flag_value(BASE_ARGS, "--block-size"))                # the block size serve's vLLM launch sets
 
 
 def allowance(source: Source, gpu: Gpu, tp: int, kv_tokens: int, *, engine: str, mtp: bool) -> tuple[int, list[str]]:
@@ -69,13 +73,15 @@ def allowance(source: Source, gpu: Gpu, tp: int, kv_tokens: int, *, engine: str,
     notes, limits = [], []
     if engine in ("sglang", "both"):
         fit = sglang_server(source, gpu, "server", tp, mtp=mtp, context=kv_tokens)
-        need = fit.fixed_state_bytes + kv_tokens * fit.kv_bytes_per_token
+        pages = -(-kv_tokens // sizing.V4_PAGE_SIZE) * sizing.V4_PAGE_SIZE   # the pool holds whole pages
+        need = fit.fixed_state_bytes + math.ceil(pages * fit.kv_bytes_per_token)
         limits.append(fit.weights_bytes_per_rank + fit.available_kv_bytes - int(need))
         notes.append(f"SGLang 0.5.23: mem_fraction_static {fit.mem_fraction_static}, "
                      f"{fit.kv_bytes_per_token:.0f} B of KV per token, {sizing.gib(need)} for {kv_tokens} tokens")
     if engine in ("vllm", "both"):
         fit = vllm_server(source, gpu, tp, mtp=mtp, context=kv_tokens)
-        need = kv_tokens * fit.kv_bytes_per_token
+        blocks = -(-kv_tokens // VLLM_BLOCK) * VLLM_BLOCK                    # vllm_server counts whole blocks
+        need = math.ceil(blocks * fit.kv_bytes_per_token)
         limits.append(fit.weights_bytes_per_rank + fit.available_kv_bytes - int(need))
         notes.append(f"vLLM 0.33.0: gpu_memory_utilization {fit.mem_fraction_static}, "
                      f"{fit.kv_bytes_per_token:.0f} B of KV per token")

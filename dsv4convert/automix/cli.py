@@ -100,6 +100,8 @@ def _run(args: argparse.Namespace) -> int:
         raise DSV4Error("no mix fits the budget")
     print(f"automix: {chosen.layout.label}, {human_bytes(chosen.bytes)} of {human_bytes(chosen.layout.capacity)} "
           f"({chosen.layout.unit.describe()}); predicted mean KLD {chosen.predicted:.5f}")
+    for line in automix.check_fit(plan, chosen, measured):
+        print(f"automix: {line}")
     text = chosen.recipe_text(plan, measured, "per-layer formats chosen by dsv4convert automix")
     report = opts.report or (Path(opts.dst) if opts.dst else None)
     if report is None:

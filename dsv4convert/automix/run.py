@@ -38,7 +38,7 @@ from dsv4convert.automix.sensitivity import (
 )
 from dsv4convert.automix.solve import Option, solve
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.compare.numerics import Serving, serving_from_formats
+from dsv4convert.compare.numerics import Numerics, Serving, serving_from_formats
 from dsv4convert.convert.engines import engines_for
 from dsv4convert.convert.input_scales import build_input_scales
 from dsv4convert.convert.plan import build_plan, human_bytes
@@ -46,7 +46,7 @@ from dsv4convert.convert.quant_config import build_quant_config
 from dsv4convert.convert.recipe import Recipe, parse_recipe
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.fit.source import from_plan
-from dsv4convert.fit.verdict import Gpu, gpu_from
+from dsv4convert.fit.verdict import Gpu, gpu_from, sglang_server, vllm_server
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import linear_shapes
 from dsv4convert.model.blocks import COMPUTE_DTYPES, parse_device
@@ -75,7 +75,6 @@ class AutomixOptions:
     calibration: Path | None = None      # NVFP4 input scales (as convert --calibration)
     report: Path | None = None
     progress: bool = True
-    name: str = "automix"
 
 
 @dataclass
@@ -142,7 +141,7 @@ class AutomixPlan:
     layouts: list[Layout]
     excluded: list[Excluded]
     probes: list[Probe]
-    floors: dict[str, object]
+    floors: dict[str, Numerics]
     calibrations: list[Calibration]
     gpu: Gpu | None
     gpu_family: str
@@ -359,6 +358,27 @@ def _layout(plan: AutomixPlan, family: Family, forced: dict[str, Format],
     fixed = [(p.name, p.dtype, tuple(p.shape)) for job in uniform.modules.values() if job.module not in decided
              for p in job.outputs]
     return Layout(family, forced, serving, options, unit.count(fixed), unit, capacity, sources, notes)
+
+
+def check_fit(plan: AutomixPlan, mix: Mix, measured: Measured) -> list[str]:
+    """``fit`` of the mix as the converter would write it, per engine asked for (the budget's sums, checked
+    whole); raises when a server would not hold ``--kv-tokens``."""
+    if plan.gpu is None:
+        return []
+    opts = plan.options
+    recipe = parse_recipe(mix.recipe_text(plan, measured, "fit check"), "automix recipe (fit check)")
+    source = from_plan(mix.name, build_plan(plan.ckpt, recipe, engine=opts.engine), plan.ckpt.config,
+                       engines_for(opts.engine))
+    lines = []
+    for engine in engines_for(opts.engine):
+        fit = (sglang_server(source, plan.gpu, "server", opts.tp, mtp=opts.mtp, context=opts.kv_tokens)
+               if engine == "sglang" else vllm_server(source, plan.gpu, opts.tp, mtp=opts.mtp, context=opts.kv_tokens))
+        line = (f"fit ({engine}): {fit.weights_bytes_per_rank / 2**30:.2f} GiB of weights per GPU, "
+                f"{fit.kv_tokens} KV tokens at TP {opts.tp} on {plan.gpu.name} (asked {opts.kv_tokens})")
+        if not fit.fits:
+            raise DSV4Error(f"the chosen mix does not fit after all: {line}")
+        lines.append(line)
+    return lines
 
 
 # ------------------------------------------------------------------------------------------- measuring
