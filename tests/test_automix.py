@@ -103,6 +103,8 @@ def test_automix_beats_every_baseline_at_its_bytes_and_predicts_within_1_5x(meas
     for row in rows:
         assert row.measured > 0
         assert 1 / 1.5 <= row.measured / row.predicted <= 1.5, row
+    # the estimator orders mixes as the measurements do (0.92 over the 36 mixes of automix-organism-cpu.md)
+    assert verify.rank_agreement(rows) >= 0.6, [(r.name, r.predicted, r.measured) for r in rows]
     # the choice is not a uniform one in disguise: somewhere it mixes formats within a layout
     mixed = [r for r in rows if r.kind == "automix" and len({f for f in plan.solve(
         sensitivity, capacity=r.bytes).picks.values()}) > 2]

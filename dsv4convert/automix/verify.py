@@ -137,6 +137,19 @@ def pareto(plan: AutomixPlan, measured: Measured, heldout: torch.Tensor, work: P
     return sorted(rows, key=lambda r: (r.bytes, r.name))
 
 
+def rank_agreement(rows: list[Row]) -> float:
+    """Kendall's tau between the predicted and the measured KLD of the measured rows: 1 when the predictions
+    order every pair of mixes as the measurements do (ties in either count for neither)."""
+    pairs = [(r.predicted, r.measured) for r in rows if r.measured is not None]
+    agree = disagree = 0
+    for i, (p1, m1) in enumerate(pairs):
+        for p2, m2 in pairs[i + 1:]:
+            sign = (p1 - p2) * (m1 - m2)
+            agree += sign > 0
+            disagree += sign < 0
+    return (agree - disagree) / (agree + disagree) if agree + disagree else float("nan")
+
+
 def render(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen: Row | None) -> str:
     """The report's markdown: the choice, predicted against measured, the Pareto table."""
     lines = [f"# automix: {plan.options.src}", "",
@@ -147,6 +160,12 @@ def render(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen: Row |
     if chosen is not None:
         lines += [f"Chosen: **{chosen.name}** ({chosen.layout}), {human_bytes(chosen.bytes)}; predicted KLD "
                   f"{chosen.predicted:.5f}, measured {chosen.measured:.5f} ± {chosen.standard_error:.5f}", ""]
+    measured_rows = [r for r in rows if r.measured is not None and r.predicted > 0]
+    if len(measured_rows) > 1:
+        ratios = [r.measured / r.predicted for r in measured_rows]
+        lines += [f"Measured / predicted KLD over {len(measured_rows)} mixes: {min(ratios):.2f}-{max(ratios):.2f}; "
+                  f"the predictions order {rank_agreement(measured_rows):.2f} of the pairs as measured (Kendall's "
+                  "tau)", ""]
     lines += ["| recipe | kind | family | bytes | predicted KLD | measured KLD | measured/predicted | same top-1 |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
