@@ -155,10 +155,10 @@ def main() -> int:
     # Where the full model's forks would live: (forks + tracks + 1) streams of the tokens, beside the reserve.
     first = next(iter(runs.values()))["extrapolation"]
     cfg = plan.inspection.config
-    full_bank = int((first["forks"] + len(plan.floors) + len(plan.calibrations) + 1) * ids.numel()
-                    * cfg.hc_mult * cfg.hidden_size * 2)
-    from dsv4convert.automix.sensitivity import LAYER_COPIES, _layer_bytes
-    reserve = LAYER_COPIES * _layer_bytes(cfg, plan.dtype) + 16 * 2**30
+    from dsv4convert.automix.sensitivity import bank_reserve, stream_bytes
+    full_bank = stream_bytes(int(first["forks"]) + len(plan.floors) + len(plan.calibrations) + 1, ids.numel(),
+                             cfg.hc_mult, cfg.hidden_size, plan.dtype)
+    reserve = bank_reserve(cfg, plan.dtype)
     free = torch.cuda.mem_get_info()[1] if cuda else 0
     full_place = "device" if full_bank + reserve < free else "host"
     x = runs.get(full_place, first)["extrapolation"] if full_place in runs else first

@@ -33,8 +33,8 @@ from dsv4convert.automix.sensitivity import (
     Probe,
     floor_label,
     floor_numerics,
-    host_bytes,
     measure,
+    stream_bytes,
 )
 from dsv4convert.automix.solve import Option, solve
 from dsv4convert.checkpoint import Checkpoint
@@ -43,7 +43,7 @@ from dsv4convert.convert.engines import engines_for
 from dsv4convert.convert.input_scales import build_input_scales
 from dsv4convert.convert.plan import build_plan, human_bytes
 from dsv4convert.convert.quant_config import build_quant_config
-from dsv4convert.convert.recipe import Recipe, parse_recipe
+from dsv4convert.convert.recipe import parse_recipe
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.fit.source import from_plan
 from dsv4convert.fit.verdict import Gpu, gpu_from, sglang_server, vllm_server
@@ -149,6 +149,8 @@ class AutomixPlan:
     dtype: torch.dtype
     memory: dict[str, int]
     _bytes: dict = field(default_factory=dict, repr=False)
+    _calibration_of: dict = field(default_factory=dict, repr=False)
+    _shapes: dict = field(default_factory=dict, repr=False)
 
     def cost(self, layout: Layout, decision: Decision, fmt: Format, measured: Measured) -> float:
         """The predicted KLD a decision adds: its isolated cost, scaled by its format's calibration."""
@@ -160,7 +162,10 @@ class AutomixPlan:
 
     def scale(self, candidate: Candidate, measured: Measured) -> float:
         """Measured KLD of the candidate's calibration track over the sum of its members' isolated costs."""
-        calibration = next(c for c in self.calibrations if any(p.candidate == candidate for p in c.probes))
+        if not self._calibration_of:
+            # the first calibration holding a candidate, as the pass ran them (reversed: earlier ones overwrite)
+            self._calibration_of = {p.candidate: c for c in reversed(self.calibrations) for p in c.probes}
+        calibration = self._calibration_of[candidate]
         isolated = sum(measured.costs[p.candidate] for p in calibration.probes)
         return measured.calibrations[calibration.label] / isolated if isolated > 0 else 1.0
 
@@ -171,7 +176,9 @@ class AutomixPlan:
         """Bytes of one decision stored as ``fmt``, in the layout's unit."""
         key = (layout.label, decision, fmt)
         if key not in self._bytes:
-            shapes = linear_shapes(self.inspection.config)
+            if not self._shapes:
+                self._shapes = linear_shapes(self.inspection.config)
+            shapes = self._shapes
             vllm_experts = decision.group == "experts" and "vllm" in engines_for(self.options.engine)
             scale = "F32" if fmt is Format.FP8 and vllm_experts else "F8_E8M0"
             tensors = [t for m in self.decisions[decision] for t in budgets.stored(m, fmt, shapes[m], scale)]
@@ -203,27 +210,9 @@ class AutomixPlan:
 
 # ------------------------------------------------------------------------------------------- planning
 
-def uniform_picks(layout: Layout, expert: Format | None = None, linear: Format | None = None) -> dict[Decision, Format]:
-    """Every decision at one format: the family's main expert format and its first linear format by default."""
-    picks = {}
-    for decision, options in layout.options.items():
-        want = (expert or options[0]) if decision.group == "experts" else (linear or options[0])
-        picks[decision] = want if want in options else options[0]
-    return picks
-
-
-def _layout_recipe(plan_options: AutomixOptions, family: Family, forced: dict[str, Format],
-                   decision_list: dict[Decision, list[str]], sources: dict[Decision, Format | None]) -> Recipe:
-    lines = []
-    for decision in decision_list:
-        if decision.group == "experts":
-            fmt = family.experts[0]
-        else:
-            fmt = forced.get(decision.group, family.linears[0])
-        lines.append(Line(decision, fmt, "uniform"))
-    text = write(f"automix-{family.name.replace('+', '-')}", f"uniform layout of family {family.name}",
-                 plan_options.engine, lines, sources, family.mtp_experts, model_wide=forced)
-    return parse_recipe(text, f"automix family {family.name}")
+def uniform_picks(layout: Layout) -> dict[Decision, Format]:
+    """Every decision at its first option: the family's main expert format, its first linear format."""
+    return {decision: options[0] for decision, options in layout.options.items()}
 
 
 def build(opts: AutomixOptions) -> AutomixPlan:
@@ -278,8 +267,9 @@ def build(opts: AutomixOptions) -> AutomixPlan:
     plan.probes = list(probes.values())
     plan.calibrations = _calibrations(plan, probes)
     cfg = inspection.config
-    plan.memory = {"host_bytes": host_bytes(len(plan.probes), len(plan.floors) + len(plan.calibrations), max(opts.tokens // opts.seq_len, 1),
-                                            opts.seq_len, cfg.hc_mult, cfg.hidden_size, dtype),
+    tracks = len(plan.floors) + len(plan.calibrations)
+    plan.memory = {"stream_bytes": stream_bytes(len(plan.probes) + tracks + 2, max(opts.tokens // opts.seq_len, 1)
+                                                * opts.seq_len, cfg.hc_mult, cfg.hidden_size, dtype),
                    "layer_passes": sum(_passes_after(cfg, p.candidate.decision.block) for p in plan.probes)}
     smallest = [(layout, layout.fixed_bytes + sum(min(plan.option_bytes(layout, d, f) for f in fmts)
                                                   for d, fmts in layout.options.items())) for layout in plan.layouts]
@@ -328,22 +318,21 @@ def _layout(plan: AutomixPlan, family: Family, forced: dict[str, Format],
             sources: dict[Decision, Format | None]) -> Layout | None:
     """The family's layout: its uniform plan checked by the converter's own rules, its serving and its bytes."""
     opts = plan.options
-    recipe = _layout_recipe(opts, family, forced, plan.decisions, sources)
+    options = {d: list(family.experts) if d.group == "experts"
+               else [forced[d.group]] if d.group in forced else list(family.linears) for d in plan.decisions}
+    text = write(f"automix-{family.name.replace('+', '-')}", f"uniform layout of family {family.name}", opts.engine,
+                 [Line(d, formats[0], "uniform") for d, formats in options.items()], sources, family.mtp_experts,
+                 model_wide=forced)
+    recipe = parse_recipe(text, f"automix family {family.name}")
     try:
         uniform = build_plan(plan.ckpt, recipe, engine=opts.engine)
-        config, _ = build_quant_config(plan.ckpt.config, uniform.module_formats(), engines=engines_for(opts.engine))
+        formats = uniform.module_formats()
+        config, _ = build_quant_config(plan.ckpt.config, formats, engines=engines_for(opts.engine))
     except RecipeError as exc:
         plan.excluded.append(Excluded(family.name, f"the base cannot be stored this way: {exc}"))
         return None
-    formats = uniform.module_formats()
     serving = serving_from_formats("automix", formats, config.get("quantization_config") or {}, engine="sglang",
                                    gpu_family=plan.gpu_family)
-    options = {}
-    for decision in plan.decisions:
-        if decision.group == "experts":
-            options[decision] = list(family.experts)
-        else:
-            options[decision] = [forced[decision.group]] if decision.group in forced else list(family.linears)
     notes = []
     if plan.gpu is None:
         unit, capacity = budgets.Unit(), int(opts.size)
@@ -400,8 +389,7 @@ def run_sensitivity(plan: AutomixPlan, ids: torch.Tensor) -> Measured:
     needs_scales = any(Format.NVFP4 in layout.family.experts for layout in plan.layouts)
     scales = build_input_scales(plan.ckpt, calibration=plan.options.calibration) if needs_scales else None
     return measure(plan.ckpt, plan.inspection, ids, plan.probes, plan.floors, plan.calibrations, device=plan.device,
-                   dtype=plan.dtype,
-                   chunk=plan.options.chunk, input_scales=scales, progress=plan.options.progress)
+                   dtype=plan.dtype, chunk=plan.options.chunk, input_scales=scales, progress=plan.options.progress)
 
 
 def print_plan(plan: AutomixPlan, out=None) -> None:
@@ -428,4 +416,4 @@ def print_plan(plan: AutomixPlan, out=None) -> None:
           f"beside the {cfg.num_hidden_layers} of the reference), {len(plan.floors)} floor and "
           f"{len(plan.calibrations)} calibration track(s), "
           f"{opts.tokens // opts.seq_len} x {opts.seq_len} tokens on {plan.device} ({str(plan.dtype)[6:]}); "
-          f"the forks' streams ~{human_bytes(plan.memory['host_bytes'])} (on the GPU when they fit)", file=out)
+          f"the forks' streams ~{human_bytes(plan.memory['stream_bytes'])} (on the GPU when they fit)", file=out)

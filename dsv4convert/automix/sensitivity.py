@@ -39,14 +39,13 @@ from dsv4convert.automix.candidates import Candidate, CandidateMaker, CandidateV
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare.emulate import install
 from dsv4convert.compare.metrics import OutputStats
-from dsv4convert.compare.numerics import Numerics, Serving
+from dsv4convert.compare.engine import HEAD_POSITIONS
+from dsv4convert.compare.numerics import Numerics, Serving, served
 from dsv4convert.convert.input_scales import InputScales
 from dsv4convert.inspection import Inspection
 from dsv4convert.model.blocks import OutputHead, WeightSource, build_layer, hf_config
 from dsv4convert.model.forward import BlockRunner
 from dsv4convert.storage import Format
-
-HEAD_POSITIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -88,24 +87,19 @@ class Measured:
 
 def floor_numerics(serving: Serving) -> Numerics:
     """The served caches alone (the part of the served numerics no format choice changes)."""
-    kv = serving.kv_cache_dtype in ("fp8_e4m3", "auto")
-    return Numerics(serving, kv_cache=kv, indexer="fp4" if serving.fp4_indexer else "fp8")
+    return served(serving).with_parts(activations=False)
 
 
 def floor_label(serving: Serving) -> str:
     return floor_numerics(serving).label
 
 
-def host_bytes(probes: int, tracks: int, sequences: int, seq_len: int, hc_mult: int, hidden: int,
-               dtype: torch.dtype) -> int:
-    """Host memory of every stream held at once: the reference, each fork and whole-model track, one block's
-    outputs."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return (2 + probes + tracks) * sequences * seq_len * hc_mult * hidden * item
+def stream_bytes(streams: int, tokens: int, hc_mult: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes of ``streams`` hyper-connection streams over ``tokens`` tokens: the pass holds one per fork and
+    whole-model track (:class:`ForkBank`), plus the reference's two."""
+    return streams * tokens * hc_mult * hidden * torch.empty((), dtype=dtype).element_size()
 
 
-# Device memory kept free beside the bank: the layer, one candidate's copy of it, their conversion temporaries and
-# one forward's activations, in units of the largest layer's compute-dtype bytes (plus the activations' estimate).
 LAYER_COPIES = 3
 
 
@@ -156,10 +150,11 @@ class ForkBank:
             runner(layer, part, self.ids.repeat(part.shape[0] // self.rows, 1), out=part)
 
 
-def _layer_bytes(cfg, dtype: torch.dtype) -> int:
-    """Compute-dtype bytes of the largest block's routed experts (what a candidate copies)."""
+def bank_reserve(cfg, dtype: torch.dtype) -> int:
+    """Device bytes kept free beside the bank: ``LAYER_COPIES`` of a block's routed experts in the compute dtype
+    (the layer, a candidate's copy, their conversion temporaries) and 16 GiB for one forward's activations."""
     item = torch.empty((), dtype=dtype).element_size()
-    return cfg.n_routed_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size * item
+    return LAYER_COPIES * cfg.n_routed_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size * item + 16 * 2**30
 
 
 def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes: list[Probe],
@@ -181,7 +176,7 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
     labels = [*floors, *(c.label for c in calibrations)]
     # One allocation: the forks, then the whole-model tracks, then the reference's next streams.
     bank = ForkBank(len(probes) + len(labels) + 1, ids, cfg.hc_mult, cfg.hidden_size, dtype, device, batch_tokens,
-                    reserve=LAYER_COPIES * _layer_bytes(cfg, dtype) + 16 * 2**30, place=bank_place)
+                    reserve=bank_reserve(cfg, dtype), place=bank_place)
     try:
         with torch.no_grad():
             embed = source.tensor("embed.weight")
@@ -245,7 +240,7 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
         return Measured({p.candidate: stats[p.candidate] for p in probes}, {k: stats[k] for k in floors},
                         {c.label: stats[c.label] for c in calibrations}, (ids.shape[1] - 1) * ids.shape[0],
                         ids.shape[0], ids.shape[1], {k: round(v, 3) for k, v in seconds.items()}, per_block,
-                    "device" if bank.on_device else "host")
+                        "device" if bank.on_device else "host")
     finally:
         bank.close()
 
