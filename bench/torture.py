@@ -452,10 +452,7 @@ def catalogue(trace: list[TracePoint], *, every_shard: bool, randoms: int = 0, s
     for t in finalize:
         if t.point.endswith(": copying") or t.point.startswith("checkpoint: reading header "):
             continue
-        if t.point == "checkpoint: reading the index":
-            take("finalize: reading the output index", t)
-        else:
-            take("finalize: " + re.sub(r"^resume state \(\d+ shards, complete\)", "final resume state", t.point), t)
+        take("finalize: " + re.sub(r"^resume state \(\d+ shards, complete\)", "final resume state", t.point), t)
 
     points = [KillPoint(label, phase_of(t.point, label.startswith("finalize: ")), t.point, t.occurrence,
                         position[(t.pid, t.point, t.occurrence)])

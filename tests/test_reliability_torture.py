@@ -33,10 +33,10 @@ SHARD_STEPS = ["opening its .partial", ".partial opened", "converting its middle
                "resume state written, before its rename"]
 FINALIZE = ["copying the first small file", "config.json: writing", "config.json: renaming",
             "hf_quant_config.json: writing", "hf_quant_config.json: renaming", "provenance.json: writing",
-            "provenance.json: renaming", "model.safetensors.index.json: writing",
-            "model.safetensors.index.json: renaming", "output: re-inspecting", "reading the output index",
-            "reading an output shard header", "README.md: writing", "README.md: renaming",
-            "final resume state: writing", "final resume state: renaming", "lock: releasing"]
+            "provenance.json: renaming", "output: re-inspecting", "reading an output shard header",
+            "README.md: writing", "README.md: renaming", "model.safetensors.index.json: writing",
+            "model.safetensors.index.json: renaming", "final resume state: writing", "final resume state: renaming",
+            "lock: releasing"]
 SHARDS = ("first shard", "middle shard", "last shard")
 RANDOMS = 2
 NVFP4_POINTS = (STARTUP + [f"{where}: {step}" for where in SHARDS for step in SHARD_STEPS]

@@ -34,6 +34,10 @@ SINGLE_NAME = "model.safetensors"
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_SMALL_FILE_BYTES = 64 * 1024 * 1024
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A conversion's work directory inside its destination, and its resume state (``convert/state.py``):
+# ``"complete": false`` there marks a destination whose conversion has not run its last step.
+WORK_DIR = ".dsv4convert"
+CONVERSION_STATE = f"{WORK_DIR}/state.json"
 
 
 def safe_shard_path(root: Path, shard: str, *, index_file: Path, tensor: str | None = None) -> Path:
@@ -112,6 +116,7 @@ class Checkpoint:
                 raise CheckpointError(f"cannot resolve Hugging Face repo: {exc}", file=str(src)) from None
         else:
             root = path
+            refuse_unfinished(root)
         index_file = root / INDEX_NAME
         config_path = root / "config.json"
         config = read_small_json(config_path) if config_path.exists() else {}
@@ -136,11 +141,21 @@ class Checkpoint:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError("index has no 'weight_map' object", file=index_file)
         total = (index.get("metadata") or {}).get("total_size") if isinstance(index.get("metadata"), dict) else None
+        return cls.from_weight_map(root, weight_map, config, index_file=index_file, total_size=total, remote=remote)
 
+    @classmethod
+    def from_weight_map(cls, root: Path, weight_map: dict, config: dict, *, index_file: Path | None = None,
+                        total_size: int | None = None, remote: Remote | None = None) -> "Checkpoint":
+        """The checkpoint ``weight_map`` (tensor -> shard) describes, checked against the shards' headers.
+
+        The converter opens its output this way before it writes the index, so the index can be the last
+        file written: until then the directory does not look complete to any loader."""
+        label = index_file or root
+        total = total_size
         shard_order: dict[str, Path] = {}
         for name, shard in weight_map.items():
             if not isinstance(shard, str) or shard not in shard_order:  # safe_shard_path refuses non-strings
-                path = safe_shard_path(root, shard, index_file=index_file, tensor=name)
+                path = safe_shard_path(root, shard, index_file=label, tensor=name)
                 if not path.is_file() and remote is None:
                     raise CheckpointError(f"shard '{shard}' named by the index is missing", file=path, tensor=name)
                 shard_order[shard] = path
@@ -170,7 +185,7 @@ class Checkpoint:
         problems = []
         data_bytes = sum(e.nbytes for e in tensors.values())
         if isinstance(total, int) and total != data_bytes:
-            problems.append(f"{index_file}: metadata.total_size is {total} but the tensors hold {data_bytes} bytes")
+            problems.append(f"{label}: metadata.total_size is {total} but the tensors hold {data_bytes} bytes")
         return cls(root, tensors, list(shard_order.values()), headers, config, index_file,
                    total if isinstance(total, int) else None, problems)
 
@@ -209,6 +224,23 @@ class Checkpoint:
                 continue
             out.append(path)
         return out
+
+
+def refuse_unfinished(root: Path) -> None:
+    """Refuse a destination whose conversion did not finish: its shards may all be there, but its last step
+    (config, model card, index) has not run, so nothing may read it as a checkpoint; ``--resume`` finishes it."""
+    state = root / CONVERSION_STATE
+    if not state.is_file():
+        return
+    try:
+        data = read_small_json(state)
+    except CheckpointError:
+        data = {}
+    if data.get("complete") is not True:
+        shards = data.get("shards")
+        written = f" ({len(shards)} shard(s) written)" if isinstance(shards, dict) else ""
+        raise CheckpointError(f"an unfinished conversion{written}: run the same dsv4convert command with --resume to "
+                              "finish it (or --overwrite to start over)", file=root)
 
 
 def _header(path: Path, remote: Remote | None) -> ShardHeader:

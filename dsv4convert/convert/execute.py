@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -37,16 +38,25 @@ from dsv4convert.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
 )
+from dsv4convert.checkpoint.reader import CONVERSION_STATE, WORK_DIR
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
 from dsv4convert.calibrate.calibfile import CalibrationHessians, calibration_hessians
 from dsv4convert.convert.input_scales import InputScales, build_input_scales
+from dsv4convert.convert.model_card import (
+    base_model_id,
+    default_launch,
+    render_model_card,
+    source_card_metadata,
+    vllm_default_launch,
+)
 from dsv4convert.convert.pipeline import BarFeed, CONVERT_THREADS, pipeline_memory, resolve_device, run_shard_job
 from dsv4convert.convert.plan import Plan, ShardJob, build_plan, cost_of_both, human_bytes
 from dsv4convert.convert import engines as eng
 from dsv4convert.convert.quant_config import build_quant_config, servable_engines
 from dsv4convert.convert.recipe import Recipe, canonical
-from dsv4convert.convert.state import STATE_DIR, DestinationLock, RunState, signature
+from dsv4convert.convert.state import DestinationLock, RunState, signature
 from dsv4convert.errors import DSV4Error
+from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import Role
 from dsv4convert.stop_points import reach
 from dsv4convert.storage import Format
@@ -133,7 +143,7 @@ def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
     state = RunState.load(dst) if dst.exists() else None
     # Our own state directory alone (a run killed before its first state save) is not user content;
     # the lock still refuses a live concurrent run.
-    nonempty = dst.exists() and any(p.name != STATE_DIR for p in dst.iterdir())
+    nonempty = dst.exists() and any(p.name != WORK_DIR for p in dst.iterdir())
     if opts.overwrite and nonempty:
         DestinationLock(dst).acquire()  # refuse to wipe a directory another run is writing
         shutil.rmtree(dst)
@@ -149,7 +159,7 @@ def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
     reach("destination: creating it")
     dst.mkdir(parents=True, exist_ok=True)
     if state is None:
-        state = RunState(dst / STATE_DIR / "state.json", sig, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        state = RunState(dst / CONVERSION_STATE, sig, datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return state
 
 
@@ -220,7 +230,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
                 _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources, hessians)
             finally:
                 sources.close()
-            stats = _finalize(plan, ckpt, opts, state, config, extra_files, engines)
+            stats = _finish(plan, ckpt, opts, state, config, extra_files, engines)
         except KeyboardInterrupt:
             raise DSV4Error(f"interrupted; {len(state.shards)} of {len(plan.shards)} shards are complete. "
                             "Run the same command with --resume to continue", file=opts.dst) from None
@@ -421,17 +431,24 @@ def aggregate(state: RunState) -> dict:
     }
 
 
+def _finish(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunState, config: dict,
+            extra_files: dict[str, dict], engines: tuple[str, ...]) -> dict:
+    """The last step, after every shard is written; an unexpected failure in it keeps the shards for ``--resume``
+    (no index is written, so the directory does not look complete) and says where it failed, in one line."""
+    try:
+        return _finalize(plan, ckpt, opts, state, config, extra_files, engines)
+    except (DSV4Error, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise DSV4Error(f"the last step (model card, index) failed: {type(exc).__name__}: {exc} "
+                        f"({Path(where.filename).name}:{where.lineno}, a bug: please report it); all "
+                        f"{len(state.shards)} shards are written and kept, and no index was written: run the same "
+                        "command with --resume to finish without converting again", file=opts.dst) from exc
+
+
 def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunState, config: dict,
               extra_files: dict[str, dict], engines: tuple[str, ...]) -> dict:
-    from dsv4convert.convert.model_card import (
-        base_model_id,
-        default_launch,
-        render_model_card,
-        source_card_metadata,
-        vllm_default_launch,
-    )
-    from dsv4convert.inspection import inspect_checkpoint
-
     dst = opts.dst
     copy_small_files(ckpt.small_files(), dst, skip=GENERATED_FILES)
     atomic_write_json(dst / "config.json", config)
@@ -455,15 +472,12 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         "stats": stats,
     }
     atomic_write_json(dst / "provenance.json", provenance)
-    # The index goes last; inspect the finished directory before declaring it done.
-    write_index(dst, weight_map, plan.bytes_out)
     reach("output: re-inspecting")
-    output = Checkpoint.open(dst)
+    output = Checkpoint.from_weight_map(dst, weight_map, config, total_size=plan.bytes_out)
     result = inspect_checkpoint(output)
     if not result.ok:
-        (dst / INDEX_NAME).unlink()
         problem = (result.missing + result.mismatched + result.unexpected + result.problems)[0]
-        raise DSV4Error(f"output failed its layout check ({problem}); the index was removed", file=dst)
+        raise DSV4Error(f"output failed its layout check ({problem}); no index was written", file=dst)
     opened = (output, result)
     problems = servable_engines(ckpt.config, plan.module_formats())
     not_for = {e: problems[e] or f"made for --engine {eng.choice_of(engines)} only" for e in eng.ENGINES
@@ -476,6 +490,8 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         source=str(opts.src),
         vllm_launch=vllm_default_launch(dst, result.variant, opened=opened) if eng.VLLM in engines else None)
     atomic_write_bytes(dst / "README.md", card.encode("utf-8"))
+    # The index goes last: until it exists no loader takes the directory for a checkpoint.
+    write_index(dst, weight_map, plan.bytes_out)
     state.complete = True
     state.save()
     stats["variant"] = result.variant

@@ -57,7 +57,7 @@ def tensor_parallel_size(weight_bytes: int, gpu_memory: int) -> int | None:
 
 def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, Inspection] | None, spec_for,
                 size_for) -> dict[str, dict]:
-    """``spec_for(family, tp, like, formats, config)`` for every GPU family whose 8 GPUs hold the weights
+    """``spec_for(family, tp, like, formats, config, draft)`` for every GPU family whose 8 GPUs hold the weights
     (the TP size from their bytes), a note for the others: what both engines' launch tables share. Each
     spec's ``fit`` is ``size_for(source, family, tp)``: what ``dsv4convert fit`` computes for that launch
     from the stored bytes (weights per GPU, KV tokens)."""
@@ -72,6 +72,7 @@ def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, I
     ckpt, inspection = opened
     formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
     like = served_like(variant, formats)
+    draft = any(m.is_mtp for m in inspection.modules.values())
     weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
     sized = from_opened(str(model_dir), ckpt, inspection)
     launch: dict[str, dict] = {}
@@ -81,7 +82,7 @@ def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, I
             launch[name] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more than "
                                                             f"{MAX_TP} of these GPUs (multi-node TP)"}
         else:
-            launch[name] = {**spec_for(family, tp, like, formats, ckpt.config), "fit": size_for(sized, family, tp)}
+            launch[name] = {**spec_for(family, tp, like, formats, ckpt.config, draft), "fit": size_for(sized, family, tp)}
     return launch
 
 
@@ -103,17 +104,17 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     ``draft_moe_method`` names that method. ``opened``: the checkpoint and its inspection where
     the caller has them already (the converter, which has just inspected its output).
     """
-    from dsv4convert.serve.launch import LaunchOptions, plan_single, variant_defaults
+    from dsv4convert.serve.launch import NO_DRAFT, LaunchOptions, plan_single, variant_defaults
 
-    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict) -> dict:
+    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, draft: bool) -> dict:
         env = serving_env(config, formats)
         options = LaunchOptions(model=str(model_dir), variant=like, gpu_family=family, python="python")
         (command,) = plan_single(options, None, list(range(tp)))
         spec: dict = {"argv": list(command.argv), "env": {**command.env, **env}}
         defaults = variant_defaults(like, family)
         spec["draft_moe_method"] = defaults.draft_moe_method
-        if defaults.mtp_args is None:
-            spec["mtp_note"] = defaults.mtp_note
+        if not draft or defaults.mtp_args is None:
+            spec["mtp_note"] = defaults.mtp_note if draft else NO_DRAFT
         else:
             (draft,) = plan_single(replace(options, mtp=True), None, list(range(tp)))
             spec["mtp"] = {"argv": list(draft.argv), "env": {**draft.env, **env}}
@@ -136,8 +137,8 @@ def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Ch
     """
     from dsv4convert.serve.vllm_launch import vllm_launch
 
-    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict) -> dict:
-        plan = vllm_launch(str(model_dir), like, family, tp)
+    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, draft: bool) -> dict:
+        plan = vllm_launch(str(model_dir), like, family, tp, draft=draft)
         spec: dict = {"argv": list(plan.argv), "env": dict(plan.env), "moe_method": plan.moe_method,
                       "draft_moe_method": plan.draft_moe_method, "limits": list(plan.limits)}
         if plan.mtp_argv is None:

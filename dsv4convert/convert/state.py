@@ -24,10 +24,10 @@ from pathlib import Path
 
 from dsv4convert import __version__
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json
+from dsv4convert.checkpoint.reader import CONVERSION_STATE, WORK_DIR
 from dsv4convert.errors import DSV4Error
 from dsv4convert.stop_points import reach
 
-STATE_DIR = ".dsv4convert"
 # Seconds after which a lock file with no readable holder counts as left by a killed run.
 LOCK_WRITE_GRACE = 10.0
 
@@ -53,7 +53,7 @@ class RunState:
 
     @classmethod
     def load(cls, dst: Path) -> "RunState | None":
-        path = Path(dst) / STATE_DIR / "state.json"
+        path = Path(dst) / CONVERSION_STATE
         if not path.exists():
             return None
         try:
@@ -84,7 +84,7 @@ class DestinationLock:
     """An exclusive, stale-aware lock on a destination directory."""
 
     def __init__(self, dst: Path):
-        self.path = Path(dst) / STATE_DIR / "lock"
+        self.path = Path(dst) / WORK_DIR / "lock"
         self.held = False
 
     def acquire(self) -> None:

@@ -314,6 +314,8 @@ def budget(gpu_mib: int, mem_fraction_static: float, weights_bytes: int,
     pre = (gpu_mib - overhead_mib) * MIB
     after = pre - weights_bytes
     available = int(after - pre * (1 - mem_fraction_static))
+    if pre <= 0 or mem_fraction_static <= 0:   # a GPU its runtime and reserve already fill: nothing is left
+        return Budget(pre, weights_bytes, min(available, 0), 1.0)
     minimum = 1 - after / pre
     return Budget(pre, weights_bytes, available, math.ceil(minimum * 1000) / 1000)
 

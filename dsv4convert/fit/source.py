@@ -40,6 +40,10 @@ class Source:
     inspection: Inspection
 
     @property
+    def has_draft(self) -> bool:
+        return any(info.is_mtp for _, info in self.tensors)
+
+    @property
     def geometry(self) -> KvGeometry:
         cfg = ModelConfig.from_dict(self.config)
         ratios = cfg.compress_ratios[: cfg.num_hidden_layers]

@@ -133,7 +133,7 @@ def vllm_server(source: Source, gpu: Gpu, tp: int, *, mtp: bool, context: int | 
     from dsv4convert.serve.launch import LaunchError
     from dsv4convert.serve.vllm_launch import vllm_launch
 
-    plan = vllm_launch("MODEL", source.variant, gpu.family, tp)      # raises for a layout vLLM does not load
+    plan = vllm_launch("MODEL", source.variant, gpu.family, tp, draft=source.has_draft)   # raises if vLLM cannot load it
     if mtp and plan.mtp_argv is None:
         raise LaunchError(f"no MTP draft with vLLM here: {plan.mtp_note}")
     rules = sizing.LoadRules(wo_a_bf16=False, nvfp4_scale_copies=1)    # vLLM keeps wo_a FP8; one copy of scales
@@ -144,7 +144,10 @@ def vllm_server(source: Source, gpu: Gpu, tp: int, *, mtp: bool, context: int | 
                              packed=vllm.packed_layout(gpu.family), draft_layers=1 if mtp else 0)
     per_token = sum(spec.bytes_per_token for spec in specs)
     available = vllm.kv_budget(gpu.mib, vllm.GPU_MEMORY_UTILIZATION, loaded, sizing.RUNTIME_OVERHEAD_MIB)
-    tokens = max(int(available / per_token) // block * block, 0)
+    if per_token:
+        tokens = max(int(available / per_token) // block * block, 0)
+    else:   # only window and state caches (no compressed layer): the context does not grow them
+        tokens = int(source.config.get("max_position_embeddings", 0)) if available > 0 else 0
     needed = max(context or block, block)
     fits = tokens >= needed
     minimum = (loaded + (sizing.RUNTIME_OVERHEAD_MIB << 20)) / (gpu.mib << 20)

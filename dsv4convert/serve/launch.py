@@ -19,6 +19,7 @@ from dsv4convert.storage import Format
 SERVED_VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "nvfp4-mtp-bf16", "w4a16", "bf16")
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
 ROLES = ("prefill", "decode", "router", "server")
+NO_DRAFT = "this checkpoint has no MTP draft (made without one, or converted with --no-mtp)"
 
 # Cookbook cell for SM120 (the only one shipped): --mem-fraction-static 0.70, decode graphs up to bs 32.
 _SM120_MEM_FRACTION = "0.70"

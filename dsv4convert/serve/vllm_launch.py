@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from dsv4convert.serve.launch import LaunchError, gpu_family_major
+from dsv4convert.serve.launch import NO_DRAFT, LaunchError, gpu_family_major
 
 VLLM = "vLLM 0.33.0"
 BASE_ARGS = ("--kv-cache-dtype", "fp8", "--block-size", "256")
@@ -83,17 +83,20 @@ def mtp_config(gpu_family: str) -> str | None:
                                                   separators=(",", ":"))
 
 
-def vllm_launch(model: str, variant: str, gpu_family: str, tp: int) -> VllmLaunch:
-    """The vLLM command for a checkpoint vLLM 0.33.0 loads (``engines`` includes vllm), on one GPU family."""
+def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, draft: bool = True) -> VllmLaunch:
+    """The vLLM command for a checkpoint vLLM 0.33.0 loads (``engines`` includes vllm), on one GPU family;
+    ``draft`` False: the checkpoint holds no MTP block (an NVFP4 one then has no draft format to tell apart)."""
+    if not draft and variant == "nvfp4":
+        variant = "nvfp4-mtp-bf16"
     if variant not in VLLM_MOE_METHODS:
         raise LaunchError(f"no vLLM command for the {variant!r} layout; expected one of "
                           f"{', '.join(VLLM_MOE_METHODS)}")
-    moe, draft = VLLM_MOE_METHODS[variant]
+    moe, draft_method = VLLM_MOE_METHODS[variant]
     argv = ("vllm", "serve", model, "--tensor-parallel-size", str(tp), *(("--enable-expert-parallel",) if tp > 1
                                                                          else ()), *BASE_ARGS)
-    spec = mtp_config(gpu_family)
+    spec = mtp_config(gpu_family) if draft else None
     mtp_argv = None if spec is None else (*argv, "--speculative-config", spec)
-    note = None if spec is not None else ("vLLM's DeepSeek-V4-Flash recipe lists no RTX PRO 6000 (sm_120) and no "
-                                          "MTP setting for it, so none is offered; vLLM 0.33.0's code does not "
-                                          "refuse --speculative-config there, but it is unchecked")
-    return VllmLaunch(argv, {}, mtp_argv, note, moe, draft, tuple(_VARIANT_LIMITS.get(variant, [])))
+    note = None if spec is not None else NO_DRAFT if not draft else (
+        "vLLM's DeepSeek-V4-Flash recipe lists no RTX PRO 6000 (sm_120) and no MTP setting for it, so none is "
+        "offered; vLLM 0.33.0's code does not refuse --speculative-config there, but it is unchecked")
+    return VllmLaunch(argv, {}, mtp_argv, note, moe, draft_method, tuple(_VARIANT_LIMITS.get(variant, [])))
