@@ -121,7 +121,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "dsv4convert", "synth", "--config", str(work / "config.json"),
                         "--dst", str(base), "--overwrite"], check=True)
         timings["synth_seconds"] = time.perf_counter() - t
-    from dsv4convert.automix import run as automix
+    from dsv4convert.automix import plan as automix
     from dsv4convert.automix.sensitivity import measure
 
     opts = automix.AutomixOptions(src=str(base), size=10**15, engine=args.engine, gpu_family=args.gpu_family,
@@ -135,7 +135,7 @@ def main() -> int:
                         generator=torch.Generator().manual_seed(0))
     cuda = plan.device.type == "cuda"
     needs = any("nvfp4" in lay.family.name for lay in plan.layouts)
-    from dsv4convert.convert.input_scales import build_input_scales
+    from dsv4convert.calibration import build_input_scales
     real = json.loads(REAL_CONFIG.read_text())
     runs = {}
     for place in args.banks.split(","):

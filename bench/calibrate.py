@@ -146,7 +146,7 @@ def extrapolate(blocks: list[dict], counts: dict[int, int], scale: float) -> dic
 
 def rank_runs(src: Path, data: Path, args) -> dict:
     """Calibration with Hessians as a plain process and under torchrun for each ``--ranks`` world size."""
-    from dsv4convert.calibrate import calibration_hessians
+    from dsv4convert.calibration import calibration_hessians
 
     common = ["calibrate", "--src", str(src), "--calibration-data", str(data), "--num-sequences", str(args.sequences),
               "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--device", args.device,

@@ -29,16 +29,23 @@ def measure(tokens: list[int], rep_ms: int) -> list[dict]:
     """Time the FP8 table config at each M in the checkout on ``sys.path`` (one process, one checkout)."""
     import torch
 
-    from bench.kernels import SHAPES, _scaled_mm_baseline, copies_for, make_weights, median_us, timed_over_copies, \
-        weight_bytes
+    from bench.kernels import (
+        SHAPES,
+        _scaled_mm_baseline,
+        copies_for,
+        make_weights,
+        median_us,
+        timed_over_copies,
+        weight_bytes,
+    )
     from dsv4convert.kernels import launch
     from dsv4convert.kernels.samples import random_activations
 
     rows = []
     for shape, (n, k) in SHAPES.items():
-        probe = make_weights("fp8_block", n, k, 1)[0]
+        probe = make_weights("fp8", n, k, 1)[0]
         count = copies_for(weight_bytes(probe))
-        weights = [probe] + make_weights("fp8_block", n, k, count - 1)
+        weights = [probe] + make_weights("fp8", n, k, count - 1)
         for m in tokens:
             x = random_activations(m, k, device="cuda", generator=torch.Generator().manual_seed(m))
             offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")

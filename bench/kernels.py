@@ -36,7 +36,7 @@ SHAPES = {"expert_w1_w3": (2048, 4096), "expert_w2": (4096, 2048), "wq_b": (3276
 TOKENS = (1, 4, 16, 64, 4096)
 WEIGHT_ONLY = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32))
 GROUPED_EXPERTS = 256  # routed experts per DeepSeek-V4-Flash layer
-DEQUANT = (("fp8_block", "ue8m0"), ("fp8_block", "float32"), ("mxfp4", "ue8m0"), ("nvfp4", "ue8m0"), ("int4", "ue8m0"))
+DEQUANT = (("fp8", "ue8m0"), ("fp8", "float32"), ("mxfp4", "ue8m0"), ("nvfp4", "ue8m0"), ("int4", "ue8m0"))
 
 
 def median_us(fn: Callable[[], object], rep_ms: int) -> float:
@@ -188,7 +188,7 @@ def bench_gemms(rep_ms: int, tokens: tuple[int, ...]) -> list[dict]:
             offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
             cublas_us = timed_over_copies(lambda i: x @ dense[i].T, dense_count, rep_ms)
             flops = 2 * m * n * k
-            for fmt, group in WEIGHT_ONLY + (("fp8_block", 128),):
+            for fmt, group in WEIGHT_ONLY + (("fp8", 128),):
                 probe = make_weights(fmt, n, k, 1, group=group)[0]
                 count = copies_for(weight_bytes(probe))
                 weights = [probe] + make_weights(fmt, n, k, count - 1, group=group)
@@ -200,7 +200,7 @@ def bench_gemms(rep_ms: int, tokens: tuple[int, ...]) -> list[dict]:
                        "tflops": flops / us / 1e6, "weight_gbps": weight_bytes(probe) / us / 1e3,
                        "cublas_bf16_us": cublas_us, "speedup_vs_cublas_bf16": cublas_us / us,
                        "rel_error_vs_fp32_reference": error, "config": repr(cfg)}
-                if fmt == "fp8_block":
+                if fmt == "fp8":
                     xq_us = median_us(lambda: launch.quantize_activations_fp8(x), rep_ms)
                     row["activation_quant_us"] = xq_us
                     if m == 4096:
@@ -220,7 +220,7 @@ def bench_gemms(rep_ms: int, tokens: tuple[int, ...]) -> list[dict]:
                     row["speedup_vs_torch_dequant_matmul"] = row["torch_dequant_matmul_us"] / us
                 rows.append(row)
                 extra = f" vs scaled_mm {row.get('fraction_of_scaled_mm', float('nan')):.2f}" if m == 4096 and \
-                    fmt == "fp8_block" else ""
+                    fmt == "fp8" else ""
                 print(f"gemm {fmt:9s} g{group:<3d} {shape_name:13s} M={m:<5d} {us:8.1f} us  cuBLAS {cublas_us:8.1f} us "
                       f"x{cublas_us / us:5.2f}  err {error:.1e}{extra}", flush=True)
                 del weights
@@ -234,7 +234,7 @@ def bench_grouped(rep_ms: int, experts: int, tokens: int) -> list[dict]:
     rows = []
     n, k = SHAPES["expert_w1_w3"]
     dense = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
-    for fmt, group in WEIGHT_ONLY[::2] + (("mxfp4", 32), ("fp8_block", 128)):
+    for fmt, group in WEIGHT_ONLY[::2] + (("mxfp4", 32), ("fp8", 128)):
         stack = make_weights(fmt, n, k, 1, group=group, experts=experts)[0]
         singles = [launch._one_expert(stack, e) for e in range(experts)]
         x = random_activations(experts * tokens, k, device="cuda", generator=torch.Generator().manual_seed(1))
@@ -287,18 +287,18 @@ def _sweep_fp8(rep_ms: int) -> list[dict]:
                                               (128, 128, 8, 3, 16, "tma_rescale"), (128, 128, 8, 3, 64, "tma_rescale")]]
     for shape_name in SHAPES:
         n, k = SHAPES[shape_name]
-        weight = make_weights("fp8_block", n, k, 1)[0]
+        weight = make_weights("fp8", n, k, 1)[0]
         x = random_activations(4096, k, device="cuda")
         offsets = torch.tensor([0, 4096], dtype=torch.int32, device="cuda")
         xq_us = median_us(lambda: launch.quantize_activations_fp8(x), rep_ms)
         for cfg in candidates:
             try:
-                ok = launch._config_passes("fp8_block", 128, cfg, torch.device("cuda"))
+                ok = launch._config_passes("fp8", 128, cfg, torch.device("cuda"))
                 us = median_us(lambda: launch._launch(weight, x, offsets, 4096, cfg), rep_ms)
             except Exception as error:  # record compile failures of a candidate
                 ok, us = False, float("nan")
                 print(f"sweep fp8 {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-            rows.append({"kind": "fp8_block", "format": "fp8_block", "shape": shape_name, "m": 4096, "config": repr(cfg),
+            rows.append({"kind": "fp8", "format": "fp8", "shape": shape_name, "m": 4096, "config": repr(cfg),
                          "us": us, "tflops": 2 * 4096 * n * k / us / 1e6, "activation_quant_us": xq_us, "correct": ok})
             print(f"sweep fp8 {shape_name} {cfg} {us:7.1f} us (act quant {xq_us:.1f}) "
                   f"{2 * 4096 * n * k / us / 1e6:5.0f} TFLOP/s ok={ok}", flush=True)
@@ -315,9 +315,9 @@ def _sweep_fp8_small(rep_ms: int) -> list[dict]:
                   for bn, split in [(64, 1), (32, 1), (16, 1), (64, 2), (64, 4), (32, 2), (32, 4), (128, 4)]]
     for shape_name in ("expert_w1_w3", "expert_w2"):
         n, k = SHAPES[shape_name]
-        probe = make_weights("fp8_block", n, k, 1)[0]
+        probe = make_weights("fp8", n, k, 1)[0]
         count = copies_for(weight_bytes(probe))
-        weights = [probe] + make_weights("fp8_block", n, k, count - 1)
+        weights = [probe] + make_weights("fp8", n, k, count - 1)
         for m in (4, 16):
             x = random_activations(m, k, device="cuda")
             offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
@@ -341,7 +341,7 @@ def _sweep_dequant(rep_ms: int, copy_gbps: float) -> list[dict]:
     candidates = [configs.ElementwiseConfig(r, c, num_warps=w)
                   for r, c, w in [(16, 256, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8), (4, 512, 2),
                                   (8, 512, 8), (4, 2048, 8), (2, 1024, 2), (8, 256, 2)]]
-    for fmt in ("mxfp4", "nvfp4", "int4", "fp8_block"):
+    for fmt in ("mxfp4", "nvfp4", "int4", "fp8"):
         for shape_name, experts in (("expert_w1_w3", None), ("expert_w2", None), ("wq_b", None),
                                     ("square_8192", None), ("expert_w1_w3", 256)):
             n, k = SHAPES[shape_name]
@@ -381,13 +381,13 @@ def bench_quantize(copy_gbps: float, rep_ms: int) -> list[dict]:
         dense = (torch.randn(n, k, generator=gen) * 0.02).to(device="cuda", dtype=torch.bfloat16)
         packed, scale = random_weight("mxfp4", n, k, device="cuda", generator=gen)
         cases = {
-            "bf16->fp8_block": (lambda: kernels.quantize("fp8_block", dense), n * k * 3,
+            "bf16->fp8_block": (lambda: kernels.quantize("fp8", dense), n * k * 3,
                                 lambda: formats.quantize_fp8_block(dense)),
             "bf16->int4_g128": (lambda: kernels.quantize("int4", dense), n * k * 2 + n * k // 2,
                                 lambda: formats.quantize_int4_weight(dense)),
             "mxfp4->nvfp4": (lambda: kernels.transcode_mxfp4("nvfp4", packed, scale), n * k // 32 * 3,
                              lambda: formats.mxfp4_to_nvfp4(packed, scale)),
-            "mxfp4->fp8_block": (lambda: kernels.transcode_mxfp4("fp8_block", packed, scale), n * k * 3 // 2,
+            "mxfp4->fp8_block": (lambda: kernels.transcode_mxfp4("fp8", packed, scale), n * k * 3 // 2,
                                  lambda: formats.mxfp4_to_fp8_block(packed, scale)),
         }
         for name, (run, moved, torch_run) in cases.items():
@@ -434,7 +434,7 @@ def summarize(result: dict) -> str:
                         f"({hits}/{len(deq)} rows; worst {worst['format']}/{worst['scale_fmt']} {worst['shape']} "
                         f"E={worst.get('experts', 1)}: {worst['fraction_of_copy_bw']:.0%}{miss_note}); bit-exact "
                         f"everywhere: {all(r['bit_exact'] for r in deq)}")
-    gem = [r for r in result["gemm"] if r["format"] != "fp8_block"]
+    gem = [r for r in result["gemm"] if r["format"] != "fp8"]
     small = [r for r in gem if r["m"] <= 16]
     if small:
         hits = sum(r["speedup_vs_cublas_bf16"] >= 3 for r in small)
@@ -444,7 +444,7 @@ def summarize(result: dict) -> str:
                         f"({hits}/{len(small)} cases; range x{worst_small['speedup_vs_cublas_bf16']:.2f} "
                         f"({worst_small['format']} {worst_small['shape']} M={worst_small['m']}) to "
                         f"x{best_small['speedup_vs_cublas_bf16']:.2f})")
-    fp8 = [r for r in result["gemm"] if r["format"] == "fp8_block" and r["m"] == 4096 and "fraction_of_scaled_mm" in r]
+    fp8 = [r for r in result["gemm"] if r["format"] == "fp8" and r["m"] == 4096 and "fraction_of_scaled_mm" in r]
     if fp8:
         met = all(r["fraction_of_scaled_mm"] >= 0.7 for r in fp8)
         fast = [r for r in fp8 if r.get("fast_accum")]

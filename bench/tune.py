@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import report  # noqa: E402
-from dsv4convert.storage import Format  # noqa: E402
+from dsv4convert.formats import Format  # noqa: E402
 from dsv4convert.synth import preset_config, reference_config  # noqa: E402
 from dsv4convert.tune import compare, device, run, sglang_moe, workload  # noqa: E402
 from dsv4convert.tune.problem import MoEProblem  # noqa: E402

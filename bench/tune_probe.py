@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dsv4convert.storage import Format  # noqa: E402
+from dsv4convert.formats import Format  # noqa: E402
 from dsv4convert.synth import reference_config  # noqa: E402
 from dsv4convert.tune import device, search  # noqa: E402
 from dsv4convert.tune.problem import MoEProblem  # noqa: E402

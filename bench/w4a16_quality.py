@@ -57,12 +57,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.convert import GB, PeakRSS, _machine, evict  # noqa: E402
-from dsv4convert.calibrate.gptq import gptq_quantize_int4  # noqa: E402
 from dsv4convert.checkpoint import Checkpoint  # noqa: E402
 from dsv4convert.convert.modules import dequantize_source  # noqa: E402
-from dsv4convert.formats import dequantize_int4, quantize_int4_weight  # noqa: E402
+from dsv4convert.formats import (  # noqa: E402
+    Format,  # noqa: E402
+    dequantize_int4,
+    quantize_int4_weight,
+)
+from dsv4convert.formats.gptq import gptq_quantize_int4  # noqa: E402
 from dsv4convert.layout import Role, classify  # noqa: E402
-from dsv4convert.storage import Format  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMES = [(128, "amax"), (128, "mse"), (32, "amax"), (32, "mse")]

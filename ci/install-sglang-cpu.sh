@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install SGLang 0.5.23 and sglang-router 0.3.2 into the *active* Python environment, CPU only,
+# Install SGLang (the version dsv4convert/engines/__init__.py pins) and sglang-router 0.3.2 into the *active*
+# Python environment, CPU only,
 # so tests can run SGLang's real argument parsers, server-arg resolution and quant-config
 # classes (tests/sglang_oracle.py). Idempotent: pip skips what is already at the pinned version.
 #
@@ -14,6 +15,8 @@
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
+# The one place the version is written: the engine rules follow it (dsv4convert/engines/__init__.py).
+SGLANG_VERSION="$("$PYTHON" -c 'from dsv4convert.engines import VERSIONS; print(VERSIONS["sglang"])')"
 pip_install() { "$PYTHON" -m pip install --disable-pip-version-check --quiet "$@"; }
 
 torch_version="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
@@ -24,7 +27,7 @@ case "$torch_version" in
 esac
 
 # The two packages under test, without their GPU dependency tree.
-pip_install --no-deps "sglang==0.5.23" "sglang-router==0.3.2" "$torchvision_pin"
+pip_install --no-deps "sglang==$SGLANG_VERSION" "sglang-router==0.3.2" "$torchvision_pin"
 
 # Pure-Python (or small binary) imports of sglang.srt.server_args, the quant configs,
 # srt/models/deepseek_v4.py (and its loader, which tests/test_sglang_loading.py runs: einops for
@@ -66,5 +69,7 @@ import sglang.srt.models.deepseek_v4_nextn, sglang.srt.platforms.cpu  # noqa: E4
 import sglang.srt.model_executor.model_runner_components.load_model_utils  # noqa: F401
 import einops, openai, partial_json_parser  # noqa: E401,F401  (wo_a dequant; SGLang's protocol imports)
 import sglang, sglang_router
+from dsv4convert.engines import VERSIONS
+assert sglang.__version__ == VERSIONS["sglang"], sglang.__version__
 print(f"install-sglang-cpu: sglang {sglang.__version__}, sglang-router {sglang_router.__version__}: OK")
 EOF

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install vLLM 0.33.0 for the CI oracle (tests/vllm_oracle.py), CPU only, into an overlay
+# Install vLLM (the version dsv4convert/engines/__init__.py pins) for the CI oracle (tests/vllm_oracle.py), CPU only, into an overlay
 # environment beside the *active* test environment: <its prefix>/vllm-overlay. Idempotent.
 #
 # Why an overlay: vLLM 0.33.0 pins openai>=2.25 and compressed-tensors==0.17.0, SGLang 0.5.23 pins
@@ -16,7 +16,8 @@
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
-VLLM_VERSION="0.33.0"
+# The one place the version is written: the engine rules follow it (dsv4convert/engines/__init__.py).
+VLLM_VERSION="$("$PYTHON" -c 'from dsv4convert.engines import VERSIONS; print(VERSIONS["vllm"])')"
 base_prefix="$("$PYTHON" -c 'import sys; print(sys.prefix)')"
 base_site="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 overlay="${DSV4_VLLM_VENV:-$base_prefix/vllm-overlay}"

@@ -26,7 +26,7 @@ COMMAND_MODULES = [
     "dsv4convert.automix.cli",
     "dsv4convert.serve.cli",
     "dsv4convert.tune.cli",
-    "dsv4convert.demo",
+    "dsv4convert.demo.cli",
     "dsv4convert.organism.cli",
     "dsv4convert.calibrate.cli",
 ]

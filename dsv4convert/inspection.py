@@ -1,7 +1,7 @@
 """``dsv4convert inspect``: what a checkpoint is, and what it lacks.
 
 Every module of the DeepSeek-V4 layout is matched against what the checkpoint stores:
-a linear module may be in any known format (``storage.detect_linear_format``), every
+a linear module may be in any known format (``formats.detect_format``), every
 other tensor must keep the native dtype and shape. From the formats found per role the
 checkpoint's variant follows (native FP8+MXFP4, FP8-only, NVFP4 hybrid with FP8-block MTP
 experts or with MXFP4 (``nvfp4-mtp-mxfp4``) or BF16 (``nvfp4-mtp-bf16``) ones, W4A16 with FP8 or
@@ -16,8 +16,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsv4convert import variants
 from dsv4convert.checkpoint import Checkpoint, read_small_json
 from dsv4convert.errors import CheckpointError
+from dsv4convert.formats import Format, detect_format
 from dsv4convert.layout import (
     ModelConfig,
     Role,
@@ -27,7 +29,6 @@ from dsv4convert.layout import (
     native_inventory,
     try_classify,
 )
-from dsv4convert.storage import Format, detect_linear_format
 
 # Parameters that belong to a linear's weight storage in some format; others (router
 # `bias`/`tid2eid`, `ape`, bare tensors) are compared with the native spec as they are.
@@ -35,7 +36,7 @@ WEIGHT_PARAMS = frozenset(
     {"weight", "scale", "weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale", "weight_packed",
      "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale", "input_global_scale"}
 )
-VARIANTS = ("native", "fp8", "nvfp4", "nvfp4-mtp-mxfp4", "nvfp4-mtp-bf16", "w4a16", "bf16", "mixed")
+VARIANTS = variants.NAMES
 
 
 @dataclass
@@ -102,7 +103,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
         if is_linear:
             stored = {p: v for p, v in have.items() if p in WEIGHT_PARAMS}
             n, k = shapes[module]
-            found = detect_linear_format(stored, n, k) if stored else None
+            found = detect_format(stored, n, k) if stored else None
             if not stored:
                 missing.append(f"{module}.weight")
             elif found is None:
@@ -135,33 +136,11 @@ def _variant(modules) -> str:
     by_role: dict[tuple[Role, bool], set] = defaultdict(set)
     for m in modules:
         by_role[(m.role, m.is_mtp)].add(m.format)
-    experts = by_role[(Role.ROUTED_EXPERT, False)]
-    mtp_experts = by_role[(Role.ROUTED_EXPERT, True)]
-    attention = by_role[(Role.ATTENTION, False)]
-    everything = set().union(*by_role.values()) if by_role else set()
-    if everything == {Format.BF16}:
-        return "bf16"
-    if len(experts) != 1:
-        return "mixed"
-    expert_fmt = next(iter(experts))
-    if expert_fmt is Format.INT4 and mtp_experts <= {Format.INT4} and attention == {Format.BF16} and (
-            by_role[(Role.SHARED_EXPERT, False)] | by_role[(Role.INDEXER, False)]) <= {Format.BF16}:
-        return "w4a16"  # the layout both engines load: BF16 linears, INT4 experts
-    if attention != {Format.FP8}:
-        return "mixed"
-    if expert_fmt is Format.MXFP4 and mtp_experts <= {Format.MXFP4}:
-        return "native"
-    if expert_fmt is Format.FP8 and mtp_experts <= {Format.FP8}:
-        return "fp8"
-    if expert_fmt is Format.NVFP4 and mtp_experts <= {Format.FP8}:
-        return "nvfp4"
-    if expert_fmt is Format.NVFP4 and mtp_experts == {Format.MXFP4}:
-        return "nvfp4-mtp-mxfp4"
-    if expert_fmt is Format.NVFP4 and mtp_experts == {Format.BF16}:
-        return "nvfp4-mtp-bf16"
-    if expert_fmt is Format.INT4 and mtp_experts <= {Format.INT4}:
-        return "w4a16"
-    return "mixed"
+    return variants.name_of(
+        experts=by_role[(Role.ROUTED_EXPERT, False)], draft=by_role[(Role.ROUTED_EXPERT, True)],
+        attention=by_role[(Role.ATTENTION, False)],
+        dense=by_role[(Role.SHARED_EXPERT, False)] | by_role[(Role.INDEXER, False)],
+        everything=set().union(*by_role.values()) if by_role else set())
 
 
 def detect_variant(path: str | Path) -> str:

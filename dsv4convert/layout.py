@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterator
 
+from dsv4convert.dtypes import nbytes
 from dsv4convert.errors import CheckpointError
 
 FP8_BLOCK = 128
@@ -134,8 +135,6 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        from dsv4convert.dtypes import nbytes
-
         return nbytes(self.dtype, self.shape)
 
 

@@ -43,7 +43,7 @@ from dsv4convert.kernels.operands import quantized_weight  # noqa: E402
 from dsv4convert.kernels.samples import random_activations, random_weight  # noqa: E402
 
 CAPABILITY = {"sm_90": 90, "sm_100": 100, "sm_120": 120}
-FORMATS = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32), ("fp8_block", 128))
+FORMATS = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32), ("fp8", 128))
 KERNELS = ("act_quant_kernel", "fp8_block_gemm_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel",
            "weight_only_gemm_kernel", "weight_only_halves_kernel", "weight_only_planes_kernel",
            "weight_only_gemv_kernel", "weight_only_mma_kernel")
@@ -125,7 +125,7 @@ def _record_launches(family: str) -> list[tuple[str, object, object, tuple, dict
     generator = torch.Generator().manual_seed(0)
     for fmt, group in FORMATS:
         weight = quantized_weight(fmt, random_weight(fmt, 256, 1024, group_size=group, generator=generator))
-        kind = "fp8_block" if fmt == "fp8_block" else "weight_only"
+        kind = "fp8" if fmt == "fp8" else "weight_only"
         tables = [cfg for _, cfg in configs.GEMM_TABLES[kind][family]] + [configs.SAFE_GEMM[kind]]
         for cfg in tables:
             x = random_activations(2 * cfg.block_m, weight.k, generator=generator)

@@ -118,6 +118,7 @@ from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
 from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.layers.linear import ReplicatedLinear  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoE  # noqa: E402
+from sglang.srt.layers.moe.utils import resolve_moe_runner_backend  # noqa: E402
 from sglang.srt.layers.quantization.base_config import QuantizationConfig  # noqa: E402
 from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E402
     CompressedTensorsConfig,
@@ -125,17 +126,16 @@ from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import
 from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsMoEScheme  # noqa: E402
 from sglang.srt.layers.quantization.compressed_tensors.utils import should_ignore_layer  # noqa: E402
 from sglang.srt.layers.quantization.fp8 import Fp8Config  # noqa: E402
-from sglang.srt.layers.quantization.modelopt_quant import HybridFp8NvFp4Config  # noqa: E402
-from sglang.srt.layers.quantization.utils import is_layer_skipped  # noqa: E402
-from sglang.srt.model_loader.loader import _get_quantization_config  # noqa: E402
-from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
-from sglang.srt.runtime_context import get_flags, override_platform  # noqa: E402
-from sglang.srt.layers.moe.utils import resolve_moe_runner_backend  # noqa: E402
 from sglang.srt.layers.quantization.marlin_utils import (  # noqa: E402
     check_marlin_supported,
     check_moe_marlin_supports_layer,
     scalar_types,
 )
+from sglang.srt.layers.quantization.modelopt_quant import HybridFp8NvFp4Config  # noqa: E402
+from sglang.srt.layers.quantization.utils import is_layer_skipped  # noqa: E402
+from sglang.srt.model_loader.loader import _get_quantization_config  # noqa: E402
+from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
+from sglang.srt.runtime_context import get_flags, override_platform  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_router.launch_router import parse_router_args as _parse_router_args  # noqa: E402
 from sglang_router.router_args import RouterArgs  # noqa: E402
@@ -451,6 +451,10 @@ def variant_config(variant: str, native_config: Mapping[str, Any], *, group_size
 # (ENABLE_JIT_DEEPGEMM, DEEPGEMM_SCALE_UE8M0). SM120 needs a DeepGEMM build with its DSV4 APIs,
 # which configurer.py probes; off, as SGLang's model hook turns the FP8 wo_a GEMM off there anyway.
 DEEPGEMM_FACTS: dict[str, tuple[bool, bool]] = {"sm90": (True, False), "sm100": (True, True), "sm120": (False, False)}
+
+# The cookbook's balanced EAGLE preset (what `serve --mtp` adds): one step, one candidate, two tokens verified.
+EAGLE_ARGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "2")
 
 SENTINELS = (0xA5, 0x5A)  # every parameter byte is filled with one, then the other, before loading
 

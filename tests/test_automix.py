@@ -59,7 +59,7 @@ def test_knapsack_scales_to_the_full_model():
 
 from pathlib import Path  # noqa: E402
 
-from dsv4convert.automix import run as automix  # noqa: E402
+from dsv4convert.automix import plan as automix  # noqa: E402
 from dsv4convert.automix import verify  # noqa: E402
 from dsv4convert.cli import main  # noqa: E402
 from dsv4convert.convert.plan import build_plan  # noqa: E402
@@ -114,7 +114,7 @@ def test_automix_beats_every_baseline_at_its_bytes_and_predicts_within_1_5x(meas
 def test_the_written_recipe_says_why_and_converts(measured, organism):
     plan, sensitivity, _ = measured
     mix = plan.solve(sensitivity, capacity=9_000_000)
-    text = mix.recipe_text(plan, sensitivity, "test")
+    text = mix.recipe(plan, sensitivity, "test").text   # what automix writes, read back as a user would
     recipe = parse_recipe(text, "automix.yaml")
     converted = build_plan(plan.ckpt, recipe, engine="sglang")
     for decision, fmt in mix.picks.items():

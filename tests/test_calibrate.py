@@ -13,31 +13,32 @@ import torch.nn.functional as F
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
+from transformers_oracle import load
 
 from dsv4convert import dtypes
-from dsv4convert.calibrate import calibration_hessians, gptq_quantize_int4
-from dsv4convert.model.text import token_windows, read_documents
-from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource, build_layer, hf_config
 from dsv4convert.calibrate.report import nvfp4_activation_roundtrip
 from dsv4convert.calibrate.stats import ExpertStats
 from dsv4convert.calibrate.stream import CalibrateOptions, Calibrator, batches, work_dir
+from dsv4convert.calibration import calibration_hessians, load_calibration
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.cli import main
-from dsv4convert.convert.input_scales import load_calibration
 from dsv4convert.convert.modules import dequantize_source
 from dsv4convert.errors import DSV4Error, FormatError
 from dsv4convert.formats import (
+    Format,
     dequantize_int4,
     dequantize_nvfp4,
     input_scale_from_amax,
     int4_group_scales,
+    linear_storage,
     quantize_int4_weight,
     quantize_nvfp4,
 )
+from dsv4convert.formats.gptq import gptq_quantize_int4
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import ModelConfig
-from dsv4convert.storage import Format, linear_storage
-from transformers_oracle import load
+from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource, build_layer, hf_config
+from dsv4convert.model.text import read_documents, token_windows
 
 WORDS = ("the quick brown fox jumps over lazy dog model layer expert token weight scale calibration data "
          "stream alpha beta gamma delta 0 1 2 3 4 5 6 7 8 9 , . ; : ( ) [ ]").split()
@@ -396,7 +397,7 @@ def test_cli_writes_the_file_and_prints_the_report(tiny_ckpt, data_file, tmp_pat
 def test_to_w4a16_gptq_uses_the_calibration_hessians(streamed, tiny_ckpt, outputs, tmp_path, capsys):
     """`to-w4a16 --calibration FILE --gptq`: same layout as round-to-nearest, lower GPTQ objective
     tr((W - Q) H (W - Q)^T) on every expert that saw calibration tokens."""
-    from dsv4convert.calibrate.calibfile import calibration_hessians
+    from dsv4convert.calibration import calibration_hessians
     from dsv4convert.checkpoint import Checkpoint
 
     _, calib = streamed

@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers_oracle import load
 
 from dsv4convert import dtypes
-from dsv4convert.checkpoint import PlannedTensor, ShardWriter
+from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter
 from dsv4convert.cli import main
-from dsv4convert.compare.engine import LockstepEngine
+from dsv4convert.compare.lockstep import LockstepEngine
 from dsv4convert.compare.numerics import serving_for
 from dsv4convert.compare.run import CompareOptions, build_plan, run
-from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.formats import Format
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.storage import Format
-from transformers_oracle import load
 
 SEQ = 259       # not a multiple of 4; past the tiny model's HCA window (128) and top-k threshold (4 * 4 + 4 = 20)
 

@@ -12,10 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers_oracle import load
 
 from dsv4convert.cli import main
-from dsv4convert.compare.engine import Batch, LockstepEngine
-from dsv4convert.compare.recall import RecallOptions, TopkObserver, ablation_verdict, build_grid, diagnose, overlap, verdict
+from dsv4convert.compare.lockstep import Batch, LockstepEngine
+from dsv4convert.compare.recall import (
+    RecallOptions,
+    TopkObserver,
+    ablation_verdict,
+    build_grid,
+    diagnose,
+    overlap,
+    verdict,
+)
 from dsv4convert.compare.report import render_recall_markdown
 from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.model.text import load_tokenizer
@@ -29,7 +38,6 @@ from dsv4convert.needle import (
 )
 from dsv4convert.serve.recall import RecallSweep
 from dsv4convert.synth import preset_config, synthesize
-from transformers_oracle import load
 
 LENGTHS = [259, 301]        # the longest fully selected prompt and one past the threshold, residues 3 and 1
 THRESHOLD = 4 * 64 + 4

@@ -12,14 +12,13 @@ import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils import calculate_qparams
+from conftest import SHARD
 
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.cli import main
 from dsv4convert.convert.modules import dequantize_source
+from dsv4convert.formats import Format
 from dsv4convert.layout import Role, classify
-from dsv4convert.storage import Format
-
-from conftest import SHARD
 
 
 def _scheme(group_size: int) -> QuantizationScheme:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import torture  # noqa: E402  (its Stopper arms dsv4convert's stop points)
 
-from dsv4convert.calibrate import calibration_hessians  # noqa: E402
+from dsv4convert.calibration import calibration_hessians  # noqa: E402
 from dsv4convert.distributed import World, strip_gpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

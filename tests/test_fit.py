@@ -27,16 +27,22 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
-
 import sglang_oracle as sgl
+
 from dsv4convert.cli import main
-from dsv4convert.fit import sizing, source, verdict
-from dsv4convert.serve.launch import LaunchOptions, server_args, variant_defaults
+from dsv4convert.engines import memory
+from dsv4convert.engines.served import ServedModel
+from dsv4convert.engines.sglang import memory as sizing
+from dsv4convert.engines.sglang.rules import variant_rules
+from dsv4convert.engines.sglang.server import Server, server
+from dsv4convert.engines.vllm import memory as vllm
+from dsv4convert.fit import source, verdict
 
 REAL_CONFIG = json.loads((Path(__file__).resolve().parent.parent / "dsv4convert/data/deepseek-v4-flash-config.json")
                          .read_text())
@@ -50,7 +56,7 @@ def _small_config() -> dict:
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory) -> dict[str, tuple[source.Source, Path]]:
+def small(tmp_path_factory) -> dict[str, tuple[ServedModel, Path]]:
     """Each shipped variant planned for the small config, with a directory holding its config.json."""
     out = {}
     for variant in source.SHIPPED:
@@ -68,9 +74,8 @@ def real_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def _argv(variant: str, family: str, role: str, tp: int, mtp: bool, model: Path) -> list[str]:
-    options = LaunchOptions(model=str(model), variant=variant, gpu_family=family, mtp=mtp)
-    return server_args(options, role, tp, options.server_port, options.prefill_nccl_port)
+def _server(variant: str, family: str, role: str, tp: int, mtp: bool, model: Path) -> Server:
+    return server(str(model), variant, family, role=role, tp=tp, mtp=mtp)
 
 
 def _resolve(argv: list[str], gpu: verdict.Gpu, env: dict[str, str]):
@@ -80,28 +85,21 @@ def _resolve(argv: list[str], gpu: verdict.Gpu, env: dict[str, str]):
         return sgl.resolve_server_args(argv, gpu=gpu.family, env=env).resolved_dict()["mem_fraction_static"]
 
 
-def _without(argv: list[str], flag: str) -> list[str]:
-    if flag not in argv:
-        return argv
-    i = argv.index(flag)
-    return argv[:i] + argv[i + 2:]
-
-
 @pytest.mark.parametrize("gpu_name", list(FAMILIES))
 def test_memory_fraction_is_sglangs(gpu_name: str, real_dir: Path) -> None:
     gpu = verdict.GPUS[gpu_name]
-    env = variant_defaults("fp8", gpu.family).env
+    env = variant_rules("fp8", gpu.family).env
     checked = 0
     for tp in (4, 8):
         for role in ROLES:
             for mtp in (False, True):
-                argv = _argv("fp8", gpu.family, role, tp, mtp, real_dir)
-                ours = sizing.memory_fraction(sizing.read_server_args(role, argv), gpu.mib)
-                assert _resolve(argv, gpu, env) == ours.used, (role, tp, mtp)
-                bare = _without(argv, "--mem-fraction-static")
-                theirs = _resolve(bare, gpu, env)
-                assert theirs == sizing.memory_fraction(sizing.read_server_args(role, bare), gpu.mib).default
-                assert theirs == ours.default or "--cuda-graph-max-bs-decode" in argv, (role, tp, mtp)
+                settings = _server("fp8", gpu.family, role, tp, mtp, real_dir)
+                ours = sizing.memory_fraction(settings, gpu.mib)
+                assert _resolve(settings.argv(), gpu, env) == ours.used, (role, tp, mtp)
+                bare = replace(settings, mem_fraction_static=None)
+                theirs = _resolve(bare.argv(), gpu, env)
+                assert theirs == sizing.memory_fraction(bare, gpu.mib).default
+                assert theirs == ours.default or settings.cuda_graph_max_bs_decode is not None, (role, tp, mtp)
                 checked += 1
     assert checked == 12
 
@@ -134,20 +132,20 @@ def test_kv_pool_is_sglangs(gpu_name: str, real_dir: Path) -> None:
     from sglang.srt.runtime_context import restore_context, snapshot_context
 
     gpu = verdict.GPUS[gpu_name]
-    env = variant_defaults("fp8", gpu.family).env
-    geometry = source.Source.geometry.fget(SimpleNamespace(config=REAL_CONFIG))
+    env = variant_rules("fp8", gpu.family).env
+    geometry = ServedModel.geometry.fget(SimpleNamespace(config=REAL_CONFIG))
     for tp in (4, 8):
         for role in ROLES:
             for mtp in (False, True):
-                argv = _argv("fp8", gpu.family, role, tp, mtp, real_dir)
-                settings = sizing.read_server_args(role, argv)
+                settings = _server("fp8", gpu.family, role, tp, mtp, real_dir)
+                argv = settings.argv()
                 ours = sizing.kv_cost(geometry, settings)
                 state = snapshot_context()
                 try:
                     pool = _sglang_pool(argv, gpu, env, real_dir)
                     assert pool.bytes_per_full_token == pytest.approx(ours.bytes_per_full_token, rel=1e-12)
                     assert pool._get_c128_state_fixed_bytes(sizing.V4_MAX_RUNNING_REQUESTS) == ours.fixed_bytes
-                    available = int((tp * 11 + 20) * sizing.GIB)     # any budget: both must split it alike
+                    available = int((tp * 11 + 20) * memory.GIB)     # any budget: both must split it alike
                     theirs = pool.calculate_pool_sizes(available, sizing.V4_PAGE_SIZE)
                 finally:
                     restore_context(state)
@@ -169,11 +167,11 @@ def _sglang_bytes(params: dict, *, draft: bool) -> int:
 def test_weights_per_rank_are_sglangs(variant: str, family: str, small) -> None:
     src, directory = small[variant]
     gpu = next(g for g in verdict.GPUS.values() if g.family == family)
-    env = variant_defaults(src.variant, family).env
-    mtp = variant_defaults(src.variant, family).mtp_args is not None
+    env = variant_rules(src.variant, family).env
+    mtp = variant_rules(src.variant, family).serves_draft
     for tp in (4, 8):
         fit = verdict.sglang_server(src, gpu, "server", tp, mtp=mtp)
-        argv = _argv(src.variant, family, "server", tp, mtp, directory)
+        argv = _server(src.variant, family, "server", tp, mtp, directory).argv()
         target = _sglang_bytes(sgl.rank_parameters(directory, argv, gpu=family, tp=tp, env=env), draft=False)
         assert fit.weights_bytes_per_rank - fit.draft_weights_bytes_per_rank == pytest.approx(target, rel=0.005)
         if mtp:
@@ -185,10 +183,10 @@ def test_weights_per_rank_are_sglangs(variant: str, family: str, small) -> None:
 def test_a_wrong_split_rule_is_caught(small) -> None:
     """The weights check can fail: replicating wq_b instead of splitting it moves the figure past 0.5 %."""
     src, _ = small["fp8"]
-    rules = src.load_rules("sm90", src.settings("sm90", "server", 4, mtp=False))
-    right = sizing.weights_per_rank(src.tensors, 4, rules).target
-    with mock.patch.object(sizing, "_SPLIT_ATTENTION", (".attn.wo_a", ".attn.wo_b")):
-        wrong = sizing.weights_per_rank(src.tensors, 4, rules).target
+    rules = sizing.load_rules(src, _server(src.variant, "sm90", "server", 4, False, Path("m")))
+    right = memory.weights_per_rank(src.tensors, 4, rules).target
+    with mock.patch.object(memory, "_SPLIT_ATTENTION", (".attn.wo_a", ".attn.wo_b")):
+        wrong = memory.weights_per_rank(src.tensors, 4, rules).target
     assert not math.isclose(right, wrong, rel_tol=0.005)
 
 
@@ -203,10 +201,10 @@ def test_the_compact_plan_is_the_full_plan() -> None:
         assert 3 * len(compact.tensors) < len(full.tensors)
         assert (compact.variant, compact.geometry) == (full.variant, full.geometry)
         for family in FAMILIES.values():
-            rules = compact.load_rules(family, compact.settings(family, "server", 4, mtp=False))
-            assert rules == full.load_rules(family, full.settings(family, "server", 4, mtp=False))
+            rules = sizing.load_rules(compact, _server(compact.variant, family, "server", 4, False, Path("m")))
+            assert rules == sizing.load_rules(full, _server(full.variant, family, "server", 4, False, Path("m")))
             for tp in (1, 4, 8):
-                ours, theirs = (sizing.weights_per_rank(s.tensors, tp, rules) for s in (compact, full))
+                ours, theirs = (memory.weights_per_rank(s.tensors, tp, rules) for s in (compact, full))
                 assert (ours.target, ours.draft, ours.by_role) == (theirs.target, theirs.draft, theirs.by_role)
 
 
@@ -249,13 +247,12 @@ def test_vllm_cache_specs_are_vllms() -> None:
     import subprocess
 
     import vllm_oracle
-    from dsv4convert.fit import vllm
 
     done = subprocess.run([str(vllm_oracle.vllm_python()), "-c", _VLLM_SPECS], capture_output=True, text=True,
                           check=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     theirs = json.loads(done.stdout.split("SPECS ", 1)[1])
     assert theirs["utilization"] == vllm.GPU_MEMORY_UTILIZATION
-    geometry = source.Source.geometry.fget(SimpleNamespace(config=REAL_CONFIG))
+    geometry = ServedModel.geometry.fget(SimpleNamespace(config=REAL_CONFIG))
     for packed in (True, False):
         ours = {spec.name: [spec.block_size, spec.page_bytes, spec.sliding_window]
                 for spec in vllm.cache_specs(geometry, window=128, block_size=256, packed=packed)}
@@ -313,7 +310,8 @@ def test_serve_refuses_what_cannot_fit(small) -> None:
     """The refusal names the server, the GPU and the shortfall; a launch that fits is not refused."""
     src, _ = small["bf16"]
     tiny = verdict.Gpu("16 GiB card", "sm90", 16384)
-    why = verdict.refusal(src, tiny, "decode", 4, mtp=False)
+    why = verdict.refusal(src, tiny, verdict.launched(src, tiny, "decode", 4, mtp=False))
     assert why is not None and why.startswith("the decode server does not fit TP 4 x 16 GiB card (16384 MiB)")
     assert "short" in why
-    assert verdict.refusal(src, verdict.GPUS["b200"], "decode", 4, mtp=False) is None
+    b200 = verdict.GPUS["b200"]
+    assert verdict.refusal(src, b200, verdict.launched(src, b200, "decode", 4, mtp=False)) is None

@@ -42,9 +42,9 @@ def test_every_table_config_compiles_and_fits(arch, capability):
     family = family_of_capability(capability)
     assert {row["family"] for row in rows} == {family}
     compiled = {row["config"] for row in rows}
-    expected = {repr(cfg) for kind in ("weight_only", "fp8_block") for _, cfg in configs.GEMM_TABLES[kind][family]}
+    expected = {repr(cfg) for kind in ("weight_only", "fp8") for _, cfg in configs.GEMM_TABLES[kind][family]}
     expected |= {repr(cfg) for cfg in configs.SAFE_GEMM.values()}
-    expected |= {repr(configs.dequant_config(family, fmt)) for fmt in ("fp8_block", "int4")}
+    expected |= {repr(configs.dequant_config(family, fmt)) for fmt in ("fp8", "int4")}
     assert expected <= compiled, f"not compiled: {sorted(expected - compiled)}"
     kernels = {row["kernel"] for row in rows}
     assert {"fp8_block_gemm_kernel", "act_quant_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel",

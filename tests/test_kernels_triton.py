@@ -30,8 +30,8 @@ GEMM_TOLERANCE = 3e-3
 
 # (format, group size, scale format): every weight encoding the kernels read.
 WEIGHT_CASES = [
-    ("fp8_block", 128, "ue8m0"),
-    ("fp8_block", 128, "float32"),
+    ("fp8", 128, "ue8m0"),
+    ("fp8", 128, "float32"),
     ("mxfp4", 32, "ue8m0"),
     ("nvfp4", 16, "ue8m0"),
     ("int4", 128, "ue8m0"),
@@ -129,7 +129,7 @@ def test_gemm_matches_fp32_reference(fmt, group, scale_fmt):
     assert _relative_error(want, y) < GEMM_TOLERANCE
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4", "int4"])
 def test_grouped_gemm_token_ranges_and_probe_batch(fmt):
     tensors = _weight(fmt, 128, "ue8m0", 64, 256, experts=4, seed=6)
     weight = quantized_weight(fmt, tensors)
@@ -147,7 +147,7 @@ def test_grouped_gemm_token_ranges_and_probe_batch(fmt):
         assert _relative_error(want[expert], y_probe[expert]) < GEMM_TOLERANCE
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_split_k_config_sums_every_slice(fmt):
     tensors = _weight(fmt, 32, "ue8m0", 64, 512, experts=2, seed=9)
     weight = quantized_weight(fmt, tensors)
@@ -323,15 +323,15 @@ def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     assert launch._fit_split_k(gemv, short, 1) == dataclasses.replace(gemv, block_n=32, block_k=256)
     # FP8 block: narrow split tiles for one expert; twice as wide, unsplit, where those fill the GPU
     fp8 = configs.GemmConfig(16, 32, 128, split_k=4, num_stages=4)
-    expert = quantized_weight("fp8_block", _weight("fp8_block", 128, "ue8m0", 2048, 4096))
+    expert = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 2048, 4096))
     assert launch._fit_split_k(fp8, expert, 4) == fp8
-    wide = quantized_weight("fp8_block", _weight("fp8_block", 128, "ue8m0", 32768, 1024))
+    wide = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 32768, 1024))
     assert launch._fit_split_k(fp8, wide, 4) == dataclasses.replace(fp8, block_n=64, split_k=1)
 
 
 def test_fp8_block_gemm_with_grouped_tile_order():
-    tensors = _weight("fp8_block", 128, "ue8m0", 160, 256, seed=14)
-    weight = quantized_weight("fp8_block", tensors)
+    tensors = _weight("fp8", 128, "ue8m0", 160, 256, seed=14)
+    weight = quantized_weight("fp8", tensors)
     x = random_activations(70, 256, device=DEVICE, generator=_generator(15))
     offsets = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
     cfg = configs.GemmConfig(16, 32, 128, num_warps=4, num_stages=1, group_m=3)  # 5 row tiles: a ragged group
@@ -341,8 +341,8 @@ def test_fp8_block_gemm_with_grouped_tile_order():
 
 def test_fp8_block_gemm_256_wide_tiles_ragged_n_and_k():
     # Two experts, N = 384 (the second tile's upper half lies past N), K = 320 (a partial K block).
-    tensors = _weight("fp8_block", 128, "float32", 384, 320, experts=2, seed=16)
-    weight = quantized_weight("fp8_block", tensors)
+    tensors = _weight("fp8", 128, "float32", 384, 320, experts=2, seed=16)
+    weight = quantized_weight("fp8", tensors)
     x = random_activations(37, 320, device=DEVICE, generator=_generator(17))
     offsets = torch.tensor([0, 21, 37], dtype=torch.int32, device=DEVICE)
     for cfg in (configs.GemmConfig(16, 256, 128, num_warps=4, num_stages=1, group_m=2),
@@ -367,7 +367,7 @@ def test_fp8_block_gemm_hardware_rounding_is_the_integer_rounding(monkeypatch):
     # differ in about half the outputs). The table's config at M > 64, two ragged experts.
     if launch.interpreting():
         pytest.skip("the hardware rounding runs compiled only (the interpreter's conversion truncates)")
-    weight = quantized_weight("fp8_block", _weight("fp8_block", 128, "ue8m0", 384, 512, experts=2, seed=24))
+    weight = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 384, 512, experts=2, seed=24))
     x = random_activations(200, 512, device=DEVICE, generator=_generator(25))
     offsets = torch.tensor([0, 130, 200], dtype=torch.int32, device=DEVICE)
     hardware = launch.grouped_gemm(weight, x, offsets)
@@ -381,10 +381,10 @@ def test_fp8_block_gemm_hardware_rounding_is_the_integer_rounding(monkeypatch):
 def test_fp8_block_gemm_rescaled_accumulator(scale_fmt):
     # variant "rescale": with E8M0 weight scales the accumulator is rescaled between K blocks and fed
     # to the dot; float32 scales keep the scale-after-dot path. Ragged experts, K blocks and split-K.
-    tensors = _weight("fp8_block", 128, scale_fmt, 160, 640, experts=2, seed=18)
+    tensors = _weight("fp8", 128, scale_fmt, 160, 640, experts=2, seed=18)
     if scale_fmt == "ue8m0":
         tensors[1].view(torch.uint8)[0, 0, 2] = 0  # 2^-127: clamped for the ratios, must not overflow
-    weight = quantized_weight("fp8_block", tensors)
+    weight = quantized_weight("fp8", tensors)
     x = random_activations(50, 640, device=DEVICE, generator=_generator(19))
     x[7] *= 1000.0  # one token's scales far from the others'
     offsets = torch.tensor([0, 30, 50], dtype=torch.int32, device=DEVICE)
@@ -398,7 +398,7 @@ def test_table_configs_pass_their_check_on_this_device():
     arch = launch.arch_of(torch.device(DEVICE))
     for kind, table in configs.GEMM_TABLES.items():
         for _, cfg in table[arch]:
-            fmt = "fp8_block" if kind == "fp8_block" else "mxfp4"
+            fmt = "fp8" if kind == "fp8" else "mxfp4"
             assert launch._config_passes(fmt, 32, cfg, torch.device(DEVICE)), (kind, cfg)
 
 
@@ -426,7 +426,7 @@ def test_sm120_configs_fit_its_shared_memory():
     limit = configs.SHARED_MEMORY_LIMIT["sm_120"]
     for kind, table in configs.GEMM_TABLES.items():
         for _, cfg in table["sm_120"]:
-            bits, act_bytes = (8, 1) if kind == "fp8_block" else (4, 2)
+            bits, act_bytes = (8, 1) if kind == "fp8" else (4, 2)
             assert cfg.shared_memory_bytes(bits, act_bytes) <= limit, (kind, cfg)
         assert table["sm_120"][-1][0] >= 1 << 40  # a catch-all entry ends every table
     assert configs.gemm_config("weight_only", "sm_90", 1).split_k >= 1
@@ -439,7 +439,7 @@ def test_bad_inputs_are_refused():
     with pytest.raises(FormatError, match="unknown weight format"):
         kernels.dequantize("fp6", packed, scale)
     with pytest.raises(FormatError, match="float8_e4m3fn"):
-        kernels.dequantize("fp8_block", packed, scale)
+        kernels.dequantize("fp8", packed, scale)
     with pytest.raises(FormatError, match="channels"):
         kernels.gemm("mxfp4", torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE), packed, scale)
     stacked = _weight("mxfp4", 32, "ue8m0", 32, 128, experts=2)

@@ -37,20 +37,22 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import sglang_oracle as sgl
+import vllm_oracle as vllm
 from conftest import run
 from test_sglang_loading import FAMILIES, _never_loaded, check, tamper
 from test_vllm_loading import LINEAR_METHOD, _vllm_module
 
-import sglang_oracle as sgl
-import vllm_oracle as vllm
-from dsv4convert.automix.menu import CANDIDATES, GPU_FAMILIES, Family, menu
+from dsv4convert.automix.menu import Family, menu
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.convert.engines import SGLANG, VLLM, engines_for
 from dsv4convert.convert.model_card import default_launch, vllm_default_launch
+from dsv4convert.engines import GPU_FAMILIES, SGLANG, VLLM, engines_for
+from dsv4convert.engines.mixes import CANDIDATES
+from dsv4convert.engines.sglang.rules import variant_rules
+from dsv4convert.formats import Format
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import Role, classify
-from dsv4convert.serve.launch import served_like, variant_defaults
-from dsv4convert.storage import Format
+from dsv4convert.variants import served_like
 
 LAYERS = 5  # the tiny preset's backbone
 CARD = FAMILIES  # GPU family -> the model card's name for it
@@ -212,7 +214,7 @@ def _sglang_method(layout: Layout, fmt: Format, gpu: str, like: str, draft: bool
     if fmt is Format.MXFP4 and layout.family.config.startswith("nvfp4"):
         return "Mxfp4FlashinferTrtllmMoEMethod"   # HybridFp8NvFp4Config, is_fp4_experts
     if fmt in (Format.MXFP4, Format.INT4):        # the whole-model family's own method on this GPU
-        defaults = variant_defaults(like, gpu)
+        defaults = variant_rules(like, gpu)
         return defaults.draft_moe_method if draft else defaults.moe_method
     return {Format.NVFP4: "ModelOptNvFp4FusedMoEMethod", Format.FP8: "Fp8MoEMethod",
             Format.BF16: "UnquantizedFusedMoEMethod"}[fmt]
@@ -257,7 +259,7 @@ def test_sglang_reads_every_layer_as_intended_on_every_admitted_gpu(converted, n
 def _signature(layout: Layout, gpu: str, like: str) -> tuple:
     """What decides how SGLang loads a layout on a GPU family: the card's runner and methods, and sm_100's
     FP8 wo_a GEMM (DeepGEMM UE8M0)."""
-    d = variant_defaults(like, gpu)
+    d = variant_rules(like, gpu)
     methods = tuple(_sglang_method(layout, f, gpu, like, False) for f in layout.experts.values())
     return d.moe_runner_backend, methods, _sglang_method(layout, layout.mtp, gpu, like, True), gpu == "sm100"
 

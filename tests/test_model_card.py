@@ -5,11 +5,10 @@ from __future__ import annotations
 import shlex
 
 import pytest
+import sglang_oracle as sgl
 from conftest import run
 
-import sglang_oracle as sgl
 from dsv4convert.convert.model_card import (
-    GPU_FAMILIES,
     default_launch,
     render_model_card,
     shell_line,
@@ -19,7 +18,13 @@ from dsv4convert.convert.model_card import (
 )
 from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.recipe import RECIPE_DIR
+from dsv4convert.engines import GPU_FAMILIES, gpu_of_family
+from dsv4convert.engines.memory import gib
+from dsv4convert.fit import source, verdict
 from dsv4convert.inspection import detect_variant
+
+# The card's section title per GPU family -> the family.
+CARD_FAMILIES = {gpu_of_family(family).label: family for family in GPU_FAMILIES}
 
 MIXED_RECIPE = RECIPE_DIR / "nvfp4-bf16-indexer.yaml"
 # The quant config class SGLang's loader builds, and whether the FP4-expert switch is on.
@@ -106,10 +111,10 @@ def test_default_launch_is_what_sglang_resolves_as_intended(served, output):
     model_dir = served[output]
     variant = detect_variant(model_dir)
     launch = default_launch(model_dir, variant)
-    assert list(launch) == list(GPU_FAMILIES)
+    assert list(launch) == list(CARD_FAMILIES)
     config_class, fp4_experts = EXPECTED_CONFIG[output]
     for family, spec in launch.items():
-        gpu = GPU_FAMILIES[family][0]
+        gpu = CARD_FAMILIES[family]
         argv = spec["argv"]
         assert argv[:3] == ["python", "-m", "sglang.launch_server"]
         assert spec["env"]["SGLANG_DSV4_FP4_EXPERTS"] == fp4_experts
@@ -153,17 +158,15 @@ def test_written_readme_carries_the_launch_commands(served, output):
 
 def _assert_fit_figures(section: str, model_dir, engine: str) -> None:
     """Each family's weights per GPU and KV tokens are what `dsv4convert fit` computes for its command."""
-    from dsv4convert.fit import sizing, source, verdict
-
     src = source.from_checkpoint(model_dir)
     for block in section.split("\n## ")[0].split("### ")[1:]:
         family = block.splitlines()[0]
         argv = shlex.split(block.split("```bash\n")[1].split("\n```")[0])
         tp = int(argv[argv.index("--tp-size" if engine == "sglang" else "--tensor-parallel-size") + 1])
-        gpu = verdict.gpu_of_family(GPU_FAMILIES[family][0])
+        gpu = gpu_of_family(CARD_FAMILIES[family])
         fit = (verdict.sglang_server(src, gpu, "server", tp, mtp=False) if engine == "sglang"
                else verdict.vllm_server(src, gpu, tp, mtp=False))
-        assert (f"on {gpu.name}: {sizing.gib(fit.weights_bytes_per_rank)} of weights per GPU, "
+        assert (f"on {gpu.name}: {gib(fit.weights_bytes_per_rank)} of weights per GPU, "
                 f"{fit.kv_tokens:,} KV tokens.") in block, (family, engine)
 
 

@@ -15,13 +15,20 @@ import pytest
 import safetensors.torch
 import torch
 
-from dsv4convert.checkpoint import (Checkpoint, PlannedTensor, ShardWriter, SourceBytes, prefetch, read_tensor,
-                                   safetensors_io)
+from dsv4convert.calibration import build_input_scales
+from dsv4convert.checkpoint import (
+    Checkpoint,
+    PlannedTensor,
+    ShardWriter,
+    SourceBytes,
+    prefetch,
+    read_tensor,
+    safetensors_io,
+)
 from dsv4convert.cli import main
 from dsv4convert.convert import execute, pipeline
-from dsv4convert.convert.pipeline import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
-from dsv4convert.convert.input_scales import build_input_scales
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, convert_module, partner_params, read_module
+from dsv4convert.convert.pipeline import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
 from dsv4convert.convert.plan import build_plan
 from dsv4convert.convert.recipe import load_recipe
 from dsv4convert.errors import CheckpointError, DSV4Error
@@ -266,6 +273,7 @@ def test_kept_tensors_are_checked_piece_by_piece_and_copied_unread(tmp_path, mon
     """A kept tensor streams through one small reused buffer for its NaN check (no tensor-sized
     read), then goes out as SourceBytes; a NaN in any piece, or a short file, names the tensor."""
     from conftest import write_plain_checkpoint
+
     from dsv4convert.convert import modules
 
     monkeypatch.setattr(modules, "_SCAN_BYTES", 64)  # pieces of 64 bytes: many per tensor

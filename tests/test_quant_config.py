@@ -13,16 +13,17 @@ import json
 from collections import defaultdict
 
 import pytest
+import sglang_oracle as sgl
 import torch
 from safetensors.torch import save_file
-
-import sglang_oracle as sgl
-from dsv4convert.convert.quant_config import HF_QUANT_CONFIG, build_quant_config, serving_env
-from dsv4convert.errors import RecipeError
-from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
-from dsv4convert.storage import Format
-from dsv4convert.synth import preset_config
 from sglang.srt.models.deepseek_common.utils import is_wint4afp8_or_wint4a16_config
+
+from dsv4convert.engines.config import build_quant_config
+from dsv4convert.engines.sglang.quant_config import HF_QUANT_CONFIG, serving_env
+from dsv4convert.errors import RecipeError
+from dsv4convert.formats import Format
+from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.synth import preset_config
 
 # What SGLang's quant-method dispatch calls each stored format (see sglang_oracle).
 MOE_SCHEME = {Format.NVFP4: "nvfp4", Format.MXFP4: "mxfp4", Format.FP8: "fp8", Format.INT4: "wna16",

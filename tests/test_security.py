@@ -37,9 +37,9 @@ def test_no_pickle_and_no_remote_code_anywhere_in_the_package():
 
 
 def test_generated_server_commands_never_trust_remote_code(tmp_path):
-    from dsv4convert.serve.launch import LaunchOptions, server_args
+    from dsv4convert.serve.launch import LaunchOptions, server_settings
 
     for variant in ("native", "fp8", "nvfp4", "w4a16", "bf16"):
         options = LaunchOptions(model=str(tmp_path), variant=variant, gpu_family="sm90")
         for role in ("prefill", "decode", "server"):
-            assert "--trust-remote-code" not in server_args(options, role, 4, 30000, 29100)
+            assert "--trust-remote-code" not in server_settings(options, role, 4, 30000, 29100).argv()

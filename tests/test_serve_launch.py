@@ -8,12 +8,13 @@ import shlex
 from pathlib import Path
 
 import pytest
-
 import sglang_oracle as sgl
+
+from dsv4convert.engines import EngineError
+from dsv4convert.engines.sglang.rules import variant_rules
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve.launch import (
     MOONCAKE_TCP_COST,
-    MTP_ARGS,
     SERVED_VARIANTS,
     Command,
     LaunchError,
@@ -22,8 +23,9 @@ from dsv4convert.serve.launch import (
     plan_pd,
     plan_role,
     plan_single,
-    variant_defaults,
 )
+
+MTP_ARGS = sgl.EAGLE_ARGS
 from dsv4convert.serve.topology import Gpu, Topology
 
 FAMILIES = ("sm90", "sm100", "sm120")
@@ -66,7 +68,7 @@ def test_every_planned_command_parses(model_dirs, variant, family):
         *pd_plan(model, variant, family),
         *pd_plan(model, variant, family, transfer_backend="nixl", indexer_topk=True),
         # The MTP draft where its MoE method runs (elsewhere serve refuses it: test_mtp_* below).
-        *pd_plan(model, variant, family, mtp=variant_defaults(variant, family).mtp_args is not None,
+        *pd_plan(model, variant, family, mtp=variant_rules(variant, family).serves_draft,
                  enable_metrics=True),
         *plan_single(LaunchOptions(model=str(model), variant=variant, gpu_family=family), USER_HOST, list(range(8))),
         *plan_role(multi, None, "prefill", [0, 1, 2, 3]),
@@ -106,7 +108,7 @@ def test_pd_on_user_host_resolves_as_sglang_would(model_dirs, variant):
 
 @pytest.mark.parametrize("variant", SERVED_VARIANTS)
 def test_variant_env_makes_sglang_read_the_experts_right(real_config, variant):
-    env = variant_defaults(variant, "sm120").env
+    env = variant_rules(variant, "sm120").env
     qc = sgl.quant_config_from_checkpoint_config(sgl.variant_config(variant, real_config), env=env)
     assert sgl.moe_scheme_for(qc, "model.layers.10.mlp.experts") == EXPERT_SCHEME[variant]
 
@@ -115,9 +117,9 @@ def test_variant_env_makes_sglang_read_the_experts_right(real_config, variant):
 @pytest.mark.parametrize("variant", SERVED_VARIANTS)
 def test_mtp_flags_only_where_the_draft_runs(model_dirs, variant, family):
     options = LaunchOptions(model=str(model_dirs[variant]), variant=variant, gpu_family=family, mtp=True)
-    defaults = variant_defaults(variant, family)
+    defaults = variant_rules(variant, family)
     if variant == "nvfp4-mtp-mxfp4" and family != "sm100":
-        assert defaults.mtp_args is None and defaults.draft_moe_method == "Mxfp4FlashinferTrtllmMoEMethod"
+        assert not defaults.serves_draft and defaults.draft_moe_method == "Mxfp4FlashinferTrtllmMoEMethod"
         with pytest.raises(LaunchError, match="no MTP draft .* SM100 kernel; convert with to-nvfp4 --mtp-experts bf16"):
             plan_single(options, None, [0, 1, 2, 3])
         with pytest.raises(LaunchError, match="no MTP draft"):
@@ -148,7 +150,7 @@ def test_indexer_topk_sets_attention_dp(model_dirs):
     assert resolved["enable_return_indexer_topk"] and resolved["attn_dp_size"] == 4
 
 
-@pytest.mark.parametrize("variant", [v for v in SERVED_VARIANTS if variant_defaults(v, "sm120").mtp_args])
+@pytest.mark.parametrize("variant", [v for v in SERVED_VARIANTS if variant_rules(v, "sm120").serves_draft])
 def test_mtp_and_metrics_resolve_as_sglang_would(model_dirs, variant):
     """--check mtp: SGLang's EAGLE over the checkpoint's own MTP layers, on both PD servers; --metrics.
     (nvfp4-mtp-mxfp4 has no draft on sm120: test_mtp_flags_only_where_the_draft_runs.)"""
@@ -195,10 +197,10 @@ def test_bad_plans_are_refused():
         plan_pd(options, USER_HOST, [0, 1, 2, 3], [3, 4, 5, 6])
     with pytest.raises(LaunchError, match="both 30000"):
         plan_pd(LaunchOptions(model="m", variant="fp8", gpu_family="sm120", decode_port=30000), USER_HOST, [0], [1])
-    with pytest.raises(LaunchError, match="no serving defaults"):
-        variant_defaults("mixed", "sm120")
-    with pytest.raises(LaunchError, match="sm90/sm100/sm120"):
-        variant_defaults("fp8", "hopper")
+    with pytest.raises(EngineError, match="no serving rules for variant 'mixed'"):
+        variant_rules("mixed", "sm120")
+    with pytest.raises(EngineError, match="expected one of sm90, sm100, sm120"):
+        variant_rules("fp8", "hopper")
     with pytest.raises(LaunchError, match="needs --prefill-url"):
         plan_role(options, None, "router", [])
 

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_serve_process import STANDIN_SERVER, assert_nothing_left, free_port
 
+from dsv4convert.engines.sglang.server import server as sglang_server
 from dsv4convert.errors import FormatError
 from dsv4convert.serve import checks as serve_checks
 from dsv4convert.serve import cli as serve_cli
@@ -24,7 +26,6 @@ from dsv4convert.serve import mtp, report
 from dsv4convert.serve.launch import Command
 from dsv4convert.serve.process import ProcessGroup
 from dsv4convert.synth import TOKENIZER_CONFIG
-from test_serve_process import STANDIN_SERVER, assert_nothing_left, free_port
 
 STARTUP_S = 60.0  # generous: a busy 2-core machine imports numpy slowly
 
@@ -118,8 +119,9 @@ def test_response_parsing_and_bad_input(tmp_path, model_dir):
         mtp.parse_response(prompt, {"error": "overloaded"})
     assert mtp.server_accept_lengths({"internal_states": [{"avg_spec_accept_length": 1.8}, {}, "x"]}) == [1.8]
     assert mtp.server_accept_lengths({}) == []
-    assert mtp.draft_tokens(["--speculative-num-draft-tokens", "2", "--speculative-num-draft-tokens=4"]) == 4
-    assert mtp.draft_tokens(["--tp-size", "4"]) is None
+    plain = sglang_server("MODEL", "fp8", "sm90", tp=4)
+    user = plain.with_arguments(["--speculative-num-draft-tokens", "2", "--speculative-num-draft-tokens=4"])
+    assert user.draft_tokens == 4 and user.mtp and plain.draft_tokens is None
     with pytest.raises(serve_cli.launch.LaunchError, match="must be >= 1.0"):
         serve_args(model_dir, tmp_path, 1, "--min-accept", "0.5")
     recall_report = tmp_path / "recall.json"

@@ -4,7 +4,7 @@ For each variant of the tiny synthetic model as made for both engines (the defau
 expert scales, nvfp4 with BF16 or MXFP4 MTP experts, w4a16 with BF16 linears, bf16) and as made for
 SGLang alone (``--engine sglang``: fp8 with E8M0 scales, nvfp4 with FP8 MTP experts, w4a16 with FP8
 linears), and each GPU family we serve (sm_90, sm_100, sm_120), the launch command and environment
-of the model card (``default_launch``, i.e. ``serve``'s ``variant_defaults``) go through SGLang's
+of the model card (``default_launch``, i.e. the engine rules ``serve`` launches with) go through SGLang's
 own resolution, ``ModelConfig``, ``_get_quantization_config`` and model construction; SGLang's
 default loader then streams the checkpoint into ``DeepseekV4ForCausalLM.load_weights``, and into
 the ``DeepseekV4ForCausalLMNextN`` draft with the card's MTP flags (``sglang_oracle.load_checkpoint``).
@@ -56,18 +56,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import sglang_oracle as sgl
 import torch
 from conftest import write_plain_checkpoint
 
-import sglang_oracle as sgl
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.convert.model_card import GPU_FAMILIES, default_launch
+from dsv4convert.convert.model_card import default_launch
+from dsv4convert.engines import GPU_FAMILIES, gpu_of_family
+from dsv4convert.engines.sglang.rules import variant_rules
 from dsv4convert.formats import dequantize_fp8_block, e8m0_scale_to_float32
 from dsv4convert.inspection import detect_variant
 from dsv4convert.layout import Role, classify
-from dsv4convert.serve.launch import MTP_ARGS, variant_defaults
 
-FAMILIES = {gpu: name for name, (gpu, _memory) in GPU_FAMILIES.items()}
+FAMILIES = {family: gpu_of_family(family).label for family in GPU_FAMILIES}
 # conftest's outputs: the shipped recipes for both engines, and "<recipe>@sglang" where SGLang's own layout differs.
 VARIANTS = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16", "fp8@sglang", "nvfp4@sglang", "w4a16@sglang")
 LANDED, CONVERTED, CONSUMED = "landed", "converted", "consumed"
@@ -353,7 +354,7 @@ def served(checkpoints):
             assert spec["argv"][:3] == ["python", "-m", "sglang.launch_server"]
             # Where the card offers no MTP command the draft is built with the same flags anyway, to
             # show what SGLang would make of it.
-            draft_argv = spec["mtp"]["argv"][3:] if "mtp" in spec else [*spec["argv"][3:], *MTP_ARGS]
+            draft_argv = spec["mtp"]["argv"][3:] if "mtp" in spec else [*spec["argv"][3:], *sgl.EAGLE_ARGS]
             draft_env = spec["mtp"]["env"] if "mtp" in spec else spec["env"]
             models = {"target": sgl.load_checkpoint(model_dir, spec["argv"][3:], gpu=gpu, env=spec["env"]),
                       "draft": sgl.load_checkpoint(model_dir, draft_argv, gpu=gpu, env=draft_env, draft=True)}
@@ -389,7 +390,7 @@ def test_every_tensor_lands_where_sglang_needs_it(served, variant, gpu):
 def test_moe_methods_and_wo_a_are_what_serve_states(served, variant, gpu):
     s = served(variant, gpu)
     layout = detect_variant(s.ckpt.root)
-    defaults = variant_defaults(layout, gpu)
+    defaults = variant_rules(layout, gpu)
     target, draft = s.models["target"], s.models["draft"]
     assert set(target.moe_methods.values()) == {defaults.moe_method}
     assert len(target.moe_methods) == s.ckpt.config["num_hidden_layers"]
@@ -576,7 +577,7 @@ def test_validate_passes_every_clean_variant_and_states_its_env(checkpoints, var
     integrity = check_integrity(ckpt, inspect_checkpoint(ckpt))
     layout = detect_variant(checkpoints[variant])
     assert integrity.problems == []
-    assert integrity.fp4_experts.needed == variant_defaults(layout, "sm120").env["SGLANG_DSV4_FP4_EXPERTS"]
+    assert integrity.fp4_experts.needed == variant_rules(layout, "sm120").env["SGLANG_DSV4_FP4_EXPERTS"]
     # What validate says SGLang's probe concludes is what SGLang's ModelConfig concludes with the
     # variable unset: right only for fp8 (F8_E4M3) and nvfp4-mtp-mxfp4 (U8, and MXFP4 draft experts).
     assert integrity.fp4_experts.probe_fp4 == sgl.is_fp4_experts(checkpoints[variant]) == (layout != "fp8")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dsv4convert.cli import main
-from dsv4convert.storage import Format
+from dsv4convert.formats import Format
 from dsv4convert.synth import preset_config
 from dsv4convert.tune import device as device_module
 from dsv4convert.tune import output, run, search, sglang_moe, space, workload
@@ -427,10 +427,8 @@ def test_write_is_atomic_merges_own_folders_and_replaces_shipped(tmp_path, monke
     kwargs = {"shipped_configs": shipped, "entries": {name: {"model": "m"}}, "sglang_version": "0.5.23",
               "triton_version": "3.8.0"}
 
-    from dsv4convert import checkpoint
-
     calls = []
-    real = checkpoint.atomic_write_json
+    real = output.atomic_write_json
 
     def failing(path, obj):
         calls.append(path)
@@ -438,11 +436,11 @@ def test_write_is_atomic_merges_own_folders_and_replaces_shipped(tmp_path, monke
             raise OSError("disk full")
         real(path, obj)
 
-    monkeypatch.setattr(checkpoint, "atomic_write_json", failing)
+    monkeypatch.setattr(output, "atomic_write_json", failing)
     with pytest.raises(TuneError, match="disk full"):
         output.write_tuned(out, files={name: {1: cfg}}, **kwargs)
     assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "shipped"]  # nothing half-written left
-    monkeypatch.setattr(checkpoint, "atomic_write_json", real)
+    monkeypatch.setattr(output, "atomic_write_json", real)
 
     output.write_tuned(out, files={name: {1: cfg}}, **kwargs)
     assert (out / "configs" / "README.md").read_text() == "shipped"

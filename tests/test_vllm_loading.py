@@ -21,17 +21,18 @@ import shutil
 from pathlib import Path
 
 import pytest
+import vllm_oracle as vllm
 from conftest import run
 
-import vllm_oracle as vllm
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.convert.model_card import GPU_FAMILIES, vllm_default_launch
-from dsv4convert.convert.quant_config import servable_engines
+from dsv4convert.convert.model_card import vllm_default_launch
 from dsv4convert.convert.recipe import RECIPE_DIR
+from dsv4convert.engines import GPU_FAMILIES, gpu_of_family
+from dsv4convert.engines.config import servable_engines
+from dsv4convert.engines.vllm.server import VLLM_MOE_METHODS
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.serve.vllm_launch import VLLM_MOE_METHODS
 
-FAMILIES = {gpu: name for name, (gpu, _memory) in GPU_FAMILIES.items()}
+FAMILIES = {family: gpu_of_family(family).label for family in GPU_FAMILIES}
 # Models are built on sm_90: vLLM's quant methods do not depend on the family (the MoE backend does, and it
 # follows the kernels installed, which a CPU host lacks); sm_120's attention class needs FlashInfer DSV4
 # kernels for the head count. Every family's command is resolved.

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import sglang_oracle as sgl
+
 from dsv4convert.cli import main
-from dsv4convert.convert.quant_config import build_quant_config, serving_env
+from dsv4convert.engines.config import build_quant_config
+from dsv4convert.engines.sglang.quant_config import serving_env
+from dsv4convert.engines.sglang.rules import variant_rules as variant_defaults
+from dsv4convert.formats import Format
 from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
-from dsv4convert.serve.launch import variant_defaults
-from dsv4convert.storage import Format
 
 WNA16_MARLIN = "CompressedTensorsWNA16MoE"        # compressed_tensors_wNa16_moe.py, the Marlin MoE kernel
 WNA16_TRITON = "CompressedTensorsWNA16TritonMoE"  # the Triton WNA16 kernel: SGLang's auto choice on sm_100

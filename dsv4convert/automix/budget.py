@@ -2,7 +2,7 @@
 
 Two units: ``--size`` counts the checkpoint's stored bytes (every tensor of the output, as the converter
 plans it); ``--gpu/--tp/--kv-tokens`` counts bytes per GPU as SGLang 0.5.23 (or vLLM 0.33.0) loads them
-(:func:`dsv4convert.fit.sizing.weights_per_rank`, with the launch ``serve`` makes for the family), and the
+(:func:`dsv4convert.engines.memory.weights_per_rank`, with the launch ``serve`` makes for the family), and the
 allowance is what one rank may hold in weights so that the KV pool still has ``--kv-tokens`` tokens
 (:func:`dsv4convert.fit.verdict.sglang_server`'s budget, solved for the weights). Both are sums over
 tensors, so a mix's bytes are its fixed part plus its choices' bytes, exactly.
@@ -13,14 +13,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dsv4convert.fit import sizing
-from dsv4convert.fit.source import Source
-from dsv4convert.fit.verdict import Gpu, sglang_server, vllm_server
-from dsv4convert.layout import classify
-from dsv4convert.serve.launch import flag_value
-from dsv4convert.serve.vllm_launch import BASE_ARGS
-from dsv4convert.storage import Format, linear_storage
 from dsv4convert import dtypes
+from dsv4convert.engines import SGLANG_LABEL, VLLM_LABEL, Gpu
+from dsv4convert.engines import memory as sizing
+from dsv4convert.engines.served import ServedModel
+from dsv4convert.engines.sglang.memory import V4_PAGE_SIZE, load_rules
+from dsv4convert.engines.vllm.server import BLOCK_SIZE as VLLM_BLOCK
+from dsv4convert.fit.verdict import launched, sglang_server, vllm_server
+from dsv4convert.formats import Format, linear_storage
+from dsv4convert.layout import classify
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,11 @@ def stored(module: str, fmt: Format, shape: tuple[int, int], fp8_scale_dtype: st
             for p in linear_storage(fmt, n, k, group_size=128, fp8_scale_dtype=fp8_scale_dtype)]
 
 
-def sglang_rules(source: Source, gpu: Gpu, tp: int, mtp: bool) -> sizing.LoadRules:
-    settings = source.settings(gpu.family, "server", tp, mtp=mtp)
-    return source.load_rules(gpu.family, settings)
+def sglang_rules(model: ServedModel, gpu: Gpu, tp: int, mtp: bool) -> sizing.LoadRules:
+    return load_rules(model, launched(model, gpu, "server", tp, mtp=mtp))
 
 
-VLLM_RULES = sizing.LoadRules(wo_a_bf16=False, nvfp4_scale_copies=1)   # vllm_server's rules
-VLLM_BLOCK = int(flag_value(BASE_ARGS, "--block-size"))                # the block size serve's vLLM launch sets
-
-
-def allowance(source: Source, gpu: Gpu, tp: int, kv_tokens: int, *, engine: str, mtp: bool) -> tuple[int, list[str]]:
+def allowance(source: ServedModel, gpu: Gpu, tp: int, kv_tokens: int, *, engine: str, mtp: bool) -> tuple[int, list[str]]:
     """Weight bytes one rank may hold so that ``kv_tokens`` tokens of KV still fit, and how it was reached.
 
     Each server's KV budget falls byte for byte with the weights (``sizing.budget``, ``vllm.kv_budget``), so
@@ -73,16 +69,16 @@ def allowance(source: Source, gpu: Gpu, tp: int, kv_tokens: int, *, engine: str,
     notes, limits = [], []
     if engine in ("sglang", "both"):
         fit = sglang_server(source, gpu, "server", tp, mtp=mtp, context=kv_tokens)
-        pages = -(-kv_tokens // sizing.V4_PAGE_SIZE) * sizing.V4_PAGE_SIZE   # the pool holds whole pages
+        pages = -(-kv_tokens // V4_PAGE_SIZE) * V4_PAGE_SIZE   # the pool holds whole pages
         need = fit.fixed_state_bytes + math.ceil(pages * fit.kv_bytes_per_token)
         limits.append(fit.weights_bytes_per_rank + fit.available_kv_bytes - int(need))
-        notes.append(f"SGLang 0.5.23: mem_fraction_static {fit.mem_fraction_static}, "
+        notes.append(f"{SGLANG_LABEL}: mem_fraction_static {fit.mem_fraction_static}, "
                      f"{fit.kv_bytes_per_token:.0f} B of KV per token, {sizing.gib(need)} for {kv_tokens} tokens")
     if engine in ("vllm", "both"):
         fit = vllm_server(source, gpu, tp, mtp=mtp, context=kv_tokens)
         blocks = -(-kv_tokens // VLLM_BLOCK) * VLLM_BLOCK                    # vllm_server counts whole blocks
         need = math.ceil(blocks * fit.kv_bytes_per_token)
         limits.append(fit.weights_bytes_per_rank + fit.available_kv_bytes - int(need))
-        notes.append(f"vLLM 0.33.0: gpu_memory_utilization {fit.mem_fraction_static}, "
+        notes.append(f"{VLLM_LABEL}: gpu_memory_utilization {fit.mem_fraction_static}, "
                      f"{fit.kv_bytes_per_token:.0f} B of KV per token")
     return min(limits), notes

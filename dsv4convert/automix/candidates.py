@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4convert.calibration import InputScales
 from dsv4convert.checkpoint import Checkpoint, SourceBytes, TensorEntry, read_tensor
 from dsv4convert.compare.numerics import Serving
-from dsv4convert.convert.input_scales import InputScales
 from dsv4convert.convert.modules import ModuleContext, convert_module, dequantize_source
 from dsv4convert.convert.plan import Plan, build_plan
-from dsv4convert.convert.recipe import parse_recipe
+from dsv4convert.convert.recipe import Recipe, rule
 from dsv4convert.errors import DSV4Error
+from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import Inspection
 from dsv4convert.layout import Role, classify
 from dsv4convert.model.blocks import LINEAR_PATHS, WeightSource, set_tensor
-from dsv4convert.storage import Format
 
 # Decision groups: the role each covers within one backbone block. ``wo_a`` is its own group because SGLang
 # loads it in one format for the whole model (automix.menu.Family.model_wide_linears).
@@ -111,11 +111,13 @@ def is_exact(scheme: Scheme, source: Format | None) -> bool:
     return scheme.format is Format.BF16 or (scheme.format is source and scheme.rounding is None)
 
 
-def _candidate_recipe(fmt: Format, group: str) -> str:
-    params = "\n    params: {scale_dtype: e8m0}" if fmt is Format.FP8 else ""
-    return (f"name: automix-candidates-{fmt.value}-{group}\nrules:\n"
-            f"  - match: {{role: {GROUPS[group].value}, mtp: false}}\n    format: {fmt.value}{params}\n"
-            "  - match: {}\n    format: keep\n    reason: everything else as in the source\n")
+def _candidate_recipe(fmt: Format, group: str) -> Recipe:
+    """Every module of ``group`` (outside the draft) made in ``fmt``, as the converter makes it; FP8 block scales
+    E8M0 whatever the engine (the weights a server computes with are the same either way)."""
+    params = {"scale_dtype": "e8m0"} if "scale_dtype" in spec(fmt).recipe_params else {}
+    return Recipe.of(f"automix-candidates-{fmt.value}-{group}", f"{fmt.value} {group} candidates",
+                     [rule(roles=(GROUPS[group],), mtp=False, fmt=fmt, params=params),
+                      rule(reason="everything else as in the source")], source=f"automix candidates ({fmt.value} {group})")
 
 
 class CandidateMaker:
@@ -132,7 +134,7 @@ class CandidateMaker:
     def plan(self, fmt: Format, group: str) -> Plan:
         key = (fmt, group)
         if key not in self._plans:
-            recipe = parse_recipe(_candidate_recipe(fmt, group), f"automix candidates ({fmt.value} {group})")
+            recipe = _candidate_recipe(fmt, group)
             self._plans[key] = build_plan(self.ckpt, recipe, engine="sglang")
         return self._plans[key]
 

@@ -7,10 +7,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dsv4convert.automix import run as automix
+from dsv4convert.automix import plan as automix
 from dsv4convert.automix import verify
-from dsv4convert.convert.engines import CHOICES
 from dsv4convert.convert.plan import human_bytes, parse_size
+from dsv4convert.engines import CHOICES
 from dsv4convert.errors import DSV4Error
 
 
@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
           f"({chosen.layout.unit.describe()}); predicted mean KLD {chosen.predicted:.5f}")
     for line in automix.check_fit(plan, chosen, measured):
         print(f"automix: {line}")
-    text = chosen.recipe_text(plan, measured, "per-layer formats chosen by dsv4convert automix")
+    text = chosen.recipe(plan, measured, "per-layer formats chosen by dsv4convert automix").text
     report = opts.report or (Path(opts.dst) if opts.dst else None)
     if report is None:
         sys.stdout.write(text)

@@ -36,16 +36,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dsv4convert.automix.candidates import Candidate, CandidateMaker, CandidateView, Swapped, is_exact
+from dsv4convert.calibration import InputScales
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare.emulate import install
+from dsv4convert.compare.lockstep import HEAD_POSITIONS
 from dsv4convert.compare.metrics import OutputStats
-from dsv4convert.compare.engine import HEAD_POSITIONS
 from dsv4convert.compare.numerics import Numerics, Serving, served
-from dsv4convert.convert.input_scales import InputScales
+from dsv4convert.formats import Format
 from dsv4convert.inspection import Inspection
 from dsv4convert.model.blocks import OutputHead, WeightSource, build_layer, hf_config
 from dsv4convert.model.forward import BlockRunner
-from dsv4convert.storage import Format
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import torch
 
-from dsv4convert.automix.run import AutomixPlan, Layout, Mix, uniform_picks
+from dsv4convert.automix.plan import AutomixPlan, Layout, Mix, uniform_picks
 from dsv4convert.automix.sensitivity import Measured
 from dsv4convert.compare.run import CompareOptions
 from dsv4convert.compare.run import build_plan as build_compare
 from dsv4convert.compare.run import run as run_compare
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.plan import human_bytes
-from dsv4convert.convert.recipe import parse_recipe
-from dsv4convert.storage import Format
+from dsv4convert.formats import Format
 
 
 @dataclass
@@ -47,12 +46,12 @@ class Row:
 
 def write_mix(plan: AutomixPlan, mix: Mix, measured: Measured, dst: Path, *, overwrite: bool = False) -> Path:
     """Convert ``mix`` into ``dst`` (its recipe saved beside the weights as ``automix-recipe.yaml``)."""
-    text = mix.recipe_text(plan, measured, f"{mix.name}: per-layer formats chosen by dsv4convert automix")
-    recipe = parse_recipe(text, f"{dst}/automix-recipe.yaml")
+    recipe = mix.recipe(plan, measured, f"{mix.name}: per-layer formats chosen by dsv4convert automix",
+                        f"{dst}/automix-recipe.yaml")
     convert(ConvertOptions(src=plan.options.src, dst=dst, recipe=recipe, engine=plan.options.engine,
                            calibration=plan.options.calibration, progress=plan.options.progress,
                            device=plan.options.device, overwrite=overwrite))
-    (dst / "automix-recipe.yaml").write_text(text, encoding="utf-8")
+    (dst / "automix-recipe.yaml").write_text(recipe.text, encoding="utf-8")
     return dst
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv4convert.calibrate.gptq import gptq_quantize_int4
 from dsv4convert.calibrate.stats import ExpertStats
 from dsv4convert.formats import decode_e2m1, dequantize_int4, encode_e2m1, quantize_int4_weight
+from dsv4convert.formats.gptq import gptq_quantize_int4
 from dsv4convert.formats.numerics import E2M1_MAX, E4M3_MAX, E4M3_MIN_EXP
 from dsv4convert.formats.nvfp4 import NVFP4_BLOCK, input_scale_from_amax
 

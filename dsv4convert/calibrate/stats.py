@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4convert import dtypes
+from dsv4convert.calibration import hessian_key
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, read_header, read_tensor
 from dsv4convert.errors import CheckpointError
 
@@ -68,9 +69,6 @@ class ExpertStats:
         return cls(read_tensor(entries[AMAX_W13]), read_tensor(entries[AMAX_W2]), read_tensor(entries[TOKENS]))
 
 
-def hessian_key(expert: int, inputs: str) -> str:
-    """Tensor name of one expert's Hessian in a block file (``inputs``: ``w13`` or ``w2``)."""
-    return f"experts.{expert}.{inputs}_hessian"
 
 
 def rows_by_expert(top_k_index: torch.Tensor, n_experts: int) -> list[tuple[int, torch.Tensor]]:

@@ -31,16 +31,17 @@ import torch
 import torch.nn.functional as F
 
 from dsv4convert import __version__
-from dsv4convert.model.text import token_windows
+from dsv4convert.calibrate.calibfile import write_calibration
 from dsv4convert.calibrate.report import block_errors
 from dsv4convert.calibrate.stats import ExpertRecorder, ExpertStats
+from dsv4convert.calibration import InputScales, build_input_scales
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json, read_small_json
-from dsv4convert.convert.input_scales import InputScales, build_input_scales
 from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.model.blocks import COMPUTE_DTYPES, MtpEntry, WeightSource, build_layer, hf_config
 from dsv4convert.model.forward import BlockRunner
+from dsv4convert.model.text import token_windows
 from dsv4convert.stop_points import reach
 
 SIGNATURE_FILE = "signature.json"
@@ -151,13 +152,6 @@ class BlockResult:
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None or k == "peak_device_bytes"}
-
-
-@dataclass
-class _ExpertModule:
-    """The one field :meth:`InputScales.data_free_amax` reads of a conversion job."""
-
-    module: str
 
 
 class Calibrator:
@@ -338,13 +332,10 @@ class Calibrator:
 
     def _data_free(self, block: str) -> tuple[float, float]:
         expert = f"{block}.ffn.experts.0"
-        return (self.input_scales.data_free_amax(_ExpertModule(f"{expert}.w1")),
-                self.input_scales.data_free_amax(_ExpertModule(f"{expert}.w2")))
+        return (self.input_scales.data_free_amax(f"{expert}.w1"), self.input_scales.data_free_amax(f"{expert}.w2"))
 
     def run(self) -> dict:
         """Calibrate every block not yet done, then write the calibration file; returns its contents."""
-        from dsv4convert.calibrate.calibfile import write_calibration
-
         ids = self._prepare()
         done = 0
         for index, block in enumerate(self.blocks):

@@ -25,10 +25,10 @@ from torch import nn
 
 from dsv4convert.compare.numerics import Numerics
 from dsv4convert.errors import DSV4Error
+from dsv4convert.formats import Format
 from dsv4convert.formats.activations import fp8_token_groups, mxfp8_activations, nvfp4_activations
 from dsv4convert.formats.kv_cache import indexer_fp4, indexer_fp8, kv_cache_fp8
 from dsv4convert.model.blocks import LINEAR_PATHS, MtpEntry, WeightSource
-from dsv4convert.storage import Format
 
 # Dense linears SGLang builds with quant_config=None (docs/served-numerics.md): never W8A8.
 UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",

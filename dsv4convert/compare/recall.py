@@ -3,7 +3,7 @@
 Prompts come from :mod:`dsv4convert.needle` (the builder ``serve --check recall`` uses), each followed
 by its answer's tokens (teacher forcing): a prompt is retrieved when every answer token is the argmax
 given the ones before, which is exactly what greedy decoding would produce. All prompts of the grid
-share each loaded block (:class:`~dsv4convert.compare.engine.LockstepEngine`), so a checkpoint is read
+share each loaded block (:class:`~dsv4convert.compare.lockstep.LockstepEngine`), so a checkpoint is read
 once. A hook on every CSA layer's indexer (``DeepseekV4Indexer``: ``[B, S, k]`` compressed-entry
 indices, -1 invalid) gives, per track:
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4convert.compare.emulate import Installed
-from dsv4convert.compare.engine import Batch, Track
+from dsv4convert.compare.lockstep import Batch, Track
 from dsv4convert.compare.numerics import Numerics
 from dsv4convert.errors import DSV4Error
 from dsv4convert.needle import (
@@ -54,7 +54,6 @@ from dsv4convert.needle import (
     value_entries,
     value_rank,
 )
-
 
 NOISE_FLOORS = ("per-length", "all")    # the noise floor's prompts (``--noise-floor``)
 

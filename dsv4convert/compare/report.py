@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dsv4convert.checkpoint import atomic_write_bytes, atomic_write_json
+from dsv4convert.engines import SGLANG_LABEL
 
 
 def _num(x: float | None, digits: int = 4) -> str:
@@ -72,7 +73,7 @@ def render_markdown(result: dict) -> str:
     for key in ("gpu_family", "variant_rules", "moe_runner_backend", "fp8_gemm_backend", "kv_cache_dtype",
                 "dense_fp8_activation_scales", "wo_a"):
         lines.append(f"| {key} | {(sb['serving'] or {}).get(key, '-')} | {(sv['serving'] or {}).get(key, '-')} |")
-    lines += ["", "What each setting emulates, and the SGLang 0.5.23 code it follows: docs/served-numerics.md.",
+    lines += ["", f"What each setting emulates, and the {SGLANG_LABEL} code it follows: docs/served-numerics.md.",
               "", f"Time: {result['seconds']}; peak device memory: {result['peak_device_bytes']}.", ""]
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ import torch
 
 from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.compare.engine import HEAD_POSITIONS, Batch, LockstepEngine, Side, Track
+from dsv4convert.compare.lockstep import HEAD_POSITIONS, Batch, LockstepEngine, Side, Track
 from dsv4convert.compare.numerics import Numerics, served, serving_for, weights_only
 from dsv4convert.compare.recall import (
     Grid,
@@ -32,6 +32,7 @@ from dsv4convert.compare.recall import (
     verdict,
 )
 from dsv4convert.distributed import World
+from dsv4convert.engines.sglang.quant_config import sglang_topk_group
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory, try_classify
@@ -99,9 +100,7 @@ def _open(path: str, label: str) -> tuple[Checkpoint, Inspection]:
 def _engine_fix(key: str, base: dict, variant: dict) -> bool:
     """A key the converter writes as an engine would set it itself: ``topk_group`` = ``n_group``, SGLang 0.5.23's
     V4 fix in ``ModelConfig.__init__``, which ``routed_experts_quant_method`` (a mixed checkpoint states it) skips
-    (convert.quant_config)."""
-    from dsv4convert.convert.quant_config import sglang_topk_group
-
+    (engines/sglang/quant_config.py)."""
     return (key == "topk_group" and base.get(key) is None and variant.get(key) == sglang_topk_group(base)
             and "routed_experts_quant_method" in (variant.get("quantization_config") or {}))
 
@@ -158,13 +157,9 @@ def token_ids(opts: CompareOptions, base: Checkpoint, cfg: ModelConfig) -> tuple
 def _numerics(kind: str, inspection: Inspection, ckpt: Checkpoint, opts: CompareOptions) -> Numerics:
     if kind not in NUMERICS:
         raise DSV4Error(f"--numerics must be one of {', '.join(NUMERICS)}, got {kind!r}")
-    extra = []
-    if opts.moe_runner_backend:
-        extra += ["--moe-runner-backend", opts.moe_runner_backend]
-    if opts.fp4_indexer:
-        extra.append("--enable-deepseek-v4-fp4-indexer")
     serving = serving_for(inspection, ckpt.config, engine=opts.engine, gpu_family=opts.gpu_family,
-                          extra_args=tuple(extra), model=str(ckpt.root))
+                          moe_runner_backend=opts.moe_runner_backend, fp4_indexer=opts.fp4_indexer,
+                          model=str(ckpt.root))
     return served(serving) if kind == "served" else weights_only(serving)
 
 

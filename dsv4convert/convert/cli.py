@@ -10,23 +10,18 @@ import argparse
 import signal
 from pathlib import Path
 
-from dsv4convert.convert.engines import CHOICES
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.plan import DEFAULT_MAX_SHARD_BYTES, parse_size
 from dsv4convert.convert.recipe import load_recipe, with_fp8_scale_dtype, with_int4_params, with_mtp_experts
+from dsv4convert.engines import CHOICES, SGLANG_LABEL, VLLM_LABEL
 from dsv4convert.formats.int4 import SCALE_RULES
+from dsv4convert.variants import SUMMARIES
 
-SHIPPED_HELP = {
-    "to-fp8": ("fp8", "routed experts cast MXFP4 -> FP8 128x128 losslessly; everything else kept"),
-    "to-nvfp4": ("nvfp4", "backbone experts cast MXFP4 -> NVFP4 (ModelOpt layout), lossless where the scales fit; "
-                          "MTP draft experts as the engines need them (--mtp-experts)"),
-    "to-w4a16": ("w4a16", "routed experts requantized to INT4 W4A16 (compressed-tensors pack-quantized; group 32 "
-                          "and squared-error scales by default)"),
-    "to-bf16": ("bf16", "everything dequantized to BF16 (F32/I64 kept): the reference"),
-}
+# The shipped recipes a `to-*` command of its own makes (`convert --recipe` makes any).
+COMMANDS = {f"to-{recipe}": recipe for recipe in ("fp8", "nvfp4", "w4a16", "bf16")}
 
 ENGINE_HELP = (
-    "the engines the checkpoint must load in: sglang (SGLang 0.5.23), vllm (vLLM 0.33.0) or both. Default: the "
+    f"the engines the checkpoint must load in: sglang ({SGLANG_LABEL}), vllm ({VLLM_LABEL}) or both. Default: the "
     "recipe's `engine:` key, else both where one layout serves both (the shipped recipes always do, storing "
     "what each engine needs: F32 expert scales and expert_dtype for FP8, BF16 MTP experts for NVFP4, BF16 "
     "linears for W4A16); a layout an engine asked for cannot load is refused, naming the engine and module")
@@ -84,10 +79,11 @@ def _gptq_inputs(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    for command, (recipe, summary) in SHIPPED_HELP.items():
+    for command, recipe in COMMANDS.items():
+        summary = SUMMARIES[recipe]
         p = subparsers.add_parser(command, help=summary, description=(
             f"{summary}. Streams shard by shard with bounded memory, resumable (--resume), and writes a "
-            "config.json SGLang 0.5.23 loads as is, a model card and a provenance file. "
+            f"config.json {SGLANG_LABEL} loads as is, a model card and a provenance file. "
             f"Same as: dsv4convert convert --recipe {recipe}"))
         _common(p)
         if recipe == "nvfp4":
@@ -104,8 +100,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             _gptq_inputs(p)
         if recipe == "fp8":
             p.add_argument("--scale-dtype", choices=["auto", "e8m0", "float32"], default="auto",
-                           help="expert block scales: auto (default) is float32 wherever vLLM reads the output (vLLM "
-                                "0.33.0 copies E8M0 expert scales as raw bytes) and E8M0 powers of two (native) for "
+                           help="expert block scales: auto (default) is float32 wherever vLLM reads the output ("
+                                f"{VLLM_LABEL} copies E8M0 expert scales as raw bytes) and E8M0 powers of two (native) for "
                                 "--engine sglang; e8m0 or float32 force one (vLLM refuses e8m0)")
         p.set_defaults(func=_run, recipe=recipe)
     p = subparsers.add_parser("convert", help="run any recipe (YAML) on a checkpoint", description=(

@@ -30,6 +30,8 @@ import torch
 from tqdm import tqdm
 
 from dsv4convert import __version__
+from dsv4convert import engines as eng
+from dsv4convert.calibration import CalibrationHessians, InputScales, build_input_scales, calibration_hessians
 from dsv4convert.checkpoint import (
     INDEX_NAME,
     Checkpoint,
@@ -40,8 +42,6 @@ from dsv4convert.checkpoint import (
 )
 from dsv4convert.checkpoint.reader import CONVERSION_STATE, WORK_DIR
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
-from dsv4convert.calibrate.calibfile import CalibrationHessians, calibration_hessians
-from dsv4convert.convert.input_scales import InputScales, build_input_scales
 from dsv4convert.convert.model_card import (
     base_model_id,
     default_launch,
@@ -49,17 +49,16 @@ from dsv4convert.convert.model_card import (
     source_card_metadata,
     vllm_default_launch,
 )
-from dsv4convert.convert.pipeline import BarFeed, CONVERT_THREADS, pipeline_memory, resolve_device, run_shard_job
+from dsv4convert.convert.pipeline import CONVERT_THREADS, BarFeed, pipeline_memory, resolve_device, run_shard_job
 from dsv4convert.convert.plan import Plan, ShardJob, build_plan, cost_of_both, human_bytes
-from dsv4convert.convert import engines as eng
-from dsv4convert.convert.quant_config import build_quant_config, servable_engines
 from dsv4convert.convert.recipe import Recipe, canonical
 from dsv4convert.convert.state import DestinationLock, RunState, signature
+from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import DSV4Error
+from dsv4convert.formats import Calibration, calibrated_by
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import Role
 from dsv4convert.stop_points import reach
-from dsv4convert.storage import Format
 
 # Files the converter writes itself rather than copying from the source.
 GENERATED_FILES = {"config.json", "hf_quant_config.json", "README.md", "provenance.json", INDEX_NAME}
@@ -109,7 +108,7 @@ def choose_engines(plan: Plan, source_config: dict, asked: str | None) -> tuple[
     engines = tuple(e for e, problem in problems.items() if problem is None)
     if engines == eng.ENGINES or not engines:
         return engines or eng.ENGINES, None  # none: build_quant_config raises SGLang's reason
-    notes = [f"{eng.ENGINE_VERSIONS[e]} cannot load {problem}" for e, problem in problems.items() if problem]
+    notes = [f"{eng.LABELS[e]} cannot load {problem}" for e, problem in problems.items() if problem]
     return engines, (f"engine: {eng.choice_of(engines)} only ({'; '.join(notes)}); --engine {eng.choice_of(engines)} "
                      "says so explicitly, --engine both refuses this layout")
 
@@ -200,7 +199,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     for line in cost_of_both(plan) if engines == eng.ENGINES else []:
         print(f"note: {line} (docs/engines.md)")   # stdout: stderr is kept for the one line an error gets
     hessians = _gptq_hessians(plan, opts)
-    needs_input_scales = any(m.target.format is Format.NVFP4 for m in plan.modules.values())
+    needs_input_scales = any(m.target.format in calibrated_by(Calibration.ACTIVATION_AMAX) for m in plan.modules.values())
     input_scales = build_input_scales(ckpt, from_checkpoint=opts.input_scales_from,
                                       calibration=opts.calibration) if needs_input_scales else None
     resolve_device(opts.device)
@@ -315,7 +314,8 @@ def _gptq_hessians(plan: Plan, opts: ConvertOptions) -> CalibrationHessians | No
         return None
     if opts.calibration is None:
         raise DSV4Error("--gptq needs --calibration FILE with Hessians (dsv4convert calibrate --hessians)")
-    if not any(m.target.format is Format.INT4 and m.role is Role.ROUTED_EXPERT for m in plan.modules.values()):
+    gptq = calibrated_by(Calibration.HESSIAN)
+    if not any(m.target.format in gptq and m.role is Role.ROUTED_EXPERT for m in plan.modules.values()):
         raise DSV4Error(f"--gptq applies to INT4 routed experts, and recipe '{plan.recipe.name}' makes none",
                         file=plan.recipe.source)
     return calibration_hessians(opts.calibration)
@@ -358,7 +358,7 @@ class SourceShards:
 def _source_files(job: ShardJob, input_scales: InputScales | None) -> set[str]:
     files = {e.path.name for m in job.modules for e in m.sources.values()}
     for m in job.modules:
-        if m.target.format is Format.NVFP4 and input_scales is not None:
+        if m.target.format in calibrated_by(Calibration.ACTIVATION_AMAX) and input_scales is not None:
             norm = input_scales.norm_entries.get(m.module.split(".ffn.")[0])
             if norm is not None:
                 files.add(norm.path.name)
@@ -500,7 +500,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
 
 def print_plan(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, max_memory: int, engines: tuple[str, ...]) -> None:
     print(f"plan: {ckpt.root} -> {opts.dst} with recipe '{plan.recipe.name}' ({plan.recipe.source})")
-    print(f"  for {' and '.join(eng.ENGINE_VERSIONS[e] for e in engines)} (--engine {eng.choice_of(engines)})")
+    print(f"  for {' and '.join(eng.LABELS[e] for e in engines)} (--engine {eng.choice_of(engines)})")
     print(f"  read {human_bytes(plan.bytes_in)}, write {human_bytes(plan.bytes_out)} in {len(plan.shards)} shards")
     per_worker = max((pipeline_memory(s) for s in plan.shards), default=0)
     print(f"  estimated peak memory {human_bytes(per_worker)} per worker x {opts.workers} "

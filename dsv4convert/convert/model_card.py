@@ -2,7 +2,7 @@
 
 A card is for the person who downloads the checkpoint: what it was made from and how, what
 each part is stored as, how much of it is bit-exact, which engines it is made and checked for,
-the exact SGLang 0.5.23 and vLLM 0.33.0 commands (and environment) that serve it on each GPU
+the exact SGLang and vLLM commands (the pinned versions, :data:`dsv4convert.engines.VERSIONS`) (and environment) that serve it on each GPU
 family with each engine's known limits, and how to upload it. Its YAML front matter is what the
 Hugging Face Hub reads for a quantized derivative (``base_model``, ``base_model_relation``,
 ``library_name``, ``license`` taken from the source's own card, ``tags``).
@@ -12,25 +12,22 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from dsv4convert.convert import engines as eng
+from dsv4convert import engines as eng
+from dsv4convert import variants
+from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.convert.plan import human_bytes
-from dsv4convert.convert.quant_config import serving_env
+from dsv4convert.engines.memory import MIB, ServerFit, gib
+from dsv4convert.engines.served import ServedModel
+from dsv4convert.engines.sglang import memory as sglang_memory
+from dsv4convert.engines.sglang.quant_config import serving_env
+from dsv4convert.engines.sglang.server import server
+from dsv4convert.engines.vllm import memory as vllm_memory
+from dsv4convert.engines.vllm.server import COMMON_LIMITS, vllm_launch
+from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.tune.problem import model_card_lines
 
-if TYPE_CHECKING:
-    from dsv4convert.checkpoint import Checkpoint
-    from dsv4convert.inspection import Inspection
-
-# GPU families a card covers: SGLang's family name and the memory of one GPU in bytes.
-GPU_FAMILIES: dict[str, tuple[str, int]] = {
-    "H200 (sm_90)": ("sm90", 141 * 10**9),
-    "B200 (sm_100)": ("sm100", 180 * 10**9),
-    "RTX PRO 6000 (sm_120)": ("sm120", 96 * 10**9),
-}
 # Weights may take this share of the GPUs' memory; the rest is KV cache, activations and
 # CUDA graphs (the SM120 cookbook cell serves the ~160 GB native model at TP 4 on 96 GB cards).
 WEIGHT_MEMORY_SHARE = 0.6
@@ -59,84 +56,77 @@ def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, I
                 size_for) -> dict[str, dict]:
     """``spec_for(family, tp, like, formats, config, draft)`` for every GPU family whose 8 GPUs hold the weights
     (the TP size from their bytes), a note for the others: what both engines' launch tables share. Each
-    spec's ``fit`` is ``size_for(source, family, tp)``: what ``dsv4convert fit`` computes for that launch
+    spec's ``fit`` is ``size_for(model, gpu, tp)``: what ``dsv4convert fit`` computes for that launch
     from the stored bytes (weights per GPU, KV tokens)."""
-    from dsv4convert.checkpoint import Checkpoint
-    from dsv4convert.fit.source import from_opened
-    from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.serve.launch import served_like
-
     if opened is None:
         ckpt = Checkpoint.open(model_dir)
         opened = ckpt, inspect_checkpoint(ckpt)
     ckpt, inspection = opened
     formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
-    like = served_like(variant, formats)
+    like = variants.served_like(variant, formats)
     draft = any(m.is_mtp for m in inspection.modules.values())
     weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
-    sized = from_opened(str(model_dir), ckpt, inspection)
+    model = ServedModel.of(str(model_dir), ckpt, inspection)
     launch: dict[str, dict] = {}
-    for name, (family, memory) in GPU_FAMILIES.items():
-        tp = tensor_parallel_size(weight_bytes, memory)
+    for family in eng.GPU_FAMILIES:
+        gpu = eng.gpu_of_family(family)
+        tp = tensor_parallel_size(weight_bytes, gpu.mib * MIB)
         if tp is None:
-            launch[name] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more than "
-                                                            f"{MAX_TP} of these GPUs (multi-node TP)"}
+            launch[gpu.label] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more "
+                                                                 f"than {MAX_TP} of these GPUs (multi-node TP)"}
         else:
-            launch[name] = {**spec_for(family, tp, like, formats, ckpt.config, draft), "fit": size_for(sized, family, tp)}
+            launch[gpu.label] = {**spec_for(family, tp, like, formats, ckpt.config, draft),
+                                 "fit": _fit_line(size_for(model, gpu, tp))}
     return launch
 
 
-def _fit_line(server) -> dict:
-    """What a card prints of one :class:`dsv4convert.fit.verdict.ServerFit`."""
+def _fit_line(server: ServerFit) -> dict:
+    """What a card prints of one server's sizing."""
     return {"gpu": server.gpu, "weights_bytes_per_rank": server.weights_bytes_per_rank, "kv_tokens": server.kv_tokens,
             "fits": server.fits, "upper_bound": server.engine.startswith("vllm")}
+
+
+def _gpus(tp: int) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(tp))}
 
 
 def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
                    ) -> dict[str, dict]:
     """Single-server SGLang commands for a converted checkpoint, per GPU family.
 
-    The argv comes from ``dsv4convert.serve.launch`` (the same rules ``serve`` uses), the
-    environment from what the checkpoint stores (``quant_config.serving_env``), and the TP
-    size from the weights' size. A family whose 8 GPUs cannot hold the weights gets a note
-    instead of a command. Each family also gets ``mtp``, the command with the MTP draft, where
-    SGLang's MoE method for the draft's experts runs there, else ``mtp_note`` saying why not;
-    ``draft_moe_method`` names that method. ``opened``: the checkpoint and its inspection where
-    the caller has them already (the converter, which has just inspected its output).
+    The settings are the engine's (:func:`dsv4convert.engines.sglang.server.server`, what ``serve`` starts),
+    the environment also what the checkpoint stores needs (``serving_env``), and the TP size follows the
+    weights' size. A family whose 8 GPUs cannot hold the weights gets a note instead of a command. Each
+    family also gets ``mtp``, the command with the MTP draft, where SGLang's MoE method for the draft's
+    experts runs there, else ``mtp_note`` saying why not; ``draft_moe_method`` names that method.
+    ``opened``: the checkpoint and its inspection where the caller has them already (the converter).
     """
-    from dsv4convert.serve.launch import NO_DRAFT, LaunchOptions, plan_single, variant_defaults
-
     def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, draft: bool) -> dict:
         env = serving_env(config, formats)
-        options = LaunchOptions(model=str(model_dir), variant=like, gpu_family=family, python="python")
-        (command,) = plan_single(options, None, list(range(tp)))
-        spec: dict = {"argv": list(command.argv), "env": {**command.env, **env}}
-        defaults = variant_defaults(like, family)
-        spec["draft_moe_method"] = defaults.draft_moe_method
-        if not draft or defaults.mtp_args is None:
-            spec["mtp_note"] = defaults.mtp_note if draft else NO_DRAFT
+        settings = server(str(model_dir), like, family, tp=tp)
+        rules = settings.rules
+        spec: dict = {"argv": settings.command("python"), "env": {**settings.env, **_gpus(tp), **env},
+                      "draft_moe_method": rules.draft_moe_method}
+        if not draft or not rules.serves_draft:
+            spec["mtp_note"] = rules.mtp_note if draft else eng.NO_DRAFT
         else:
-            (draft,) = plan_single(replace(options, mtp=True), None, list(range(tp)))
-            spec["mtp"] = {"argv": list(draft.argv), "env": {**draft.env, **env}}
+            drafting = server(str(model_dir), like, family, tp=tp, mtp=True)
+            spec["mtp"] = {"argv": drafting.command("python"), "env": {**drafting.env, **_gpus(tp), **env}}
         return spec
 
-    def size_for(src, family: str, tp: int) -> dict:
-        from dsv4convert.fit.verdict import gpu_of_family, sglang_server
-
-        return _fit_line(sglang_server(src, gpu_of_family(family), "server", tp, mtp=False))
+    def size_for(model: ServedModel, gpu: eng.Gpu, tp: int) -> ServerFit:
+        return sglang_memory.size_server(model, gpu, server("MODEL", model.variant, gpu.family, tp=tp))
 
     return _per_family(model_dir, variant, opened, spec_for, size_for)
 
 
 def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpoint, Inspection] | None = None
                         ) -> dict[str, dict]:
-    """``vllm serve`` commands for a checkpoint vLLM 0.33.0 loads, per GPU family (same TP as SGLang's).
+    """``vllm serve`` commands for a checkpoint vLLM loads, per GPU family (same TP as SGLang's).
 
     Each family's spec has ``argv``, ``env``, ``moe_method``/``draft_moe_method``, ``limits``, and
-    ``mtp`` (the command with the MTP draft) or ``mtp_note``; from :mod:`dsv4convert.serve.vllm_launch`.
+    ``mtp`` (the command with the MTP draft) or ``mtp_note``; from :mod:`dsv4convert.engines.vllm.server`.
     """
-    from dsv4convert.serve.vllm_launch import vllm_launch
-
     def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, draft: bool) -> dict:
         plan = vllm_launch(str(model_dir), like, family, tp, draft=draft)
         spec: dict = {"argv": list(plan.argv), "env": dict(plan.env), "moe_method": plan.moe_method,
@@ -147,10 +137,8 @@ def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Ch
             spec["mtp"] = {"argv": list(plan.mtp_argv), "env": dict(plan.env)}
         return spec
 
-    def size_for(src, family: str, tp: int) -> dict:
-        from dsv4convert.fit.verdict import gpu_of_family, vllm_server
-
-        return _fit_line(vllm_server(src, gpu_of_family(family), tp, mtp=False))
+    def size_for(model: ServedModel, gpu: eng.Gpu, tp: int) -> ServerFit:
+        return vllm_memory.size_server(model, gpu, tp, mtp=False)
 
     return _per_family(model_dir, variant, opened, spec_for, size_for)
 
@@ -243,8 +231,6 @@ def shell_line(spec: dict) -> str:
 
 def fit_sentence(fit: dict) -> str:
     """One line of what ``dsv4convert fit`` computes for the command above it."""
-    from dsv4convert.fit.sizing import gib
-
     verdict = "" if fit["fits"] else " It does not fit: `dsv4convert fit` gives the shortfall."
     if fit["upper_bound"]:
         verdict += " KV tokens before vLLM's profiled activation peak (an upper bound)."
@@ -271,12 +257,6 @@ def _launch_lines(launch: dict[str, dict], draft_what: str) -> list[str]:
     return lines
 
 
-# Hub tags per stored expert format, beside the variant name.
-_FORMAT_TAGS = {"fp8": ["fp8"], "nvfp4": ["nvfp4", "modelopt"], "nvfp4-mtp-mxfp4": ["nvfp4", "modelopt"],
-                "nvfp4-mtp-bf16": ["nvfp4", "modelopt"], "w4a16": ["int4", "w4a16", "compressed-tensors"],
-                "bf16": ["bf16"]}
-
-
 def _front_matter(variant: str, base_model: str, engines: tuple[str, ...], source_meta: dict) -> list[str]:
     """What the Hub reads for a quantized derivative; the license comes from the source's own card."""
     lines = ["---", f"base_model: {json.dumps(base_model)}", "base_model_relation: quantized",
@@ -288,18 +268,18 @@ def _front_matter(variant: str, base_model: str, engines: tuple[str, ...], sourc
     else:
         lines += ["license: other", 'license_name: "base-model-license"',
                   f"license_link: {json.dumps(f'https://huggingface.co/{base_model}')}"]
-    tags = ["deepseek_v4", variant, *_FORMAT_TAGS.get(variant, []), "quantized", *engines, "dsv4convert"]
+    tags = ["deepseek_v4", variant, *variants.TAGS.get(variant, ()), "quantized", *engines, "dsv4convert"]
     lines += ["tags:", *[f"- {json.dumps(t)}" for t in dict.fromkeys(tags)], "---"]
     return lines
 
 
 def _engine_lines(engines: tuple[str, ...], not_for: dict[str, str]) -> list[str]:
-    made = " and ".join(eng.ENGINE_VERSIONS[e] for e in engines)
+    made = " and ".join(eng.LABELS[e] for e in engines)
     lines = [f"Made for {made} (`--engine {eng.choice_of(engines)}`): `config.json` carries what each of them "
              "reads, and CI builds each engine's own model from a tiny checkpoint of this layout and loads every "
              "tensor through the engine's own loader."]
     for engine, reason in not_for.items():
-        lines += ["", f"Not for {eng.ENGINE_VERSIONS[engine]}: {reason}"]
+        lines += ["", f"Not for {eng.LABELS[engine]}: {reason}"]
     return lines
 
 
@@ -336,12 +316,10 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
     output is not made for, why (one line); ``source``: what was converted, as given (default ``base_model``,
     the Hub id the front matter names).
     """
-    from dsv4convert.serve.vllm_launch import COMMON_LIMITS
-
     serves = []
     if eng.SGLANG in engines:
         serves += [
-            "## Serving with SGLang 0.5.23", "",
+            f"## Serving with {eng.SGLANG_LABEL}", "",
             "One server per GPU family. The environment variables are part of the command: SGLang cannot "
             "tell every expert layout from the files alone.", "",
             *_launch_lines(launch, "EAGLE"),
@@ -349,7 +327,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
     if eng.VLLM in engines and vllm_launch:
         limits = next((spec.get("limits", []) for spec in vllm_launch.values() if spec.get("argv")), [])
         serves += [
-            "## Serving with vLLM 0.33.0", "",
+            f"## Serving with {eng.VLLM_LABEL}", "",
             "The flags are vLLM's own DeepSeek-V4-Flash recipe (FP8 KV cache, 256-token blocks, tensor plus expert "
             "parallel); vLLM reads the expert format from `config.json` (`expert_dtype`, `quantization_config`), so "
             "no environment is needed.", "",

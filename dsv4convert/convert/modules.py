@@ -1,9 +1,9 @@
 """Convert one module: source tensors in, output tensors out, plus what was exact.
 
-This is the only place that chooses the numerics for a (source format, target format)
-pair; everything else moves bytes. Lossless paths (MXFP4 -> FP8, MXFP4 -> NVFP4, FP8/MXFP4
--> BF16) never go through float rounding; requantizations (-> INT4, BF16/FP8 -> NVFP4 or
-FP8) dequantize to float32 first.
+This module moves a module's bytes: it reads and checks the source tensors, hands them to the
+target format's spec (:mod:`dsv4convert.formats.specs`, the one place that chooses the numerics for
+a (source, target) pair), with the calibration that format takes, and turns what the spec keeps of
+the source into file-to-file copies.
 """
 
 from __future__ import annotations
@@ -15,29 +15,11 @@ from typing import Callable
 import torch
 
 from dsv4convert import dtypes
-from dsv4convert.calibrate.gptq import gptq_quantize_int4
 from dsv4convert.checkpoint import SourceBytes, TensorEntry, read_chunks, read_pieces, read_tensor
 from dsv4convert.convert.plan import ModuleJob
 from dsv4convert.errors import FormatError
-from dsv4convert.formats import (
-    ExactnessReport,
-    dequantize_fp8_block,
-    dequantize_int4,
-    dequantize_mxfp4,
-    dequantize_nvfp4,
-    e8m0_scale_to_float32,
-    float32_scale_to_e8m0,
-    mxfp4_to_fp8_block,
-    mxfp4_to_nvfp4_scales,
-    nvfp4_global_exponent,
-    nvfp4_rescale_report,
-    quantize_fp8_block,
-    quantize_int4_weight,
-    quantize_nvfp4,
-)
-from dsv4convert.formats.mxfp4 import MXFP4_BLOCK, mxfp4_shape
+from dsv4convert.formats import Calibration, EncodeInput, ExactnessReport, Format, Passthrough, spec
 from dsv4convert.layout import Role
-from dsv4convert.storage import Format
 
 Reader = Callable[[TensorEntry], torch.Tensor]
 
@@ -60,7 +42,7 @@ class ModuleContext:
 
     read: Reader = read_tensor
     partner_sources: dict[str, TensorEntry] = field(default_factory=dict)
-    input_scale: Callable[[ModuleJob], tuple[torch.Tensor, str]] | None = None
+    input_scale: Callable[[str], tuple[torch.Tensor, str]] | None = None   # module -> (scale, where from)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     hessian: Callable[[str], torch.Tensor | None] | None = None  # GPTQ: calibrate --hessians, by module
 
@@ -114,28 +96,21 @@ def _read(job_sources: dict[str, TensorEntry], ctx: ModuleContext, device: torch
 
 
 def partner_params(job: ModuleJob, partner_sources: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
-    """The partner tensors an NVFP4 module needs: only the scales when both are MXFP4.
-
-    The shared global scale of an MXFP4 pair depends on the E8M0 exponents alone, so the
-    partner's packed weight (its bulk) is never read twice.
-    """
-    if job.source_format is Format.MXFP4:
-        return {p: e for p, e in partner_sources.items() if p == "scale"}
-    return dict(partner_sources)
+    """The fused partner's tensors the target format reads (NVFP4 from MXFP4: only the scales)."""
+    wanted = spec(job.target.format).partner_params(job.source_format) or frozenset()
+    return {p: e for p, e in partner_sources.items() if p in wanted}
 
 
 def copied_params(job: ModuleJob) -> set[str]:
     """Source tensors whose bytes the output keeps unchanged: the writer copies them file to file.
 
-    These are every tensor of a kept module, and the MXFP4 codes under NVFP4 scales (the routed
-    experts' bulk). None is read into a tensor: a kept tensor that can hold a NaN is checked by
-    :func:`check_source_finite` on the way, the codes need no check.
+    These are every tensor of a kept module, and what the target format passes through (the MXFP4
+    codes under NVFP4 scales: the routed experts' bulk). None is read into a tensor: a kept tensor
+    that can hold a NaN is checked by :func:`check_source_finite` on the way, the codes need no check.
     """
     if not job.converts:
         return set(job.sources)
-    if job.target.format is Format.NVFP4 and job.source_format is Format.MXFP4:
-        return {"weight"}
-    return set()
+    return set(spec(job.target.format).passthrough(job.source_format))
 
 
 _SCAN_BYTES = 8 * 1024 * 1024
@@ -173,95 +148,32 @@ def read_module(job: ModuleJob, ctx: ModuleContext) -> ModuleInputs:
 
 def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """Float32 weight of a module stored in any format ``inspect`` recognises."""
-    if fmt is Format.BF16:
-        return src["weight"].float()
-    if fmt is Format.FP8:
-        return dequantize_fp8_block(src["weight"], src["scale"], name=name)
-    if fmt is Format.MXFP4:
-        return dequantize_mxfp4(src["weight"], src["scale"], name=name)
-    if fmt is Format.NVFP4:
-        return dequantize_nvfp4(src["weight"], src["weight_scale"], src["weight_scale_2"], name=name)
-    if fmt is Format.INT4:
-        shape = tuple(int(d) for d in src["weight_shape"].tolist())
-        group = shape[1] // src["weight_scale"].shape[1]
-        return dequantize_int4(src["weight_packed"], src["weight_scale"], shape, group_size=group, name=name)
-    raise FormatError(f"cannot dequantize a {fmt} source", tensor=name)
+    return spec(fmt).decode(src, name)
 
 
 def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | None = None) -> ModuleResult:
-    """Convert one module; ``inputs`` are its tensors already read by :func:`read_module` (else read here)."""
+    """Convert one module (the target format's spec chooses the numerics); ``inputs`` are its tensors already
+    read by :func:`read_module` (else read here)."""
     inputs = read_module(job, ctx) if inputs is None else inputs
-    src = inputs.sources
     if not job.converts:
         return ModuleResult([(e.name, _copied(e)) for e in job.sources.values()])
-    fmt, source, m = job.target.format, job.source_format, job.module
-    extra = [(e.name, src[p]) for p, e in job.sources.items() if p not in _WEIGHT_KEYS[source]]
-    weight_name = f"{m}.weight"
-    report = None
-    input_scale_source = None
-
-    if fmt is Format.FP8:
-        want_f32 = job.target.params.get("scale_dtype") == "float32"
-        if source is Format.FP8:   # only the scale form changes: exact both ways
-            scale = src["scale"]
-            scale = e8m0_scale_to_float32(scale) if want_f32 else float32_scale_to_e8m0(scale, name=f"{m}.scale")
-            tensors = [(weight_name, src["weight"]), (f"{m}.scale", scale)]
-        elif source is Format.MXFP4:
-            weight, scale, report = mxfp4_to_fp8_block(src["weight"], src["scale"], name=weight_name)
-            tensors = [(weight_name, weight), (f"{m}.scale", e8m0_scale_to_float32(scale) if want_f32 else scale)]
-        else:
-            weight, scale = quantize_fp8_block(dequantize_source(source, src, weight_name),
-                                               scale_fmt="float32" if want_f32 else "ue8m0", name=weight_name)
-            tensors = [(weight_name, weight), (f"{m}.scale", scale)]
-    elif fmt is Format.BF16:
-        tensors = [(weight_name, dequantize_source(source, src, weight_name).to(torch.bfloat16))]
-    elif fmt is Format.INT4:
-        w = dequantize_source(source, src, weight_name)
-        group, rule = job.target.params["group_size"], job.target.params["scale_rule"]
-        hessian = ctx.hessian(m) if ctx.hessian is not None and job.role is Role.ROUTED_EXPERT else None
-        if hessian is not None:
-            q = gptq_quantize_int4(w, hessian, group_size=group, scale_rule=rule, name=weight_name)
-        else:  # round-to-nearest (also for experts that saw no calibration tokens)
-            q = quantize_int4_weight(w, group_size=group, scale_rule=rule, name=weight_name)
-        tensors = [(f"{m}.weight_packed", q.weight_packed), (f"{m}.weight_scale", q.weight_scale),
-                   (f"{m}.weight_shape", q.weight_shape)]
-    elif fmt is Format.NVFP4:
+    target, source, m = spec(job.target.format), job.source_format, job.module
+    weight_keys = spec(source).weight_params
+    extra = [(e.name, inputs.sources[p]) for p, e in job.sources.items() if p not in weight_keys]
+    input_scale, input_scale_source = None, None
+    if target.calibration is Calibration.ACTIVATION_AMAX:
         if ctx.input_scale is None:
-            raise FormatError("no input_scale source for an NVFP4 module", tensor=weight_name)
-        input_scale, input_scale_source = ctx.input_scale(job)
-        partner = inputs.partner
-        if source is Format.MXFP4:  # the codes stay, copied unread; only the scales are rewritten
-            scales = [src["scale"]] + ([partner["scale"]] if partner else [])
-            exponent = nvfp4_global_exponent(*scales, name=weight_name)
-            codes = job.sources["weight"]
-            codes_shape = dtypes.torch_shape(codes.dtype, codes.shape)
-            mxfp4_shape(torch.empty(codes_shape, dtype=codes.torch_dtype, device="meta"), src["scale"], weight_name)
-            rescale = mxfp4_to_nvfp4_scales(src["scale"], global_exponent=exponent, name=weight_name)
-            weight_scale, weight_scale_2 = rescale.weight_scale, rescale.weight_scale_2
-            rows, cols = (t.tolist() for t in rescale.outside)  # blocks whose codes decide the error: few
-            outside_codes = read_pieces(codes, [r * codes_shape[-1] + c * MXFP4_BLOCK // 2 for r, c in zip(rows, cols)],
-                                        MXFP4_BLOCK // 2)
-            report = nvfp4_rescale_report(rescale, src["scale"], outside_codes.to(src["scale"].device))
-            weight = _copied(codes, "U8")
-        else:
-            w = dequantize_source(source, src, weight_name)
-            amax = w.abs().amax()
-            if partner:
-                amax = torch.maximum(amax, dequantize_source(source, partner, weight_name).abs().amax())
-            q = quantize_nvfp4(w, global_amax=amax, name=weight_name)
-            weight, weight_scale, weight_scale_2 = q.weight, q.weight_scale, q.weight_scale_2
-        tensors = [(weight_name, weight), (f"{m}.weight_scale", weight_scale),
-                   (f"{m}.weight_scale_2", weight_scale_2.reshape(())),
-                   (f"{m}.input_scale", input_scale.to(torch.float32).reshape(()))]
-    else:
-        raise FormatError(f"no conversion from {source} to {fmt}", tensor=weight_name)
-    return ModuleResult(tensors + extra, report, input_scale_source)
-
-
-_WEIGHT_KEYS = {
-    Format.BF16: {"weight"},
-    Format.FP8: {"weight", "scale"},
-    Format.MXFP4: {"weight", "scale"},
-    Format.NVFP4: {"weight", "weight_scale", "weight_scale_2", "input_scale"},
-    Format.INT4: {"weight_packed", "weight_scale", "weight_shape"},
-}
+            raise FormatError(f"no input_scale source for an {target.format.value} module", tensor=f"{m}.weight")
+        input_scale, input_scale_source = ctx.input_scale(m)
+    hessian = None
+    if target.calibration is Calibration.HESSIAN and ctx.hessian is not None and job.role is Role.ROUTED_EXPERT:
+        hessian = ctx.hessian(m)
+    passthrough = job.sources.get("weight") if target.passthrough(source) else None
+    encoded = target.encode(EncodeInput(
+        source=source, tensors=inputs.sources, params=job.target.params, name=m, partner=inputs.partner,
+        input_scale=input_scale, hessian=hessian,
+        read_codes=(lambda offsets, length: read_pieces(passthrough, offsets, length)) if passthrough else None,
+        passthrough_shape=dtypes.torch_shape(passthrough.dtype, passthrough.shape) if passthrough else None))
+    tensors = [(f"{m}.{suffix}", _copied(job.sources[value.param], value.dtype) if isinstance(value, Passthrough)
+                else value) for suffix, value in encoded.tensors]
+    return ModuleResult(tensors + extra, encoded.report, input_scale_source)

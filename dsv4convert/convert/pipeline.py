@@ -21,9 +21,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from dsv4convert.calibrate.calibfile import CalibrationHessians
-from dsv4convert.checkpoint import ShardWriter, SourceBytes, WRITER_MEMORY, prefetch, read_tensor
-from dsv4convert.convert.input_scales import InputScales
+from dsv4convert.calibration import CalibrationHessians, InputScales
+from dsv4convert.checkpoint import WRITER_MEMORY, ShardWriter, SourceBytes, prefetch, read_tensor
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, ModuleResult, convert_module, read_module
 from dsv4convert.convert.plan import ModuleJob, ShardJob
 from dsv4convert.errors import DSV4Error

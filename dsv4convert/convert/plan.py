@@ -10,18 +10,20 @@ load, is an error naming both.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, TensorEntry
 from dsv4convert.checkpoint.writer import group_into_shards, shard_name
-from dsv4convert.convert.engines import ENGINES, engines_for
-from dsv4convert.convert.recipe import NEVER_QUANTIZED, Recipe, Target
+from dsv4convert.convert.recipe import Recipe, Target
+from dsv4convert.engines import ENGINES, engines_for
+from dsv4convert.engines.stored import NEVER_QUANTIZED
 from dsv4convert.errors import RecipeError
+from dsv4convert.formats import Format, detect_format, linear_storage, spec, stored_params
 from dsv4convert.inspection import WEIGHT_PARAMS, inspect_checkpoint
 from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
-from dsv4convert.storage import Format, detect_linear_format, linear_storage
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # What a module's conversion holds at once, per element of its logical weight: the
@@ -39,9 +41,21 @@ class ModuleJob:
     sources: dict[str, TensorEntry]          # param -> source tensor
     source_format: Format | None             # None: not a linear (norms, hc, sink, router bias...)
     target: Target
-    outputs: list[PlannedTensor]
     logical_shape: tuple[int, int] | None = None
     partner: str | None = None               # module sharing NVFP4 global scales (w1 <-> w3)
+
+    @functools.cached_property
+    def outputs(self) -> list[PlannedTensor]:
+        """The tensors this module becomes (names, dtypes, shapes), known before any data is read."""
+        if not self.converts:
+            return [PlannedTensor(e.name, e.dtype, e.shape) for e in self.sources.values()]
+        n, k = self.logical_shape
+        params = self.target.params
+        stored = linear_storage(self.target.format, n, k, group_size=params.get("group_size", 128),
+                                fp8_scale_dtype="F32" if params.get("scale_dtype") == "float32" else "F8_E8M0")
+        out = [PlannedTensor(f"{self.module}.{p.suffix}", p.dtype, p.shape) for p in stored]
+        # Non-weight tensors of a converted module (none in DeepSeek-V4 today) travel unchanged.
+        return out + [PlannedTensor(e.name, e.dtype, e.shape) for p, e in self.sources.items() if p not in WEIGHT_PARAMS]
 
     @property
     def converts(self) -> bool:
@@ -49,12 +63,8 @@ class ModuleJob:
         fmt = self.target.format
         if fmt is None:
             return False
-        if fmt is Format.FP8 and self.source_format is Format.FP8:
-            wanted = "F32" if self.target.params.get("scale_dtype") == "float32" else "F8_E8M0"
-            return self.sources["scale"].dtype != wanted
-        if fmt is Format.INT4 and self.source_format is Format.INT4:  # regrouped: requantized
-            return _source_params(self).get("group_size") != self.target.params["group_size"]
-        return fmt is not self.source_format
+        dtypes = {p: e.dtype for p, e in self.sources.items()}
+        return not spec(fmt).unchanged(self.source_format, dtypes, _source_params(self), self.target.params)
 
     @property
     def output_format(self) -> Format | None:
@@ -119,13 +129,9 @@ class Plan:
             if job.logical_shape is None:
                 continue
             fmt = job.output_format
-            params = {}
-            if fmt is Format.INT4:  # a kept INT4 module keeps the group size it is stored with
-                params["group_size"] = (job.target.params["group_size"] if job.converts
-                                        else _source_params(job).get("group_size", 128))
-            if fmt is Format.FP8:
-                params["fp8_scale_dtype"] = next(p.dtype for p in job.outputs if p.name.endswith(".scale"))
-            out[job.module] = (fmt, params)
+            # What the stored tensors say: a kept module keeps the parameters it is stored with.
+            stored = {p.name.rsplit(".", 1)[1]: (p.dtype, tuple(p.shape)) for p in job.outputs}
+            out[job.module] = (fmt, stored_params(fmt, stored, job.logical_shape[1]))
         return out
 
     def summary(self) -> dict[str, dict[str, int]]:
@@ -143,7 +149,7 @@ def _detect(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] |
     if native_shape is None:
         return None
     stored = {p: (e.dtype, e.shape) for p, e in job_sources.items() if p in WEIGHT_PARAMS}
-    return detect_linear_format(stored, *native_shape)
+    return detect_format(stored, *native_shape)
 
 
 def _source_format(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None) -> Format | None:
@@ -169,33 +175,11 @@ def _check_applicable(job: ModuleJob, recipe: Recipe) -> None:
         raise RecipeError(f"{where} asks for {fmt.value} on '{job.module}', but {NEVER_QUANTIZED[job.role]}; "
                           "SGLang would not load it", file=recipe.source)
     n, k = job.logical_shape
-    if fmt is Format.NVFP4 and k % 16:
-        raise RecipeError(f"{where}: nvfp4 needs K divisible by 16, '{job.module}' has K={k}", file=recipe.source)
-    if fmt is Format.INT4 and k % job.target.params["group_size"]:
-        raise RecipeError(f"{where}: int4 group {job.target.params['group_size']} does not divide K={k} "
-                          f"of '{job.module}'", file=recipe.source)
-    if fmt is Format.FP8 and job.source_format is Format.MXFP4 and (n % 128 or k % 128):
-        raise RecipeError(f"{where}: the lossless MXFP4->FP8 cast needs 128-multiples, '{job.module}' "
-                          f"is [{n}, {k}]", file=recipe.source)
+    why = spec(fmt).applicable(n, k, job.source_format, job.target.params) if job.source_format else None
+    if why:
+        raise RecipeError(f"{where}: {why}: '{job.module}' is [{n}, {k}]", file=recipe.source)
     if job.source_format is None:
         raise RecipeError(f"'{job.module}' is stored in a format dsv4convert cannot read", file=recipe.source)
-
-
-def _outputs(job: ModuleJob) -> list[PlannedTensor]:
-    fmt = job.target.format
-    if not job.converts:
-        return [PlannedTensor(e.name, e.dtype, e.shape) for e in job.sources.values()]
-    n, k = job.logical_shape
-    params = job.target.params
-    stored = linear_storage(
-        fmt, n, k,
-        group_size=params.get("group_size", 128),
-        fp8_scale_dtype="F32" if params.get("scale_dtype") == "float32" else "F8_E8M0",
-    )
-    out = [PlannedTensor(f"{job.module}.{p.suffix}", p.dtype, p.shape) for p in stored]
-    # Non-weight tensors of a converted module (none in DeepSeek-V4 today) travel unchanged.
-    out += [PlannedTensor(e.name, e.dtype, e.shape) for p, e in job.sources.items() if p not in WEIGHT_PARAMS]
-    return out
 
 
 def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -218,26 +202,17 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
             by_module[info.module][info.param] = entry
             module_shard.setdefault(info.module, shard)
 
+    infos = {module: classify(next(iter(sources.values())).name) for module, sources in by_module.items()}
+    targets = {module: recipe.target_for(info, engine) for module, info in infos.items()}
     modules: dict[str, ModuleJob] = {}
     groups: dict[object, list[ModuleJob]] = defaultdict(list)
     for module, sources in by_module.items():
-        info = classify(next(iter(sources.values())).name)
-        shape = native_shapes.get(module)
-        job = ModuleJob(module, info.role, info.is_mtp, sources, _source_format(sources, shape),
-                        recipe.target_for(info, engine), [], shape)
+        info, shape = infos[module], native_shapes.get(module)
+        job = ModuleJob(module, info.role, info.is_mtp, sources, _source_format(sources, shape), targets[module],
+                        shape, _partner(module, info.role, targets, recipe))
         _check_applicable(job, recipe)
         modules[module] = job
         groups[module_shard[module]].append(job)
-
-    for job in modules.values():
-        if job.target.format is Format.NVFP4 and job.role is Role.ROUTED_EXPERT and job.module.endswith((".w1", ".w3")):
-            partner = job.module[:-2] + ("w3" if job.module.endswith("w1") else "w1")
-            other = modules.get(partner)
-            if other is None or other.target.format is not Format.NVFP4:
-                raise RecipeError(f"'{job.module}' is NVFP4 but '{partner}' is not: SGLang fuses w1 and w3 "
-                                  "with one shared weight_scale_2, so both must be NVFP4", file=recipe.source)
-            job.partner = partner
-        job.outputs = _outputs(job)
 
     planned_groups = [[job.outputs for job in jobs] for jobs in groups.values()]
     shard_lists = group_into_shards(planned_groups, max_shard_bytes)
@@ -250,6 +225,18 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
                 jobs.append(owner[p.name])
         shards.append(ShardJob(shard_name(i + 1, len(shard_lists)), jobs, planned))
     return Plan(recipe, inspection.config, shards, modules, engine)
+
+
+def _partner(module: str, role: Role, targets: dict[str, Target], recipe: Recipe) -> str | None:
+    """The module sharing this one's global scales (an expert's w1 with its w3) where its format fuses them."""
+    fmt = targets[module].format
+    if not (fmt and spec(fmt).fused_partner and role is Role.ROUTED_EXPERT and module.endswith((".w1", ".w3"))):
+        return None
+    partner = module[:-2] + ("w3" if module.endswith("w1") else "w1")
+    if partner not in targets or targets[partner].format is not fmt:
+        raise RecipeError(f"'{module}' is {fmt.value} but '{partner}' is not: SGLang fuses w1 and w3 "
+                          f"with one shared global scale, so both must be {fmt.value}", file=recipe.source)
+    return partner
 
 
 def cost_of_both(plan: Plan) -> list[str]:

@@ -20,18 +20,24 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from dsv4convert.convert.engines import CHOICES, VLLM, engines_for
+from dsv4convert import variants
+from dsv4convert.engines import CHOICES, VLLM, engines_for
 from dsv4convert.errors import RecipeError
-from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, SCALE_RULES
+from dsv4convert.formats import REGISTRY, Format, recipe_targets
 from dsv4convert.layout import Role, TensorInfo
-from dsv4convert.storage import Format
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
-SHIPPED = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
-TARGETS = ("keep", "bf16", "fp8", "nvfp4", "int4")
+SHIPPED = variants.SHIPPED_RECIPES
+TARGETS = ("keep", *(fmt.value for fmt in recipe_targets()))
 MAX_RECIPE_BYTES = 1024 * 1024
 
 _ROLE_NAMES = [r.value for r in Role]
+
+
+def _params_of(target: str) -> dict[str, dict]:
+    return {} if target == "keep" else REGISTRY[Format(target)].recipe_params
+
+
 SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
@@ -67,40 +73,21 @@ SCHEMA = {
                         },
                     },
                     "format": {"enum": list(TARGETS)},
-                    "params": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "group_size": {"enum": [32, 128]},
-                            "scale_rule": {"enum": list(SCALE_RULES)},
-                            "scale_dtype": {"enum": ["e8m0", "float32"]},
-                        },
-                    },
+                    "params": {"type": "object"},
                     "reason": {"type": "string", "minLength": 3},
                 },
                 "allOf": [
                     {"if": {"properties": {"format": {"enum": ["keep", "bf16"]}}},
                      "then": {"required": ["reason"]}},
-                    {"if": {"properties": {"format": {"const": "int4"}}},
-                     "then": {"properties": {"params": {"properties": {"scale_dtype": False}}}}},
-                    {"if": {"properties": {"format": {"const": "fp8"}}},
-                     "then": {"properties": {"params": {"properties": {"group_size": False, "scale_rule": False}}}}},
-                    {"if": {"properties": {"format": {"enum": ["keep", "bf16", "nvfp4"]}}},
-                     "then": {"properties": {"params": {"maxProperties": 0}}}},
+                    # Each format takes the params its spec names (formats/specs.py), keep none.
+                    *({"if": {"properties": {"format": {"const": target}}},
+                       "then": {"properties": {"params": {"additionalProperties": False,
+                                                          "properties": _params_of(target)}}}}
+                      for target in TARGETS),
                 ],
             },
         },
     },
-}
-
-# SGLang 0.5.23 builds these with quant_config=None (srt/models/deepseek_v4.py, layers/attention/dsv4/
-# compressor.py, indexer.py) or never quantizes them for V4; a quantized tensor there would not load.
-NEVER_QUANTIZED = {
-    Role.COMPRESSOR: "SGLang builds the compressor wkv/wgate with quant_config=None",
-    Role.INDEXER_COMPRESSOR: "SGLang builds the indexer's compressor with quant_config=None",
-    Role.INDEXER_WEIGHTS_PROJ: "SGLang builds indexer weights_proj with quant_config=None",
-    Role.ROUTER: "the router gate runs in BF16/FP32 in every engine",
-    Role.EMBED: "an embedding is a lookup table, not a GEMM",
 }
 
 
@@ -121,6 +108,29 @@ class Rule:
     module: re.Pattern | None
     target: Target
     engines: frozenset[str] | None = None  # engine choices (sglang/vllm/both) the rule applies to
+    comment: str | None = None             # written above the rule (a recipe built in code says why)
+
+    def as_data(self) -> dict:
+        """The rule as the recipe language writes it (what the schema validates)."""
+        match: dict = {}
+        if self.roles is not None:
+            roles = sorted(r.value for r in self.roles)
+            match["role"] = roles[0] if len(roles) == 1 else roles
+        if self.mtp is not None:
+            match["mtp"] = self.mtp
+        if self.module is not None:
+            match["module"] = self.module.pattern
+        if self.engines is not None:
+            choices = sorted(self.engines)
+            match["engine"] = choices[0] if len(choices) == 1 else choices
+        data: dict = {"match": match, "format": self.target.format.value if self.target.format else "keep"}
+        given = {k: v for k, v in self.target.params.items()
+                 if self.target.format is None or REGISTRY[self.target.format].recipe_defaults.get(k) != v}
+        if given:
+            data["params"] = given
+        if self.target.reason:
+            data["reason"] = self.target.reason
+        return data
 
     def matches(self, info: TensorInfo, engine: str) -> bool:
         return (
@@ -157,8 +167,62 @@ class Recipe:
                           "add a rule for it (recipes must cover every module)", file=self.source)
 
 
+    @classmethod
+    def of(cls, name: str, description: str, rules: list[Rule], *, engine: str | None = None,
+           header: tuple[str, ...] = (), source: str | None = None) -> "Recipe":
+        """A recipe built in code (automix's): checked by the schema like a file, its text the YAML it writes
+        (each rule's comment above it, ``header`` as comments on top)."""
+        data = {"name": name, "description": description, **({"engine": engine} if engine else {}),
+                "rules": [rule.as_data() for rule in rules]}
+        label = source or f"<recipe {name}>"
+        _validate(data, label)
+        numbered = tuple(replace(rule, target=replace(rule.target, rule=i)) for i, rule in enumerate(rules))
+        return cls(name, description, numbered, label, _render(data, numbered, header), engine)
+
+
+def rule(*, roles: tuple[Role, ...] | None = None, mtp: bool | None = None, module: str | None = None,
+         fmt: Format | None = None, params: dict | None = None, reason: str | None = None,
+         engines: tuple[str, ...] | None = None, comment: str | None = None) -> Rule:
+    """One rule in code: match these roles / MTP side / module regex (full match) / engine choices, store as
+    ``fmt`` (None: keep the source's tensors) with ``params`` over the format's defaults."""
+    target_params = {**(REGISTRY[fmt].recipe_defaults if fmt is not None else {}), **(params or {})}
+    return Rule(frozenset(roles) if roles else None, mtp, re.compile(module) if module else None,
+                Target(fmt, target_params, reason), frozenset(engines) if engines else None, comment)
+
+
+def _yaml_scalar(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_scalar(v) for v in value) + "]"
+    text = str(value)
+    plain = re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", text) and text not in ("true", "false", "null", "yes", "no")
+    return text if plain else "'" + text.replace("'", "''") + "'"
+
+
+def _render(data: dict, rules: tuple[Rule, ...], header: tuple[str, ...]) -> str:
+    """The recipe as YAML text, one flow-style match per rule, comments where the rules carry them."""
+    out = [f"# {line}" for line in header]
+    out += [f"name: {data['name']}", "description: >", f"  {data['description']}"]
+    if "engine" in data:
+        out.append(f"engine: {data['engine']}")
+    out.append("rules:")
+    for rule_, raw in zip(rules, data["rules"]):
+        if rule_.comment:
+            out.append(f"  # {rule_.comment}")
+        match = ", ".join(f"{k}: {_yaml_scalar(v)}" for k, v in raw["match"].items())
+        out.append(f"  - match: {{{match}}}")
+        out.append(f"    format: {raw['format']}")
+        if "params" in raw:
+            out.append("    params: {" + ", ".join(f"{k}: {_yaml_scalar(v)}" for k, v in raw["params"].items()) + "}")
+        if "reason" in raw:
+            out.append(f"    reason: {_yaml_scalar(raw['reason'])}")
+    return "\n".join(out) + "\n"
+
+
 def _fp8_scale_dtype(info: TensorInfo, engine: str) -> str:
-    """vLLM 0.33.0 reads FP8 expert scales only as float32 (engines.vllm_problem); E8M0 otherwise."""
+    """The FP8 block scales the engines read: float32 for routed experts vLLM loads
+    (engines/vllm/quant_config.py::vllm_problem), E8M0 (the release's form) otherwise."""
     return "float32" if info.role is Role.ROUTED_EXPERT and VLLM in engines_for(engine) else "e8m0"
 
 
@@ -185,14 +249,8 @@ def _load_yaml(text: str) -> object:
     return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-def parse_recipe(text: str, source: str) -> Recipe:
-    """Parse and validate recipe text; every error names ``source`` and the path inside it."""
-    try:
-        data = _load_yaml(text)
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"not valid YAML ({' '.join(str(exc).split())})", file=source) from None
-    except RecursionError:
-        raise RecipeError("YAML is nested too deeply", file=source) from None
+def _validate(data: object, source: str) -> None:
+    """The schema's verdict on a recipe's data: the first error, naming its path in the recipe."""
     validator = jsonschema.Draft202012Validator(SCHEMA)
     try:
         errors = sorted(validator.iter_errors(data),
@@ -205,6 +263,17 @@ def parse_recipe(text: str, source: str) -> Recipe:
         if err.validator == "additionalProperties":
             message = f"unknown key: {message}"
         raise RecipeError(f"at {_format_path(err.absolute_path)}: {message}", file=source)
+
+
+def parse_recipe(text: str, source: str) -> Recipe:
+    """Parse and validate recipe text; every error names ``source`` and the path inside it."""
+    try:
+        data = _load_yaml(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"not valid YAML ({' '.join(str(exc).split())})", file=source) from None
+    except RecursionError:
+        raise RecipeError("YAML is nested too deeply", file=source) from None
+    _validate(data, source)
     rules = []
     for i, raw in enumerate(data["rules"]):
         match = raw.get("match", {})
@@ -219,10 +288,8 @@ def parse_recipe(text: str, source: str) -> Recipe:
                 raise RecipeError(f"at rules[{i}].match.module: bad regular expression ({exc})", file=source) from None
         fmt = None if raw["format"] == "keep" else Format(raw["format"])
         params = dict(raw.get("params", {}))
-        if fmt is Format.INT4:
-            params.setdefault("group_size", 128)
-            params.setdefault("scale_rule", DEFAULT_SCALE_RULE)
-        # An FP8 rule without scale_dtype leaves the block scales to the engines (convert.engines).
+        if fmt is not None:
+            params = {**REGISTRY[fmt].recipe_defaults, **params}
         engines = match.get("engine")
         if isinstance(engines, str):
             engines = [engines]

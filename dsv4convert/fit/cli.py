@@ -13,9 +13,12 @@ import json
 from pathlib import Path
 
 from dsv4convert.checkpoint import read_small_json
-from dsv4convert.fit import sizing, source, verdict
+from dsv4convert.engines import LABELS, SGLANG, SGLANG_LABEL, VLLM, EngineError
+from dsv4convert.engines import memory as sizing
+from dsv4convert.engines.served import ServedModel
+from dsv4convert.engines.vllm.memory import ESTIMATES as VLLM_ESTIMATED
+from dsv4convert.fit import source, verdict
 from dsv4convert.layout import ModelConfig
-from dsv4convert.serve.launch import LaunchError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "deepseek-v4-flash-config.json"
 
@@ -23,11 +26,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "deepseek-v4-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fit",
-        help="will a variant serve on these GPUs, and with how many tokens of KV cache (as SGLang 0.5.23 sizes it)",
+        help=f"will a variant serve on these GPUs, and with how many tokens of KV cache (as {SGLANG_LABEL} sizes it)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Size each server `serve` would start (with --pd: prefill and decode, each on --tp GPUs) the way\n"
-            "SGLang 0.5.23 does: weights per TP rank from the checkpoint's tensor bytes and SGLang's split and\n"
+            f"{SGLANG_LABEL} does: weights per TP rank from the checkpoint's tensor bytes and SGLang's split and\n"
             "load rules, SGLang's default --mem-fraction-static and its reserve terms (or the one the launch\n"
             "sets), the V4 KV pool's bytes per token (page-padded entries, sliding-window pool, compressed\n"
             "caches, indexer, compressor state), the KV tokens it leaves, the smallest fraction that loads,\n"
@@ -63,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _sources(args: argparse.Namespace) -> list[source.Source]:
+def _sources(args: argparse.Namespace) -> list[ServedModel]:
     if args.model:
         return [source.from_checkpoint(args.model)]
     config = read_small_json(args.config)
@@ -97,14 +100,14 @@ def _refuse(args: argparse.Namespace) -> None:
                                "fit sizes that (drop the flag or use --engine sglang)")
 
 
-def _size(src: source.Source, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> verdict.ServerFit:
+def _size(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> verdict.ServerFit:
     if args.engine == "vllm":
         return verdict.vllm_server(src, gpu, args.tp, mtp=args.mtp, context=args.context)
     return verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
                                  max_running=args.max_running)
 
 
-def _smallest_tp(src: source.Source, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> int | None:
+def _smallest_tp(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> int | None:
     if args.engine == "vllm":
         return next((tp for tp in verdict.TP_SIZES
                      if verdict.vllm_server(src, gpu, tp, mtp=args.mtp, context=args.context).fits), None)
@@ -120,14 +123,14 @@ def run(args: argparse.Namespace) -> int:
         for role in verdict.roles(args.pd):
             try:
                 fit = _size(src, gpu, role, args)
-            except LaunchError as exc:
+            except (verdict.FitError, EngineError) as exc:
                 if args.model:
                     raise
                 skipped.append((src.label, exc.detail))   # a variant serve refuses here (its MTP draft, its layout)
                 break
             rows.append((src, fit, None if fit.fits else _smallest_tp(src, gpu, role, args)))
-    engine = "vLLM 0.33.0" if args.engine == "vllm" else "SGLang 0.5.23"
-    estimated = verdict.VLLM_ESTIMATED if args.engine == "vllm" else verdict.ESTIMATED
+    engine = LABELS[VLLM if args.engine == "vllm" else SGLANG]
+    estimated = VLLM_ESTIMATED if args.engine == "vllm" else sizing.ESTIMATED
     if args.json:
         print(json.dumps({"engine": engine.lower(), "gpu": gpu.name, "gpu_mib": gpu.mib, "count": args.count,
                           "tp": args.tp, "pd": args.pd, "mtp": args.mtp, "context": args.context,

@@ -1,9 +1,13 @@
-"""Pure numerics of every weight format dsv4convert reads or writes (no file I/O).
+"""Pure numerics of every weight format dsv4convert reads or writes, and their registry (no file I/O).
 
-Each format lives in its own module; all functions are vectorized torch code that runs on
-any device. Definitions and sources: the project reference ``formats.md``.
+Each format's numerics live in their own module (vectorized torch code that runs on any device), and
+each format is one registered spec (:mod:`.registry`, :mod:`.specs`): how it is stored and recognised,
+decoded, made from each source format, its bytes, its kernel operands and the calibration it takes.
+The algorithms that choose weights (the INT4 scale search in :mod:`.int4`, GPTQ in :mod:`.gptq`) live
+beside the numerics. Definitions and sources: the project reference ``formats.md``.
 """
 
+from dsv4convert.formats import specs as _specs  # noqa: F401 - registers the five formats
 from dsv4convert.formats.fp8_block import (
     dequantize_fp8_block,
     e8m0_scale_to_float32,
@@ -36,7 +40,24 @@ from dsv4convert.formats.numerics import (
     pack_nibbles,
     unpack_nibbles,
 )
-from dsv4convert.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, input_scale_from_amax, quantize_nvfp4
+from dsv4convert.formats.nvfp4 import NVFP4_BLOCK, NVFP4Weight, dequantize_nvfp4, input_scale_from_amax, quantize_nvfp4
+from dsv4convert.formats.registry import (
+    REGISTRY,
+    Calibration,
+    Encoded,
+    EncodeInput,
+    Format,
+    FormatSpec,
+    Passthrough,
+    StoredParam,
+    calibrated_by,
+    detect_format,
+    linear_storage,
+    recipe_targets,
+    spec,
+    stored_bytes,
+    stored_params,
+)
 from dsv4convert.formats.transcode import (
     ExactnessReport,
     NVFP4Rescale,
@@ -48,6 +69,8 @@ from dsv4convert.formats.transcode import (
 )
 
 __all__ = [
+    "NVFP4_BLOCK", "REGISTRY", "Calibration", "Encoded", "EncodeInput", "Format", "FormatSpec", "Passthrough",
+    "StoredParam", "calibrated_by", "detect_format", "linear_storage", "recipe_targets", "spec", "stored_bytes", "stored_params",
     "E2M1_MAX", "E2M1_VALUES", "E4M3_MAX", "E4M3_MAX_EXP", "E4M3_MIN_EXP",
     "ErrorMetrics", "ExactnessReport", "Int4Weight", "NVFP4Rescale", "NVFP4Weight",
     "decode_e2m1", "dequantize_fp8_block", "dequantize_int4", "dequantize_mxfp4", "dequantize_nvfp4",

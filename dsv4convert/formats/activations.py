@@ -23,11 +23,11 @@ import torch.nn.functional as F
 
 from dsv4convert.errors import FormatError
 from dsv4convert.formats.numerics import E2M1_MAX, E4M3_MAX, ceil_log2, decode_e2m1, encode_e2m1, exp2_float32
+from dsv4convert.formats.nvfp4 import NVFP4_BLOCK
 
 Fp8ScaleFormat = Literal["float32", "ue8m0"]
 
 FP8_GROUP = 128
-NVFP4_GROUP = 16
 MXFP8_GROUP = 32
 # SGLang's floor on a token group's amax (per_token_group_quant.cuh, per_token_group_quant_8bit_v2.cuh).
 FP8_AMAX_FLOOR = 1e-10
@@ -186,7 +186,7 @@ def nvfp4_activations(
     """
     require_input(x, name)
     scale_2 = _input_scale(input_scale, x.device, name)
-    blocks = grouped(x, NVFP4_GROUP, name)
+    blocks = grouped(x, NVFP4_BLOCK, name)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     require_finite(amax, name)
     block_scale = (amax / (E2M1_MAX * scale_2)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()

@@ -32,6 +32,7 @@ from dsv4convert.formats.numerics import (
 )
 
 ScaleFormat = Literal["ue8m0", "float32"]
+FP8_BLOCK = 128   # DeepSeek-V4's 128x128 weight blocks
 
 
 def _require_2d(w: torch.Tensor, name: str | None) -> None:
@@ -51,7 +52,7 @@ def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
 def quantize_fp8_block(
     w: torch.Tensor,
     *,
-    block: int = 128,
+    block: int = FP8_BLOCK,
     scale_fmt: ScaleFormat = "ue8m0",
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +89,7 @@ def dequantize_fp8_block(
     weight: torch.Tensor,
     scale: torch.Tensor,
     *,
-    block: int = 128,
+    block: int = FP8_BLOCK,
     out_dtype: torch.dtype = torch.float32,
     name: str | None = None,
 ) -> torch.Tensor:

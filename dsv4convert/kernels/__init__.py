@@ -7,7 +7,7 @@ two agree bit for bit on dequantization and quantization, and to BF16 rounding o
 callers such as the validator run anywhere and get the same answers.
 
 Weight tensors are passed as a checkpoint stores them; see :mod:`dsv4convert.kernels.operands`
-for each format's tuple. Formats: ``fp8_block``, ``mxfp4``, ``nvfp4``, ``int4``.
+for each format's tuple. Formats: ``fp8``, ``mxfp4``, ``nvfp4``, ``int4`` (the format registry's names, :class:`dsv4convert.formats.Format`).
 
 :func:`quantize` and :func:`transcode_mxfp4` are the converters' GPU path: they return exactly
 what the ``dsv4convert.formats`` functions return (same types, same bytes, same exactness
@@ -16,6 +16,7 @@ reports), so a converter can run on either device and write identical files.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -63,14 +64,19 @@ def _use_triton(device: torch.device, backend: Backend) -> bool:
     return runnable
 
 
+def _triton() -> SimpleNamespace:
+    """The Triton launchers, imported when a kernel first runs: Triton is an optional dependency (``[gpu]``)."""
+    from dsv4convert.kernels import launch, quantize_launch
+
+    return SimpleNamespace(launch=launch, quantize=quantize_launch)
+
+
 def dequantize(fmt: str, *tensors: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                backend: Backend = "auto", name: str | None = None) -> torch.Tensor:
     """Dense weights ``[N, K]`` (or ``[E, N, K]`` for a stack of experts) from a quantized weight."""
     weight = quantized_weight(fmt, tensors, name=name)
     if _use_triton(weight.device, backend):
-        from dsv4convert.kernels import launch
-
-        return launch.dequantize(weight, out_dtype)
+        return _triton().launch.dequantize(weight, out_dtype)
     return reference.dequantize(weight, out_dtype)
 
 
@@ -83,9 +89,7 @@ def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True,
     if x.ndim != 2:
         raise FormatError(f"activations must be [M, K], got shape {list(x.shape)}")
     if _use_triton(x.device, backend):
-        from dsv4convert.kernels import launch
-
-        return launch.quantize_activations_fp8(x.contiguous(), pow2_scale=pow2_scale)
+        return _triton().launch.quantize_activations_fp8(x.contiguous(), pow2_scale=pow2_scale)
     return reference.quantize_activations_fp8(x, pow2_scale=pow2_scale)
 
 
@@ -96,9 +100,7 @@ def _run_grouped(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor
         raise FormatError(f"activations are on {x.device} but the weight is on {weight.device}")
     x = x.to(torch.bfloat16)
     if _use_triton(weight.device, backend):
-        from dsv4convert.kernels import launch
-
-        return launch.grouped_gemm(weight, x, offsets)
+        return _triton().launch.grouped_gemm(weight, x, offsets)
     return reference.grouped_gemm(weight, x, offsets).to(torch.bfloat16)
 
 
@@ -106,7 +108,7 @@ def gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, backend: Backend = "
          name: str | None = None) -> torch.Tensor:
     """BF16 ``Y = X @ W^T`` for BF16 ``X [M, K]`` and one quantized ``W [N, K]``, dequantized in the kernel.
 
-    For ``fp8_block`` the activations are quantized per token and 128 channels first
+    For ``fp8`` the activations are quantized per token and 128 channels first
     (:func:`quantize_activations_fp8`) and the product runs on FP8 tensor cores.
     """
     weight = quantized_weight(fmt, tensors, name=name)
@@ -147,48 +149,44 @@ def grouped_gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, expert_offse
     return _run_grouped(weight, x, expert_offsets.to(device=x.device, dtype=torch.int32), backend)
 
 
-def quantize(fmt: Literal["fp8_block", "int4"], w: torch.Tensor, *, block: int = 128,
+def quantize(fmt: Literal["fp8", "int4"], w: torch.Tensor, *, block: int = 128,
              scale_fmt: ScaleFormat = "ue8m0", group_size: int = 128, scale_rule: ScaleRule = DEFAULT_SCALE_RULE,
              backend: Backend = "auto", name: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | Int4Weight:
     """Quantize a dense weight ``[N, K]`` where it lives, bit-identical to the CPU path.
 
-    ``fp8_block`` returns :func:`dsv4convert.formats.quantize_fp8_block`'s ``(weight, scale)``
+    ``fp8`` returns :func:`dsv4convert.formats.quantize_fp8_block`'s ``(weight, scale)``
     (``block`` and ``scale_fmt`` apply); ``int4`` returns
     :func:`dsv4convert.formats.quantize_int4_weight`'s :class:`Int4Weight` (``group_size`` and
     ``scale_rule`` apply).
     """
-    if fmt not in ("fp8_block", "int4"):
-        raise FormatError(f"quantize writes 'fp8_block' or 'int4', not {fmt!r}", tensor=name)
+    if fmt not in ("fp8", "int4"):
+        raise FormatError(f"quantize writes 'fp8' or 'int4', not {fmt!r}", tensor=name)
     if not _use_triton(w.device, backend):
-        if fmt == "fp8_block":
+        if fmt == "fp8":
             return quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
         return quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule, name=name)
-    from dsv4convert.kernels import quantize_launch
-
-    if fmt == "fp8_block":
-        return quantize_launch.quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
-    return quantize_launch.quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule, name=name)
+    if fmt == "fp8":
+        return _triton().quantize.quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
+    return _triton().quantize.quantize_int4_weight(w, group_size=group_size, scale_rule=scale_rule, name=name)
 
 
-def transcode_mxfp4(target: Literal["nvfp4", "fp8_block"], packed: torch.Tensor, scale: torch.Tensor, *,
+def transcode_mxfp4(target: Literal["nvfp4", "fp8"], packed: torch.Tensor, scale: torch.Tensor, *,
                     global_exponent: int | None = None, backend: Backend = "auto", name: str | None = None,
                     ) -> tuple[NVFP4Weight, ExactnessReport] | tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
     """Re-encode MXFP4 ``(packed [N, K/2], scale [N, K/32])`` where it lives, bit-identical to the CPU path.
 
     ``nvfp4`` returns :func:`dsv4convert.formats.mxfp4_to_nvfp4`'s ``(NVFP4Weight, report)``
-    (``global_exponent`` applies; pass the one w1 and w3 share); ``fp8_block`` returns
+    (``global_exponent`` applies; pass the one w1 and w3 share); ``fp8`` returns
     :func:`dsv4convert.formats.mxfp4_to_fp8_block`'s ``(weight, scale, report)``.
     """
-    if target not in ("nvfp4", "fp8_block"):
-        raise FormatError(f"MXFP4 transcodes to 'nvfp4' or 'fp8_block', not {target!r}", tensor=name)
-    if target == "fp8_block" and global_exponent is not None:
+    if target not in ("nvfp4", "fp8"):
+        raise FormatError(f"MXFP4 transcodes to 'nvfp4' or 'fp8', not {target!r}", tensor=name)
+    if target == "fp8" and global_exponent is not None:
         raise FormatError("global_exponent applies to the NVFP4 transcode only", tensor=name)
     if not _use_triton(packed.device, backend):
         if target == "nvfp4":
             return mxfp4_to_nvfp4(packed, scale, global_exponent=global_exponent, name=name)
         return mxfp4_to_fp8_block(packed, scale, name=name)
-    from dsv4convert.kernels import quantize_launch
-
     if target == "nvfp4":
-        return quantize_launch.mxfp4_to_nvfp4(packed, scale, global_exponent=global_exponent, name=name)
-    return quantize_launch.mxfp4_to_fp8_block(packed, scale, name=name)
+        return _triton().quantize.mxfp4_to_nvfp4(packed, scale, global_exponent=global_exponent, name=name)
+    return _triton().quantize.mxfp4_to_fp8_block(packed, scale, name=name)

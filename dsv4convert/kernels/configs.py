@@ -155,7 +155,7 @@ SAFE_FP8_BLOCK = GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)
 # (mxfp4), 76% to 88% (nvfp4), 79% to 89% (int4). sm_120 and the fallback take 4 x
 # 1024 with 4 warps (second on the H200, 128-thread programs), unmeasured there.
 _DEQUANT_TILES = {
-    "fp8_block": {
+    "fp8": {
         "sm_90": ElementwiseConfig(16, 256, num_warps=4),
         "sm_120": ElementwiseConfig(32, 256, num_warps=8),
         "fallback": ElementwiseConfig(16, 256, num_warps=4),
@@ -169,12 +169,12 @@ _DEQUANT_TILES = {
     },
 }
 
-GEMM_TABLES: dict[str, dict[str, GemmTable]] = {"weight_only": _WEIGHT_ONLY, "fp8_block": _FP8_BLOCK}
-SAFE_GEMM: dict[str, GemmConfig] = {"weight_only": SAFE_WEIGHT_ONLY, "fp8_block": SAFE_FP8_BLOCK}
+GEMM_TABLES: dict[str, dict[str, GemmTable]] = {"weight_only": _WEIGHT_ONLY, "fp8": _FP8_BLOCK}
+SAFE_GEMM: dict[str, GemmConfig] = {"weight_only": SAFE_WEIGHT_ONLY, "fp8": SAFE_FP8_BLOCK}
 
 
 def gemm_config(kind: str, arch: str, tokens_per_expert: int) -> GemmConfig:
-    """The table entry for ``kind`` (``weight_only`` or ``fp8_block``) at this batch size."""
+    """The table entry for ``kind`` (``weight_only`` or ``fp8``) at this batch size."""
     for max_tokens, config in GEMM_TABLES[kind][arch]:
         if tokens_per_expert <= max_tokens:
             return config
@@ -188,8 +188,8 @@ def next_gemm_config(kind: str, arch: str, config: GemmConfig) -> GemmConfig:
 
 
 def dequant_config(arch: str, fmt: str) -> ElementwiseConfig:
-    """The dequantization tile for ``fmt`` (``fp8_block`` or a 4-bit format) on ``arch``."""
-    return _DEQUANT_TILES["fp8_block" if fmt == "fp8_block" else "4bit"][arch]
+    """The dequantization tile for ``fmt`` (``fp8`` or a 4-bit format) on ``arch``."""
+    return _DEQUANT_TILES["fp8" if fmt == "fp8" else "4bit"][arch]
 
 
 _verdicts: dict[Hashable, bool] = {}

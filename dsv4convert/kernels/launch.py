@@ -10,15 +10,20 @@ import dataclasses
 import torch
 import triton
 
+from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels import configs, reference
 from dsv4convert.kernels._runtime import arch_of, interpreting
 from dsv4convert.kernels.configs import GemmConfig
 from dsv4convert.kernels.operands import FP8_BLOCK, QuantizedWeight, quantized_weight
 from dsv4convert.kernels.samples import random_activations, random_weight
-from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels.triton_fp8_gemm import act_quant_kernel, fp8_block_gemm_kernel
-from dsv4convert.kernels.triton_gemv import (MMA_CHUNK_K, MMA_ROWS, weight_only_gemv_kernel, weight_only_mma_kernel,
-                                              word_dot_variant)
+from dsv4convert.kernels.triton_gemv import (
+    MMA_CHUNK_K,
+    MMA_ROWS,
+    weight_only_gemv_kernel,
+    weight_only_mma_kernel,
+    word_dot_variant,
+)
 from dsv4convert.kernels.triton_kernels import (
     FORMAT_CODES,
     dequant_4bit_kernel,
@@ -39,14 +44,14 @@ def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype,
     cfg = cfg or configs.dequant_config(arch_of(weight.device), weight.fmt)
     rows = weight.experts * weight.n
     out = torch.empty(rows, weight.k, dtype=out_dtype, device=weight.device)
-    if weight.fmt == "fp8_block" and weight.n % FP8_BLOCK and weight.experts > 1:
+    if weight.fmt == "fp8" and weight.n % FP8_BLOCK and weight.experts > 1:
         # Ragged 128-row blocks do not line up across a flattened stack: one launch per expert.
         parts = [dequantize(_one_expert(weight, e), out_dtype, cfg) for e in range(weight.experts)]
         return torch.stack(parts)
     codes = weight.codes.reshape(rows, -1)
     scale = weight.scale.reshape(-1, weight.scale.shape[-1])
     hw_round = not interpreting()
-    if weight.fmt == "fp8_block":
+    if weight.fmt == "fp8":
         # A tile's rows must share one row of 128x128 scales, and its columns whole scale blocks.
         block_n = min(cfg.block_rows, FP8_BLOCK)
         block_k = triton.cdiv(cfg.block_cols, FP8_BLOCK) * FP8_BLOCK
@@ -104,7 +109,7 @@ def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True) -> tup
 
 
 def _gemm_kind(weight: QuantizedWeight) -> str:
-    return "fp8_block" if weight.fmt == "fp8_block" else "weight_only"
+    return "fp8" if weight.fmt == "fp8" else "weight_only"
 
 
 def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max_rows: int,
@@ -117,7 +122,7 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
         x.shape[0], weight.n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device=x.device)
     grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, cfg.block_n), cfg.split_k,
             weight.experts)
-    if weight.fmt == "fp8_block":
+    if weight.fmt == "fp8":
         _launch_fp8_block(weight, x, offsets, y, grid, cfg)
     else:
         _launch_weight_only(weight, x, offsets, y, grid, cfg)
@@ -268,7 +273,7 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
 def _config_passes(fmt: str, group: int, cfg: GemmConfig, device: torch.device) -> bool:
     """Run ``cfg`` on a small random two-expert problem that covers its split-K and tile edges."""
     generator = torch.Generator().manual_seed(1234)
-    block_k = FP8_BLOCK if fmt == "fp8_block" else max(cfg.block_k, group)
+    block_k = FP8_BLOCK if fmt == "fp8" else max(cfg.block_k, group)
     n, k = 2 * cfg.block_n, 2 * cfg.split_k * block_k
     if cfg.variant == "mma":  # two chunks per K share
         k = 2 * MMA_CHUNK_K * _mma_k_shares(cfg)
@@ -308,7 +313,7 @@ def _fit_split_k(cfg: GemmConfig, weight: QuantizedWeight, max_rows: int) -> Gem
         return cfg
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
     row_tiles = triton.cdiv(max(max_rows, 1), cfg.block_m) * weight.experts
-    if weight.fmt == "fp8_block" and row_tiles * triton.cdiv(weight.n, 2 * cfg.block_n) >= sms:
+    if weight.fmt == "fp8" and row_tiles * triton.cdiv(weight.n, 2 * cfg.block_n) >= sms:
         # Tiles twice as wide already fill the GPU unsplit (wq_b, a grouped launch): on the H200 the
         # 16x64 tile ran wq_b at M=1 in 15.8 us, the narrow 16x32 one in 22.6.
         return dataclasses.replace(cfg, block_n=2 * cfg.block_n, split_k=1)

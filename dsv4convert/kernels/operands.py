@@ -2,7 +2,7 @@
 
 A caller hands each format's tensors exactly as they sit in a checkpoint (formats.md §0):
 
-* ``fp8_block``: ``(weight float8_e4m3fn [N, K], scale [ceil(N/128), ceil(K/128)])``, the scale
+* ``fp8``: ``(weight float8_e4m3fn [N, K], scale [ceil(N/128), ceil(K/128)])``, the scale
   float8_e8m0fnu (DeepSeek-V4 ``.scale``), its raw uint8 bytes, or float32 (``weight_scale_inv``);
 * ``mxfp4``: ``(codes int8/uint8 [N, K/2], scale float8_e8m0fnu/uint8 [N, K/32])``;
 * ``nvfp4``: ``(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 [])``;
@@ -19,10 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from dsv4convert.errors import FormatError
+from dsv4convert.formats import NVFP4_BLOCK, REGISTRY
+from dsv4convert.formats.fp8_block import FP8_BLOCK
+from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
 
-FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4")
-FP8_BLOCK = 128
-_GROUP = {"mxfp4": 32, "nvfp4": 16}
+# The formats the kernels take (the registry's names: every spec with kernel operands).
+FORMATS = tuple(fmt.value for fmt, spec in REGISTRY.items() if spec.kernel_params)
+_GROUP = {"mxfp4": MXFP4_BLOCK, "nvfp4": NVFP4_BLOCK}
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class QuantizedWeight:
 
     @property
     def scale_is_e8m0(self) -> bool:
-        return self.scale.dtype == torch.uint8 and self.fmt in ("fp8_block", "mxfp4")
+        return self.scale.dtype == torch.uint8 and self.fmt in ("fp8", "mxfp4")
 
     def expert_tensors(self, expert: int) -> tuple[torch.Tensor, ...]:
         """The caller's tensors of one expert, as the ``dsv4convert.formats`` functions take them."""
@@ -64,7 +67,7 @@ def quantized_weight(fmt: str, tensors: tuple[torch.Tensor, ...], *, name: str |
     """Check ``tensors`` against ``fmt``'s layout and describe them; raises FormatError on a mismatch."""
     if fmt not in FORMATS:
         raise _fail(f"unknown weight format {fmt!r} (expected one of {', '.join(FORMATS)})", name)
-    expected = {"fp8_block": (2,), "mxfp4": (2,), "nvfp4": (3,), "int4": (2, 3)}[fmt]
+    expected = {"fp8": (2,), "mxfp4": (2,), "nvfp4": (3,), "int4": (2, 3)}[fmt]
     if len(tensors) not in expected:
         raise _fail(f"{fmt} takes {' or '.join(map(str, expected))} tensors, got {len(tensors)}", name)
     codes = tensors[0]
@@ -85,18 +88,18 @@ def quantized_weight(fmt: str, tensors: tuple[torch.Tensor, ...], *, name: str |
     if any(t.device != codes.device for t in tensors):
         raise _fail(f"{fmt} tensors are on different devices", name)
 
-    if fmt == "fp8_block":
+    if fmt == "fp8":
         if codes.dtype != torch.float8_e4m3fn:
-            raise _fail(f"fp8_block weight must be float8_e4m3fn, got {codes.dtype}", name)
+            raise _fail(f"fp8 weight must be float8_e4m3fn, got {codes.dtype}", name)
         k = codes.shape[2]
         grid = (experts, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
         if tuple(scale.shape) != grid:
-            raise _fail(f"fp8_block scale shape {list(scale.shape)} does not match weight {list(codes.shape)} "
+            raise _fail(f"fp8 scale shape {list(scale.shape)} does not match weight {list(codes.shape)} "
                         f"in 128x128 blocks (expected {list(grid[1:] if not stacked else grid)})", name)
         if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
             scale = scale.view(torch.uint8)
         elif scale.dtype != torch.float32:
-            raise _fail(f"fp8_block scale must be float8_e8m0fnu, uint8 or float32, got {scale.dtype}", name)
+            raise _fail(f"fp8 scale must be float8_e8m0fnu, uint8 or float32, got {scale.dtype}", name)
         group = FP8_BLOCK
     else:
         if fmt == "int4":

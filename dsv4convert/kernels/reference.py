@@ -24,7 +24,7 @@ ACTIVATION_EPS = 1e-10
 def dequantize_expert(weight: QuantizedWeight, expert: int, out_dtype: torch.dtype) -> torch.Tensor:
     """W[expert] as ``out_dtype`` [N, K], computed by the formats module of its format."""
     tensors = weight.expert_tensors(expert)
-    if weight.fmt == "fp8_block":
+    if weight.fmt == "fp8":
         return dequantize_fp8_block(tensors[0], tensors[1], out_dtype=out_dtype)
     if weight.fmt == "mxfp4":
         return dequantize_mxfp4(tensors[0], tensors[1], out_dtype=out_dtype)
@@ -75,10 +75,10 @@ def expert_rows(offsets: torch.Tensor) -> list[tuple[int, int]]:
 def grouped_gemm(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """FP32 ``Y[rows of e] = X[rows of e] @ W[e]^T`` with W dequantized exactly.
 
-    For ``fp8_block`` the activations go through :func:`quantize_activations_fp8` first, as the
+    For ``fp8`` the activations go through :func:`quantize_activations_fp8` first, as the
     kernel's do; the other formats multiply the BF16 activations as given.
     """
-    if weight.fmt == "fp8_block":
+    if weight.fmt == "fp8":
         q, scale = quantize_activations_fp8(x)
         activations = dequantize_activations_fp8(q, scale)
     else:

@@ -26,7 +26,7 @@ def random_weight(fmt: str, n: int, k: int, *, experts: int | None = None, group
     def uniform(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.rand(_stack(shape, experts), generator=generator).to(device)
 
-    if fmt == "fp8_block":
+    if fmt == "fp8":
         codes = (torch.randn(_stack((n, k), experts), generator=generator) * 64).clamp(-448, 448)
         grid = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
         if scale_fmt == "ue8m0":

@@ -32,11 +32,10 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.checkpoint.safetensors_io import read_tensor
-from dsv4convert.convert.modules import dequantize_source
 from dsv4convert.errors import CheckpointError, DSV4Error
+from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
 from dsv4convert.layout import ModelConfig, try_classify
-from dsv4convert.storage import Format
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -172,7 +171,7 @@ class WeightSource:
         if info is None or info.format is None:
             raise CheckpointError("linear module missing or in an unknown format", file=self.ckpt.root, tensor=module)
         src = {param: self._read(name).to(self.device) for param, name in self._weights[module].items()}
-        return dequantize_source(info.format, src, f"{module}.weight").to(self.dtype)
+        return spec(info.format).decode(src, f"{module}.weight").to(self.dtype)
 
     def experts(self, block: str, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``gate_up_proj [E, 2I, H]`` (w1 rows then w3 rows) and ``down_proj [E, H, I]``, filled in place."""

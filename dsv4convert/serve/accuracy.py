@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4convert.errors import DSV4Error, FormatError
+from dsv4convert.serve.process import log_tail
 
 LM_EVAL_VERSION = "0.4.13"  # the version pinned by the [eval] extra
 DEFAULT_TASKS = ("gsm8k",)
@@ -373,8 +374,6 @@ def run_tasks(
         try:
             code = run_client(f"lm-eval {task}", argv, log, progress=_progress_reporter(log, task, echo))
             if code:
-                from dsv4convert.serve.process import log_tail
-
                 raise AccuracyError(f"lm-eval failed on {task} (exit status {code}); last lines of {log}:\n"
                                     f"{log_tail(log)}")
             score = parse_results(results_file(output_dir), task)

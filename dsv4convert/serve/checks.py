@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsv4convert.checkpoint import read_small_json
 from dsv4convert.errors import FormatError
 from dsv4convert.serve import accuracy, launch, mtp, recall, report, speed
 from dsv4convert.serve.process import ProcessGroup, ServeError, http_get_json, http_post_json, log_tail
@@ -24,7 +25,6 @@ def run_recall(args: argparse.Namespace, url: str, meta: dict[str, Any]) -> Path
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise ServeError("--check recall needs the model's tokenizer through transformers (installed with SGLang)") from exc
-    from dsv4convert.checkpoint import read_small_json  # imports torch: only when a check runs
     config = read_small_json(args.model / "config.json")
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     layer_ids = recall.indexer_layer_ids(config["compress_ratios"], config["num_hidden_layers"])
@@ -95,7 +95,6 @@ def model_max_length(model: Path) -> int | None:
     path = model / "config.json"
     if not path.is_file():
         return None
-    from dsv4convert.checkpoint import read_small_json  # imports torch: only when a check runs
 
     value = read_small_json(path).get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None
@@ -148,7 +147,7 @@ def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: 
         except ServeError as exc:  # only the cross-check is lost; the per-request figures stand
             print(f"warning: no server-wide acceptance: {exc}", file=sys.stderr)
     summary = mtp.summarize(samples, server_lengths)
-    tokens = mtp.draft_tokens(drafting.sglang_args) if drafting else None
+    tokens = drafting.server.draft_tokens if drafting and drafting.server else None
     path = args.out / "mtp.json"
     report.write_report(path, "mtp", meta, {"summary": summary, "min_accept": minimum, "draft_tokens": tokens,
                                             "samples": [s.to_json() for s in samples]})

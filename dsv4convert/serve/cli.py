@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.errors import CheckpointError
 from dsv4convert.serve import accuracy, checks, launch, mtp, recall, speed
 from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, log_tail
@@ -58,7 +59,7 @@ def _limit(text: str) -> int | float:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve a checkpoint with SGLang 0.5.23 (PD-disaggregated or single), optionally check recall, speed, "
+        help=f"serve a checkpoint with {SGLANG_LABEL} (PD-disaggregated or single), optionally check recall, speed, "
              "task accuracy (lm-eval) or MTP draft acceptance",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
@@ -335,12 +336,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _refuse_what_cannot_fit(args: argparse.Namespace, commands: list[launch.Command], family: str) -> None:
     """``fit``'s verdict before any process starts: a server SGLang could not load is refused in one line
-    (the card of ``family`` we serve on: H200, B200 or RTX PRO 6000; another family is not sized)."""
+    (the card of ``family`` we serve on: H200, B200 or RTX PRO 6000), sized as each command will run."""
     from dsv4convert.fit import source, verdict
 
-    servers = [c for c in commands if c.role != "router"]
-    gpu = verdict.gpu_of_family(family)
-    if not servers or gpu is None:
+    servers = [c for c in commands if c.server is not None]
+    if not servers:
         return
     try:
         model = source.from_checkpoint(args.model)
@@ -349,9 +349,9 @@ def _refuse_what_cannot_fit(args: argparse.Namespace, commands: list[launch.Comm
             raise
         print(f"warning: not sized (fit needs the checkpoint's headers): {exc}", file=sys.stderr)
         return
+    gpu = verdict.gpu_of_family(family)
     for command in servers:
-        tp = int(command.sglang_args[command.sglang_args.index("--tp-size") + 1])
-        why = verdict.refusal(model, gpu, command.role, tp, mtp="--speculative-algorithm" in command.sglang_args)
+        why = verdict.refusal(model, gpu, command.server)
         if why:
             raise launch.LaunchError(f"{args.model}: {why} (dsv4convert fit --model {args.model} shows every term)")
 

@@ -147,17 +147,6 @@ def server_accept_lengths(server_info: dict[str, Any]) -> list[float]:
             if isinstance(s, dict) and isinstance(s.get("avg_spec_accept_length"), (int, float))]
 
 
-def draft_tokens(sglang_args: Sequence[str]) -> int | None:
-    """``--speculative-num-draft-tokens`` of a launch command (the last one given wins, as in argparse)."""
-    value = None
-    for flag, following in zip(sglang_args, [*sglang_args[1:], None]):
-        if flag == "--speculative-num-draft-tokens" and following is not None:
-            value = int(following)
-        elif flag.startswith("--speculative-num-draft-tokens="):
-            value = int(flag.split("=", 1)[1])
-    return value
-
-
 def failures(summary: dict[str, Any], min_accept: float) -> list[str]:
     """Why the draft fails the check (empty: it passes)."""
     if summary["accept_length"] is None:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv4convert.errors import FormatError
+from dsv4convert.serve.accuracy import DEFAULT_MIN_RECOVERY, recoveries, recovery_lines
+from dsv4convert.serve.mtp import compare_lines
 
 REPORT_VERSION = 1
 REPORT_KINDS = ("recall", "speed", "accuracy", "mtp")
@@ -89,12 +91,8 @@ def compare(base: dict[str, Any], other: dict[str, Any], *, min_recovery: float 
     if base["kind"] == "recall":
         return header + _compare_recall(base["summary"], other["summary"])
     if base["kind"] == "mtp":
-        from dsv4convert.serve.mtp import compare_lines
-
         return header + compare_lines(base["summary"], other["summary"])
     if base["kind"] == "accuracy":
-        from dsv4convert.serve.accuracy import DEFAULT_MIN_RECOVERY, recoveries, recovery_lines
-
         minimum = DEFAULT_MIN_RECOVERY if min_recovery is None else min_recovery
         return header[:2] + recovery_lines(recoveries(base, other), minimum)
     return header + _compare_speed(base["results"], other["results"])

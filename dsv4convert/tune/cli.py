@@ -6,7 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from dsv4convert.storage import Format
+from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.tune.search import DEFAULT_BATCH_SIZES
 
 
@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tune SGLang's Triton fused-MoE kernel configs for this GPU and a checkpoint's expert shapes",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Search the tile configs of SGLang 0.5.23's own Triton fused-MoE kernel for the checkpoint's routed\n"
+            f"Search the tile configs of {SGLANG_LABEL}'s own Triton fused-MoE kernel for the checkpoint's routed\n"
             "experts (FP8 block, INT4 W4A16 or BF16; E experts, intermediate size / TP per rank) on this GPU,\n"
             "per batch size, within a time budget. Each candidate is checked against SGLang's default config\n"
             "before it is timed; tiles that cannot fit the GPU's shared memory (99 KB per block on sm_120) are\n"
@@ -107,9 +107,9 @@ def _run(args: argparse.Namespace) -> int:
     for path in outcome.written:
         print(f"wrote {path}")
     print(f"every candidate, its time and its difference from the default config: {outcome.log}")
-    backend = " -- --moe-runner-backend triton" if problem.expert_format is Format.INT4 else ""
+    backend = " -- --moe-runner-backend triton" if problem.kernel.note else ""
     print(f"serve with: dsv4convert serve --model {shlex.quote(str(args.model))} --tuned-configs "
           f"{shlex.quote(str(args.out))}{backend}   (or SGLANG_MOE_CONFIG_DIR={shlex.quote(str(args.out.resolve()))})")
     if backend:
-        print("  W4A16 runs SGLang's Triton MoE only with --moe-runner-backend triton (its default is Marlin)")
+        print(f"  {problem.kernel.note}")
     return 0

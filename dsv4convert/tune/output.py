@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
+from dsv4convert.checkpoint import atomic_write_json
 from dsv4convert.tune.problem import TuneError
 
 MANIFEST = "dsv4convert-tune.json"
@@ -57,7 +58,6 @@ def write_tuned(out: Path, *, shipped_configs: Path, files: dict[str, dict[int, 
                 sglang_version: str, triton_version: str) -> list[Path]:
     """Write ``files`` ({"triton_X_Y_Z/<SGLang's name>": {batch size: config}}) into ``out``, merged with
     the shipped configs; ``entries`` say how each was made. Returns the written files' paths."""
-    from dsv4convert.checkpoint import atomic_write_json
 
     manifest = check_destination(out, sglang_version)
     fresh = manifest is None
@@ -104,7 +104,6 @@ def write_tuned(out: Path, *, shipped_configs: Path, files: dict[str, dict[int, 
 def write_log(out: Path, up_file: str, log: dict) -> Path:
     """Every candidate of a tune (config, status, time, difference from the default) and the comparison,
     as ``tune-logs/<the up file's name>``: why the written configs were chosen."""
-    from dsv4convert.checkpoint import atomic_write_json
 
     path = out / "tune-logs" / Path(up_file).name
     path.parent.mkdir(exist_ok=True)

@@ -11,21 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.engines import SGLANG_LABEL, EngineError
+from dsv4convert.engines.sglang.rules import NO_TRITON_PATH, TritonMoE, triton_moe
 from dsv4convert.errors import DSV4Error
+from dsv4convert.formats import Format, spec
+from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import FP8_BLOCK, ModelConfig, Role
-from dsv4convert.storage import Format
-
-# Why each format SGLang 0.5.23 does not serve through its Triton fused-MoE kernel is refused.
-NO_TRITON_PATH = {
-    Format.NVFP4: (
-        "the routed experts are NVFP4: SGLang 0.5.23 runs NVFP4 experts with FlashInfer's CUTLASS or TRT-LLM "
-        "kernels or with Marlin (ModelOptNvFp4FusedMoEMethod), never with its Triton fused-MoE kernel, so "
-        "there are no Triton MoE configs to tune"),
-    Format.MXFP4: (
-        "the routed experts are MXFP4 (the native checkpoint): SGLang 0.5.23 runs them with FlashInfer's "
-        "MXFP4 kernels or Marlin, not with its Triton fused-MoE kernel; convert them with `dsv4convert "
-        "to-fp8` to serve (and tune) the Triton path"),
-}
 
 
 class TuneError(DSV4Error):
@@ -47,27 +39,32 @@ class MoEProblem:
     source: str = "config.json"
 
     @property
+    def kernel(self) -> TritonMoE:
+        """The Triton fused-MoE kernel's flavour for these experts (SGLang's rule)."""
+        return triton_moe(self.expert_format)
+
+    @property
     def dtype(self) -> str | None:
         """SGLang's config ``dtype`` (``get_config_dtype_str``); None for BF16."""
-        return {Format.FP8: "fp8_w8a8", Format.INT4: "int4_w4a16", Format.BF16: None}[self.expert_format]
+        return self.kernel.dtype
 
     @property
     def block_shape(self) -> list[int] | None:
         """The ``block_shape`` SGLang passes to its kernel: FP8's weight blocks, INT4's ``[0, group]``."""
-        if self.expert_format is Format.FP8:
-            return [FP8_BLOCK, FP8_BLOCK]
-        if self.expert_format is Format.INT4:
-            return [0, self.group_size]
-        return None
+        return self.kernel.block_shape(self.group_size)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of one stored weight element (the B operand the kernel reads)."""
+        return spec(self.expert_format).bits_per_weight / 8
 
     @property
     def lookup_n(self) -> int:
         """``N`` in SGLang's file name: ``w2.shape[2]``, which the Triton W4A16 layout packs two to a byte."""
-        return self.intermediate // 2 if self.expert_format is Format.INT4 else self.intermediate
+        return self.intermediate // self.kernel.weights_per_byte
 
     def describe(self) -> str:
-        fmt = {Format.FP8: "FP8 e4m3, 128x128 blocks", Format.INT4: f"INT4 W4A16, group {self.group_size}",
-               Format.BF16: "BF16"}[self.expert_format]
+        fmt = self.kernel.label.format(group=self.group_size)
         return (f"{self.experts} experts, top-{self.topk}, hidden {self.hidden}, intermediate {self.intermediate} "
                 f"per rank (TP {self.tp}), {fmt}")
 
@@ -75,19 +72,21 @@ class MoEProblem:
     def from_config(cls, config: dict, expert_format: Format, tp: int, *, group_size: int = 0,
                     source: str = "config.json") -> MoEProblem:
         """The problem of a checkpoint whose routed experts are stored in ``expert_format``."""
-        if expert_format in NO_TRITON_PATH:
-            raise TuneError(NO_TRITON_PATH[expert_format], file=source)
+        try:
+            kernel = triton_moe(expert_format)
+        except EngineError as exc:
+            raise TuneError(exc.detail, file=source) from None
         cfg = ModelConfig.from_dict(config, source=source)
         if tp < 1 or cfg.moe_intermediate_size % tp:
             raise TuneError(f"moe_intermediate_size {cfg.moe_intermediate_size} does not split into {tp} "
                             "tensor-parallel ranks", file=source)
         per_rank = cfg.moe_intermediate_size // tp
-        if expert_format is Format.FP8:
+        if kernel.fp8_activations:
             blocks = (config.get("quantization_config") or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
             if list(blocks) != [FP8_BLOCK, FP8_BLOCK]:
                 raise TuneError(f"quantization_config.weight_block_size is {blocks}; the FP8 variant stores "
                                 f"[{FP8_BLOCK}, {FP8_BLOCK}] blocks", file=source)
-        granule = {Format.FP8: FP8_BLOCK, Format.INT4: group_size, Format.BF16: 16}[expert_format]
+        granule = kernel.granule(group_size)
         if not granule or per_rank % granule or cfg.hidden_size % granule:
             raise TuneError(f"at TP {tp} each rank holds {per_rank} of the intermediate size, which SGLang's "
                             f"{expert_format.value} MoE needs to be a multiple of {granule}; choose another --tp",
@@ -100,9 +99,6 @@ class MoEProblem:
     @classmethod
     def from_checkpoint(cls, model: str | Path, tp: int) -> MoEProblem:
         """Read the routed experts' format (``inspect``) and the shapes (``config.json``) of a checkpoint."""
-        from dsv4convert.checkpoint import Checkpoint
-        from dsv4convert.inspection import inspect_checkpoint
-
         ckpt = Checkpoint.open(model)
         inspection = inspect_checkpoint(ckpt)
         experts = [m for m in inspection.modules.values() if m.role is Role.ROUTED_EXPERT and not m.is_mtp]
@@ -119,10 +115,9 @@ class MoEProblem:
         if fmt in NO_TRITON_PATH:
             raise TuneError(NO_TRITON_PATH[fmt], file=where)
         groups = {m.params.get("group_size", 0) for m in experts}
-        if fmt is Format.INT4 and len(groups) != 1:
-            raise TuneError(f"the INT4 experts use several group sizes {sorted(groups)}", file=where)
-        return cls.from_config(ckpt.config, fmt, tp, group_size=groups.pop() if fmt is Format.INT4 else 0,
-                               source=str(ckpt.root / "config.json"))
+        if len(groups) != 1:
+            raise TuneError(f"the {fmt.value} experts use several group sizes {sorted(groups)}", file=where)
+        return cls.from_config(ckpt.config, fmt, tp, group_size=groups.pop(), source=str(ckpt.root / "config.json"))
 
 
 def model_card_lines(variant: str, env: dict[str, str] | None = None) -> list[str]:
@@ -131,7 +126,7 @@ def model_card_lines(variant: str, env: dict[str, str] | None = None) -> list[st
     lines = ["## Tuned MoE kernel configs", ""]
     if variant == "native" or variant.startswith("nvfp4"):
         kernels = "FlashInfer MXFP4 or Marlin kernels" if variant == "native" else "FlashInfer or Marlin kernels"
-        reason = (f"Not applicable: SGLang 0.5.23 runs these routed experts with {kernels}, not with its Triton "
+        reason = (f"Not applicable: {SGLANG_LABEL} runs these routed experts with {kernels}, not with its Triton "
                   "fused-MoE kernel, so `dsv4convert tune` has nothing to tune (it refuses this checkpoint and says why).")
         return [*lines, reason, ""]
     when = {"w4a16": " when started with `--moe-runner-backend triton` (its default for W4A16 is Marlin, which "

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4convert.storage import Format
 from dsv4convert.tune import sglang_moe, space
 from dsv4convert.tune.device import Device
 from dsv4convert.tune.problem import MoEProblem, TuneError
@@ -122,7 +121,7 @@ class _Search:
         self.best: dict[tuple[str, int], dict[int, tuple[float, Tile]]] = defaultdict(dict)
         self.tried: set[tuple[str, Tile, int]] = set()
         self.out_of_resources, self.compilation_error = _launch_errors()
-        self.sorted_up = device.has_tma and problem.expert_format is Format.FP8
+        self.sorted_up = device.has_tma and problem.kernel.fp8_activations
 
     def _run(self, gemm: str, tile: Tile, batch: Batch, routing: int):
         """One launch, as timed. Where a TMA down config can run (FP8 on a GPU with TMA; on Hopper it wins the

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dsv4convert.engines import SGLANG_LABEL, VERSIONS
 from dsv4convert.tune.problem import MoEProblem, TuneError
 
 CONFIG_DIR_ENV = "SGLANG_MOE_CONFIG_DIR"
@@ -42,8 +43,8 @@ _QUANT_MODULE = "sglang.kernels.ops.quantization.fp8_kernel"
 def _require_sglang() -> None:
     for package in ("triton", "sglang"):
         if importlib.util.find_spec(package) is None:
-            raise TuneError(f"{package} is not installed: tune runs SGLang 0.5.23's own Triton MoE kernel "
-                            "(pip install sglang==0.5.23; on a host without its GPU packages: --no-deps plus the "
+            raise TuneError(f"{package} is not installed: tune runs {SGLANG_LABEL}'s own Triton MoE kernel "
+                            f"(pip install sglang=={VERSIONS['sglang']}; on a host without its GPU packages: --no-deps plus the "
                             "light dependencies in ci/install-sglang-cpu.sh)")
 
 

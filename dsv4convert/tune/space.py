@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dsv4convert.storage import Format
 from dsv4convert.tune.device import Device
 from dsv4convert.tune.problem import MoEProblem
 
@@ -75,8 +74,7 @@ class Tile:
 def shared_memory_floor(tile: Tile, problem: MoEProblem) -> int:
     """Bytes of shared memory the tile's pipeline needs at least: ``stages - 1`` buffers of the A and B
     tiles (what Triton 3.8 allocates on sm_120; Hopper's wgmma path takes a full ``stages``)."""
-    a_bytes = 1 if problem.expert_format is Format.FP8 else 2
-    b_bytes = {Format.FP8: 1.0, Format.INT4: 0.5, Format.BF16: 2.0}[problem.expert_format]
+    a_bytes, b_bytes = problem.kernel.activation_bytes, problem.weight_bytes
     stages = tile.num_stages or TRITON_DEFAULT_STAGES
     return int((stages - 1) * (tile.block_m * tile.block_k * a_bytes + tile.block_k * tile.block_n * b_bytes))
 
@@ -86,10 +84,7 @@ def fits(tile: Tile, problem: MoEProblem, device: Device) -> bool:
 
 
 def _block_ks(problem: MoEProblem) -> tuple[int, ...]:
-    if problem.expert_format is Format.FP8:
-        # The kernel steps the block scales once per BLOCK_SIZE_K, so it must divide the 128 block.
-        return (128, 64)
-    return (64, 128, 32, 256) if problem.expert_format is Format.INT4 else (64, 128, 32)
+    return problem.kernel.block_k
 
 
 def shape_grid(problem: MoEProblem, device: Device) -> tuple[list[Tile], int]:
@@ -119,7 +114,7 @@ def refinements(tile: Tile, problem: MoEProblem, device: Device, *, tma: bool) -
     stages = tile.num_stages or TRITON_DEFAULT_STAGES
     deeper = [replace(tile, num_stages=s) for s in range(stages + 1, min(stages + DEEPER_STAGES, MAX_STAGES) + 1)]
     variants = orders + deeper
-    if tma and device.has_tma and problem.expert_format is Format.FP8:
+    if tma and device.has_tma and problem.kernel.fp8_activations:
         # TMA of the shape itself first: it changes more than the launch order does.
         variants = [replace(tile, use_tma=True)] + [v for pair in zip(variants, (replace(v, use_tma=True)
                                                                                for v in variants)) for v in pair]

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4convert.layout import FP8_BLOCK
-from dsv4convert.storage import Format
 from dsv4convert.tune import sglang_moe
 from dsv4convert.tune.device import Device
 from dsv4convert.tune.problem import MoEProblem
@@ -89,17 +88,17 @@ def random_weights(problem: MoEProblem, device: str, seed: int) -> Weights:
     converts them; BF16), generated one expert at a time to bound the temporary memory."""
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = problem.experts, problem.hidden, problem.intermediate
-    fmt = problem.expert_format
+    dtype = problem.dtype
 
     def matrix(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = []
         scales = []
         for _ in range(e):
-            if fmt is Format.FP8:
+            if dtype == "fp8_w8a8":
                 out.append(torch.randn(n, k, generator=gen, device=device).to(torch.float8_e4m3fn))
                 scales.append(torch.exp2(torch.randint(-9, -6, (n // FP8_BLOCK, k // FP8_BLOCK), generator=gen,
                                                        device=device).float()))
-            elif fmt is Format.INT4:
+            elif dtype == "int4_w4a16":
                 out.append(torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8))
                 scales.append((torch.rand(n, k // problem.group_size, generator=gen, device=device) * 0.02
                                + 0.005).to(torch.bfloat16))
@@ -173,7 +172,7 @@ class Batch:
         return out
 
     def quantize_down_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.problem.expert_format is Format.FP8:
+        if self.problem.kernel.fp8_activations:
             return sglang_moe.quantize_fp8_groups(x, FP8_BLOCK)
         return x, None
 
@@ -245,8 +244,8 @@ class Batch:
 def _flags(problem: MoEProblem) -> dict:
     import triton.language as tl
 
-    return {"compute_type": tl.bfloat16, "use_fp8_w8a8": problem.expert_format is Format.FP8,
-            "use_int8_w8a8": False, "use_int8_w8a16": False, "use_int4_w4a16": problem.expert_format is Format.INT4,
+    return {"compute_type": tl.bfloat16, "use_fp8_w8a8": problem.dtype == "fp8_w8a8",
+            "use_int8_w8a8": False, "use_int8_w8a16": False, "use_int4_w4a16": problem.dtype == "int4_w4a16",
             "per_channel_quant": False, "block_shape": problem.block_shape}
 
 
@@ -261,7 +260,7 @@ def make_batch(problem: MoEProblem, weights: Weights, batch_size: int, device: s
         ids = torch.rand(batch_size, problem.experts, generator=gen, device=device).topk(problem.topk).indices
         weights_ = torch.rand(batch_size, problem.topk, generator=gen, device=device) + 0.1
         routed.append((ids.to(torch.int32), weights_ / weights_.sum(-1, keepdim=True)))
-    if problem.expert_format is Format.FP8:
+    if problem.kernel.fp8_activations:
         a1, a1_scale = sglang_moe.quantize_fp8_groups(hidden, FP8_BLOCK)
     else:
         a1, a1_scale = hidden, None

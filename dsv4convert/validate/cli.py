@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.engines import SGLANG_LABEL, VLLM_LABEL
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.layout import linear_shapes
@@ -67,11 +68,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "validate",
         help="check a converted checkpoint's integrity and per-layer error against its source",
         description=(
-            "Integrity: every tensor the layout and variant require, index and shards agreeing, what SGLang "
-            "0.5.23's loader would do silently (expert tensors dropped, cast or missing, scales without weights, "
+            "Integrity: every tensor the layout and variant require, index and shards agreeing, what "
+            f"{SGLANG_LABEL}'s loader would do silently (expert tensors dropped, cast or missing, scales without weights, "
             "mixed wq_a/wkv pairs, w1/w3 scales that differ), the quantization_config the stored formats need, "
             "and the SGLANG_DSV4_FP4_EXPERTS value to serve with (the model card's commands must set it). "
-            "Engines: which engines the output says it is for (SGLang 0.5.23, vLLM 0.33.0 or both), and each "
+            f"Engines: which engines the output says it is for ({SGLANG_LABEL}, {VLLM_LABEL} or both), and each "
             "engine's rules on the stored formats; an engine it is for but cannot load fails integrity. "
             "With --against SRC: every linear module is dequantized on both sides (Triton kernels on the GPU, "
             "torch on the CPU) and compared (relative error, SNR, cosine, max abs, bit-exactness), and run "
@@ -102,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  ... and {len(s['integrity_problems']) - 10} more integrity problems (see the report)")
     print(f"  engines: {engine_line(s)}")
     if s["sglang_note"]:
-        print(f"  SGLang 0.5.23: {s['sglang_note']}")
+        print(f"  {SGLANG_LABEL}: {s['sglang_note']}")
     if s["below_threshold"]:
         print(f"  {len(s['below_threshold'])} modules below {s['fail_below_snr_db']} dB, e.g. {s['below_threshold'][0]}")
     print(f"report: {result.report_dir / 'validate.md'}")

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from dsv4convert import engines as eng
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.convert import engines as eng
-from dsv4convert.convert.quant_config import build_quant_config, servable_engines
+from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection
 from dsv4convert.layout import try_classify
@@ -71,7 +71,7 @@ def check_integrity(ckpt: Checkpoint, inspection: Inspection) -> Integrity:
     checks = servable_engines(ckpt.config, formats)
     failing = [e for e in engines if checks[e] is not None]
     if failing:
-        return Integrity([f"config: says it is for {eng.ENGINE_VERSIONS[e]}, which cannot load it: {checks[e]}"
+        return Integrity([f"config: says it is for {eng.LABELS[e]}, which cannot load it: {checks[e]}"
                           for e in failing], None, engines, checks)
     try:
         expected, extras = build_quant_config(ckpt.config, formats, engines=engines)
@@ -84,7 +84,7 @@ def check_integrity(ckpt: Checkpoint, inspection: Inspection) -> Integrity:
     if expected.get("expert_dtype") != ckpt.config.get("expert_dtype"):
         problems.append(
             f"config.json: expert_dtype is {json.dumps(ckpt.config.get('expert_dtype'))}, the stored formats need "
-            f"{json.dumps(expected.get('expert_dtype'))} (vLLM 0.33.0 reads the routed experts' format from it, a "
+            f"{json.dumps(expected.get('expert_dtype'))} ({eng.VLLM_LABEL} reads the routed experts' format from it, a "
             "missing key meaning MXFP4; DeepSeek's inference code reads it too)")
     for name, obj in extras.items():
         path = ckpt.root / name

@@ -19,18 +19,9 @@ import torch
 
 from dsv4convert import kernels
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.formats import error_metrics
+from dsv4convert.formats import Format, error_metrics, linear_storage, spec
 from dsv4convert.inspection import Inspection
 from dsv4convert.layout import Role, classify
-from dsv4convert.storage import Format, linear_storage
-
-# Stored format -> (kernel format name, the parameter suffixes the kernels take, in order).
-KERNEL_OPERANDS: dict[Format, tuple[str, tuple[str, ...]]] = {
-    Format.FP8: ("fp8_block", ("weight", "scale")),
-    Format.MXFP4: ("mxfp4", ("weight", "scale")),
-    Format.NVFP4: ("nvfp4", ("weight", "weight_scale", "weight_scale_2")),
-    Format.INT4: ("int4", ("weight_packed", "weight_scale")),
-}
 
 
 @dataclass
@@ -69,20 +60,21 @@ def _stack(ckpt: Checkpoint, modules: list[str], suffixes: tuple[str, ...], devi
 
 
 def _dense(ckpt: Checkpoint, fmt: Format, modules: list[str], device, backend) -> torch.Tensor:
-    """Float32 [E, N, K] weights of ``modules`` stored as ``fmt``, dequantized in one launch."""
-    if fmt is Format.BF16:
+    """Float32 [E, N, K] weights of ``modules`` stored as ``fmt``, dequantized in one launch (the kernels
+    take every format with kernel operands; a dense one is read as it is)."""
+    operands = spec(fmt).kernel_params
+    if not operands:
         return torch.stack([ckpt.read(f"{m}.weight") for m in modules]).to(device).float()
-    kernel_fmt, suffixes = KERNEL_OPERANDS[fmt]
-    return kernels.dequantize(kernel_fmt, *_stack(ckpt, modules, suffixes, device), out_dtype=torch.float32,
+    return kernels.dequantize(fmt.value, *_stack(ckpt, modules, operands, device), out_dtype=torch.float32,
                               backend=backend, name=modules[0]).float()
 
 
 def _outputs(ckpt: Checkpoint, fmt: Format, modules: list[str], x: torch.Tensor, device, backend) -> torch.Tensor:
-    if fmt is Format.BF16:
+    operands = spec(fmt).kernel_params
+    if not operands:
         w = torch.stack([ckpt.read(f"{m}.weight") for m in modules]).to(device)
         return torch.bmm(x, w.transpose(1, 2)).float()
-    kernel_fmt, suffixes = KERNEL_OPERANDS[fmt]
-    return kernels.grouped_gemm(kernel_fmt, x, *_stack(ckpt, modules, suffixes, device), backend=backend,
+    return kernels.grouped_gemm(fmt.value, x, *_stack(ckpt, modules, operands, device), backend=backend,
                                 name=modules[0]).float()
 
 

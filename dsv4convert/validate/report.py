@@ -13,6 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from dsv4convert.checkpoint import atomic_write_bytes, atomic_write_json
+from dsv4convert.engines import LABELS as ENGINE_VERSIONS
+from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.validate.layer_error import ModuleError
 
 
@@ -79,7 +81,6 @@ def write_reports(out_dir: Path, *, dst: str, src: str | None, variant: str, int
 
 def engine_line(summary: dict) -> str:
     """Which engines the output is for and checked for, and why another engine would not load it."""
-    from dsv4convert.convert.engines import ENGINE_VERSIONS
 
     claimed = summary.get("engines") or []
     checks = summary.get("engine_checks") or {}
@@ -112,7 +113,7 @@ def _markdown(summary: dict, aggregates: list[dict], errors: list[ModuleError]) 
         lines.append(f"  - integrity: {problem}")
     lines.append(f"- engines: {engine_line(summary)}")
     if summary.get("sglang_note"):
-        lines.append(f"- SGLang 0.5.23: {summary['sglang_note']}")
+        lines.append(f"- {SGLANG_LABEL}: {summary['sglang_note']}")
     if summary["fail_below_snr_db"] is not None:
         lines.append(f"- threshold {summary['fail_below_snr_db']} dB: {len(summary['below_threshold'])} modules below")
     lines += ["", "## Per role", "", "| role | conversion | modules | bit-exact | min SNR dB | median SNR dB | "

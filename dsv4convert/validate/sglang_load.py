@@ -29,11 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.convert.quant_config import serving_env
+from dsv4convert.engines.sglang.quant_config import serving_env
+from dsv4convert.engines.sglang.rules import EXPERT_METHOD
 from dsv4convert.errors import DSV4Error
+from dsv4convert.formats import Format, detect_format, linear_storage
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
 from dsv4convert.layout import linear_shapes
-from dsv4convert.storage import Format, detect_linear_format, linear_storage
 
 _EXPERT = re.compile(r"^(?P<module>(?P<block>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123]))"
                      r"\.(?P<suffix>[^.]+)$")
@@ -42,8 +43,6 @@ _PROBE_KEY = re.compile(r"\.experts\.\d+\.(?:w[123]|down_proj|up_proj|gate_proj)
 _PROBE_FP4 = {"U8": True, "I8": True, "F4": True, "F8_E4M3": False}
 # Stored dtypes SGLang's copy_ keeps exactly for a parameter of the expected one.
 _SAME_BITS = {frozenset({"U8", "I8"}), frozenset({"F8_E8M0", "F32"})}
-_METHOD = {Format.FP8: "Fp8MoEMethod", Format.MXFP4: "MXFP4", Format.NVFP4: "ModelOptNvFp4FusedMoEMethod",
-           Format.INT4: "CompressedTensorsWNA16", Format.BF16: "UnquantizedFusedMoEMethod"}
 _ENV = "SGLANG_DSV4_FP4_EXPERTS"
 
 
@@ -117,7 +116,7 @@ def _block_format(modules: dict, shapes: dict) -> tuple[Format, dict] | None:
     found = Counter()
     params: dict[Format, dict] = {}
     for module, stored in modules.items():
-        detected = detect_linear_format({s: v for s, v in stored.items() if s in WEIGHT_PARAMS}, *shapes[module]) \
+        detected = detect_format({s: v for s, v in stored.items() if s in WEIGHT_PARAMS}, *shapes[module]) \
             if module in shapes else None
         if detected:
             found[detected[0]] += 1
@@ -133,7 +132,7 @@ def _expert_block(block: str, modules: dict, shapes: dict, covered: set[str]) ->
     if chosen is None:
         return []
     fmt, params = chosen
-    method = _METHOD[fmt]
+    method = EXPERT_METHOD[fmt]
     problems = []
     for module, stored in sorted(modules.items()):
         if module not in shapes:

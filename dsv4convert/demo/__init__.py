@@ -11,20 +11,20 @@ when every check passed and the fault was named.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
-import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare.recall import RecallOptions, accuracy_by_length, verdict
+from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.recipe import load_recipe
-from dsv4convert.errors import DSV4Error
+from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.needle import selection_threshold
 from dsv4convert.organism.faults import Fault, inject
 from dsv4convert.organism.language import heldout_text
@@ -51,8 +51,6 @@ def recall_lengths(threshold: int) -> list[int]:
 
 def text_fidelity(base: Path, variant: Path, text: Path) -> dict:
     """KLD mean and same top-1 at the model's output on the held-out text."""
-    from dsv4convert.compare.run import CompareOptions, build_plan, run
-
     out = run(build_plan(CompareOptions(base=str(base), variant=str(variant), texts=[text], tokens=TEXT_TOKENS,
                                         seq_len=TEXT_SEQ_LEN, numerics=NUMERICS, gpu_family=GPU_FAMILY, mtp=False,
                                         progress=False)))["output"]
@@ -61,9 +59,6 @@ def text_fidelity(base: Path, variant: Path, text: Path) -> dict:
 
 def recall(base: Path, variant: Path, lengths: list[int], *, local: bool = False) -> dict:
     """``compare --recall``'s summary (tracks, diagnosis) of ``variant`` against ``base``."""
-    from dsv4convert.compare.recall import RecallOptions
-    from dsv4convert.compare.run import CompareOptions, build_plan, run
-
     opts = CompareOptions(base=str(base), variant=str(variant), numerics=NUMERICS, gpu_family=GPU_FAMILY,
                           progress=False, recall=RecallOptions(lengths=lengths, depths=(DEPTH,), local=local))
     return run(build_plan(opts))["recall"]
@@ -71,12 +66,6 @@ def recall(base: Path, variant: Path, lengths: list[int], *, local: bool = False
 
 def run_demo(workdir: Path) -> list[dict]:
     """The demo; returns the table's rows: the base, each variant, then the fault (its ``diagnosis``, ``verdict``)."""
-    try:
-        from dsv4convert.compare.recall import accuracy_by_length, verdict
-    except ImportError as exc:   # compare runs transformers' layers: one line instead of a traceback
-        raise DSV4Error(f"the demo runs compare, which needs transformers ({exc}): "
-                        "pip install -e '.[compare]'") from None
-
     t0 = time.monotonic()
 
     def step(message: str) -> None:
@@ -151,7 +140,7 @@ def print_table(rows: list[dict], lengths: list[int], threshold: int) -> None:
     print("\n" + textwrap.fill(
         "size: on disk; lossless: MXFP4 blocks kept bit-exact; worst SNR and check: validate against the organism. "
         f"KLD (nats per token, mean) and same top-1 on {TEXT_TOKENS} tokens of held-out text, and recall (one "
-        f"needle per length at depth {DEPTH}, its answer teacher-forced): each side with the numerics SGLang 0.5.23 "
+        f"needle per length at depth {DEPTH}, its answer teacher-forced): each side with the numerics {SGLANG_LABEL} "
         f"serves it with on {GPU_FAMILY}, the base too. There the base's and nvfp4's experts run W4A16 and fp8's "
         "FP8 experts W8A8, so fp8 reads KLD > 0 though its weights are lossless (--numerics weights: exactly 0). "
         f"The fault is a known truth: below the {threshold}-token selection threshold every indexer keeps every "
@@ -165,24 +154,3 @@ def demo_passed(rows: list[dict]) -> bool:
     fault = rows[-1]["diagnosis"]
     return (all(r["passed"] for r in rows if "passed" in r)
             and (fault["kind"], fault["layer"]) == ("indexer", f"layers.{FAULT.layer}"))
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="the model organism's story: convert, validate, compare, recall to 8x the threshold, a fault named",
-        description="On the shipped model organism (a 7.4M-parameter DeepSeek-V4 trained to retrieve needles, "
-                    "docs/organism.md): convert it to fp8, nvfp4 and w4a16 and validate each, compare each with it "
-                    "(KLD and same top-1 on held-out text, needle recall from half its 260-token selection "
-                    "threshold to 8x it, served numerics of sm120 on both sides), inject a known indexer fault in "
-                    "a copy and check that compare --recall --local names it; one table, about a minute on a "
-                    "laptop CPU. Exit 0 when every check passed and the fault was named, 1 otherwise. Needs "
-                    "transformers: pip install -e '.[compare]'.",
-    )
-    p.add_argument("--workdir", type=Path, help="where to write (default: a new temporary directory, kept)")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dsv4convert-demo-"))
-    return 0 if demo_passed(run_demo(workdir)) else 1

@@ -1,4 +1,9 @@
-"""Where an NVFP4 expert's activation ``input_scale`` comes from.
+"""Calibration data a conversion reads: the calibration file, and where an NVFP4 expert's ``input_scale`` comes from.
+
+``dsv4convert calibrate`` writes the file (``calibrate/calibfile.py``); ``convert``, ``automix`` and
+``calibrate`` itself read it here: activation amaxes per expert, and the GPTQ Hessians it points to.
+
+Where an NVFP4 expert's activation ``input_scale`` comes from:
 
 In order of preference: another NVFP4 checkpoint of this model (only its scalars are
 read), a calibration file, or a data-free bound that can never overflow:
@@ -28,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4convert.checkpoint import Checkpoint, TensorEntry, read_tensor
-from dsv4convert.convert.plan import ModuleJob
+from dsv4convert.checkpoint import Checkpoint, TensorEntry, read_header, read_small_json, read_tensor
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import input_scale_from_amax
 
@@ -38,7 +42,7 @@ CALIBRATION_FORMAT = "dsv4convert.calibration/1"
 
 @dataclass
 class InputScales:
-    """Picklable provider, called once per NVFP4 module by the workers."""
+    """Picklable provider, called once per NVFP4 module (its native name) by the workers."""
 
     hidden_size: int
     swiglu_limit: float
@@ -47,11 +51,11 @@ class InputScales:
     calibration: dict[str, dict] = field(default_factory=dict)
     _norm_max: dict[str, float] = field(default_factory=dict, repr=False)
 
-    def __call__(self, job: ModuleJob) -> tuple[torch.Tensor, str]:
-        expert = job.module.rsplit(".", 1)[0]
-        is_w2 = job.module.endswith(".w2")
+    def __call__(self, module: str) -> tuple[torch.Tensor, str]:
+        expert = module.rsplit(".", 1)[0]
+        is_w2 = module.endswith(".w2")
         if self.checkpoint_entries:
-            names = [job.module] if is_w2 else [f"{expert}.w1", f"{expert}.w3"]
+            names = [module] if is_w2 else [f"{expert}.w1", f"{expert}.w3"]
             values = [read_tensor(self.checkpoint_entries[n]).float().reshape(()) for n in names
                       if n in self.checkpoint_entries]
             if values:
@@ -59,12 +63,12 @@ class InputScales:
         calibrated = self.calibration.get(expert, {}).get("w2_input_amax" if is_w2 else "w13_input_amax")
         if calibrated is not None:
             return input_scale_from_amax(float(calibrated)), "calibration"
-        return input_scale_from_amax(self.data_free_amax(job)), "data-free bound"
+        return input_scale_from_amax(self.data_free_amax(module)), "data-free bound"
 
-    def data_free_amax(self, job: ModuleJob) -> float:
-        if job.module.endswith(".w2"):
+    def data_free_amax(self, module: str) -> float:
+        if module.endswith(".w2"):
             return self.swiglu_limit * self.swiglu_limit
-        block = job.module.split(".ffn.")[0]
+        block = module.split(".ffn.")[0]
         if block not in self._norm_max:
             self._norm_max[block] = float(read_tensor(self.norm_entries[block]).float().abs().max())
         return math.sqrt(self.hidden_size) * self._norm_max[block]
@@ -105,3 +109,53 @@ def load_calibration(path: Path) -> dict[str, dict]:
             if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
                 raise DSV4Error(f"'{key}' must be a positive number, got {value!r}", file=path, tensor=expert)
     return data["experts"]
+
+
+def hessian_key(expert: int, inputs: str) -> str:
+    """Tensor name of one expert's Hessian in a block file (``inputs``: ``w13`` or ``w2``)."""
+    return f"experts.{expert}.{inputs}_hessian"
+
+
+@dataclass
+class CalibrationHessians:
+    """GPTQ Hessians of a calibration file, read one expert at a time; picklable for workers.
+
+    ``calibration_hessians(path)("layers.3.ffn.experts.7.w1")`` is the ``[hidden, hidden]``
+    Hessian of that expert's ``w1`` input (shared with ``w3``); ``None`` for an expert that
+    received no calibration tokens (round-to-nearest is all that is left for it).
+    """
+
+    files: dict[str, Path]                                  # block -> statistics file
+    _entries: dict[str, dict[str, TensorEntry]] = field(default_factory=dict, repr=False)
+
+    def __call__(self, module: str) -> torch.Tensor | None:
+        head, sep, proj = module.rpartition(".")
+        block, _, expert = head.partition(".ffn.experts.")
+        if not sep or proj not in ("w1", "w2", "w3") or not expert.isdigit():
+            raise DSV4Error(f"'{module}' is not a routed expert projection (layers.N.ffn.experts.E.w1|w2|w3)")
+        if block not in self.files:
+            raise DSV4Error(f"the calibration file has no Hessians for block '{block}'", tensor=module)
+        if block not in self._entries:
+            self._entries[block] = read_header(self.files[block]).entries
+        entry = self._entries[block].get(hessian_key(int(expert), "w2" if proj == "w2" else "w13"))
+        return read_tensor(entry) if entry is not None else None
+
+    def __getstate__(self) -> dict:
+        return {"files": self.files, "_entries": {}}
+
+
+def calibration_hessians(path: Path) -> CalibrationHessians:
+    """The Hessians a calibration file (``calibrate --hessians``) points to, checked to exist."""
+    path = Path(path)
+    load_calibration(path)
+    data = read_small_json(path)
+    files = data.get("hessians")
+    if not isinstance(files, dict) or not files:
+        raise DSV4Error("calibration file has no Hessians (run 'dsv4convert calibrate --hessians')", file=path)
+    resolved = {}
+    for block, rel in files.items():
+        target = path.parent / str(rel)
+        if not target.is_file():
+            raise DSV4Error(f"Hessian file for '{block}' is missing", file=target)
+        resolved[block] = target
+    return CalibrationHessians(resolved)

@@ -6,7 +6,7 @@ inverse Hessian ``H = sum x x^T`` of the layer's inputs, so the *output* error `
 XQ^T||`` is what is minimized rather than the weight error. The result is still plain
 ``q * scale`` with BF16 group scales ``amax / 7.5`` (each group's scale is taken from the
 error-updated weights when GPTQ reaches the group) and codes packed exactly like
-:func:`dsv4convert.formats.quantize_int4_weight`, so SGLang loads it the same way.
+:func:`dsv4convert.formats.int4.quantize_int4_weight`, so SGLang loads it the same way.
 """
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ from __future__ import annotations
 import torch
 
 from dsv4convert.errors import FormatError
-from dsv4convert.formats import Int4Weight, int4_group_scales, pack_int4, quantize_int4_weight, round_to_int4
-from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, ScaleRule
+from dsv4convert.formats.int4 import (
+    DEFAULT_SCALE_RULE,
+    Int4Weight,
+    ScaleRule,
+    int4_group_scales,
+    pack_int4,
+    quantize_int4_weight,
+    round_to_int4,
+)
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str | None) -> torch.Tensor:

@@ -39,39 +39,23 @@ SGLang also loads ``wo_a`` all FP8 or all BF16 (:func:`_check_wo_a`); the other 
 linears (``ignored_layers``) may differ per layer, fused pairs (``wq_a``/``wkv``, shared ``w1``/``w3``)
 sharing one format.
 
-Engines: the config above is SGLang's, and is what ``engines=("sglang",)`` returns, unchanged.
-Where vLLM 0.33.0 is asked for too, :mod:`dsv4convert.convert.engines` first refuses what vLLM
-could not load (naming the module), then :func:`_add_vllm_keys` adds what vLLM reads on top:
-``expert_dtype: fp8`` for FP8-block experts, vLLM's module names in ``ignored_layers``/``ignore``,
-and ``producer.engines`` (which engines the output was made and checked for).
+Engines: the config above is SGLang's; :mod:`dsv4convert.engines.config` writes it for every output and,
+where vLLM is asked for too, adds what vLLM reads on top (:mod:`dsv4convert.engines.vllm.quant_config`).
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from collections import defaultdict
 
 from dsv4convert import __version__
-from dsv4convert.convert import engines as eng
-from dsv4convert.convert.recipe import NEVER_QUANTIZED
-from dsv4convert.convert.stored import StoredFormats
+from dsv4convert.engines import SGLANG_LABEL
+from dsv4convert.engines.stored import FUSED_PAIRS, StoredFormats, analyse
 from dsv4convert.errors import RecipeError
-from dsv4convert.layout import FP8_BLOCK, ModelConfig, Role, classify, linear_shapes
-from dsv4convert.storage import NVFP4_GROUP, Format
+from dsv4convert.formats import NVFP4_BLOCK, Format
+from dsv4convert.layout import FP8_BLOCK, Role, classify
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
-
-# Linears SGLang builds with quant_config=None or never quantizes (the LM head is a
-# ParallelLMHead, which Fp8Config.get_quant_method leaves unquantized): only BF16 loads.
-_ALWAYS_BF16 = frozenset(NEVER_QUANTIZED) | {Role.HEAD}
-# Linears whose quant method comes from the config (Fp8LinearMethod unless ignored).
-_CONFIG_LINEARS = frozenset({Role.ATTENTION, Role.INDEXER, Role.SHARED_EXPERT, Role.MTP_PROJECTION})
-
-# Pairs SGLang loads into one fused linear, so both halves must share one format:
-# wq_a + wkv -> wqkv_a (SGLANG_OPT_FUSE_WQA_WKV, models/deepseek_v4.py), shared w1 + w3 ->
-# gate_up_proj (DEEPSEEK_V4_STACKED_PARAMS_MAPPING).
-_FUSED_PAIRS = {"attn.wq_a": ("attn.wkv", "wqkv_a"), "ffn.shared_experts.w1": ("ffn.shared_experts.w3", "gate_up_proj")}
 
 # Native -> SGLang module names (DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format).
 _SGLANG_SUFFIX = {
@@ -107,7 +91,7 @@ def _sglang_block(block: str) -> str:
         return f"model.layers.{index}"
     if index != "0":
         # models/deepseek_v4.py::load_weights asserts a single nextn layer.
-        raise RecipeError(f"SGLang 0.5.23 serves one MTP block (mtp.0), not {block}", tensor=block)
+        raise RecipeError(f"{SGLANG_LABEL} serves one MTP block (mtp.0), not {block}", tensor=block)
     return "model.decoder"
 
 
@@ -120,57 +104,10 @@ def _sglang_linear_names(module: str) -> list[str]:
     local = module[len(info.block) + 1:]
     base = _sglang_block(info.block)
     names = [f"{base}.{_SGLANG_SUFFIX[local]}"]
-    for first, (second, fused) in _FUSED_PAIRS.items():
+    for first, (second, fused) in FUSED_PAIRS.items():
         if local in (first, second):
             names.append(f"{base}.{_SGLANG_SUFFIX[first].rsplit('.', 1)[0]}.{fused}")
     return names
-
-
-def _analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> StoredFormats:
-    cfg = ModelConfig.from_dict(source_config)
-    expected = set(linear_shapes(cfg))
-    missing = sorted(expected - set(module_formats))
-    unknown = sorted(set(module_formats) - expected)
-    if unknown:
-        raise RecipeError("not a linear module of this model's layout", tensor=unknown[0])
-    if missing:
-        raise RecipeError(f"no stored format given for {len(missing)} linear module(s)", tensor=missing[0])
-    stored = StoredFormats(dict(module_formats))
-    by_block: dict[str, dict[Format, str]] = defaultdict(dict)
-    for module, (fmt, params) in module_formats.items():
-        info = classify(module + ".weight")
-        if fmt is Format.FP8:
-            stored.fp8_scale_dtypes.add(params.get("fp8_scale_dtype", "F8_E8M0"))
-        if info.role is Role.ROUTED_EXPERT:
-            by_block[info.block].setdefault(fmt, module)
-            if fmt is Format.INT4:
-                stored.int4_groups.add(int(params.get("group_size", 128)))
-        elif info.role in _ALWAYS_BF16:
-            if fmt is not Format.BF16:
-                raise RecipeError(f"SGLang 0.5.23 loads this {info.role.value} module only in BF16, not {fmt.value}",
-                                  tensor=module)
-        elif info.role in _CONFIG_LINEARS:
-            if fmt not in (Format.FP8, Format.BF16):
-                raise RecipeError(f"SGLang 0.5.23 reads {fmt.value} only for routed experts; keep this "
-                                  f"{info.role.value} module FP8 or BF16", tensor=module)
-            stored.config_linears[module] = fmt
-        else:
-            raise RecipeError(f"no SGLang rule for a {info.role.value} linear", tensor=module)
-    for block, found in by_block.items():
-        if len(found) > 1:
-            a, b = sorted(found.items(), key=lambda kv: kv[1])[:2]
-            # Every expert of a layer is one FusedMoE with one quant method (FusedMoE.__init__).
-            raise RecipeError(f"all routed experts of {block} must share one format, SGLang loads them as one "
-                              f"FusedMoE; found {a[0].value} ({a[1]}) and {b[0].value} ({b[1]})", tensor=a[1])
-        stored.experts[block] = next(iter(found))
-    for module, fmt in stored.config_linears.items():
-        for first, (second, fused) in _FUSED_PAIRS.items():
-            if module.endswith("." + first):
-                partner = module[: -len(first)] + second
-                if stored.config_linears.get(partner) is not fmt:
-                    raise RecipeError(f"SGLang fuses this module with {partner} into {fused}; both must share one "
-                                      f"format", tensor=module)
-    return stored
 
 
 def _fp8_base(stored: StoredFormats) -> dict:
@@ -204,7 +141,7 @@ def _check_fp8_family(stored: StoredFormats) -> None:
     quantized = stored.expert_formats() - {Format.BF16}
     if len(quantized) > 1:
         # Fp8Config.get_quant_method picks MXFP4 or FP8 MoE methods from one model-wide is_fp4_experts.
-        raise RecipeError("routed experts mix FP8 and MXFP4; SGLang 0.5.23 reads all quantized experts of a model "
+        raise RecipeError(f"routed experts mix FP8 and MXFP4; {SGLANG_LABEL} reads all quantized experts of a model "
                           "as one or the other (is_fp4_experts)", tensor=_first_expert(stored, Format.MXFP4))
 
 
@@ -217,7 +154,7 @@ def _nvfp4_fallback(stored: StoredFormats) -> set[Format]:
     """Formats of the FusedMoEs the NVFP4 hybrid excludes (MTP, and backbone layers not NVFP4)."""
     mtp_nvfp4 = Format.NVFP4 in stored.expert_formats(mtp=True)
     if mtp_nvfp4:
-        raise RecipeError("SGLang 0.5.23's NVFP4 hybrid always excludes the MTP draft (model.decoder.*) from NVFP4 "
+        raise RecipeError(f"{SGLANG_LABEL}'s NVFP4 hybrid always excludes the MTP draft (model.decoder.*) from NVFP4 "
                           "and loads its experts as FP8-block or MXFP4; store the MTP experts FP8 (every GPU) or keep "
                           "them MXFP4 (sm_100 only)", tensor=_first_expert(stored, Format.NVFP4, mtp=True))
     fallback = {f for f in stored.experts.values() if f is not Format.NVFP4}
@@ -238,9 +175,9 @@ def _nvfp4_config(stored: StoredFormats) -> tuple[dict, dict]:
     ignore = list(_NVFP4_NATIVE_EXCLUDES)
     for block in excluded:
         ignore += [f"{block}.ffn.experts.*", f"{_sglang_block(block)}.mlp.experts"]
-    layers = {f"{b}.ffn.experts": {"quant_algo": "NVFP4", "group_size": NVFP4_GROUP} for b in nvfp4_blocks}
+    layers = {f"{b}.ffn.experts": {"quant_algo": "NVFP4", "group_size": NVFP4_BLOCK} for b in nvfp4_blocks}
     producer = {"name": "dsv4convert", "version": __version__}
-    fp4_args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
+    fp4_args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK}
     config = _fp8_base(stored)
     ignored_layers = _fp8_ignored_layers(stored)
     if ignored_layers:
@@ -253,7 +190,7 @@ def _nvfp4_config(stored: StoredFormats) -> tuple[dict, dict]:
     config.update({
         "quant_algo": "MIXED_PRECISION",
         "moe_quant_algo": "NVFP4",
-        "group_size": NVFP4_GROUP,
+        "group_size": NVFP4_BLOCK,
         "kv_cache_quant_algo": None,
         "producer": producer,
         "quantized_layers": layers,
@@ -264,7 +201,7 @@ def _nvfp4_config(stored: StoredFormats) -> tuple[dict, dict]:
     })
     # The nested form other engines read (and SGLang's own hf_quant_config.json fallback).
     hf_quant = {"producer": producer, "quantization": {
-        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": NVFP4_GROUP,
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": NVFP4_BLOCK,
         "quantized_layers": layers, "exclude_modules": list(ignore)}}
     return config, {HF_QUANT_CONFIG: hf_quant}
 
@@ -274,7 +211,7 @@ def _int4_config(stored: StoredFormats) -> dict:
     if others:
         fmt = next(iter(others))
         raise RecipeError(f"INT4 experts are described by a compressed-tensors config, which cannot also hold "
-                          f"{fmt.value} experts in SGLang 0.5.23", tensor=_first_expert(stored, fmt))
+                          f"{fmt.value} experts in {SGLANG_LABEL}", tensor=_first_expert(stored, fmt))
     if len(stored.int4_groups) > 1:
         raise RecipeError(f"INT4 experts use group sizes {sorted(stored.int4_groups)}; one compressed-tensors "
                           f"config group holds one", tensor=_first_expert(stored, Format.INT4))
@@ -322,12 +259,12 @@ def _check_wo_a(stored: StoredFormats) -> None:
     formats = {m: f for m, f in stored.config_linears.items() if m.endswith(".attn.wo_a")}
     if len(set(formats.values())) > 1:
         module = next(m for m, f in formats.items() if f is Format.BF16)
-        raise RecipeError("SGLang 0.5.23 loads wo_a all FP8 or all BF16 (MTP block included): its "
+        raise RecipeError(f"{SGLANG_LABEL} loads wo_a all FP8 or all BF16 (MTP block included): its "
                           "_dequant_fp8_wo_a_streaming asserts every wo_a has a scale once one has; this one is BF16 "
                           "while others are FP8", tensor=module)
 
 
-def _sglang_checks(stored: StoredFormats) -> None:
+def check(stored: StoredFormats) -> None:
     """SGLang 0.5.23's rules for the expert config family (each raises naming a module)."""
     _check_wo_a(stored)
     experts = stored.expert_formats()
@@ -339,54 +276,7 @@ def _sglang_checks(stored: StoredFormats) -> None:
         _check_fp8_family(stored)
 
 
-def servable_engines(source_config: dict, module_formats: dict[str, tuple[Format, dict]]) -> dict[str, str | None]:
-    """Per engine, None if it can load these stored formats, else ``module: reason``."""
-    stored = _analyse(source_config, module_formats)
-    return eng.servable_engines(stored, lambda: _sglang_checks(stored))
-
-
-def build_quant_config(source_config: dict, module_formats: dict[str, tuple[Format, dict]], *,
-                       engines: tuple[str, ...] = (eng.SGLANG,)) -> tuple[dict, dict[str, dict]]:
-    """The output's ``config.json`` and extra JSON files (name -> object) for what is stored.
-
-    ``module_formats`` maps every linear module (native name, e.g. ``layers.3.ffn.experts.7.w1``)
-    to its stored format and parameters (``group_size`` for INT4, ``fp8_scale_dtype`` for FP8).
-    Raises ``RecipeError`` naming the engine and a module when an engine of ``engines`` could not
-    load the combination.
-    """
-    stored = _analyse(source_config, module_formats)
-    eng.check_engines(stored, engines, lambda: _sglang_checks(stored))
-    config, extra = _sglang_quant_config(source_config, stored, sglang=eng.SGLANG in engines)
-    if eng.VLLM in engines:
-        _add_vllm_keys(config, extra, stored, source_config["num_hidden_layers"])
-    if tuple(engines) != (eng.SGLANG,) and "quantization_config" in config:
-        producer = {"name": "dsv4convert", "version": __version__}
-        config["quantization_config"].setdefault("producer", producer)["engines"] = list(engines)
-    return config, extra
-
-
-def _add_vllm_keys(config: dict, extra: dict[str, dict], stored: StoredFormats, num_layers: int) -> None:
-    """What vLLM 0.33.0 reads on top of SGLang's config (see :mod:`dsv4convert.convert.engines`)."""
-    expert_dtype = eng.vllm_expert_dtype(stored)
-    if expert_dtype:
-        config["expert_dtype"] = expert_dtype
-    quant = config.get("quantization_config")
-    if quant is None:
-        return
-    if quant["quant_method"] == "compressed-tensors":
-        quant["ignore"] += eng.CT_VLLM_IGNORE + eng.ct_vllm_expert_ignore(stored, num_layers)
-        return
-    ignored = eng.vllm_ignored_layers(stored, num_layers)
-    if ignored:
-        quant["ignored_layers"] = quant.get("ignored_layers", []) + ignored
-    if Format.NVFP4 in stored.expert_formats():
-        excludes = eng.vllm_nvfp4_excludes(stored)
-        for key in ("ignore", "exclude_modules"):
-            quant[key] = quant[key] + excludes
-        extra[HF_QUANT_CONFIG]["quantization"]["exclude_modules"] += excludes
-
-
-def _sglang_quant_config(source_config: dict, stored: StoredFormats, *, sglang: bool = True
+def quant_config(source_config: dict, stored: StoredFormats, *, sglang: bool = True
                          ) -> tuple[dict, dict[str, dict]]:
     """SGLang's config for what is stored; ``sglang`` False (an output for vLLM alone): SGLang's refusals
     (already run by ``check_engines`` where SGLang is asked for) are not applied."""
@@ -465,7 +355,7 @@ def serving_env(source_config: dict, module_formats: dict[str, tuple[Format, dic
     BF16 under an Fp8Config, because that GEMM (on by default on SM100) requires an FP8 wo_a
     (``DeepseekV4ForCausalLM.load_weights``).
     """
-    stored = _analyse(source_config, module_formats)
+    stored = analyse(source_config, module_formats)
     experts = stored.expert_formats()
     if Format.INT4 in experts or stored.everything_bf16:
         return {"SGLANG_DSV4_FP4_EXPERTS": "0"}

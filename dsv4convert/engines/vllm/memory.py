@@ -1,4 +1,4 @@
-"""How vLLM 0.33.0 sizes GPU memory for DeepSeek-V4, as far as its code determines it without a GPU.
+"""How vLLM sizes GPU memory for DeepSeek-V4, as far as its code determines it without a GPU.
 
 Paths are relative to vLLM's package. The KV budget is ``gpu_memory_utilization`` x total memory minus
 what the worker measures (``v1/worker/gpu_worker.py determine_available_memory``: the weights, a
@@ -13,9 +13,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dsv4convert.fit.sizing import KvGeometry
+from dsv4convert.engines import VLLM_LABEL, EngineError, Gpu
+from dsv4convert.engines.memory import (
+    ESTIMATED,
+    RUNTIME_OVERHEAD_MIB,
+    KvGeometry,
+    LoadRules,
+    ServerFit,
+    weights_per_rank,
+)
+from dsv4convert.engines.served import ServedModel
+from dsv4convert.engines.vllm.server import vllm_launch
 
-# config/cache.py CacheConfig.gpu_memory_utilization; serve's vLLM launch (serve/vllm_launch.py) sets none.
+# config/cache.py CacheConfig.gpu_memory_utilization; the vLLM launch (engines/vllm/server.py) sets none.
 GPU_MEMORY_UTILIZATION = 0.92
 # v1/attention/backends/mla/sparse_swa.py DeepseekV4SWACache: 64-token blocks, 584 packed bytes per token
 # (448 FP8 nope + 128 BF16 rope + 8 scale bytes), pages padded to 576 bytes (fp8_ds_mla).
@@ -88,3 +98,49 @@ def kv_budget(gpu_mib: int, utilization: float, weights_bytes: int, overhead_mib
     """``request_memory`` (ceil(total x utilization)) minus the weights and the estimated non-torch memory;
     the profiled activation peak and CUDA graph estimate are not subtracted (they need the GPU)."""
     return math.ceil((gpu_mib << 20) * utilization) - weights_bytes - (overhead_mib << 20)
+
+
+ESTIMATES = (
+    ESTIMATED[0].replace("SGLang", "vLLM"),
+    "not subtracted: the activation peak of vLLM's profiled dummy forward and its CUDA graph memory estimate "
+    "(v1/worker/gpu_worker.py determine_available_memory measures both on the GPU): KV tokens are an upper bound",
+    "KV tokens = budget / the growing caches' bytes per token; vLLM packs V4's mixed-page caches into one block "
+    "pool (v1/core/kv_cache_planning.py), whose padding and per-request sliding-window and state blocks are not "
+    "restated",
+    "weights per rank: fit's split rules (attention and vocabulary by TP, whole experts by EP) over the file's "
+    "bytes (FP8 block scales as F32, wo_a kept FP8); vLLM's model is not built per rank to check them",
+)
+# vLLM keeps wo_a FP8 and holds one copy of NVFP4 block scales.
+LOAD_RULES = LoadRules(wo_a_bf16=False, nvfp4_scale_copies=1)
+
+
+def size_server(model: ServedModel, gpu: Gpu, tp: int, *, mtp: bool, context: int | None = None) -> ServerFit:
+    """One vLLM server as its launch starts it (TP with expert parallelism, FP8 KV cache, whole blocks, the
+    default ``gpu_memory_utilization``), as far as vLLM's code sizes it without a GPU."""
+    plan = vllm_launch("MODEL", model.variant, gpu.family, tp, draft=model.has_draft)   # raises if vLLM cannot load it
+    if mtp and plan.mtp_argv is None:
+        raise EngineError(f"no MTP draft with vLLM here: {plan.mtp_note}")
+    weights = weights_per_rank(model.tensors, tp, LOAD_RULES)
+    loaded = weights.target + (weights.draft if mtp else 0)
+    block = plan.block_size
+    specs = cache_specs(model.geometry, window=int(model.config.get("sliding_window", 128)), block_size=block,
+                        packed=packed_layout(gpu.family), draft_layers=1 if mtp else 0)
+    per_token = sum(spec.bytes_per_token for spec in specs)
+    available = kv_budget(gpu.mib, GPU_MEMORY_UTILIZATION, loaded, RUNTIME_OVERHEAD_MIB)
+    if per_token:
+        tokens = max(int(available / per_token) // block * block, 0)
+    else:   # only window and state caches (no compressed layer): the context does not grow them
+        tokens = int(model.config.get("max_position_embeddings", 0)) if available > 0 else 0
+    needed = max(context or block, block)
+    fits = tokens >= needed
+    minimum = (loaded + (RUNTIME_OVERHEAD_MIB << 20)) / (gpu.mib << 20)
+    return ServerFit(
+        role="server", gpu=gpu.name, tp=tp, mtp=mtp, weights_bytes_per_rank=loaded,
+        draft_weights_bytes_per_rank=weights.draft if mtp else 0, mem_fraction_static=GPU_MEMORY_UTILIZATION,
+        default_mem_fraction_static=GPU_MEMORY_UTILIZATION, reserved_mib=0.0, reserve_terms_mib={},
+        kv_bytes_per_token=per_token, kv_terms={spec.name: spec.bytes_per_token for spec in specs if spec.bytes_per_token},
+        fixed_state_bytes=0, available_kv_bytes=available, kv_tokens=tokens, swa_tokens=0, max_running_requests=0,
+        requests_at_context=tokens // context if context else None,
+        min_mem_fraction_static=math.ceil(minimum * 1000) / 1000, fits=fits,
+        shortfall_bytes=0 if fits else int(needed * per_token - available), estimated=ESTIMATES,
+        engine=VLLM_LABEL.lower())

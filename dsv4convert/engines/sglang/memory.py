@@ -1,24 +1,31 @@
-"""How SGLang 0.5.23 sizes GPU memory for DeepSeek-V4: pure arithmetic, no I/O.
+"""How SGLang sizes GPU memory for DeepSeek-V4: pure arithmetic, no I/O.
 
 Every function restates one piece of SGLang's own code (file and function named in its docstring;
-paths relative to ``python/sglang/``); ``tests/test_fit.py`` runs those SGLang functions on the CPU
-and compares. Inputs are the settings of one server as ``serve`` launches it (:class:`ServerSettings`,
-read from :func:`dsv4convert.serve.launch.server_args`), the model's dimensions, and the tensors it
-loads. Units: bytes unless a name says MiB; a GPU's size is what ``nvidia-smi`` reports, in MiB, which
-is what SGLang's ``get_device_memory_capacity`` reads.
+paths relative to ``python/sglang/`` of the pinned wheel); ``tests/test_fit.py`` runs those SGLang
+functions on the CPU and compares. Inputs are one server's settings as ``serve`` launches it
+(:class:`dsv4convert.engines.sglang.server.Server`), the model's dimensions, and the tensors it loads.
+Units: bytes unless a name says MiB; a GPU's size is what ``nvidia-smi`` reports, in MiB, which is what
+SGLang's ``get_device_memory_capacity`` reads.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from dsv4convert.layout import Role, TensorInfo, classify
-from dsv4convert.serve.launch import flag_value
-
-MIB = 1 << 20
-GIB = 1 << 30
+from dsv4convert.engines import SGLANG_LABEL, Gpu
+from dsv4convert.engines.memory import (
+    ESTIMATED,
+    MIB,
+    RUNTIME_OVERHEAD_MIB,
+    KvGeometry,
+    LoadRules,
+    ServerFit,
+    weights_per_rank,
+)
+from dsv4convert.engines.served import ServedModel
+from dsv4convert.engines.sglang.numerics import Serving
+from dsv4convert.engines.sglang.server import Server
 
 # srt/arg_groups/deepseek_v4_hook.py apply_deepseek_v4_defaults; model_overrides/deepseek_v4.py.
 V4_MAX_RUNNING_REQUESTS = 256
@@ -30,38 +37,6 @@ V4_KV_DATA_BYTES = 576
 V4_KV_SCALE_BYTES = 8
 V4_KV_PAGE_ALIGN = 576
 COMPRESS_STATE_DTYPE_BYTES = 4   # SGLANG_DSV4_COMPRESS_STATE_DTYPE=float32
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """The launch flags of one SGLang server that its memory sizing reads (None: SGLang's default)."""
-
-    role: str                                   # "prefill", "decode" or "server" (no disaggregation)
-    tp: int
-    mem_fraction_static: float | None = None
-    cuda_graph_max_bs_decode: int | None = None
-    max_running_requests: int | None = None
-    chunked_prefill_size: int | None = None
-    speculative_num_draft_tokens: int | None = None   # None: no MTP draft
-    moe_runner_backend: str | None = None
-
-    @property
-    def mtp(self) -> bool:
-        return self.speculative_num_draft_tokens is not None
-
-
-def read_server_args(role: str, args: list[str] | tuple[str, ...]) -> ServerSettings:
-    """The sizing-relevant flags of a ``sglang.launch_server`` argv (as ``serve`` builds it)."""
-    def number(name: str, kind=int):
-        text = flag_value(args, name)
-        return None if text is None else kind(text)
-
-    return ServerSettings(
-        role=role, tp=number("--tp-size") or 1, mem_fraction_static=number("--mem-fraction-static", float),
-        cuda_graph_max_bs_decode=number("--cuda-graph-max-bs-decode"),
-        max_running_requests=number("--max-running-requests"), chunked_prefill_size=number("--chunked-prefill-size"),
-        speculative_num_draft_tokens=number("--speculative-num-draft-tokens"),
-        moe_runner_backend=flag_value(args, "--moe-runner-backend"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +69,7 @@ def _capacity_defaults(gpu_mib: float, tp: int) -> tuple[int, int]:
     return 16384, 512
 
 
-def memory_fraction(server: ServerSettings, gpu_mib: int) -> MemoryFraction:
+def memory_fraction(server: Server, gpu_mib: int) -> MemoryFraction:
     """``handle_gpu_memory_settings``: the reserve for activations and CUDA graphs, and the fraction left.
 
     V4 turns the prefill CUDA graph off (no prefill-graph term) and sets max_running_requests only
@@ -109,7 +84,7 @@ def memory_fraction(server: ServerSettings, gpu_mib: int) -> MemoryFraction:
         max_bs = server.max_running_requests
     if server.role == "decode":
         running = server.max_running_requests or max_bs
-        activation = max(running * (server.speculative_num_draft_tokens or 1), 2048)
+        activation = max(running * (server.draft_tokens or 1), 2048)
     else:
         activation = max(chunked, 2048)
     terms = {"constant": 512.0, "activations": activation * 1.5, "parallel": server.tp / 8 * 1024,
@@ -124,19 +99,6 @@ def memory_fraction(server: ServerSettings, gpu_mib: int) -> MemoryFraction:
 
 # ---------------------------------------------------------------------------------------------
 # The V4 KV pool: srt/model_executor/pool_configurator.py DSV4PoolConfigurator.
-
-@dataclass(frozen=True)
-class KvGeometry:
-    """What the V4 pool's size depends on, from config.json."""
-
-    layers_by_ratio: dict[int, int]   # backbone attention layers per compress ratio (0, 4, 128)
-    head_dim: int                     # 512: qk_nope 448 + rope 64
-    index_head_dim: int               # 128
-
-    @property
-    def num_layers(self) -> int:
-        return sum(self.layers_by_ratio.values())
-
 
 @dataclass(frozen=True)
 class KvCost:
@@ -173,7 +135,7 @@ def ring_size(ratio: int, mtp: bool) -> int:
     return 256 if mtp else 128
 
 
-def request_slots(server: ServerSettings) -> int:
+def request_slots(server: Server) -> int:
     """``_get_num_req_slots``; PD decode adds ``disaggregation_decode_extra_slots`` (pd_disaggregation_hook.py:
     2x an explicit running limit of 32 or less, else 0)."""
     running = server.max_running_requests or V4_MAX_RUNNING_REQUESTS
@@ -183,7 +145,7 @@ def request_slots(server: ServerSettings) -> int:
     return running + extra + 1
 
 
-def kv_cost(geometry: KvGeometry, server: ServerSettings, page_size: int = V4_PAGE_SIZE) -> KvCost:
+def kv_cost(geometry: KvGeometry, server: Server, page_size: int = V4_PAGE_SIZE) -> KvCost:
     """``DSV4PoolConfigurator.__init__``/``_get_bytes_per_swa_token``/``_get_bytes_per_full_token``/
     ``_get_c128_state_fixed_bytes`` on CUDA with the flashmla backend (no unified or trtllm pool)."""
     n = geometry.layers_by_ratio
@@ -216,88 +178,8 @@ def kv_tokens(available_bytes: int, cost: KvCost, page_size: int = V4_PAGE_SIZE)
 # ---------------------------------------------------------------------------------------------
 # Weights per rank: srt/models/deepseek_v4.py and the quant methods' create_weights.
 
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    copies: int = 1   # identical tensors of the full model it stands for (a compact plan, source.planned)
-
-
-@dataclass(frozen=True)
-class LoadRules:
-    """How the loader stores what the file holds, for one launch (from ``compare.numerics.Serving``)."""
-
-    wo_a_bf16: bool            # the FP8 wo_a GEMM is off: wo_a is dequantized to BF16 at load
-    nvfp4_scale_copies: int    # 2 where the NVFP4 MoE method also allocates ``*_blockscale_swizzled`` (not TRT-LLM)
-    mxfp4_scale_bytes: tuple[int, int] = (1, 1)   # per E8M0 MXFP4 expert scale (target, draft): 4 where held as F32
-
-
-# Attention projections each TP rank holds a slice of; wq_a and wkv (fused wqkv_a) are replicated.
-_SPLIT_ATTENTION = (".attn.wq_b", ".attn.wo_a", ".attn.wo_b")
-_SPLIT_ROLES = {Role.EMBED, Role.HEAD, Role.ROUTED_EXPERT, Role.SHARED_EXPERT}
-
-
-@dataclass
-class RankBytes:
-    """Bytes one TP rank holds for the target model and for the MTP draft, and per role."""
-
-    target: int = 0
-    draft: int = 0
-    by_role: dict[str, int] = field(default_factory=dict)
-
-
-def _stored_bytes(tensor: Tensor, info: TensorInfo, module_scale_dtype: str | None, rules: LoadRules) -> int:
-    """What the loader stores for one file tensor (before any TP split)."""
-    elements = math.prod(tensor.shape) if tensor.shape else 1
-    if info.module.endswith(".attn.wo_a") and rules.wo_a_bf16 and module_scale_dtype is not None:
-        return 0 if info.param == "scale" else elements * 2          # dequantized to BF16, scale consumed
-    if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "fp8":
-        return elements * 4                                             # FP8 block scales load as F32
-    if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "mxfp4":
-        return elements * rules.mxfp4_scale_bytes[info.is_mtp]
-    if info.param == "tid2eid":
-        return elements * 4                                             # I64 routing table loads as I32
-    if info.param == "weight_scale" and tensor.dtype == "F8_E4M3" and info.role is Role.ROUTED_EXPERT:
-        return tensor.nbytes * rules.nvfp4_scale_copies
-    return tensor.nbytes
-
-
-def classified(tensors: Iterable[Tensor]) -> list[tuple[Tensor, TensorInfo]]:
-    """Each tensor with its role and module (classify once; a model has ~90,000 tensors)."""
-    return [(t, classify(t.name)) for t in tensors]
-
-
-def weights_per_rank(tensors: list[tuple[Tensor, TensorInfo]], tp: int, rules: LoadRules) -> RankBytes:
-    """Bytes one of ``tp`` ranks holds: split modules divided, replicated ones whole, as the loader stores them.
-
-    Routed experts split their intermediate dimension under TP, or whole experts under EP: the same
-    bytes per rank. The MTP draft (``mtp.*``) shares the target's embedding and head.
-    """
-    kinds = {info.module: {"F8_E4M3": "fp8", "I8": "mxfp4"}.get(t.dtype) for t, info in tensors
-             if info.param == "weight"}
-    out = RankBytes()
-    for tensor, info in tensors:
-        scale_kind = kinds.get(info.module)
-        stored = _stored_bytes(tensor, info, scale_kind, rules)
-        split = info.role in _SPLIT_ROLES or info.module.endswith(_SPLIT_ATTENTION)
-        per_rank = (stored // tp if split else stored) * tensor.copies
-        if info.is_mtp:
-            out.draft += per_rank
-        else:
-            out.target += per_rank
-        out.by_role[info.role.value] = out.by_role.get(info.role.value, 0) + per_rank
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # The budget: srt/mem_cache/kv_cache_configurator.py _profile_available_bytes.
-
-# Memory the CUDA context, NCCL and SGLang's communicators take before the weights load (estimated:
-# not in SGLang's code; it measures free memory instead). The KV budget counts from what is left.
-RUNTIME_OVERHEAD_MIB = 1536
-
 
 @dataclass(frozen=True)
 class Budget:
@@ -320,5 +202,37 @@ def budget(gpu_mib: int, mem_fraction_static: float, weights_bytes: int,
     return Budget(pre, weights_bytes, available, math.ceil(minimum * 1000) / 1000)
 
 
-def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+def load_rules(model: ServedModel, server: Server) -> LoadRules:
+    """How SGLang stores these tensors under this server: ``wo_a`` as BF16 where the FP8 wo_a GEMM is off, the
+    NVFP4 MoE method's second copy of its block scales except under TRT-LLM (sm_100's runner), and MXFP4 expert
+    scales as F32 in the TRT-LLM MXFP4 method (the variant's rules name it)."""
+    serving = Serving.of(server, model.config.get("quantization_config") or {})
+    trtllm = server.moe_runner_backend is None and server.gpu_family == "sm100"
+    rules = server.rules
+    mxfp4 = tuple(4 if method == "Mxfp4FlashinferTrtllmMoEMethod" else 1      # it holds E8M0 scales as F32
+                  for method in (rules.moe_method, rules.draft_moe_method))
+    return LoadRules(wo_a_bf16=serving.wo_a() is None, nvfp4_scale_copies=1 if trtllm else 2, mxfp4_scale_bytes=mxfp4)
+
+
+def size_server(model: ServedModel, gpu: Gpu, server: Server, *, context: int | None = None) -> ServerFit:
+    """One SGLang server ``server`` loading ``model`` on ``gpu``: weights per rank, memory fraction, KV tokens."""
+    weights = weights_per_rank(model.tensors, server.tp, load_rules(model, server))
+    fraction = memory_fraction(server, gpu.mib)
+    loaded = weights.target + (weights.draft if server.mtp else 0)
+    held = budget(gpu.mib, fraction.used, loaded)
+    cost = kv_cost(model.geometry, server)
+    full, swa = kv_tokens(held.available_bytes, cost)
+    running = min(server.max_running_requests or V4_MAX_RUNNING_REQUESTS, full // 2)
+    needed = max(context or V4_PAGE_SIZE, V4_PAGE_SIZE)
+    fits = held.available_bytes > 0 and full >= needed
+    short = 0 if fits else int(cost.fixed_bytes + needed * cost.bytes_per_full_token - held.available_bytes)
+    return ServerFit(
+        role=server.role, gpu=gpu.name, tp=server.tp, mtp=server.mtp, weights_bytes_per_rank=loaded,
+        draft_weights_bytes_per_rank=weights.draft if server.mtp else 0, mem_fraction_static=fraction.used,
+        default_mem_fraction_static=fraction.default, reserved_mib=fraction.reserved_mib,
+        reserve_terms_mib=fraction.terms_mib, kv_bytes_per_token=cost.bytes_per_full_token, kv_terms=cost.terms,
+        fixed_state_bytes=cost.fixed_bytes, available_kv_bytes=held.available_bytes, kv_tokens=full,
+        swa_tokens=swa, max_running_requests=max(running, 0),
+        requests_at_context=min(full // context, running) if context else None,
+        min_mem_fraction_static=held.min_mem_fraction_static, fits=fits, shortfall_bytes=max(short, 0),
+        estimated=ESTIMATED, engine=SGLANG_LABEL.lower())

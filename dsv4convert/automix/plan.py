@@ -37,21 +37,23 @@ from dsv4convert.automix.sensitivity import (
     stream_bytes,
 )
 from dsv4convert.automix.solve import Option, solve
+from dsv4convert.calibration import build_input_scales
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.compare.numerics import Numerics, Serving, serving_from_formats
-from dsv4convert.convert.engines import engines_for
-from dsv4convert.convert.input_scales import build_input_scales
+from dsv4convert.compare.numerics import Numerics, serving_from_formats
 from dsv4convert.convert.plan import build_plan, human_bytes
-from dsv4convert.convert.quant_config import build_quant_config
-from dsv4convert.convert.recipe import parse_recipe
+from dsv4convert.convert.recipe import Recipe
+from dsv4convert.engines import SGLANG_LABEL, engines_for
+from dsv4convert.engines.config import build_quant_config
+from dsv4convert.engines.sglang.numerics import Serving
+from dsv4convert.engines.vllm.memory import LOAD_RULES as VLLM_RULES
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.fit.source import from_plan
 from dsv4convert.fit.verdict import Gpu, gpu_from, sglang_server, vllm_server
+from dsv4convert.formats import Format
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import linear_shapes
 from dsv4convert.model.blocks import COMPUTE_DTYPES, parse_device
 from dsv4convert.model.text import token_windows
-from dsv4convert.storage import Format
 
 
 @dataclass
@@ -114,7 +116,7 @@ class Mix:
     predicted: float
     name: str = "automix"
 
-    def recipe_text(self, plan: "AutomixPlan", measured: Measured, description: str) -> str:
+    def recipe(self, plan: "AutomixPlan", measured: Measured, description: str, source: str | None = None) -> Recipe:
         lines = []
         for decision, fmt in self.picks.items():
             chosen = plan.cost(self.layout, decision, fmt, measured)
@@ -129,7 +131,7 @@ class Mix:
                   f"predicted mean KLD {self.predicted:.5f} (floor {plan.floor(self.layout, measured):.5f} + choices), "
                   f"{human_bytes(self.bytes)} of {human_bytes(self.layout.capacity)}"]
         return write(self.name, description, plan.options.engine, lines, self.layout.sources,
-                     self.layout.family.mtp_experts, header, self.layout.forced)
+                     self.layout.family.mtp_experts, tuple(header), self.layout.forced, source)
 
 
 @dataclass
@@ -246,31 +248,30 @@ def build(opts: AutomixOptions) -> AutomixPlan:
     dtype = COMPUTE_DTYPES[dtype_name]
     decision_list = decisions(inspection)
     sources = {d: inspection.modules[mods[0]].format for d, mods in decision_list.items()}
-    plan = AutomixPlan(opts, ckpt, inspection, decision_list, [], list(excluded), [], {}, [], gpu, gpu_family, device,
-                       dtype, {})
-    for family in families:
-        for forced in _model_wide(family):
-            layout = _layout(plan, family, forced, sources)
-            if layout is not None:
-                plan.layouts.append(layout)
-    if not plan.layouts:
+    base = _Base(opts, ckpt, decision_list, sources, gpu, gpu_family)
+    made = [_layout(base, family, forced) for family in families for forced in _model_wide(family)]
+    layouts = [m for m in made if isinstance(m, Layout)]
+    if not layouts:
         raise DSV4Error(f"no family's layout could be planned for --engine {opts.engine} on {gpu_family}")
     probes: dict[Candidate, Probe] = {}
-    for layout in plan.layouts:
-        plan.floors[floor_label(layout.serving)] = floor_numerics(layout.serving)
+    floors: dict[str, Numerics] = {}
+    for layout in layouts:
+        floors[floor_label(layout.serving)] = floor_numerics(layout.serving)
         for decision, options in layout.options.items():
             for fmt in options:
                 scheme = scheme_of(decision.group, fmt, layout.serving)
                 if not is_exact(scheme, sources[decision]):
                     candidate = Candidate(decision, scheme)
                     probes.setdefault(candidate, Probe(candidate, tuple(decision_list[decision]), layout.serving))
-    plan.probes = list(probes.values())
-    plan.calibrations = _calibrations(plan, probes)
+    calibrations = _calibrations(layouts, probes)
     cfg = inspection.config
-    tracks = len(plan.floors) + len(plan.calibrations)
-    plan.memory = {"stream_bytes": stream_bytes(len(plan.probes) + tracks + 2, max(opts.tokens // opts.seq_len, 1)
-                                                * opts.seq_len, cfg.hc_mult, cfg.hidden_size, dtype),
-                   "layer_passes": sum(_passes_after(cfg, p.candidate.decision.block) for p in plan.probes)}
+    tracks = len(floors) + len(calibrations)
+    memory = {"stream_bytes": stream_bytes(len(probes) + tracks + 2, max(opts.tokens // opts.seq_len, 1) * opts.seq_len,
+                                           cfg.hc_mult, cfg.hidden_size, dtype),
+              "layer_passes": sum(_passes_after(cfg, p.candidate.decision.block) for p in probes.values())}
+    plan = AutomixPlan(opts, ckpt, inspection, decision_list, layouts,
+                       [*excluded, *(m for m in made if isinstance(m, Excluded))], list(probes.values()), floors,
+                       calibrations, gpu, gpu_family, device, dtype, memory)
     smallest = [(layout, layout.fixed_bytes + sum(min(plan.option_bytes(layout, d, f) for f in fmts)
                                                   for d, fmts in layout.options.items())) for layout in plan.layouts]
     if all(size > layout.capacity for layout, size in smallest):
@@ -280,11 +281,11 @@ def build(opts: AutomixOptions) -> AutomixPlan:
     return plan
 
 
-def _calibrations(plan: AutomixPlan, probes: dict[Candidate, Probe]) -> list[Calibration]:
+def _calibrations(layouts: list[Layout], probes: dict[Candidate, Probe]) -> list[Calibration]:
     """One whole-model track per format (and its serving) a layout offers: the experts in it everywhere, or
     every linear decision in it."""
     out: dict[str, Calibration] = {}
-    for layout in plan.layouts:
+    for layout in layouts:
         kinds: dict[str, list[Probe]] = {}
         for decision, options in layout.options.items():
             for fmt in options:
@@ -314,36 +315,46 @@ def _model_wide(family: Family) -> list[dict[str, Format]]:
     return [{group: fmt for group in groups} for fmt in family.linears]
 
 
-def _layout(plan: AutomixPlan, family: Family, forced: dict[str, Format],
-            sources: dict[Decision, Format | None]) -> Layout | None:
-    """The family's layout: its uniform plan checked by the converter's own rules, its serving and its bytes."""
-    opts = plan.options
+@dataclass(frozen=True)
+class _Base:
+    """What every layout of a plan is made from: the options, the base, its decisions, the budget's GPU."""
+
+    options: AutomixOptions
+    ckpt: Checkpoint
+    decisions: dict[Decision, list[str]]
+    sources: dict[Decision, Format | None]
+    gpu: Gpu | None
+    gpu_family: str
+
+
+def _layout(base: _Base, family: Family, forced: dict[str, Format]) -> Layout | Excluded:
+    """The family's layout: its uniform plan checked by the converter's own rules, its serving and its bytes (or
+    why the base cannot be stored this way)."""
+    opts, sources = base.options, base.sources
     options = {d: list(family.experts) if d.group == "experts"
-               else [forced[d.group]] if d.group in forced else list(family.linears) for d in plan.decisions}
-    text = write(f"automix-{family.name.replace('+', '-')}", f"uniform layout of family {family.name}", opts.engine,
-                 [Line(d, formats[0], "uniform") for d, formats in options.items()], sources, family.mtp_experts,
-                 model_wide=forced)
-    recipe = parse_recipe(text, f"automix family {family.name}")
+               else [forced[d.group]] if d.group in forced else list(family.linears) for d in base.decisions}
+    recipe = write(f"automix-{family.name.replace('+', '-')}", f"uniform layout of family {family.name}", opts.engine,
+                   [Line(d, formats[0], "uniform") for d, formats in options.items()], sources, family.mtp_experts,
+                   model_wide=forced, source=f"automix family {family.name}")
     try:
-        uniform = build_plan(plan.ckpt, recipe, engine=opts.engine)
+        uniform = build_plan(base.ckpt, recipe, engine=opts.engine)
         formats = uniform.module_formats()
-        config, _ = build_quant_config(plan.ckpt.config, formats, engines=engines_for(opts.engine))
+        config, _ = build_quant_config(base.ckpt.config, formats, engines=engines_for(opts.engine))
     except RecipeError as exc:
-        plan.excluded.append(Excluded(family.name, f"the base cannot be stored this way: {exc}"))
-        return None
+        return Excluded(family.name, f"the base cannot be stored this way: {exc}")
     serving = serving_from_formats("automix", formats, config.get("quantization_config") or {}, engine="sglang",
-                                   gpu_family=plan.gpu_family)
+                                   gpu_family=base.gpu_family)
     notes = []
-    if plan.gpu is None:
+    if base.gpu is None:
         unit, capacity = budgets.Unit(), int(opts.size)
     else:
-        source = from_plan(family.name, uniform, plan.ckpt.config, engines_for(opts.engine))
-        rules = (budgets.sglang_rules(source, plan.gpu, opts.tp, opts.mtp) if opts.engine != "vllm"
-                 else budgets.VLLM_RULES)
+        source = from_plan(family.name, uniform, base.ckpt.config, engines_for(opts.engine))
+        rules = (budgets.sglang_rules(source, base.gpu, opts.tp, opts.mtp) if opts.engine != "vllm"
+                 else VLLM_RULES)
         unit = budgets.Unit(opts.tp, rules, opts.mtp)
-        capacity, notes = budgets.allowance(source, plan.gpu, opts.tp, opts.kv_tokens, engine=opts.engine,
+        capacity, notes = budgets.allowance(source, base.gpu, opts.tp, opts.kv_tokens, engine=opts.engine,
                                             mtp=opts.mtp)
-    decided = {m for mods in plan.decisions.values() for m in mods}
+    decided = {m for mods in base.decisions.values() for m in mods}
     fixed = [(p.name, p.dtype, tuple(p.shape)) for job in uniform.modules.values() if job.module not in decided
              for p in job.outputs]
     return Layout(family, forced, serving, options, unit.count(fixed), unit, capacity, sources, notes)
@@ -355,7 +366,7 @@ def check_fit(plan: AutomixPlan, mix: Mix, measured: Measured) -> list[str]:
     if plan.gpu is None:
         return []
     opts = plan.options
-    recipe = parse_recipe(mix.recipe_text(plan, measured, "fit check"), "automix recipe (fit check)")
+    recipe = mix.recipe(plan, measured, "fit check", "automix recipe (fit check)")
     source = from_plan(mix.name, build_plan(plan.ckpt, recipe, engine=opts.engine), plan.ckpt.config,
                        engines_for(opts.engine))
     lines = []
@@ -410,7 +421,7 @@ def print_plan(plan: AutomixPlan, out=None) -> None:
     for e in plan.excluded:
         print(f"  not on the menu: {e.name}: {e.reason}", file=out)
     if "vllm" in engines_for(opts.engine):
-        print(f"  note: candidates are measured under SGLang 0.5.23's served numerics on {plan.gpu_family} (compare "
+        print(f"  note: candidates are measured under {SGLANG_LABEL}'s served numerics on {plan.gpu_family} (compare "
               "emulates SGLang only); vLLM's kernels may round differently", file=out)
     print(f"  sensitivity: {len(plan.probes)} candidates measured ({plan.memory['layer_passes']} extra layer passes "
           f"beside the {cfg.num_hidden_layers} of the reference), {len(plan.floors)} floor and "

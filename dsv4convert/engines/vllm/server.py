@@ -1,6 +1,6 @@
-"""The vLLM 0.33.0 command that serves a converted checkpoint, per GPU family (the model card's source).
+"""The ``vllm serve`` command that serves a converted checkpoint, per GPU family (the model card's source).
 
-Pure planning, like :mod:`dsv4convert.serve.launch` for SGLang: CI parses and resolves every
+Pure planning, like :mod:`dsv4convert.engines.sglang.server` for SGLang: CI parses and resolves every
 command with vLLM's own ``vllm serve`` parser and ``create_engine_config`` (tests/vllm_oracle.py).
 The flags are vLLM's own recipe for DeepSeek-V4-Flash (vllm-project/recipes,
 ``models/deepseek-ai/DeepSeek-V4-Flash.yaml``): its base arguments ``--kv-cache-dtype fp8
@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from dsv4convert.serve.launch import NO_DRAFT, LaunchError, gpu_family_major
+from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
 
-VLLM = "vLLM 0.33.0"
-BASE_ARGS = ("--kv-cache-dtype", "fp8", "--block-size", "256")
+KV_CACHE_DTYPE = "fp8"
+BLOCK_SIZE = 256        # tokens per KV block (--block-size); vLLM's memory sizing counts whole blocks
+BASE_ARGS = ("--kv-cache-dtype", KV_CACHE_DTYPE, "--block-size", str(BLOCK_SIZE))
 # vLLM's recipe: 2 MTP draft tokens, 1 on Hopper; it lists no RTX PRO 6000 (sm_120), so none there.
 _MTP_TOKENS = {9: 1, 10: 2}
 
@@ -75,6 +76,7 @@ class VllmLaunch:
     moe_method: str
     draft_moe_method: str
     limits: tuple[str, ...]
+    block_size: int = BLOCK_SIZE
 
 
 def mtp_config(gpu_family: str) -> str | None:
@@ -89,7 +91,7 @@ def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, draft: bo
     if not draft and variant == "nvfp4":
         variant = "nvfp4-mtp-bf16"
     if variant not in VLLM_MOE_METHODS:
-        raise LaunchError(f"no vLLM command for the {variant!r} layout; expected one of "
+        raise EngineError(f"no vLLM command for the {variant!r} layout; expected one of "
                           f"{', '.join(VLLM_MOE_METHODS)}")
     moe, draft_method = VLLM_MOE_METHODS[variant]
     argv = ("vllm", "serve", model, "--tensor-parallel-size", str(tp), *(("--enable-expert-parallel",) if tp > 1

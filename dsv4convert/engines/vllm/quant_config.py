@@ -1,9 +1,7 @@
-"""Which serving engines an output is made for, and what vLLM 0.33.0 reads from it.
+"""What vLLM reads from a checkpoint's config, and what it could not load.
 
-``--engine sglang|vllm|both`` (and a recipe's ``engine:`` key) names the engines one checkpoint
-must load in. SGLang 0.5.23's rules live in :mod:`dsv4convert.convert.quant_config`; this module
-holds vLLM 0.33.0's, each citing the vLLM file it follows (paths relative to ``vllm/`` of the
-``vllm==0.33.0`` wheel). On CUDA and ROCm, vLLM reads a DeepSeek-V4 ``quant_method: fp8`` config
+Each rule cites the vLLM file it follows (paths relative to ``vllm/`` of the pinned wheel,
+:data:`dsv4convert.engines.VERSIONS`); SGLang's are in :mod:`dsv4convert.engines.sglang.quant_config`. On CUDA and ROCm, vLLM reads a DeepSeek-V4 ``quant_method: fp8`` config
 through ``models/deepseek_v41/quant_config.py::DeepseekV4FP8Config`` (chosen in
 ``model_executor/layers/quantization/__init__.py::get_quantization_config``); compressed-tensors
 configs through its own ``CompressedTensorsConfig``.
@@ -28,31 +26,13 @@ What differs from SGLang, as far as a converter is concerned (docs/engines.md ha
 
 from __future__ import annotations
 
-from dsv4convert.convert.stored import StoredFormats
-from dsv4convert.errors import RecipeError
+from dsv4convert.engines import VLLM_LABEL
+from dsv4convert.engines.sglang.quant_config import HF_QUANT_CONFIG
+from dsv4convert.engines.stored import StoredFormats
+from dsv4convert.formats import Format
 from dsv4convert.layout import classify
-from dsv4convert.storage import Format
 
-SGLANG, VLLM = "sglang", "vllm"
-ENGINES = (SGLANG, VLLM)
-CHOICES = (SGLANG, VLLM, "both")
-DEFAULT_CHOICE = "both"
-ENGINE_VERSIONS = {SGLANG: "SGLang 0.5.23", VLLM: "vLLM 0.33.0"}
-_V = ENGINE_VERSIONS[VLLM]
-
-
-def engines_for(choice: str | None) -> tuple[str, ...]:
-    """``sglang``/``vllm``/``both`` (None: the default) as the engines the output must load in."""
-    choice = choice or DEFAULT_CHOICE
-    if choice not in CHOICES:
-        raise RecipeError(f"unknown engine {choice!r}; expected one of {', '.join(CHOICES)}")
-    return ENGINES if choice == "both" else (choice,)
-
-
-def choice_of(engines: tuple[str, ...] | list[str]) -> str:
-    """The ``--engine`` value naming exactly these engines."""
-    found = tuple(e for e in ENGINES if e in engines)
-    return "both" if found == ENGINES else found[0]
+_V = VLLM_LABEL
 
 
 # ---------------------------------------------------------------------------------- vLLM names
@@ -140,38 +120,6 @@ def vllm_problem(stored: StoredFormats) -> tuple[str, str] | None:
     return None
 
 
-def check_engines(stored: StoredFormats, engines: tuple[str, ...], sglang_check) -> None:
-    """Raise, naming the engine and module, if an engine asked for could not load the output.
-
-    ``sglang_check`` runs SGLang 0.5.23's rules (it raises ``RecipeError`` naming the module).
-    """
-    problems: list[tuple[str, str]] = []
-    if VLLM in engines and (problem := vllm_problem(stored)):
-        problems.append(problem)
-    if SGLANG in engines:
-        try:
-            sglang_check()
-        except RecipeError as exc:
-            problems.append((exc.tensor or "", exc.detail))
-    if problems:
-        first = problems[0][0]
-        reasons = [reason if module == first else f"{module}: {reason}" for module, reason in problems]
-        raise RecipeError(f"--engine {choice_of(engines)}: {'; and '.join(reasons)}", tensor=first or None)
-
-
-def servable_engines(stored: StoredFormats, sglang_check) -> dict[str, str | None]:
-    """Per engine: None if it loads the output, else the first problem (``module: reason``)."""
-    out: dict[str, str | None] = {}
-    problem = vllm_problem(stored)
-    out[VLLM] = f"{problem[0]}: {problem[1]}" if problem else None
-    try:
-        sglang_check()
-        out[SGLANG] = None
-    except RecipeError as exc:
-        out[SGLANG] = f"{exc.tensor}: {exc.detail}" if exc.tensor else exc.detail
-    return {e: out[e] for e in ENGINES}
-
-
 # ---------------------------------------------------------------------------- vLLM config keys
 
 def vllm_ignored_layers(stored: StoredFormats, num_hidden_layers: int) -> list[str]:
@@ -213,3 +161,22 @@ def ct_vllm_expert_ignore(stored: StoredFormats, num_hidden_layers: int) -> list
             for b, f in stored.experts.items() if f is Format.BF16]
 
 
+def add_keys(config: dict, extra: dict[str, dict], stored: StoredFormats, num_layers: int) -> None:
+    """What vLLM reads on top of SGLang's config: ``expert_dtype``, and its module names in the ignore lists."""
+    expert_dtype = vllm_expert_dtype(stored)
+    if expert_dtype:
+        config["expert_dtype"] = expert_dtype
+    quant = config.get("quantization_config")
+    if quant is None:
+        return
+    if quant["quant_method"] == "compressed-tensors":
+        quant["ignore"] += CT_VLLM_IGNORE + ct_vllm_expert_ignore(stored, num_layers)
+        return
+    ignored = vllm_ignored_layers(stored, num_layers)
+    if ignored:
+        quant["ignored_layers"] = quant.get("ignored_layers", []) + ignored
+    if Format.NVFP4 in stored.expert_formats():
+        excludes = vllm_nvfp4_excludes(stored)
+        for key in ("ignore", "exclude_modules"):
+            quant[key] = quant[key] + excludes
+        extra[HF_QUANT_CONFIG]["quantization"]["exclude_modules"] += excludes

@@ -1,0 +1,60 @@
+"""The quantization config of an output made for one or both engines, and which engines can load it.
+
+SGLang's config (:mod:`dsv4convert.engines.sglang.quant_config`) is the base of every output; where vLLM
+is asked for too, vLLM's refusals run first and its keys are added on top
+(:mod:`dsv4convert.engines.vllm.quant_config`), and ``producer.engines`` records the engines the output was
+made and checked for.
+"""
+
+from __future__ import annotations
+
+from dsv4convert import __version__
+from dsv4convert.engines import ENGINES, SGLANG, VLLM, choice_of
+from dsv4convert.engines.sglang import quant_config as sglang
+from dsv4convert.engines.stored import StoredFormats, analyse
+from dsv4convert.engines.vllm import quant_config as vllm
+from dsv4convert.errors import RecipeError
+from dsv4convert.formats import Format
+
+ModuleFormats = dict[str, tuple[Format, dict]]
+
+
+def _problems(stored: StoredFormats) -> dict[str, tuple[str, str] | None]:
+    """Per engine: None if it loads what is stored, else (module, reason)."""
+    try:
+        sglang.check(stored)
+        sglang_problem = None
+    except RecipeError as exc:
+        sglang_problem = (exc.tensor or "", exc.detail)
+    return {VLLM: vllm.vllm_problem(stored), SGLANG: sglang_problem}   # vLLM's first, as refusals name them
+
+
+def servable_engines(source_config: dict, module_formats: ModuleFormats) -> dict[str, str | None]:
+    """Per engine: None if it can load these stored formats, else ``module: reason``."""
+    problems = _problems(analyse(source_config, module_formats))
+    return {e: (f"{p[0]}: {p[1]}" if p[0] else p[1]) if (p := problems[e]) else None for e in ENGINES}
+
+
+def build_quant_config(source_config: dict, module_formats: ModuleFormats, *,
+                       engines: tuple[str, ...] = (SGLANG,)) -> tuple[dict, dict[str, dict]]:
+    """The output's ``config.json`` and extra JSON files (name -> object) for what is stored.
+
+    ``module_formats`` maps every linear module (native name, e.g. ``layers.3.ffn.experts.7.w1``)
+    to its stored format and parameters (``group_size`` for INT4, ``fp8_scale_dtype`` for FP8).
+    Raises ``RecipeError`` naming the engine and a module when an engine of ``engines`` could not
+    load the combination.
+    """
+    stored = analyse(source_config, module_formats)
+    problems = [p for e, p in _problems(stored).items() if e in engines and p]
+    if problems:
+        first = problems[0][0]
+        reasons = [reason if module == first else f"{module}: {reason}" for module, reason in problems]
+        raise RecipeError(f"--engine {choice_of(engines)}: {'; and '.join(reasons)}", tensor=first or None)
+    config, extra = sglang.quant_config(source_config, stored, sglang=SGLANG in engines)
+    if VLLM in engines:
+        vllm.add_keys(config, extra, stored, source_config["num_hidden_layers"])
+    if tuple(engines) != (SGLANG,) and "quantization_config" in config:
+        producer = {"name": "dsv4convert", "version": __version__}
+        config["quantization_config"].setdefault("producer", producer)["engines"] = list(engines)
+    return config, extra
+

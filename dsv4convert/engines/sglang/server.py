@@ -1,0 +1,186 @@
+"""One SGLang server's settings as an object, and the ``sglang.launch_server`` command line it renders.
+
+:func:`server` makes the settings ``serve`` launches for a variant on a GPU family (:mod:`.rules`);
+``serve`` renders them (:meth:`Server.argv`, :meth:`Server.environment`), and ``fit``, ``compare``,
+``automix`` and the model card read the fields: nothing parses a command line back. A user's own
+``launch_server`` arguments (``serve ... -- ARGS``) are read once, at the edge
+(:meth:`Server.with_arguments`): the flags sizing and numerics depend on become fields, the rest is
+passed through as given. CI parses every rendered command with SGLang's own parser
+(tests/test_serve_launch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, replace
+
+from dsv4convert.engines import EngineError, gpu_family_major
+from dsv4convert.engines.sglang.rules import (
+    EAGLE_DRAFT_TOKENS,
+    EAGLE_STEPS,
+    EAGLE_TOPK,
+    SM120_DECODE_GRAPH_BS,
+    SM120_MEM_FRACTION,
+    VariantRules,
+    variant_rules,
+)
+
+ROLES = ("prefill", "decode", "server")
+TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
+
+
+@dataclass(frozen=True)
+class Disaggregation:
+    """How a PD server moves KV caches (``--disaggregation-*``)."""
+
+    transfer_backend: str = "mooncake_tcp"
+    bootstrap_port: int = 8998
+    ib_devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Server:
+    """One SGLang server: what it loads, where, and every setting the tool decides or reads."""
+
+    model: str
+    variant: str                       # the variant whose rules apply (variants.served_like)
+    gpu_family: str
+    role: str = "server"               # prefill, decode, or server (no disaggregation)
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000
+    nccl_port: int = 29100
+    kv_cache_dtype: str = "fp8_e4m3"
+    moe_runner_backend: str | None = None       # None: SGLang chooses
+    fp8_gemm_backend: str | None = None         # None: SGLang chooses (auto)
+    mem_fraction_static: float | None = None    # None: SGLang's default (memory_hook.py)
+    cuda_graph_max_bs_decode: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    mtp: bool = False                           # the MTP draft by EAGLE
+    speculative_num_steps: int = EAGLE_STEPS
+    speculative_eagle_topk: int = EAGLE_TOPK
+    speculative_num_draft_tokens: int = EAGLE_DRAFT_TOKENS
+    draft_moe_runner_backend: str | None = None
+    fp4_indexer: bool = False                   # --enable-deepseek-v4-fp4-indexer
+    indexer_topk: bool = False                  # return the indexer's top-k (one attention-DP rank per GPU)
+    enable_metrics: bool = False
+    disaggregation: Disaggregation | None = None   # set for prefill and decode
+    env: dict[str, str] = field(default_factory=dict)          # what the variant needs (rules.VariantRules.env)
+    passthrough: tuple[str, ...] = ()           # the user's other launch_server arguments, rendered last
+
+    @property
+    def major(self) -> int:
+        return gpu_family_major(self.gpu_family)
+
+    @property
+    def draft_tokens(self) -> int | None:
+        """Tokens verified per step with the MTP draft (None: no draft)."""
+        return self.speculative_num_draft_tokens if self.mtp else None
+
+    @property
+    def rules(self) -> VariantRules:
+        return variant_rules(self.variant, self.gpu_family)
+
+    def argv(self) -> list[str]:
+        """The arguments of ``python -m sglang.launch_server`` (what SGLang's parser sees)."""
+        args = ["--model-path", self.model, "--host", self.host, "--port", str(self.port), "--tp-size", str(self.tp),
+                "--nccl-port", str(self.nccl_port), "--kv-cache-dtype", self.kv_cache_dtype]
+        if self.moe_runner_backend:
+            args += ["--moe-runner-backend", self.moe_runner_backend]
+        if self.fp8_gemm_backend:
+            args += ["--fp8-gemm-backend", self.fp8_gemm_backend]
+        if self.mem_fraction_static is not None:
+            args += ["--mem-fraction-static", _decimal(self.mem_fraction_static)]
+        if self.cuda_graph_max_bs_decode is not None:
+            args += ["--cuda-graph-max-bs-decode", str(self.cuda_graph_max_bs_decode)]
+        if self.max_running_requests is not None:
+            args += ["--max-running-requests", str(self.max_running_requests)]
+        if self.chunked_prefill_size is not None:
+            args += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
+        if self.mtp:
+            args += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(self.speculative_num_steps),
+                     "--speculative-eagle-topk", str(self.speculative_eagle_topk),
+                     "--speculative-num-draft-tokens", str(self.speculative_num_draft_tokens)]
+            if self.draft_moe_runner_backend:
+                args += ["--speculative-moe-runner-backend", self.draft_moe_runner_backend]
+        if self.fp4_indexer:
+            args += ["--enable-deepseek-v4-fp4-indexer"]
+        if self.indexer_topk:
+            # The capturer needs attention TP == 1, i.e. one attention-DP rank per GPU.
+            args += ["--enable-return-indexer-topk", "--attn-dp-size", str(self.tp)]
+        if self.enable_metrics:
+            args += ["--enable-metrics"]
+        if self.disaggregation is not None:
+            d = self.disaggregation
+            args += ["--disaggregation-mode", self.role, "--disaggregation-transfer-backend", d.transfer_backend,
+                     "--disaggregation-bootstrap-port", str(d.bootstrap_port)]
+            if d.transfer_backend == "mooncake" and d.ib_devices:
+                args += ["--disaggregation-ib-device", ",".join(d.ib_devices)]
+        return args + list(self.passthrough)
+
+    def command(self, python: str) -> list[str]:
+        """The whole command: ``python -m sglang.launch_server`` and :meth:`argv`."""
+        return [python, "-m", "sglang.launch_server", *self.argv()]
+
+    def with_arguments(self, arguments: tuple[str, ...] | list[str]) -> Server:
+        """These settings with a user's own ``launch_server`` arguments: the flags the tool reads become fields
+        (the user's value wins), the rest pass through unchanged, in order."""
+        known, rest = _USER_FLAGS.parse_known_args(list(arguments))
+        if rest and rest[0] == "--":
+            rest = rest[1:]
+        changes = {name: value for name, value in vars(known).items() if value is not None}
+        if changes.get("speculative_algorithm") not in (None, "EAGLE"):
+            raise EngineError(f"--speculative-algorithm {changes['speculative_algorithm']}: this checkpoint's draft "
+                              "is served by EAGLE here (V4 takes EAGLE or DSPARK)")
+        if "speculative_algorithm" in changes:
+            changes["mtp"] = True
+            del changes["speculative_algorithm"]
+        if any(name.startswith("speculative_") for name in changes):   # the user's own draft settings
+            changes["mtp"] = True
+        return replace(self, **changes, passthrough=self.passthrough + tuple(rest))
+
+
+def _decimal(value: float) -> str:
+    """A fraction as the cookbook writes it (0.70), or in full where two decimals would round it."""
+    text = f"{value:.2f}"
+    return text if float(text) == value else repr(value)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:   # argparse would exit; one error line instead
+        raise EngineError(f"launch_server arguments: {message}")
+
+
+# The launch_server flags whose values the tool's sizing and numerics read (SGLang's own names).
+_USER_FLAGS = _Parser(add_help=False, allow_abbrev=False)
+for _flag, _type in (("--kv-cache-dtype", str), ("--moe-runner-backend", str), ("--fp8-gemm-backend", str),
+                     ("--mem-fraction-static", float), ("--cuda-graph-max-bs-decode", int),
+                     ("--max-running-requests", int), ("--chunked-prefill-size", int),
+                     ("--speculative-algorithm", str), ("--speculative-num-steps", int),
+                     ("--speculative-eagle-topk", int), ("--speculative-num-draft-tokens", int),
+                     ("--speculative-moe-runner-backend", str)):
+    _USER_FLAGS.add_argument(_flag, type=_type, default=None,
+                             dest=_flag[2:].replace("-", "_").replace("speculative_moe", "draft_moe"))
+_USER_FLAGS.add_argument("--enable-deepseek-v4-fp4-indexer", dest="fp4_indexer", action="store_const", const=True,
+                         default=None)
+
+
+def server(model: str, variant: str, gpu_family: str, *, role: str = "server", tp: int = 1, mtp: bool = False,
+           **settings) -> Server:
+    """The server ``serve`` launches for ``variant`` on ``gpu_family``: the variant's MoE runner and environment,
+    the cookbook's SM120 memory settings, the MTP draft where its MoE method runs there (else refused), and for
+    a prefill or decode role the PD transfer settings (``serve`` gives its own)."""
+    if role not in ROLES:
+        raise EngineError(f"not a server role: {role!r}")
+    rules = variant_rules(variant, gpu_family)
+    if mtp and not rules.serves_draft:
+        raise EngineError(f"no MTP draft for the {variant} variant on {gpu_family}: {rules.mtp_note}")
+    sm120 = gpu_family_major(gpu_family) == 12
+    base = Server(model=model, variant=variant, gpu_family=gpu_family, role=role, tp=tp, mtp=mtp,
+                  moe_runner_backend=rules.moe_runner_backend,
+                  mem_fraction_static=SM120_MEM_FRACTION if sm120 else None,
+                  cuda_graph_max_bs_decode=SM120_DECODE_GRAPH_BS if sm120 and role in ("decode", "server") else None,
+                  draft_moe_runner_backend=rules.draft_moe_runner_backend if mtp else None, env=dict(rules.env),
+                  disaggregation=Disaggregation() if role in ("prefill", "decode") else None)
+    return replace(base, **settings)
