@@ -263,7 +263,7 @@ def cost_of_both(plan: Plan) -> list[str]:
 def _stored(target: Target, source: Format | None) -> str:
     if target.format is None:
         return f"as in the source ({source.value})" if source is not None else "as in the source"
-    scale = target.params.get("scale_dtype") if target.format is Format.FP8 else None
+    scale = target.params.get("scale_dtype")   # FP8's block scales, where the recipe or the engines chose them
     return f"{target.format.value} ({scale} scales)" if scale else target.format.value
 
 

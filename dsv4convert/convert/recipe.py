@@ -159,7 +159,8 @@ class Recipe:
         for rule in self.rules:
             if rule.matches(info, engine):
                 target = rule.target
-                if target.format is Format.FP8 and "scale_dtype" not in target.params:
+                if target.format and "scale_dtype" in REGISTRY[target.format].recipe_params \
+                        and "scale_dtype" not in target.params:   # left to the engines
                     target = replace(target, params={**target.params,
                                                      "scale_dtype": _fp8_scale_dtype(info, engine)})
                 return target
@@ -320,7 +321,10 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
 
 
 def _with_params(recipe: Recipe, fmt: str, wanted: dict, label: str) -> Recipe:
-    """The recipe with ``wanted`` set in the params of every ``fmt`` rule (unchanged if they all have them)."""
+    """The recipe with ``wanted`` set in the params of every ``fmt`` rule (unchanged if they all resolve to them)."""
+    if all(r.target.params.get(key) == value for r in recipe.rules if r.target.format and r.target.format.value == fmt
+           for key, value in wanted.items()):
+        return recipe
     data = yaml.safe_load(recipe.text)
     changed = False
     for rule in data["rules"]:
@@ -339,8 +343,7 @@ def _with_params(recipe: Recipe, fmt: str, wanted: dict, label: str) -> Recipe:
 def with_fp8_scale_dtype(recipe: Recipe, scale_dtype: str) -> Recipe:
     """The recipe with every FP8 rule's block scales in ``scale_dtype`` (``to-fp8 --scale-dtype``;
     ``auto`` leaves the recipe as it is, and the engines choose)."""
-    if scale_dtype == "auto" or all(r.target.params.get("scale_dtype") == scale_dtype for r in recipe.rules
-                                    if r.target.format is Format.FP8):
+    if scale_dtype == "auto":
         return recipe
     return _with_params(recipe, "fp8", {"scale_dtype": scale_dtype}, f"scale_dtype {scale_dtype}")
 
@@ -350,9 +353,6 @@ def with_int4_params(recipe: Recipe, *, group_size: int | None = None, scale_rul
     (``to-w4a16 --group-size / --scale-rule``)."""
     wanted = {key: value for key, value in (("group_size", group_size), ("scale_rule", scale_rule))
               if value is not None}
-    if all(r.target.params.get(key) == value for r in recipe.rules if r.target.format is Format.INT4
-           for key, value in wanted.items()):
-        return recipe
     return _with_params(recipe, "int4", wanted, ", ".join(f"{k} {v}" for k, v in wanted.items()))
 
 
