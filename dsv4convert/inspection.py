@@ -63,12 +63,56 @@ class Inspection:
     def ok(self) -> bool:
         return not (self.missing or self.unexpected or self.mismatched or self.problems)
 
+    @property
+    def drafter(self) -> str:
+        """``none``, ``mtp`` (the preview's MTP block) or ``dspark`` (0731's DSpark drafter), as config.json says."""
+        return self.config.drafter.value
+
+    def first_problem(self) -> str | None:
+        """The first thing wrong, in words that name what the config announces where the drafter is at fault."""
+        if self.ok:
+            return None
+        for name in self.unexpected:
+            info = try_classify(name)
+            if info is not None and info.is_mtp:
+                return f"{name}: {_drafter_surprise(self.config, info)}"
+        for name in self.missing:
+            if name.startswith("mtp."):
+                return (f"{name} is missing: config.json announces {describe_drafter(self.config)}, and the checkpoint "
+                        "does not hold all of it")
+        return (self.missing + self.mismatched + self.unexpected + self.problems)[0]
+
     def formats_by_role(self) -> dict[str, dict[str, int]]:
         out: dict[str, Counter] = defaultdict(Counter)
         for m in self.modules.values():
             key = f"{m.role.value} (mtp)" if m.is_mtp and m.role is Role.ROUTED_EXPERT else m.role.value
             out[key][m.format.value if m.format else "?"] += 1
         return {k: dict(v) for k, v in sorted(out.items())}
+
+
+def describe_drafter(cfg: ModelConfig) -> str:
+    """What drafts for speculative decoding, in a few words."""
+    blocks = cfg.num_draft_blocks
+    if cfg.dspark is not None:
+        d = cfg.dspark
+        return (f"a DSpark drafter: {d.stages} stages (mtp.0-mtp.{d.stages - 1}) drafting blocks of {d.block_size} from "
+                f"layers {', '.join(map(str, d.target_layer_ids))}, a rank-{d.markov_rank} Markov head")
+    if blocks:
+        return f"the MTP draft block{'s' if blocks > 1 else ''} mtp.0{f'-mtp.{blocks - 1}' if blocks > 1 else ''}"
+    return "no drafter"
+
+
+def _drafter_surprise(cfg: ModelConfig, info) -> str:
+    """Why an ``mtp.*`` tensor is not part of the layout config.json announces."""
+    dspark_names = info.role is Role.DRAFT_HEAD or info.module.endswith((".main_proj", ".main_norm"))
+    if dspark_names and cfg.dspark is None:
+        return ("a DSpark drafter's tensor, but config.json announces " + describe_drafter(cfg)
+                + " (no dspark_* keys): it would be dropped silently by every engine")
+    if int(info.block.split(".")[1]) >= cfg.num_draft_blocks:
+        return f"beyond {describe_drafter(cfg)} config.json announces"
+    if cfg.dspark is not None:
+        return "not part of a DSpark stage (e_proj/h_proj/enorm/hnorm belong to the preview's MTP block)"
+    return f"not part of {describe_drafter(cfg)}"
 
 
 def _native_modules(specs: list[TensorSpec]) -> dict[str, dict[str, TensorSpec]]:
@@ -175,6 +219,8 @@ def expected_report(config: dict, source: str) -> dict:
     specs = [s for g in groups for s in g]
     return {
         "variant": "native",
+        "drafter": cfg.drafter.value,
+        "drafter_description": describe_drafter(cfg),
         "tensor_count": len(specs),
         "total_bytes": sum(s.nbytes for s in specs),
         "shard_bytes": [sum(s.nbytes for s in g) for g in groups],
@@ -210,7 +256,8 @@ def _run(args: argparse.Namespace) -> int:
             print(json.dumps(report))
         else:
             print(f"expected native inventory of {args.config}: {report['tensor_count']:,} tensors, "
-                  f"{report['total_bytes']:,} bytes in {len(report['shard_bytes'])} layout groups")
+                  f"{report['total_bytes']:,} bytes in {len(report['shard_bytes'])} layout groups; "
+                  f"{report['drafter_description']}")
             _print_table(report["roles"])
         return 0
     if not args.src:
@@ -222,6 +269,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "source": str(ckpt.root),
             "variant": result.variant,
+            "drafter": result.drafter,
             "ok": result.ok,
             "tensor_count": len(result.tensors),
             "total_bytes": ckpt.total_bytes,
@@ -235,7 +283,7 @@ def _run(args: argparse.Namespace) -> int:
         }))
     else:
         print(f"{ckpt.root}: variant {result.variant}, {len(result.tensors):,} tensors, "
-              f"{ckpt.total_bytes:,} bytes in {len(ckpt.shards)} shard(s)")
+              f"{ckpt.total_bytes:,} bytes in {len(ckpt.shards)} shard(s); {describe_drafter(result.config)}")
         _print_table(_role_table(entries))
         print("\nformats by role:")
         for role, fmts in result.formats_by_role().items():

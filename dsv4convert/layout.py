@@ -39,14 +39,48 @@ class Role(str, Enum):
     ROUTER = "router"                    # ffn.gate.weight / .bias / .tid2eid
     SHARED_EXPERT = "shared_expert"
     ROUTED_EXPERT = "routed_expert"
-    MTP_PROJECTION = "mtp_projection"    # mtp.N.{e_proj,h_proj}
+    MTP_PROJECTION = "mtp_projection"    # mtp.N.{e_proj,h_proj}; a DSpark drafter's mtp.0.main_proj
+    DRAFT_HEAD = "draft_head"            # a DSpark drafter's markov_head.{embed,head} and confidence_head.proj
 
 
 # Roles whose `.weight` is a 2-D matrix a format can target (when the module is a linear).
 LINEAR_ROLES = frozenset(
     {Role.ATTENTION, Role.INDEXER, Role.SHARED_EXPERT, Role.ROUTED_EXPERT, Role.MTP_PROJECTION,
-     Role.COMPRESSOR, Role.INDEXER_WEIGHTS_PROJ, Role.INDEXER_COMPRESSOR, Role.ROUTER, Role.EMBED, Role.HEAD}
+     Role.COMPRESSOR, Role.INDEXER_WEIGHTS_PROJ, Role.INDEXER_COMPRESSOR, Role.ROUTER, Role.EMBED, Role.HEAD,
+     Role.DRAFT_HEAD}
 )
+
+
+class Drafter(str, Enum):
+    """What drafts tokens for speculative decoding under ``mtp.*``, as config.json announces it."""
+
+    NONE = "none"
+    MTP = "mtp"          # the preview's MTP block(s) (num_nextn_predict_layers), served by EAGLE
+    DSPARK = "dspark"    # V4-Flash-0731's DSpark drafter: stages mtp.0..S-1, a Markov head, a confidence head
+
+
+# The keys that announce a DSpark drafter bundled in the checkpoint (SGLang's test:
+# speculative/dspark_components/dspark_config.py::checkpoint_bundles_dspark_draft).
+DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """A DSpark drafter's shape, from config.json: stage s drafts from the target's hidden states at
+    ``target_layer_ids`` (stage 0 projects their concatenation with ``main_proj``), the last stage carries a
+    rank-``markov_rank`` Markov head over the vocabulary and a confidence head."""
+
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    block_size: int
+    noise_token_id: int
+    n_routed_experts: int          # per stage (dspark_n_routed_experts, else the backbone's)
+    num_experts_per_tok: int
+    confidence_with_markov: bool   # the confidence head reads [hidden, markov] (H + R wide)
+
+    @property
+    def stages(self) -> int:
+        return len(self.target_layer_ids)
 
 
 @dataclass(frozen=True)
@@ -71,6 +105,18 @@ class ModelConfig:
     index_head_dim: int
     hc_mult: int
     compress_ratios: tuple[int, ...]
+    dspark: DSparkConfig | None = None
+
+    @property
+    def drafter(self) -> Drafter:
+        if self.dspark is not None:
+            return Drafter.DSPARK
+        return Drafter.MTP if self.num_nextn_predict_layers else Drafter.NONE
+
+    @property
+    def num_draft_blocks(self) -> int:
+        """The ``mtp.*`` blocks: the preview's MTP blocks, or a DSpark drafter's stages."""
+        return self.dspark.stages if self.dspark is not None else self.num_nextn_predict_layers
 
     @classmethod
     def from_dict(cls, config: dict, *, source: str = "config.json") -> "ModelConfig":
@@ -84,7 +130,7 @@ class ModelConfig:
             )
         values = {}
         for name in cls.__dataclass_fields__:
-            if name == "compress_ratios":
+            if name in ("compress_ratios", "dspark"):
                 continue
             value = config.get(name)
             if name == "num_nextn_predict_layers" and value is None:
@@ -92,23 +138,29 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CheckpointError(f"field '{name}' must be a non-negative integer, got {value!r}", file=source)
             values[name] = value
+        dspark = _dspark(config, values, source)
+        draft_blocks = dspark.stages if dspark else values["num_nextn_predict_layers"]
         ratios = config.get("compress_ratios")
-        n_blocks = values["num_hidden_layers"] + values["num_nextn_predict_layers"]
+        n_blocks = values["num_hidden_layers"] + draft_blocks
+        what = "DSpark stages" if dspark else "MTP blocks"
         if not isinstance(ratios, list) or len(ratios) < n_blocks or any(r not in (0, 4, 128) for r in ratios):
             raise CheckpointError(
-                f"'compress_ratios' must list 0/4/128 for each of the {n_blocks} layers and MTP blocks, got {ratios!r}",
+                f"'compress_ratios' must list 0/4/128 for each of the {n_blocks} layers and {what}, got {ratios!r}",
                 file=source,
             )
+        if dspark and any(ratios[values["num_hidden_layers"]:n_blocks]):
+            raise CheckpointError("'compress_ratios' of the DSpark stages must be 0: they attend in the sliding "
+                                  "window only (no compressor, no indexer)", file=source)
         for name in ("hidden_size", "moe_intermediate_size", "q_lora_rank", "head_dim"):
             if values[name] % MXFP4_GROUP:
                 raise CheckpointError(f"field '{name}' must be a multiple of {MXFP4_GROUP}", file=source)
         if (values["num_attention_heads"] * values["head_dim"]) % values["o_groups"]:
             raise CheckpointError("num_attention_heads * head_dim must divide by o_groups", file=source)
-        return cls(**values, compress_ratios=tuple(ratios[:n_blocks]))
+        return cls(**values, compress_ratios=tuple(ratios[:n_blocks]), dspark=dspark)
 
     def block_prefixes(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.num_hidden_layers)] + [
-            f"mtp.{i}" for i in range(self.num_nextn_predict_layers)
+            f"mtp.{i}" for i in range(self.num_draft_blocks)
         ]
 
     def ratio(self, block: str) -> int:
@@ -116,9 +168,45 @@ class ModelConfig:
         i = int(idx) if kind == "layers" else self.num_hidden_layers + int(idx)
         return self.compress_ratios[i]
 
+    def experts_in(self, block: str) -> int:
+        """Routed experts of a block (a DSpark stage may have its own count)."""
+        if self.dspark is not None and block.startswith("mtp."):
+            return self.dspark.n_routed_experts
+        return self.n_routed_experts
+
     def is_hash_block(self, block: str) -> bool:
         kind, idx = block.split(".")
         return kind == "layers" and int(idx) < self.num_hash_layers
+
+
+def _dspark(config: dict, values: dict, source: str) -> DSparkConfig | None:
+    """The DSpark drafter config.json announces, checked (None: no DSpark key set)."""
+    if not any(config.get(key) is not None for key in DSPARK_KEYS):
+        return None
+    missing = [key for key in DSPARK_KEYS if config.get(key) is None]
+    if missing:
+        raise CheckpointError(f"a DSpark drafter needs every dspark_* key; {', '.join(missing)} missing", file=source)
+    ids = config["dspark_target_layer_ids"]
+    layers = values["num_hidden_layers"]
+    if not isinstance(ids, list) or not ids or any(not isinstance(i, int) or isinstance(i, bool)
+                                                   or not 0 <= i < layers for i in ids):
+        raise CheckpointError(f"'dspark_target_layer_ids' must list backbone layers (0..{layers - 1}), got {ids!r}",
+                              file=source)
+    numbers = {}
+    for key, low in (("dspark_markov_rank", 1), ("dspark_block_size", 1), ("dspark_noise_token_id", 0)):
+        value = config[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise CheckpointError(f"'{key}' must be an integer >= {low}, got {value!r}", file=source)
+        numbers[key] = value
+    if numbers["dspark_noise_token_id"] >= values["vocab_size"]:
+        raise CheckpointError(f"'dspark_noise_token_id' {numbers['dspark_noise_token_id']} is outside the vocabulary "
+                              f"({values['vocab_size']})", file=source)
+    experts, topk = (config.get(key) or values[base] for key, base in (
+        ("dspark_n_routed_experts", "n_routed_experts"), ("dspark_num_experts_per_tok", "num_experts_per_tok")))
+    with_markov = config.get("confidence_head_with_markov")
+    return DSparkConfig(tuple(ids), numbers["dspark_markov_rank"], numbers["dspark_block_size"],
+                        numbers["dspark_noise_token_id"], int(experts), int(topk),
+                        True if with_markov is None else bool(with_markov))
 
 
 @dataclass(frozen=True)
@@ -167,7 +255,7 @@ _RULES: list[tuple[re.Pattern, Role]] = [
     (re.compile(r"^(?P<module>hc_head)_(?P<param>fn|base|scale)$"), Role.HYPER_CONNECTION),
     (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>hc_(?:attn|ffn|head))_(?P<param>fn|base|scale)$"),
      Role.HYPER_CONNECTION),
-    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>(?:attn_norm|ffn_norm|enorm|hnorm|norm|attn\.q_norm|attn\.kv_norm))\.(?P<param>weight)$"),
+    (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>(?:attn_norm|ffn_norm|enorm|hnorm|norm|main_norm|attn\.q_norm|attn\.kv_norm))\.(?P<param>weight)$"),
      Role.NORM),
     (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn)\.(?P<param>attn_sink)$"), Role.ATTN_SINK),
     (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>attn\.indexer\.compressor(?:\.(?:wkv|wgate|norm))?)\.?" + _PARAMS + r"$"),
@@ -184,8 +272,12 @@ _RULES: list[tuple[re.Pattern, Role]] = [
      Role.SHARED_EXPERT),
     (re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.(?P<module>ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123]))\." + _PARAMS + r"$"),
      Role.ROUTED_EXPERT),
-    (re.compile(r"^(?P<block>mtp\.\d+)\.(?P<module>[eh]_proj)\." + _PARAMS + r"$"), Role.MTP_PROJECTION),
+    (re.compile(r"^(?P<block>mtp\.\d+)\.(?P<module>[eh]_proj|main_proj)\." + _PARAMS + r"$"), Role.MTP_PROJECTION),
+    (re.compile(r"^(?P<block>mtp\.\d+)\.(?P<module>markov_head\.(?:embed|head|markov_w1|markov_w2)|confidence_head\.proj)"
+                r"\.(?P<param>weight)$"), Role.DRAFT_HEAD),
 ]
+# The Markov head's names vLLM 0.33.0 loads (engines/vllm/rules.py), read as the release's: one module each.
+MARKOV_ALIASES = {"markov_head.markov_w1": "markov_head.embed", "markov_head.markov_w2": "markov_head.head"}
 
 
 def classify(name: str) -> TensorInfo:
@@ -195,7 +287,8 @@ def classify(name: str) -> TensorInfo:
         if m:
             groups = m.groupdict()
             block = groups.get("block")
-            module = f"{block}.{groups['module']}" if block else groups["module"]
+            local = MARKOV_ALIASES.get(groups["module"], groups["module"])
+            module = f"{block}.{local}" if block else local
             expert = groups.get("expert")
             return TensorInfo(
                 name=name,
@@ -277,21 +370,46 @@ def block_inventory(cfg: ModelConfig, block: str) -> list[TensorSpec]:
     specs += _fp8_linear(f"{p}.ffn.shared_experts.w1", shared, h)
     specs += _fp8_linear(f"{p}.ffn.shared_experts.w3", shared, h)
     specs += _fp8_linear(f"{p}.ffn.shared_experts.w2", h, shared)
-    for e in range(cfg.n_routed_experts):
+    experts = cfg.experts_in(block)
+    for e in range(experts):
         specs += _mxfp4_linear(f"{p}.ffn.experts.{e}.w1", inter, h)
         specs += _mxfp4_linear(f"{p}.ffn.experts.{e}.w3", inter, h)
-    for e in range(cfg.n_routed_experts):
+    for e in range(experts):
         specs += _mxfp4_linear(f"{p}.ffn.experts.{e}.w2", h, inter)
-    specs.append(TensorSpec(f"{p}.ffn.gate.weight", "BF16", (cfg.n_routed_experts, h)))
+    specs.append(TensorSpec(f"{p}.ffn.gate.weight", "BF16", (experts, h)))
     if cfg.is_hash_block(block):
         specs.append(TensorSpec(f"{p}.ffn.gate.tid2eid", "I64", (cfg.vocab_size, cfg.num_experts_per_tok)))
     else:
-        specs.append(TensorSpec(f"{p}.ffn.gate.bias", "F32", (cfg.n_routed_experts,)))
-    if block.startswith("mtp."):
+        specs.append(TensorSpec(f"{p}.ffn.gate.bias", "F32", (experts,)))
+    if block.startswith("mtp.") and cfg.dspark is not None:
+        specs += _dspark_extras(cfg, int(block.split(".")[1]))
+    elif block.startswith("mtp."):
         specs += _fp8_linear(f"{p}.e_proj", h, h)
         specs += _fp8_linear(f"{p}.h_proj", h, h)
         specs += [TensorSpec(f"{p}.{n}.weight", "BF16", (h,)) for n in ("enorm", "hnorm", "norm")]
         specs += _hyper_connection(f"{p}.", cfg, "head")
+    return specs
+
+
+def _dspark_extras(cfg: ModelConfig, stage: int) -> list[TensorSpec]:
+    """A DSpark stage beyond the decoder block it is: stage 0 projects the target's hidden states at
+    ``dspark_target_layer_ids`` (``main_proj``, ``main_norm``); the last stage holds the final norm and
+    hyper-connection head, the Markov head (``embed``, ``head``: [vocab, rank]) and the confidence head. As
+    SGLang's ``models/deepseek_v4_dspark.py::_remap_dspark_weight_name`` and vLLM's
+    ``models/deepseek_v4/nvidia/dspark.py::_remap_dspark_name`` read them; the counts and bytes reproduce the
+    0731 release's (4,705 tensors, 10,862,838,300 bytes under ``mtp.*``: tests/test_layout.py)."""
+    d, h, p = cfg.dspark, cfg.hidden_size, f"mtp.{stage}"
+    specs = []
+    if stage == 0:
+        specs += _fp8_linear(f"{p}.main_proj", h, h * len(d.target_layer_ids))
+        specs.append(TensorSpec(f"{p}.main_norm.weight", "BF16", (h,)))
+    if stage == d.stages - 1:
+        specs.append(TensorSpec(f"{p}.norm.weight", "BF16", (h,)))
+        specs += _hyper_connection(f"{p}.", cfg, "head")
+        specs += [TensorSpec(f"{p}.markov_head.embed.weight", "BF16", (cfg.vocab_size, d.markov_rank)),
+                  TensorSpec(f"{p}.markov_head.head.weight", "BF16", (cfg.vocab_size, d.markov_rank)),
+                  TensorSpec(f"{p}.confidence_head.proj.weight", "BF16",
+                             (1, h + (d.markov_rank if d.confidence_with_markov else 0)))]
     return specs
 
 
@@ -312,12 +430,12 @@ def native_inventory(cfg: ModelConfig) -> list[TensorSpec]:
 
 def native_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
     """The native tensors grouped as the released checkpoint shards them:
-    embedding, one group per layer, the final norm/hc/head, then each MTP block."""
+    embedding, one group per layer, the final norm/hc/head, then each MTP block or DSpark stage."""
     head, tail = global_inventory(cfg)
     groups = [head]
     groups += [block_inventory(cfg, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
     groups.append(tail)
-    groups += [block_inventory(cfg, f"mtp.{i}") for i in range(cfg.num_nextn_predict_layers)]
+    groups += [block_inventory(cfg, f"mtp.{i}") for i in range(cfg.num_draft_blocks)]
     return groups
 
 

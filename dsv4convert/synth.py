@@ -34,11 +34,15 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
 from dsv4convert.formats.numerics import E8M0_BIAS, exponent_to_e8m0
-from dsv4convert.layout import ModelConfig, Role, TensorSpec, native_groups
+from dsv4convert.layout import DSPARK_KEYS, ModelConfig, Role, TensorSpec, native_groups
 
 DATA_DIR = Path(__file__).parent / "data"
 # Exact copies of the released config.json and generation_config.json (HF revision 60d8d70).
 REFERENCE_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-config.json"
+# The official V4-Flash-0731's config.json as public material gives it (docs/drafters.md says where each key
+# comes from): the preview's with the DSpark keys and 46 compress ratios. Its layout reproduces the release's
+# 72,317 tensors and 166,878,536,440 bytes exactly (tests/test_layout.py).
+RELEASE_0731_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-0731-config.json"
 GENERATION_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-generation_config.json"
 # The trained model organism in the release format (docs/organism.md), written by `train-organism`.
 ORGANISM_DIR = DATA_DIR / "organism"
@@ -104,15 +108,42 @@ def preset_config(preset: str) -> dict:
 
 
 def with_num_layers(config: dict, num_layers: int, *, mtp: bool = True) -> dict:
-    """Keep the first ``num_layers`` backbone layers (and the MTP blocks unless ``mtp`` is False)."""
+    """Keep the first ``num_layers`` backbone layers, and the drafter unless ``mtp`` is False (a DSpark drafter
+    then drafts from the last layers kept, as 0731's drafts from the last three)."""
     config = copy.deepcopy(config)
-    n, n_mtp = config["num_hidden_layers"], config.get("num_nextn_predict_layers", 0)
+    cfg = ModelConfig.from_dict(config, source="config")
+    n, drafts = cfg.num_hidden_layers, cfg.num_draft_blocks
     if not 1 <= num_layers <= n:
         raise DSV4Error(f"--num-layers must be between 1 and {n}, got {num_layers}")
     ratios = config["compress_ratios"]
-    config["compress_ratios"] = ratios[:num_layers] + (ratios[n : n + n_mtp] if mtp else [])
+    config["compress_ratios"] = ratios[:num_layers] + (ratios[n : n + drafts] if mtp else [])
     config["num_hidden_layers"] = num_layers
-    config["num_nextn_predict_layers"] = n_mtp if mtp else 0
+    config["num_hash_layers"] = min(config.get("num_hash_layers", 0), num_layers)
+    if not mtp:
+        config["num_nextn_predict_layers"] = 0
+        for key in DSPARK_KEYS:
+            config.pop(key, None)
+    elif cfg.dspark is not None:
+        config["dspark_target_layer_ids"] = [max(0, num_layers - drafts + i) for i in range(drafts)]
+    return config
+
+
+def with_dspark(config: dict, *, stages: int = 3, block_size: int = 5, markov_rank: int | None = None) -> dict:
+    """The config with a DSpark drafter in place of the MTP block, as DeepSeek-V4-Flash-0731 ships it: ``stages``
+    sliding-window stages drafting blocks of ``block_size`` from the last ``stages`` layers, a Markov head of rank
+    256 (a quarter of the hidden size for smaller models), the noise token the vocabulary's last; the
+    ``num_nextn_predict_layers`` key stays (0731 keeps 1)."""
+    config = copy.deepcopy(config)
+    cfg = ModelConfig.from_dict(config, source="config")
+    n = cfg.num_hidden_layers
+    if cfg.dspark is not None:
+        raise DSV4Error("the config already has a DSpark drafter")
+    if not 1 <= stages <= n:
+        raise DSV4Error(f"a DSpark drafter needs between 1 and {n} stages (one per target layer), got {stages}")
+    config["compress_ratios"] = list(config["compress_ratios"][:n]) + [0] * stages
+    config["num_nextn_predict_layers"] = max(config.get("num_nextn_predict_layers") or 0, 1)
+    config.update(dspark_block_size=block_size, dspark_markov_rank=markov_rank or min(256, cfg.hidden_size // 4),
+                  dspark_noise_token_id=cfg.vocab_size - 1, dspark_target_layer_ids=list(range(n - stages, n)))
     return config
 
 
@@ -347,6 +378,9 @@ def write_organism(dst: Path, *, overwrite: bool = False) -> Path:
     return dst
 
 
+DRAFTERS = ("mtp", "dspark", "none")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "synth",
@@ -365,7 +399,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="model size (default: tiny); organism: the shipped trained organism (7.6 MB)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
-    p.add_argument("--no-mtp", action="store_true", help="leave out the MTP block(s)")
+    p.add_argument("--drafter", choices=DRAFTERS, help="the draft model under mtp.*: mtp (the preview's MTP block), "
+                   "dspark (V4-Flash-0731's DSpark drafter: three sliding-window stages, a Markov and a confidence "
+                   "head) or none; default: what the preset or --config has")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the drafter (same as --drafter none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     p.set_defaults(func=_run)
@@ -373,15 +410,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.preset == ORGANISM:
-        if args.config or args.num_layers is not None or args.no_mtp or args.seed:
-            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --no-mtp and --seed "
-                            "do not apply")
+        if args.config or args.num_layers is not None or args.no_mtp or args.seed or args.drafter:
+            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --drafter, --no-mtp "
+                            "and --seed do not apply")
         print(f"wrote {write_organism(args.dst, overwrite=args.overwrite)} (the trained organism, docs/organism.md)")
         return 0
     config = read_small_json(args.config) if args.config else preset_config(args.preset)
-    ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
-    if args.num_layers is not None or args.no_mtp:
-        config = with_num_layers(config, args.num_layers or config["num_hidden_layers"], mtp=not args.no_mtp)
+    cfg = ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
+    drafter = "none" if args.no_mtp else args.drafter
+    if args.no_mtp and args.drafter not in (None, "none"):
+        raise DSV4Error(f"--no-mtp and --drafter {args.drafter} contradict each other")
+    if drafter == "dspark" and cfg.dspark is None:
+        config = with_dspark(with_num_layers(config, cfg.num_hidden_layers, mtp=False))
+    elif drafter == "mtp" and cfg.drafter.value != "mtp":
+        raise DSV4Error("--drafter mtp: this config has no MTP block to keep (the preview's configs and presets have "
+                        "one)")
+    if args.num_layers is not None or drafter == "none":
+        config = with_num_layers(config, args.num_layers or config["num_hidden_layers"], mtp=drafter != "none")
     dst = synthesize(args.dst, config, seed=args.seed, overwrite=args.overwrite, progress=True)
     print(f"wrote {dst}")
     return 0

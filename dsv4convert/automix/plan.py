@@ -222,7 +222,7 @@ def build(opts: AutomixOptions) -> AutomixPlan:
     ckpt = Checkpoint.open(opts.src)
     inspection = inspect_checkpoint(ckpt)
     if not inspection.ok:
-        first = (inspection.missing + inspection.unexpected + inspection.mismatched + inspection.problems)[0]
+        first = inspection.first_problem()
         raise DSV4Error(f"base checkpoint does not match the DeepSeek-V4 layout its config.json describes ({first})",
                         file=ckpt.root)
     budget_kinds = [opts.size is not None, any(v is not None for v in (opts.gpu, opts.tp, opts.kv_tokens))]

@@ -26,6 +26,7 @@ _FIXED = (
     rule(roles=(Role.COMPRESSOR, Role.INDEXER_COMPRESSOR, Role.INDEXER_WEIGHTS_PROJ),
          reason="SGLang builds the compressors and the indexer's weights_proj unquantized"),
     rule(roles=(Role.EMBED, Role.HEAD), reason="embedding and LM head as released"),
+    rule(roles=(Role.DRAFT_HEAD,), reason="a DSpark drafter's Markov and confidence heads as released"),
 )
 _MTP_REASONS = {
     None: "the MTP draft's experts as in the source",

@@ -171,7 +171,7 @@ class Calibrator:
         self.ckpt = Checkpoint.open(o.source)
         inspection = inspect_checkpoint(self.ckpt)
         if not inspection.ok:
-            first = (inspection.missing + inspection.unexpected + inspection.mismatched + inspection.problems)[0]
+            first = inspection.first_problem()
             raise DSV4Error(f"checkpoint does not match its config.json's layout ({first})", file=self.ckpt.root)
         self.cfg = inspection.config
         self.config = hf_config(self.ckpt.config)

@@ -91,7 +91,7 @@ def _open(path: str, label: str) -> tuple[Checkpoint, Inspection]:
     ckpt = Checkpoint.open(path)
     inspection = inspect_checkpoint(ckpt)
     if not inspection.ok:
-        first = (inspection.missing + inspection.unexpected + inspection.mismatched + inspection.problems)[0]
+        first = inspection.first_problem()
         raise DSV4Error(f"{label} checkpoint does not match the DeepSeek-V4 layout its config.json describes "
                         f"({first})", file=ckpt.root)
     return ckpt, inspection

@@ -476,7 +476,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
     output = Checkpoint.from_weight_map(dst, weight_map, config, total_size=plan.bytes_out)
     result = inspect_checkpoint(output)
     if not result.ok:
-        problem = (result.missing + result.mismatched + result.unexpected + result.problems)[0]
+        problem = result.first_problem()
         raise DSV4Error(f"output failed its layout check ({problem}); no index was written", file=dst)
     opened = (output, result)
     problems = servable_engines(ckpt.config, plan.module_formats())

@@ -156,10 +156,10 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
     read by :func:`read_module` (else read here)."""
     inputs = read_module(job, ctx) if inputs is None else inputs
     if not job.converts:
-        return ModuleResult([(e.name, _copied(e)) for e in job.sources.values()])
+        return ModuleResult([(job.output_name(e.name), _copied(e)) for e in job.sources.values()])
     target, source, m = spec(job.target.format), job.source_format, job.module
     weight_keys = spec(source).weight_params
-    extra = [(e.name, inputs.sources[p]) for p, e in job.sources.items() if p not in weight_keys]
+    extra = [(job.output_name(e.name), inputs.sources[p]) for p, e in job.sources.items() if p not in weight_keys]
     input_scale, input_scale_source = None, None
     if target.calibration is Calibration.ACTIVATION_AMAX:
         if ctx.input_scale is None:
@@ -174,6 +174,6 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
         input_scale=input_scale, hessian=hessian,
         read_codes=(lambda offsets, length: read_pieces(passthrough, offsets, length)) if passthrough else None,
         passthrough_shape=dtypes.torch_shape(passthrough.dtype, passthrough.shape) if passthrough else None))
-    tensors = [(f"{m}.{suffix}", _copied(job.sources[value.param], value.dtype) if isinstance(value, Passthrough)
+    tensors = [(job.output_name(f"{m}.{suffix}"), _copied(job.sources[value.param], value.dtype) if isinstance(value, Passthrough)
                 else value) for suffix, value in encoded.tensors]
     return ModuleResult(tensors + extra, encoded.report, input_scale_source)

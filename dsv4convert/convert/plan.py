@@ -19,6 +19,7 @@ from dsv4convert.checkpoint import Checkpoint, PlannedTensor, TensorEntry
 from dsv4convert.checkpoint.writer import group_into_shards, shard_name
 from dsv4convert.convert.recipe import Recipe, Target
 from dsv4convert.engines import ENGINES, engines_for
+from dsv4convert.engines.config import output_module
 from dsv4convert.engines.stored import NEVER_QUANTIZED
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import Format, detect_format, linear_storage, spec, stored_params
@@ -43,19 +44,25 @@ class ModuleJob:
     target: Target
     logical_shape: tuple[int, int] | None = None
     partner: str | None = None               # module sharing NVFP4 global scales (w1 <-> w3)
+    output_module: str = ""                  # its name in the output where the engines read another ("": module)
+
+    def output_name(self, name: str) -> str:
+        """A tensor's name in the output: as read or planned, unless the engines read this module under another."""
+        return f"{self.output_module}.{classify(name).param}" if self.output_module else name
 
     @functools.cached_property
     def outputs(self) -> list[PlannedTensor]:
         """The tensors this module becomes (names, dtypes, shapes), known before any data is read."""
         if not self.converts:
-            return [PlannedTensor(e.name, e.dtype, e.shape) for e in self.sources.values()]
+            return [PlannedTensor(self.output_name(e.name), e.dtype, e.shape) for e in self.sources.values()]
         n, k = self.logical_shape
         params = self.target.params
         stored = linear_storage(self.target.format, n, k, group_size=params.get("group_size", 128),
                                 fp8_scale_dtype="F32" if params.get("scale_dtype") == "float32" else "F8_E8M0")
-        out = [PlannedTensor(f"{self.module}.{p.suffix}", p.dtype, p.shape) for p in stored]
+        out = [PlannedTensor(self.output_name(f"{self.module}.{p.suffix}"), p.dtype, p.shape) for p in stored]
         # Non-weight tensors of a converted module (none in DeepSeek-V4 today) travel unchanged.
-        return out + [PlannedTensor(e.name, e.dtype, e.shape) for p, e in self.sources.items() if p not in WEIGHT_PARAMS]
+        return out + [PlannedTensor(self.output_name(e.name), e.dtype, e.shape) for p, e in self.sources.items()
+                      if p not in WEIGHT_PARAMS]
 
     @property
     def converts(self) -> bool:
@@ -187,9 +194,10 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
     """Plan a conversion of ``ckpt`` by ``recipe`` for ``engine`` (sglang/vllm/both); raises on anything
     that would fail later."""
     inspection = inspect_checkpoint(ckpt)
-    for problem in inspection.missing[:1] + inspection.mismatched[:1] + inspection.unexpected[:1]:
-        name = problem.split(":")[0]
-        entry = ckpt.tensors.get(name)
+    problem = inspection.first_problem() if inspection.missing or inspection.mismatched or inspection.unexpected \
+        else None
+    if problem:
+        entry = ckpt.tensors.get(problem.split(":")[0])
         raise RecipeError(f"source does not match the DeepSeek-V4 layout: {problem}",
                           file=entry.path if entry else ckpt.root, tensor=None)
     native_shapes = linear_shapes(inspection.config)
@@ -208,8 +216,9 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
     groups: dict[object, list[ModuleJob]] = defaultdict(list)
     for module, sources in by_module.items():
         info, shape = infos[module], native_shapes.get(module)
+        renamed = output_module(module, engines_for(engine))
         job = ModuleJob(module, info.role, info.is_mtp, sources, _source_format(sources, shape), targets[module],
-                        shape, _partner(module, info.role, targets, recipe))
+                        shape, _partner(module, info.role, targets, recipe), "" if renamed == module else renamed)
         _check_applicable(job, recipe)
         modules[module] = job
         groups[module_shard[module]].append(job)

@@ -58,3 +58,8 @@ def build_quant_config(source_config: dict, module_formats: ModuleFormats, *,
         config["quantization_config"].setdefault("producer", producer)["engines"] = list(engines)
     return config, extra
 
+
+def output_module(module: str, engines: tuple[str, ...]) -> str:
+    """A module's name in an output made for ``engines``: the release's, or vLLM's where its loader reads another
+    (both engines then read that one)."""
+    return vllm.vllm_module_name(module) if VLLM in engines else module

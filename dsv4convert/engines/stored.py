@@ -24,6 +24,8 @@ NEVER_QUANTIZED = {
     Role.INDEXER_WEIGHTS_PROJ: "SGLang builds indexer weights_proj with quant_config=None",
     Role.ROUTER: "the router gate runs in BF16/FP32 in every engine",
     Role.EMBED: "an embedding is a lookup table, not a GEMM",
+    Role.DRAFT_HEAD: ("a DSpark drafter's Markov and confidence heads are built unquantized by both engines "
+                      "(SGLang models/deepseek_v4_dspark.py::DSparkV4MarkovHead, vLLM quant_config=None)"),
 }
 # Linears SGLang builds with quant_config=None or never quantizes (the LM head is a
 # ParallelLMHead, which Fp8Config.get_quant_method leaves unquantized): only BF16 loads.
@@ -48,10 +50,16 @@ class StoredFormats:
     """
 
     formats: dict[str, tuple[Format, dict]]
+    config: ModelConfig                                          # the model's (its drafter among the rest)
     experts: dict[str, Format] = field(default_factory=dict)    # block -> the one format of its FusedMoE
     int4_groups: set[int] = field(default_factory=set)
     config_linears: dict[str, Format] = field(default_factory=dict)  # native module -> format
     fp8_scale_dtypes: set[str] = field(default_factory=set)
+
+    @property
+    def dspark(self) -> bool:
+        """The drafter under ``mtp.*`` is DSpark's stages (else the preview's MTP block, or none)."""
+        return self.config.dspark is not None
 
     @property
     def everything_bf16(self) -> bool:
@@ -78,7 +86,7 @@ def analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]])
         raise RecipeError("not a linear module of this model's layout", tensor=unknown[0])
     if missing:
         raise RecipeError(f"no stored format given for {len(missing)} linear module(s)", tensor=missing[0])
-    stored = StoredFormats(dict(module_formats))
+    stored = StoredFormats(dict(module_formats), cfg)
     by_block: dict[str, dict[Format, str]] = defaultdict(dict)
     for module, (fmt, params) in module_formats.items():
         info = classify(module + ".weight")

@@ -21,7 +21,7 @@ from dsv4convert import kernels
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.formats import Format, error_metrics, linear_storage, spec
 from dsv4convert.inspection import Inspection
-from dsv4convert.layout import Role, classify
+from dsv4convert.layout import Role, classify, try_classify
 
 
 @dataclass
@@ -55,11 +55,30 @@ def probe_activations(experts: int, tokens: int, k: int, *, seed: int, device: t
     return x.to(device=device, dtype=torch.bfloat16)
 
 
-def _stack(ckpt: Checkpoint, modules: list[str], suffixes: tuple[str, ...], device) -> tuple[torch.Tensor, ...]:
+class _ByModule:
+    """A checkpoint's linear tensors read by the release's ``module.param`` names, whatever name an engine reads
+    them under in this checkpoint (a DSpark Markov head made for vLLM: engines/vllm/quant_config.py::MARKOV_NAMES)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.names = {f"{i.module}.{i.param}": name for name in ckpt.tensors
+                      if (i := try_classify(name)) is not None and f"{i.module}.{i.param}" != name}
+
+    def __contains__(self, name: str) -> bool:
+        return self.names.get(name, name) in self.ckpt.tensors
+
+    def entry(self, name: str):
+        return self.ckpt.entry(self.names.get(name, name))
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.ckpt.read(self.names.get(name, name))
+
+
+def _stack(ckpt: _ByModule, modules: list[str], suffixes: tuple[str, ...], device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.stack([ckpt.read(f"{m}.{s}") for m in modules]).to(device) for s in suffixes)
 
 
-def _dense(ckpt: Checkpoint, fmt: Format, modules: list[str], device, backend) -> torch.Tensor:
+def _dense(ckpt: _ByModule, fmt: Format, modules: list[str], device, backend) -> torch.Tensor:
     """Float32 [E, N, K] weights of ``modules`` stored as ``fmt``, dequantized in one launch (the kernels
     take every format with kernel operands; a dense one is read as it is)."""
     operands = spec(fmt).kernel_params
@@ -69,7 +88,7 @@ def _dense(ckpt: Checkpoint, fmt: Format, modules: list[str], device, backend) -
                               backend=backend, name=modules[0]).float()
 
 
-def _outputs(ckpt: Checkpoint, fmt: Format, modules: list[str], x: torch.Tensor, device, backend) -> torch.Tensor:
+def _outputs(ckpt: _ByModule, fmt: Format, modules: list[str], x: torch.Tensor, device, backend) -> torch.Tensor:
     operands = spec(fmt).kernel_params
     if not operands:
         w = torch.stack([ckpt.read(f"{m}.weight") for m in modules]).to(device)
@@ -78,12 +97,12 @@ def _outputs(ckpt: Checkpoint, fmt: Format, modules: list[str], x: torch.Tensor,
                                 name=modules[0]).float()
 
 
-def _same_bytes(a: Checkpoint, b: Checkpoint, module: str, fmt: Format, shape: tuple[int, int]) -> bool:
+def _same_bytes(a: _ByModule, b: _ByModule, module: str, fmt: Format, shape: tuple[int, int]) -> bool:
     for p in linear_storage(fmt, *shape):
         name = f"{module}.{p.suffix}"
-        if name in a.tensors and a.entry(name).dtype != b.entry(name).dtype:
+        if name in a and a.entry(name).dtype != b.entry(name).dtype:
             return False
-        if name in a.tensors and not torch.equal(a.read(name).reshape(-1).view(torch.uint8),
+        if name in a and not torch.equal(a.read(name).reshape(-1).view(torch.uint8),
                                                  b.read(name).reshape(-1).view(torch.uint8)):
             return False
     return True
@@ -115,6 +134,7 @@ def layer_errors(dst: Checkpoint, src: Checkpoint, dst_info: Inspection, src_inf
     (Triton's CPU interpreter is a test harness, far too slow for a whole checkpoint).
     """
     dev = torch.device(device)
+    dst, src = _ByModule(dst), _ByModule(src)
     if backend == "auto" and dev.type != "cuda":
         backend = "torch"
     results: list[ModuleError] = []

@@ -76,6 +76,8 @@ _CT_NON_EXPERT_IGNORE = [
     r"re:^model\.(e_proj|h_proj)$",
     "lm_head",
 ]
+# A DSpark drafter's main_proj (stage 0), which compressed-tensors would otherwise read as INT4.
+_CT_DSPARK_IGNORE = [r"re:^stages\.0\.main_proj$"]
 
 # What ModelOpt lists for engines that read hf_quant_config.json (native names): attention,
 # shared experts, head and the MTP block are never NVFP4 here (enforced below).
@@ -84,25 +86,29 @@ _NVFP4_NATIVE_EXCLUDES = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
 _MTP_FORMAT_NAMES = {Format.FP8: "fp8_block", Format.MXFP4: "mxfp4", Format.BF16: "bf16"}
 
 
-def _sglang_block(block: str) -> str:
-    """SGLang's module prefix of a decoder block; the NextN draft builds mtp.0 as ``model.decoder``."""
+def _sglang_block(block: str, stored: StoredFormats) -> str:
+    """SGLang's module prefix of a decoder block: the NextN draft builds mtp.0 as ``model.decoder``; the DSpark
+    draft builds stage K as ``stages.K`` (models/deepseek_v4_dspark.py::DeepseekV4ForCausalLMDSpark.__init__)."""
     kind, index = block.split(".")
     if kind == "layers":
         return f"model.layers.{index}"
+    if stored.dspark:
+        return f"stages.{index}"
     if index != "0":
         # models/deepseek_v4.py::load_weights asserts a single nextn layer.
         raise RecipeError(f"{SGLANG_LABEL} serves one MTP block (mtp.0), not {block}", tensor=block)
     return "model.decoder"
 
 
-def _sglang_linear_names(module: str) -> list[str]:
+def _sglang_linear_names(module: str, stored: StoredFormats) -> list[str]:
     """The SGLang prefixes of one config-quantized linear (both halves' fused name included)."""
     info = classify(module + ".weight")
-    if info.role is Role.MTP_PROJECTION:
-        # The draft builds e_proj/h_proj beside its decoder (DeepseekV4ModelNextN.__init__).
-        return [f"model.{module.rsplit('.', 1)[1]}"]
     local = module[len(info.block) + 1:]
-    base = _sglang_block(info.block)
+    if info.role is Role.MTP_PROJECTION:
+        # The NextN draft builds e_proj/h_proj beside its decoder (DeepseekV4ModelNextN.__init__); DSpark's stage 0
+        # holds main_proj (DSparkV4StageMixin.__init__).
+        return [f"{_sglang_block(info.block, stored)}.{local}" if stored.dspark else f"model.{local}"]
+    base = _sglang_block(info.block, stored)
     names = [f"{base}.{_SGLANG_SUFFIX[local]}"]
     for first, (second, fused) in FUSED_PAIRS.items():
         if local in (first, second):
@@ -132,8 +138,8 @@ def _fp8_ignored_layers(stored: StoredFormats) -> list[str]:
     names: list[str] = []
     for module, fmt in stored.config_linears.items():
         if fmt is Format.BF16 and not module.endswith(".attn.wo_a"):
-            names += [n for n in _sglang_linear_names(module) if n not in names]
-    names += [f"{_sglang_block(b)}.mlp.experts" for b, f in stored.experts.items() if f is Format.BF16]
+            names += [n for n in _sglang_linear_names(module, stored) if n not in names]
+    names += [f"{_sglang_block(b, stored)}.mlp.experts" for b, f in stored.experts.items() if f is Format.BF16]
     return names
 
 
@@ -174,7 +180,7 @@ def _nvfp4_config(stored: StoredFormats) -> tuple[dict, dict]:
     # native `layers.N.ffn.experts.*` form is for engines that read native names.
     ignore = list(_NVFP4_NATIVE_EXCLUDES)
     for block in excluded:
-        ignore += [f"{block}.ffn.experts.*", f"{_sglang_block(block)}.mlp.experts"]
+        ignore += [f"{block}.ffn.experts.*", f"{_sglang_block(block, stored)}.mlp.experts"]
     layers = {f"{b}.ffn.experts": {"quant_algo": "NVFP4", "group_size": NVFP4_BLOCK} for b in nvfp4_blocks}
     producer = {"name": "dsv4convert", "version": __version__}
     fp4_args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK}
@@ -223,8 +229,8 @@ def _int4_config(stored: StoredFormats) -> dict:
         raise RecipeError("with INT4 experts SGLang makes every linear FP8 (linear_fp8_config) or none; this one "
                           "is BF16 while others are FP8", tensor=module)
     group = next(iter(stored.int4_groups))
-    ignore = list(_CT_NON_EXPERT_IGNORE)
-    ignore += [f"re:^{re.escape(_sglang_block(b))}\\.mlp\\.experts\\."
+    ignore = list(_CT_NON_EXPERT_IGNORE) + (_CT_DSPARK_IGNORE if stored.dspark else [])
+    ignore += [f"re:^{re.escape(_sglang_block(b, stored))}\\.mlp\\.experts\\."
                for b, f in stored.experts.items() if f is Format.BF16]
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
                "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax"}

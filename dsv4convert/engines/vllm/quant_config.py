@@ -30,9 +30,12 @@ from dsv4convert.engines import VLLM_LABEL
 from dsv4convert.engines.sglang.quant_config import HF_QUANT_CONFIG
 from dsv4convert.engines.stored import StoredFormats
 from dsv4convert.formats import Format
-from dsv4convert.layout import classify
+from dsv4convert.layout import Role, classify
 
 _V = VLLM_LABEL
+# models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4Model.__init__ builds ``n_mtp_layers or 3`` stages, whatever
+# dspark_target_layer_ids says (SGLang counts those): a drafter of another size must state it.
+DSPARK_DEFAULT_STAGES = 3
 
 
 # ---------------------------------------------------------------------------------- vLLM names
@@ -52,10 +55,31 @@ def vllm_block(block: str, num_hidden_layers: int) -> str:
 _VLLM_LOCAL = {"ffn.shared_experts.w2": "ffn.shared_experts.down_proj"}
 
 
-def vllm_linear_name(module: str, num_hidden_layers: int) -> str:
+def vllm_linear_names(module: str, stored: StoredFormats) -> list[str]:
+    """The prefixes vLLM's quant config is asked about for one linear. A DSpark drafter's head-stack modules drop
+    the stage (``main_proj`` is ``model.main_proj``), and every stage's ``wkv`` has a second copy in the fused
+    ``model.context_wkv_proj`` (models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4Model.__init__,
+    ``_remap_dspark_name``, ``_duplicate_context_wkv_weights``)."""
     info = classify(module + ".weight")
     local = module[len(info.block) + 1:]
-    return f"{vllm_block(info.block, num_hidden_layers)}.{_VLLM_LOCAL.get(local, local)}"
+    if stored.dspark and info.role is Role.MTP_PROJECTION:
+        return [f"model.{local}"]
+    names = [f"{vllm_block(info.block, stored.config.num_hidden_layers)}.{_VLLM_LOCAL.get(local, local)}"]
+    if stored.dspark and info.is_mtp and local == "attn.wkv":
+        names.append("model.context_wkv_proj")
+    return names
+
+
+# The DSpark Markov head under the names vLLM's V4 loader finds parameters for: its _remap_dspark_name keeps the
+# release's markov_head.embed/head, which its model calls markov_w1/markov_w2 (a KeyError at load; V4.1's remap
+# renames them, V4's does not). SGLang's _remap_dspark_weight_name accepts both names.
+MARKOV_NAMES = {"markov_head.embed": "markov_head.markov_w1", "markov_head.head": "markov_head.markov_w2"}
+
+
+def vllm_module_name(module: str) -> str:
+    """The name a module's tensors must have in a checkpoint vLLM loads (the release's, but for the Markov head)."""
+    block, _, local = module.partition(".markov_head.")
+    return f"{block}.{MARKOV_NAMES['markov_head.' + local]}" if local else module
 
 
 def vllm_experts_name(block: str, num_hidden_layers: int) -> str:
@@ -73,6 +97,8 @@ CT_VLLM_IGNORE = [
     r"re:.*\.ffn\.gate$",
     r"re:^model\.layers\.\d+\.(e_proj|h_proj)$",
 ]
+# A DSpark drafter's head-stack linears (never INT4): main_proj, and the fused copy of the stages' wkv.
+CT_VLLM_DSPARK_IGNORE = [r"re:^model\.(main_proj|context_wkv_proj)$"]
 
 
 # ---------------------------------------------------------------------------------- vLLM rules
@@ -85,8 +111,29 @@ def _expert(module: str) -> bool:
     return ".ffn.experts." in module
 
 
+def _dspark_problem(stored: StoredFormats) -> tuple[str, str] | None:
+    """What of a DSpark drafter vLLM's DSpark model could not load (models/deepseek_v4/nvidia/dspark.py)."""
+    d = stored.config.dspark
+    if d.n_routed_experts != stored.config.n_routed_experts:
+        return "mtp.0.ffn.gate", (f"{_V}'s V4 DSpark stages are built with the backbone's n_routed_experts "
+                                  f"({stored.config.n_routed_experts}; dspark_n_routed_experts is read by its V4.1 "
+                                  f"model only), not {d.n_routed_experts}")
+    if not d.confidence_with_markov:
+        return f"mtp.{d.stages - 1}.confidence_head.proj", (
+            f"{_V}'s DSpark confidence head always reads hidden + Markov features (confidence_head_with_markov is "
+            "not read): a hidden-only head does not load")
+    wkv = {f for m, (f, _) in stored.formats.items() if m.startswith("mtp.") and m.endswith(".attn.wkv")}
+    if len(wkv) > 1:
+        first = _first(stored, lambda m, f, p: m.startswith("mtp.") and m.endswith(".attn.wkv"))
+        return first, (f"{_V} fuses every DSpark stage's wkv into one context_wkv_proj: the stages' wkv must share "
+                       "one format")
+    return None
+
+
 def vllm_problem(stored: StoredFormats) -> tuple[str, str] | None:
     """The first module vLLM 0.33.0 could not load as stored, and why; None if it loads all."""
+    if stored.dspark and (problem := _dspark_problem(stored)):
+        return problem
     experts = stored.expert_formats()
     if Format.INT4 in experts:
         fp8 = _first(stored, lambda m, f, p: f is Format.FP8 and not _expert(m))
@@ -128,7 +175,7 @@ def vllm_ignored_layers(stored: StoredFormats, num_hidden_layers: int) -> list[s
     ``Fp8Config.from_config`` reads ``ignored_layers`` (else ``modules_to_not_convert``), never
     ``ignore``, and ``is_layer_skipped`` matches them exactly (``quantization/fp8.py``).
     """
-    names = [vllm_linear_name(m, num_hidden_layers) for m, f in stored.config_linears.items() if f is Format.BF16]
+    names = [n for m, f in stored.config_linears.items() if f is Format.BF16 for n in vllm_linear_names(m, stored)]
     names += [vllm_experts_name(b, num_hidden_layers) for b, f in stored.experts.items() if f is Format.BF16]
     return names
 
@@ -162,15 +209,20 @@ def ct_vllm_expert_ignore(stored: StoredFormats, num_hidden_layers: int) -> list
 
 
 def add_keys(config: dict, extra: dict[str, dict], stored: StoredFormats, num_layers: int) -> None:
-    """What vLLM reads on top of SGLang's config: ``expert_dtype``, and its module names in the ignore lists."""
+    """What vLLM reads on top of SGLang's config: ``expert_dtype``, a DSpark drafter's stage count, and its
+    module names in the ignore lists."""
     expert_dtype = vllm_expert_dtype(stored)
     if expert_dtype:
         config["expert_dtype"] = expert_dtype
+    stages = stored.config.num_draft_blocks if stored.dspark else DSPARK_DEFAULT_STAGES
+    if stages != DSPARK_DEFAULT_STAGES:
+        config["n_mtp_layers"] = stages
     quant = config.get("quantization_config")
     if quant is None:
         return
     if quant["quant_method"] == "compressed-tensors":
-        quant["ignore"] += CT_VLLM_IGNORE + ct_vllm_expert_ignore(stored, num_layers)
+        quant["ignore"] += (CT_VLLM_IGNORE + (CT_VLLM_DSPARK_IGNORE if stored.dspark else [])
+                            + ct_vllm_expert_ignore(stored, num_layers))
         return
     ignored = vllm_ignored_layers(stored, num_layers)
     if ignored:
