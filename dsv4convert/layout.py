@@ -64,6 +64,14 @@ class Drafter(str, Enum):
 DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
 
 
+def without_drafter(config: dict) -> dict:
+    """A config.json with its drafter taken out (``--no-mtp``): no MTP block, no ``dspark_*`` key, the compress
+    ratios of the backbone only; everything else as it was."""
+    n = config["num_hidden_layers"]
+    kept = {key: value for key, value in config.items() if not key.startswith("dspark_")}
+    return {**kept, "num_nextn_predict_layers": 0, "compress_ratios": list(config["compress_ratios"][:n])}
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     """A DSpark drafter's shape, from config.json: stage s drafts from the target's hidden states at

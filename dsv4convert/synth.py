@@ -34,7 +34,7 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
 from dsv4convert.formats.numerics import E8M0_BIAS, exponent_to_e8m0
-from dsv4convert.layout import DSPARK_KEYS, ModelConfig, Role, TensorSpec, native_groups
+from dsv4convert.layout import ModelConfig, Role, TensorSpec, native_groups, without_drafter
 
 DATA_DIR = Path(__file__).parent / "data"
 # Exact copies of the released config.json and generation_config.json (HF revision 60d8d70).
@@ -116,14 +116,12 @@ def with_num_layers(config: dict, num_layers: int, *, mtp: bool = True) -> dict:
     if not 1 <= num_layers <= n:
         raise DSV4Error(f"--num-layers must be between 1 and {n}, got {num_layers}")
     ratios = config["compress_ratios"]
-    config["compress_ratios"] = ratios[:num_layers] + (ratios[n : n + drafts] if mtp else [])
+    config["compress_ratios"] = ratios[:num_layers] + ratios[n : n + drafts]
     config["num_hidden_layers"] = num_layers
     config["num_hash_layers"] = min(config.get("num_hash_layers", 0), num_layers)
     if not mtp:
-        config["num_nextn_predict_layers"] = 0
-        for key in DSPARK_KEYS:
-            config.pop(key, None)
-    elif cfg.dspark is not None:
+        return without_drafter(config)
+    if cfg.dspark is not None:
         config["dspark_target_layer_ids"] = [max(0, num_layers - drafts + i) for i in range(drafts)]
     return config
 

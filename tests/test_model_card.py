@@ -148,9 +148,10 @@ def test_written_readme_carries_the_launch_commands(served, output):
     for family, spec in default_launch(served[output], variant).items():
         assert f"### {family}\n\n```bash\n{shell_line(spec)}\n```" in readme
         if "mtp" in spec:
-            assert f"`{spec['draft_moe_method']}`):\n\n```bash\n{shell_line(spec['mtp'])}\n```" in readme
+            assert (f"With {spec['mtp']['what']}; its routed experts run through `{spec['draft_moe_method']}`:\n\n"
+                        f"```bash\n{shell_line(spec['mtp'])}\n```") in readme
         else:
-            assert f"No MTP draft on this GPU: {spec['mtp_note']}." in readme
+            assert f"No draft on this GPU: {spec['mtp_note']}." in readme
     assert f"SGLANG_DSV4_FP4_EXPERTS={EXPECTED_CONFIG[output][1]}" in readme
     assert "--moe-runner-backend marlin" in readme
     _assert_fit_figures(readme.split("## Serving with SGLang 0.5.23")[1], served[output], "sglang")
@@ -181,9 +182,10 @@ def test_written_readme_serves_each_engine_it_is_made_for(served, output):
         for family, spec in vllm_default_launch(served[output], variant).items():
             assert f"### {family}\n\n```bash\n{shell_line(spec)}\n```" in readme
             if "mtp" in spec:
-                assert f"`{spec['draft_moe_method']}`):\n\n```bash\n{shell_line(spec['mtp'])}\n```" in readme
+                assert (f"With {spec['mtp']['what']}; its routed experts run through `{spec['draft_moe_method']}`:\n\n"
+                        f"```bash\n{shell_line(spec['mtp'])}\n```") in readme
             else:
-                assert f"No MTP draft on this GPU: {spec['mtp_note']}." in readme
+                assert f"No draft on this GPU: {spec['mtp_note']}." in readme
         assert "## Serving with vLLM 0.33.0" in readme and "Known limits:" in readme
         _assert_fit_figures(readme.split("## Serving with vLLM")[1], served[output], "vllm")
     else:

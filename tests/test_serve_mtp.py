@@ -51,7 +51,7 @@ def run_check(tmp_path: Path, model: Path, name: str, accept_rate: float | None,
     """Plan `serve --check mtp`, start the stand-in with the planned server arguments, run the check."""
     port = free_port()
     args = serve_args(model, tmp_path / name, port, *argv)
-    (server,) = serve_cli.plan(args, None)[0]
+    (server,) = serve_cli.plan(args, None, serve_cli._inspect(args)[1])[0]   # the draft config.json announces
     speculative = ("--spec-accept-rate", str(accept_rate)) if accept_rate is not None else ()
     sglang_args = server.sglang_args if accept_rate is not None else tuple(
         a for a in server.sglang_args if a not in ("EAGLE", "--speculative-algorithm"))  # a server without MTP
@@ -84,8 +84,8 @@ def test_working_draft_passes_and_a_broken_one_fails_side_by_side(tmp_path, mode
     assert base["summary"]["prompts"] == base["summary"]["prompts_with_spec_stats"] == len(mtp.PROMPTS)
     assert all(s["output"] and s["spec_verify_ct"] for s in base["samples"])
     out = capsys.readouterr().out
-    assert f"mtp: mean accepted length {expected:.2f} per verify step (at most 2 with " \
-           "--speculative-num-draft-tokens 2)" in out and "FAIL" not in out
+    assert f"mtp: mean accepted length {expected:.2f} per verify step (at most 2: 2 tokens verified per step)" \
+           in out and "FAIL" not in out
 
     passed, broken = run_check(tmp_path, model_dir, "broken", 0.0, "--compare", str(tmp_path / "base" / "mtp.json"))
     assert passed is False and broken["summary"]["accept_length"] == 1.0 and broken["summary"]["accept_rate"] == 0.0
@@ -128,3 +128,36 @@ def test_response_parsing_and_bad_input(tmp_path, model_dir):
     report.write_report(recall_report, "recall", {}, {"summary": {"accuracy": 1.0, "cells": []}})
     with pytest.raises(FormatError, match=r"recall\.json: is a recall report; --check mtp compares with a mtp\.json"):
         serve_checks.base_report(serve_args(model_dir, tmp_path, 1, "--compare", str(recall_report)))
+
+
+def test_dspark_acceptance_per_draft_position(tmp_path, model_dir, capsys):
+    """A DSpark checkpoint is checked under DSPARK: gamma + 1 tokens verified per step, and SGLang's per-step
+    histogram of accepted drafts read as the acceptance of each draft position (a prefix is accepted)."""
+    from dsv4convert.synth import preset_config, with_dspark, with_num_layers
+
+    tiny = preset_config("tiny")
+    config = with_dspark(with_num_layers(tiny, tiny["num_hidden_layers"], mtp=False), block_size=5)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    passed, found = run_check(tmp_path, model_dir, "dspark", 0.5)
+    assert found["draft_tokens"] == 6
+    expected = sglang_accept_length(mtp.MAX_NEW_TOKENS, 0.5, 6)
+    summary = found["summary"]
+    assert passed is True and summary["accept_length"] == pytest.approx(expected)
+    histogram = summary["correct_drafts_histogram"]
+    steps = sum(s["spec_verify_ct"] for s in found["samples"])
+    assert sum(histogram) == steps and sum(k * n for k, n in enumerate(histogram)) == summary["correct_drafts"]
+    reached = [row["reached"] for row in summary["per_position"]]
+    assert reached == [pytest.approx(sum(histogram[j:]) / steps) for j in range(1, len(histogram))]
+    assert reached == sorted(reached, reverse=True) and reached[0] > 0
+    assert "mtp: accepted per draft position: 1: " in capsys.readouterr().out
+
+
+def test_position_acceptance_reads_a_prefix_histogram():
+    # 10 steps: 4 accepted nothing, 3 one draft, 2 two, 1 three.
+    rows = mtp.position_acceptance([4, 3, 2, 1])
+    assert [row["reached"] for row in rows] == [0.6, 0.3, 0.1]
+    assert [row["conditional"] for row in rows] == [0.6, 0.5, pytest.approx(1 / 3)]
+    assert mtp.position_acceptance([]) == []
+    with pytest.raises(FormatError, match="spec_correct_drafts_histogram for 'counting' is not a list of counts"):
+        mtp.parse_response(mtp.PROMPTS[0], {"text": "x", "meta_info": {"completion_tokens": 3,
+                                                                       "spec_correct_drafts_histogram": [1, -2]}})

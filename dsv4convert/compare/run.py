@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from dsv4convert.distributed import World
 from dsv4convert.engines.sglang.quant_config import sglang_topk_group
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
-from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory, try_classify
+from dsv4convert.layout import Drafter, ModelConfig, linear_shapes, native_inventory, try_classify
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource, parse_device
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
@@ -175,6 +175,12 @@ def build_plan(opts: CompareOptions, world: World = World()) -> Plan:
         raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")
     dtype = COMPUTE_DTYPES[dtype_name]
     cfg = base_info.config
+    if opts.mtp and cfg.drafter is Drafter.DSPARK:
+        # model/ runs the preview's MTP block; the DSpark drafter's forward (Markov head, block drafting) is not
+        # there yet, so its stages are left out rather than run as something they are not.
+        print("note: the DSpark drafter (mtp.*) is not compared: compare runs the backbone; its draft agreement "
+              "is not measured yet", file=sys.stderr)
+        opts = replace(opts, mtp=False)
     base = Side("base", base_ckpt, base_info, WeightSource(base_ckpt, base_info, device, dtype))
     variant = Side("variant", variant_ckpt, variant_info, WeightSource(variant_ckpt, variant_info, device, dtype))
     base_numerics = _numerics(opts.base_numerics or opts.numerics, base_info, base_ckpt, opts)

@@ -47,6 +47,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="Hub sources: delete each downloaded shard from the cache once converted, so peak disk "
                         "is the output plus the source shards one output shard reads and the next one (per worker)")
     p.add_argument("--engine", choices=CHOICES, help=ENGINE_HELP)
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave the mtp.* drafter out (the preview's MTP block or 0731's DSpark drafter): smaller, "
+                        "served without speculative decoding; the model card records it. Without this flag the "
+                        "drafter is always converted")
 
 
 # to-nvfp4 --mtp-experts: how the MTP draft's experts are stored (auto: the nvfp4 recipe's per-engine rules).
@@ -155,5 +159,6 @@ def _run(args: argparse.Namespace) -> int:
         revision=args.revision,
         delete_source_shards=args.delete_source_shards,
         engine=args.engine,
+        no_mtp=args.no_mtp,
     ))
     return 0

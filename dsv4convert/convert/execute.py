@@ -45,6 +45,7 @@ from dsv4convert.checkpoint.writer import copy_small_files, write_index
 from dsv4convert.convert.model_card import (
     base_model_id,
     default_launch,
+    draft_lines,
     render_model_card,
     source_card_metadata,
     vllm_default_launch,
@@ -57,7 +58,7 @@ from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Calibration, calibrated_by
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import Role
+from dsv4convert.layout import Drafter, Role, without_drafter
 from dsv4convert.stop_points import reach
 
 # Files the converter writes itself rather than copying from the source.
@@ -84,6 +85,7 @@ class ConvertOptions:
     delete_source_shards: bool = False        # Hub sources: delete each shard from the cache after its last use
     remote: Remote | None = None              # stands in for the Hub (tests); None: huggingface_hub
     engine: str | None = None                 # sglang/vllm/both (--engine); None: the recipe's, else both
+    no_mtp: bool = False                      # leave the mtp.* drafter out (--no-mtp); the card says so
 
 
 @dataclass
@@ -191,11 +193,15 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     ckpt = Checkpoint.open(opts.src, revision=opts.revision, remote=opts.remote)
     _check_paths(ckpt.root, opts.dst)
     asked = opts.engine or opts.recipe.engine
-    plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes, engine=asked or eng.DEFAULT_CHOICE)
-    engines, engine_note = choose_engines(plan, ckpt.config, asked)
-    config, extra_files = build_quant_config(ckpt.config, plan.module_formats(), engines=engines)
+    plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes, engine=asked or eng.DEFAULT_CHOICE,
+                      drop_draft=opts.no_mtp)
+    source_config = _source_config(ckpt, opts)
+    engines, engine_note = choose_engines(plan, source_config, asked)
+    config, extra_files = build_quant_config(source_config, plan.module_formats(), engines=engines)
     if engine_note:
         print(f"note: {engine_note}", file=sys.stderr)
+    if opts.no_mtp:
+        print(f"note: {_dropped_draft(plan)}")
     for line in cost_of_both(plan) if engines == eng.ENGINES else []:
         print(f"note: {line} (docs/engines.md)")   # stdout: stderr is kept for the one line an error gets
     hessians = _gptq_hessians(plan, opts)
@@ -210,6 +216,8 @@ def convert(opts: ConvertOptions) -> ConvertResult:
                         f"memory but --max-memory is {human_bytes(max_memory)}", file=opts.dst)
     options = {"max_shard_bytes": opts.max_shard_bytes, "input_scales_from": opts.input_scales_from, "gptq": opts.gptq,
                "calibration": _file_digest(opts.calibration), "engines": list(engines)}
+    if opts.no_mtp:
+        options["no_mtp"] = True   # only when set: earlier runs' signatures stay valid for --resume
     sig = signature(ckpt, canonical(opts.recipe), options)
     if opts.dry_run:
         print_plan(plan, ckpt, opts, max_memory, engines)
@@ -479,7 +487,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         problem = result.first_problem()
         raise DSV4Error(f"output failed its layout check ({problem}); no index was written", file=dst)
     opened = (output, result)
-    problems = servable_engines(ckpt.config, plan.module_formats())
+    problems = servable_engines(_source_config(ckpt, opts), plan.module_formats())
     not_for = {e: problems[e] or f"made for --engine {eng.choice_of(engines)} only" for e in eng.ENGINES
                if e not in engines}
     card = render_model_card(
@@ -487,7 +495,7 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
         recipe_text=plan.recipe.text, formats_by_role=result.formats_by_role(), stats=stats,
         launch=default_launch(dst, result.variant, opened=opened) if eng.SGLANG in engines else {},
         engines=engines, not_for=not_for, source_meta=source_card_metadata(ckpt.root), model_dir=dst,
-        source=str(opts.src),
+        source=str(opts.src), draft=draft_lines(plan.config, kept=not opts.no_mtp),
         vllm_launch=vllm_default_launch(dst, result.variant, opened=opened) if eng.VLLM in engines else None)
     atomic_write_bytes(dst / "README.md", card.encode("utf-8"))
     # The index goes last: until it exists no loader takes the directory for a checkpoint.
@@ -496,6 +504,22 @@ def _finalize(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, state: RunStat
     state.save()
     stats["variant"] = result.variant
     return stats
+
+
+def _source_config(ckpt: Checkpoint, opts: ConvertOptions) -> dict:
+    """The source's config.json as the output describes it: without the drafter under ``--no-mtp``."""
+    return without_drafter(ckpt.config) if opts.no_mtp else ckpt.config
+
+
+def _dropped_draft(plan: Plan) -> str:
+    """What ``--no-mtp`` left out, in one sentence."""
+    if not plan.dropped:
+        return "--no-mtp: the source has no mtp.* drafter; nothing is left out"
+    what = "DSpark drafter" if plan.config.drafter is Drafter.DSPARK else "MTP draft block"
+    blocks = len({e.name.split(".")[1] for e in plan.dropped})
+    return (f"--no-mtp: the {what} ({blocks} block{'s' if blocks > 1 else ''} under mtp.*, {len(plan.dropped):,} "
+            f"tensors, {human_bytes(sum(e.nbytes for e in plan.dropped))}) is left out: the output serves without "
+            "speculative decoding, and its model card says so")
 
 
 def print_plan(plan: Plan, ckpt: Checkpoint, opts: ConvertOptions, max_memory: int, engines: tuple[str, ...]) -> None:

@@ -22,10 +22,11 @@ from dsv4convert.engines.memory import MIB, ServerFit, gib
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.sglang import memory as sglang_memory
 from dsv4convert.engines.sglang.quant_config import serving_env
-from dsv4convert.engines.sglang.server import server
+from dsv4convert.engines.sglang.server import drafter_of, server
 from dsv4convert.engines.vllm import memory as vllm_memory
 from dsv4convert.engines.vllm.server import COMMON_LIMITS, vllm_launch
 from dsv4convert.inspection import Inspection, inspect_checkpoint
+from dsv4convert.layout import Drafter, ModelConfig
 from dsv4convert.tune.problem import model_card_lines
 
 # Weights may take this share of the GPUs' memory; the rest is KV cache, activations and
@@ -54,7 +55,7 @@ def tensor_parallel_size(weight_bytes: int, gpu_memory: int) -> int | None:
 
 def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, Inspection] | None, spec_for,
                 size_for) -> dict[str, dict]:
-    """``spec_for(family, tp, like, formats, config, draft)`` for every GPU family whose 8 GPUs hold the weights
+    """``spec_for(family, tp, like, formats, config, drafter)`` for every GPU family whose 8 GPUs hold the weights
     (the TP size from their bytes), a note for the others: what both engines' launch tables share. Each
     spec's ``fit`` is ``size_for(model, gpu, tp)``: what ``dsv4convert fit`` computes for that launch
     from the stored bytes (weights per GPU, KV tokens)."""
@@ -64,7 +65,7 @@ def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, I
     ckpt, inspection = opened
     formats = {m.module: (m.format, m.params) for m in inspection.modules.values() if m.format is not None}
     like = variants.served_like(variant, formats)
-    draft = any(m.is_mtp for m in inspection.modules.values())
+    drafter = inspection.config.drafter if any(m.is_mtp for m in inspection.modules.values()) else Drafter.NONE
     weight_bytes = sum(entry.nbytes for entry in ckpt.tensors.values())
     model = ServedModel.of(str(model_dir), ckpt, inspection)
     launch: dict[str, dict] = {}
@@ -75,7 +76,7 @@ def _per_family(model_dir: str | Path, variant: str, opened: tuple[Checkpoint, I
             launch[gpu.label] = {"argv": [], "env": {}, "note": f"{human_bytes(weight_bytes)} of weights need more "
                                                                  f"than {MAX_TP} of these GPUs (multi-node TP)"}
         else:
-            launch[gpu.label] = {**spec_for(family, tp, like, formats, ckpt.config, draft),
+            launch[gpu.label] = {**spec_for(family, tp, like, formats, ckpt.config, drafter),
                                  "fit": _fit_line(size_for(model, gpu, tp))}
     return launch
 
@@ -101,21 +102,24 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     experts runs there, else ``mtp_note`` saying why not; ``draft_moe_method`` names that method.
     ``opened``: the checkpoint and its inspection where the caller has them already (the converter).
     """
-    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, draft: bool) -> dict:
+    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, drafter: Drafter) -> dict:
         env = serving_env(config, formats)
-        settings = server(str(model_dir), like, family, tp=tp)
+        draft = drafter_of(ModelConfig.from_dict(config)) if drafter is not Drafter.NONE else {}
+        settings = server(str(model_dir), like, family, tp=tp, **draft)
         rules = settings.rules
         spec: dict = {"argv": settings.command("python"), "env": {**settings.env, **_gpus(tp), **env},
                       "draft_moe_method": rules.draft_moe_method}
         if not draft or not rules.serves_draft:
             spec["mtp_note"] = rules.mtp_note if draft else eng.NO_DRAFT
         else:
-            drafting = server(str(model_dir), like, family, tp=tp, mtp=True)
-            spec["mtp"] = {"argv": drafting.command("python"), "env": {**drafting.env, **_gpus(tp), **env}}
+            drafting = server(str(model_dir), like, family, tp=tp, mtp=True, **draft)
+            spec["mtp"] = {"argv": drafting.command("python"), "env": {**drafting.env, **_gpus(tp), **env},
+                           "what": _draft_what(drafter, drafting.speculative_algorithm, drafting.draft_tokens)}
         return spec
 
     def size_for(model: ServedModel, gpu: eng.Gpu, tp: int) -> ServerFit:
-        return sglang_memory.size_server(model, gpu, server("MODEL", model.variant, gpu.family, tp=tp))
+        return sglang_memory.size_server(model, gpu, server("MODEL", model.variant, gpu.family, tp=tp,
+                                                            **drafter_of(model.model_config)))
 
     return _per_family(model_dir, variant, opened, spec_for, size_for)
 
@@ -127,14 +131,19 @@ def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Ch
     Each family's spec has ``argv``, ``env``, ``moe_method``/``draft_moe_method``, ``limits``, and
     ``mtp`` (the command with the MTP draft) or ``mtp_note``; from :mod:`dsv4convert.engines.vllm.server`.
     """
-    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, draft: bool) -> dict:
-        plan = vllm_launch(str(model_dir), like, family, tp, draft=draft)
+    def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, drafter: Drafter) -> dict:
+        dspark = ModelConfig.from_dict(config).dspark
+        plan = vllm_launch(str(model_dir), like, family, tp, drafter=drafter,
+                           dspark_block_size=dspark.block_size if dspark else None)
         spec: dict = {"argv": list(plan.argv), "env": dict(plan.env), "moe_method": plan.moe_method,
                       "draft_moe_method": plan.draft_moe_method, "limits": list(plan.limits)}
         if plan.mtp_argv is None:
             spec["mtp_note"] = plan.mtp_note
         else:
-            spec["mtp"] = {"argv": list(plan.mtp_argv), "env": dict(plan.env)}
+            method = json.loads(plan.mtp_argv[-1])
+            spec["mtp"] = {"argv": list(plan.mtp_argv), "env": dict(plan.env),
+                           "what": _draft_what(drafter, f"`--speculative-config` method {method['method']}",
+                                               method["num_speculative_tokens"] + 1)}
         return spec
 
     def size_for(model: ServedModel, gpu: eng.Gpu, tp: int) -> ServerFit:
@@ -238,7 +247,35 @@ def fit_sentence(fit: dict) -> str:
             f"of weights per GPU, {fit['kv_tokens']:,} KV tokens.{verdict}")
 
 
-def _launch_lines(launch: dict[str, dict], draft_what: str) -> list[str]:
+def _draft_what(drafter: Drafter, algorithm: str | None, tokens: int | None) -> str:
+    """How a card names the draft a command serves."""
+    what = "the DSpark drafter" if drafter is Drafter.DSPARK else "the MTP draft"
+    return f"{what} ({algorithm}, {tokens} tokens verified per step)"
+
+
+def draft_lines(config: ModelConfig, kept: bool) -> list[str]:
+    """What the card says of the source's drafter (``config``): kept (which one, how it is served) or dropped."""
+    if config.drafter is Drafter.NONE:
+        return ["## Draft model", "", "None: the source has no `mtp.*` draft. Serve it without speculative decoding.",
+                ""]
+    if not kept:
+        what = "DSpark drafter" if config.drafter is Drafter.DSPARK else "MTP draft"
+        return ["## Draft model", "", f"None: the source's {what} was left out (`--no-mtp`), so this checkpoint "
+                "serves without speculative decoding.", ""]
+    if config.drafter is Drafter.DSPARK:
+        d = config.dspark
+        return ["## Draft model", "",
+                f"The DSpark drafter is kept: {d.stages} stages under `mtp.0`..`mtp.{d.stages - 1}`, drafting blocks "
+                f"of {d.block_size} tokens from the backbone's layers {list(d.target_layer_ids)}, with its Markov "
+                "and confidence heads. SGLang serves it with `--speculative-algorithm DSPARK` (never EAGLE: EAGLE "
+                "would load the stages into a one-layer NextN draft and leave its projections uninitialized); vLLM "
+                "with `--speculative-config` method `dspark`.", ""]
+    return ["## Draft model", "",
+            f"The MTP draft is kept ({config.num_nextn_predict_layers} block under `mtp.0`); SGLang serves it with "
+            "EAGLE, vLLM with `--speculative-config` method `mtp`.", ""]
+
+
+def _launch_lines(launch: dict[str, dict]) -> list[str]:
     lines: list[str] = []
     for family, spec in launch.items():
         lines += [f"### {family}", ""]
@@ -250,10 +287,10 @@ def _launch_lines(launch: dict[str, dict], draft_what: str) -> list[str]:
             lines += [fit_sentence(spec["fit"]), ""]
         method = spec.get("draft_moe_method")
         if spec.get("mtp"):
-            lines += [f"With the MTP draft ({draft_what}; its routed experts run through `{method}`):", "",
+            lines += [f"With {spec['mtp']['what']}; its routed experts run through `{method}`:", "",
                       "```bash", shell_line(spec["mtp"]), "```", ""]
         elif spec.get("mtp_note"):
-            lines += [f"No MTP draft on this GPU: {spec['mtp_note']}.", ""]
+            lines += [f"No draft on this GPU: {spec['mtp_note']}.", ""]
     return lines
 
 
@@ -308,13 +345,14 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
                       formats_by_role: dict[str, dict[str, int]], stats: dict, launch: dict[str, dict],
                       engines: tuple[str, ...] = (eng.SGLANG,), vllm_launch: dict[str, dict] | None = None,
                       not_for: dict[str, str] | None = None, source_meta: dict | None = None,
-                      model_dir: str | Path | None = None, source: str | None = None) -> str:
+                      model_dir: str | Path | None = None, source: str | None = None,
+                      draft: list[str] | None = None) -> str:
     """The README.md of an output checkpoint (Hugging Face front matter, then Markdown).
 
     ``launch``/``vllm_launch``: per GPU family, SGLang's and vLLM's commands (:func:`default_launch`,
     :func:`vllm_default_launch`), shown for the engines in ``engines``; ``not_for``: per engine the
     output is not made for, why (one line); ``source``: what was converted, as given (default ``base_model``,
-    the Hub id the front matter names).
+    the Hub id the front matter names); ``draft``: what the card says of the drafter (:func:`draft_lines`).
     """
     serves = []
     if eng.SGLANG in engines:
@@ -322,7 +360,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
             f"## Serving with {eng.SGLANG_LABEL}", "",
             "One server per GPU family. The environment variables are part of the command: SGLang cannot "
             "tell every expert layout from the files alone.", "",
-            *_launch_lines(launch, "EAGLE"),
+            *_launch_lines(launch),
         ]
     if eng.VLLM in engines and vllm_launch:
         limits = next((spec.get("limits", []) for spec in vllm_launch.values() if spec.get("argv")), [])
@@ -331,7 +369,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
             "The flags are vLLM's own DeepSeek-V4-Flash recipe (FP8 KV cache, 256-token blocks, tensor plus expert "
             "parallel); vLLM reads the expert format from `config.json` (`expert_dtype`, `quantization_config`), so "
             "no environment is needed.", "",
-            *_launch_lines(vllm_launch, "`--speculative-config` method mtp"),
+            *_launch_lines(vllm_launch),
             *_limit_lines([*limits, *COMMON_LIMITS]),
         ]
     lines = [
@@ -352,6 +390,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
         "",
         *_stats_lines(stats),
         "",
+        *(draft or []),
         *serves,
         *(model_card_lines(variant, next((spec["env"] for spec in launch.values() if spec.get("argv")), {}))
           if eng.SGLANG in engines else []),

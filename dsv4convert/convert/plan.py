@@ -116,6 +116,7 @@ class Plan:
     shards: list[ShardJob]
     modules: dict[str, ModuleJob] = field(default_factory=dict)
     engine: str = "both"  # the engine choice the recipe's rules were resolved for
+    dropped: tuple[TensorEntry, ...] = ()   # source tensors left out (--no-mtp: the drafter)
 
     @property
     def bytes_in(self) -> int:
@@ -190,9 +191,9 @@ def _check_applicable(job: ModuleJob, recipe: Recipe) -> None:
 
 
 def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-               engine: str = "both") -> Plan:
-    """Plan a conversion of ``ckpt`` by ``recipe`` for ``engine`` (sglang/vllm/both); raises on anything
-    that would fail later."""
+               engine: str = "both", drop_draft: bool = False) -> Plan:
+    """Plan a conversion of ``ckpt`` by ``recipe`` for ``engine`` (sglang/vllm/both), without the ``mtp.*``
+    drafter where ``drop_draft``; raises on anything that would fail later."""
     inspection = inspect_checkpoint(ckpt)
     problem = inspection.first_problem() if inspection.missing or inspection.mismatched or inspection.unexpected \
         else None
@@ -204,9 +205,13 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
 
     by_module: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
     module_shard: dict[str, object] = {}
+    dropped: list[TensorEntry] = []
     for shard in ckpt.shards:
         for entry in ckpt.tensors_in(shard):
             info = classify(entry.name)
+            if drop_draft and info.is_mtp:
+                dropped.append(entry)
+                continue
             by_module[info.module][info.param] = entry
             module_shard.setdefault(info.module, shard)
 
@@ -233,7 +238,7 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
             if not jobs or jobs[-1] is not owner[p.name]:
                 jobs.append(owner[p.name])
         shards.append(ShardJob(shard_name(i + 1, len(shard_lists)), jobs, planned))
-    return Plan(recipe, inspection.config, shards, modules, engine)
+    return Plan(recipe, inspection.config, shards, modules, engine, tuple(dropped))
 
 
 def _partner(module: str, role: Role, targets: dict[str, Target], recipe: Recipe) -> str | None:

@@ -54,6 +54,9 @@ class LoadRules:
     wo_a_bf16: bool            # the FP8 wo_a GEMM is off: wo_a is dequantized to BF16 at load
     nvfp4_scale_copies: int    # 2 where the NVFP4 MoE method also allocates ``*_blockscale_swizzled`` (not TRT-LLM)
     mxfp4_scale_bytes: tuple[int, int] = (1, 1)   # per E8M0 MXFP4 expert scale (target, draft): 4 where held as F32
+    draft_wo_a_bf16: bool = False     # the draft's wo_a is BF16 whatever the target does (SGLang's DSpark stages)
+    draft_wkv_copies: int = 1         # 2 where the draft keeps a second copy of each wkv (vLLM's context_wkv_proj)
+    confidence_head_bytes: int = 2    # per element of a DSpark confidence head: 0 where it is not built, 4 as F32
 
 
 # Attention projections each TP rank holds a slice of; wq_a and wkv (fused wqkv_a) are replicated.
@@ -73,17 +76,21 @@ class RankBytes:
 def _stored_bytes(tensor: Tensor, info: TensorInfo, module_scale_dtype: str | None, rules: LoadRules) -> int:
     """What the loader stores for one file tensor (before any TP split)."""
     elements = math.prod(tensor.shape) if tensor.shape else 1
-    if info.module.endswith(".attn.wo_a") and rules.wo_a_bf16 and module_scale_dtype is not None:
+    wo_a_bf16 = rules.wo_a_bf16 or (rules.draft_wo_a_bf16 and info.is_mtp)
+    if info.module.endswith(".attn.wo_a") and wo_a_bf16 and module_scale_dtype is not None:
         return 0 if info.param == "scale" else elements * 2          # dequantized to BF16, scale consumed
+    if info.module.endswith("confidence_head.proj"):
+        return elements * rules.confidence_head_bytes
+    copies = rules.draft_wkv_copies if info.is_mtp and info.module.endswith(".attn.wkv") else 1
     if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "fp8":
-        return elements * 4                                             # FP8 block scales load as F32
+        return elements * 4 * copies                                    # FP8 block scales load as F32
     if info.param == "scale" and tensor.dtype == "F8_E8M0" and module_scale_dtype == "mxfp4":
         return elements * rules.mxfp4_scale_bytes[info.is_mtp]
     if info.param == "tid2eid":
         return elements * 4                                             # I64 routing table loads as I32
     if info.param == "weight_scale" and tensor.dtype == "F8_E4M3" and info.role is Role.ROUTED_EXPERT:
         return tensor.nbytes * rules.nvfp4_scale_copies
-    return tensor.nbytes
+    return tensor.nbytes * copies
 
 
 def classified(tensors: Iterable[Tensor]) -> list[tuple[Tensor, TensorInfo]]:
@@ -140,6 +147,15 @@ class ServerFit:
     shortfall_bytes: int
     estimated: tuple[str, ...]
     engine: str = SGLANG_LABEL.lower()
+    drafter: str | None = None           # the draft served (mtp or dspark), None without one
+    draft_tokens: int | None = None      # tokens verified per step
+    draft_kv_bytes: int = 0              # the draft's own cache as the engine allocates it, per rank
+    draft_kv_budgeted_bytes: int = 0     # what the engine's KV sizing set aside for it
+
+    @property
+    def draft_kv_unbudgeted_bytes(self) -> int:
+        """Draft cache the engine allocates beyond what its sizing set aside (taken from the reserve)."""
+        return max(self.draft_kv_bytes - self.draft_kv_budgeted_bytes, 0)
 
     def as_dict(self) -> dict:
         return asdict(self)

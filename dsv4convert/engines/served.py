@@ -28,6 +28,15 @@ class ServedModel:
         return any(info.is_mtp for _, info in self.tensors)
 
     @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config)
+
+    @property
+    def draft_blocks(self) -> int:
+        """The ``mtp.*`` blocks stored: the preview's MTP blocks or a DSpark drafter's stages (0: none)."""
+        return len({info.block for _, info in self.tensors if info.is_mtp})
+
+    @property
     def geometry(self) -> KvGeometry:
         cfg = ModelConfig.from_dict(self.config)
         ratios = cfg.compress_ratios[: cfg.num_hidden_layers]

@@ -20,7 +20,8 @@ from dsv4convert.engines.vllm.memory import ESTIMATES as VLLM_ESTIMATED
 from dsv4convert.fit import source, verdict
 from dsv4convert.layout import ModelConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "deepseek-v4-flash-config.json"
+# The official release (V4-Flash-0731, DSpark drafter); the preview's config is data/deepseek-v4-flash-config.json.
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "deepseek-v4-flash-0731-config.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", help="checkpoint directory or Hub repo id (headers only); default: every shipped variant")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
-                   help="without --model: the native config.json to plan the variants from (default: V4-Flash's)")
+                   help="without --model: the native config.json to plan the variants from (default: the official "
+                        "V4-Flash-0731's, with its DSpark drafter; the preview's is data/deepseek-v4-flash-config.json)")
     p.add_argument("--gpu", default="h200", help=f"{', '.join(verdict.GPUS)} or a memory size in MiB (default h200)")
     p.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"), help="with --gpu MiB: the launch rules to use")
     p.add_argument("--count", type=int, default=8, help="GPUs on the host (default 8)")
@@ -56,7 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", action="store_true",
                    help="refused: fit sizes serve's launch (SGLang: TP only; vLLM: expert parallel already)")
     p.add_argument("--pd", action="store_true", help="prefill and decode servers, each on --tp GPUs")
-    p.add_argument("--mtp", action="store_true", help="with the MTP draft (its weights and its KV share)")
+    p.add_argument("--mtp", action="store_true",
+                   help="with the checkpoint's draft (its weights and caches): the preview's MTP block under EAGLE, "
+                        "0731's DSpark drafter under DSPARK")
     p.add_argument("--max-running", type=int, help="--max-running-requests (SGLang's V4 default: 256)")
     p.add_argument("--context", type=int, help="tokens per request: report how many such requests fit")
     p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
@@ -83,9 +87,25 @@ def _line(label: str, fit: verdict.ServerFit, best: int | None) -> str:
     if fit.requests_at_context is not None:
         head += f" = {fit.requests_at_context} requests x context"
     if fit.fits:
-        return head + "  fits"
-    tip = f"; smallest TP that fits: {best}" if best else "; no TP up to 8 fits"
-    return head + f"  DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short{tip})"
+        head += "  fits"
+    else:
+        tip = f"; smallest TP that fits: {best}" if best else "; no TP up to 8 fits"
+        head += f"  DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short{tip})"
+    return head + _draft_line(fit)
+
+
+def _draft_line(fit: verdict.ServerFit) -> str:
+    """The draft's share of a server, on its own line (nothing without a draft)."""
+    if not fit.drafter:
+        return ""
+    line = (f"\n{'':18s} {'':8s} of which draft ({fit.drafter}, {fit.draft_tokens} tokens verified per step): "
+            f"{sizing.gib(fit.draft_weights_bytes_per_rank)} of weights")
+    if fit.draft_kv_bytes:
+        line += f", its own cache {sizing.gib(fit.draft_kv_bytes)}"
+        if fit.draft_kv_unbudgeted_bytes:
+            line += (f" ({sizing.gib(fit.draft_kv_unbudgeted_bytes)} beyond the one draft layer SGLang's KV sizing "
+                     "sets aside: taken from the activation reserve)")
+    return line
 
 
 def _refuse(args: argparse.Namespace) -> None:
@@ -142,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         fraction = "gpu_memory_utilization" if args.engine == "vllm" else "memory fraction"
         print(f"{engine} on {gpu.name} ({gpu.mib} MiB, {gpu.family}), TP {args.tp}"
-              f"{' PD' if args.pd else ''}{' + MTP' if args.mtp else ''}; weights per GPU, {fraction}, KV:")
+              f"{' PD' if args.pd else ''}{' + draft' if args.mtp else ''}; weights per GPU, {fraction}, KV:")
         for src, fit, best in rows:
             print(_line(src.label, fit, best))
         for label, why in skipped:

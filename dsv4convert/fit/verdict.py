@@ -13,7 +13,7 @@ from dsv4convert.engines import GPUS, EngineError, Gpu, gpu_of_family
 from dsv4convert.engines.memory import ServerFit, gib
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.sglang import memory as sglang_memory
-from dsv4convert.engines.sglang.server import Server, server
+from dsv4convert.engines.sglang.server import Server, drafter_of, server
 from dsv4convert.engines.vllm import memory as vllm_memory
 from dsv4convert.errors import DSV4Error
 
@@ -40,7 +40,7 @@ def launched(model: ServedModel, gpu: Gpu, role: str, tp: int, *, mtp: bool,
     """The SGLang server ``serve`` starts for ``model`` as ``role`` on ``tp`` GPUs of ``gpu``."""
     try:
         return server("MODEL", model.variant, gpu.family, role=role, tp=tp, mtp=mtp,
-                      max_running_requests=max_running)
+                      max_running_requests=max_running, **drafter_of(model.model_config))
     except EngineError as exc:
         raise FitError(str(exc)) from None
 

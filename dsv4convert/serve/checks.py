@@ -152,11 +152,14 @@ def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: 
     report.write_report(path, "mtp", meta, {"summary": summary, "min_accept": minimum, "draft_tokens": tokens,
                                             "samples": [s.to_json() for s in samples]})
     length = summary["accept_length"]
-    ceiling = f" (at most {tokens} with --speculative-num-draft-tokens {tokens})" if tokens else ""
+    ceiling = f" (at most {tokens}: {tokens} tokens verified per step)" if tokens else ""
     if length is not None:
         rate = "n/a" if summary["accept_rate"] is None else f"{summary['accept_rate']:.0%}"
         print(f"mtp: mean accepted length {length:.2f} per verify step{ceiling}; draft acceptance {rate}; "
               f"SGLang's avg_spec_accept_length {', '.join(f'{v:.2f}' for v in server_lengths) or 'n/a'}")
+        if summary["per_position"]:
+            print("mtp: accepted per draft position: " + ", ".join(
+                f"{row['position']}: {row['reached']:.0%}" for row in summary["per_position"]))
     print(f"wrote {path}")
     if base is not None:
         for line in report.compare(base, report.read_report(path)):

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from dsv4convert.engines import SGLANG_LABEL
+from dsv4convert.engines.sglang.server import drafter_of
 from dsv4convert.errors import CheckpointError
+from dsv4convert.layout import ModelConfig
 from dsv4convert.serve import accuracy, checks, launch, mtp, recall, speed
 from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, log_tail
 from dsv4convert.serve.topology import Topology, TopologyError, discover
@@ -77,7 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "  dsv4convert serve --model out/nvfp4 --pd --check accuracy --tasks gsm8k --out runs/nvfp4 \\\n"
             "      --compare runs/base/accuracy.json --min-recovery 0.97\n"
             "  dsv4convert serve --model out/fp8 --pd --check mtp --compare runs/base/mtp.json\n"
-            "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 --mtp   (the MTP draft, EAGLE balanced preset)\n"
+            "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 --mtp   (the draft: EAGLE or DSPARK, by checkpoint)\n"
             "  dsv4convert serve --model M --pd --role prefill --host 0.0.0.0 -- --dist-init-addr h1:5000 \\\n"
             "      --nnodes 2 --node-rank 0   (multi-node: one role per host; see docs/serve.md)"
         ),
@@ -108,8 +110,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--check", choices=("recall", "speed", "accuracy", "mtp"), help="run a check once serving, then stop")
     p.add_argument("--hold", action="store_true", help="keep serving after --check until Ctrl-C")
     p.add_argument("--mtp", action="store_true",
-                   help="serve the checkpoint's MTP draft (EAGLE, 1 step, 2 draft tokens); refused on a GPU where "
-                        "SGLang's MoE method for the draft's experts cannot run (nvfp4-mtp-mxfp4 off sm_100)")
+                   help="serve the checkpoint's draft: the preview's MTP block by EAGLE (1 step, 2 draft tokens), "
+                        "0731's DSpark drafter by DSPARK (its block of dspark_block_size drafts); refused on a GPU "
+                        "where SGLang's MoE method for the draft's experts cannot run, and on a checkpoint without "
+                        "a draft")
     p.add_argument("--indexer-topk", action="store_true",
                    help="recall: capture the indexer's top-k (sets --enable-return-indexer-topk and attention DP)")
     p.add_argument("--lengths", type=_int_list, default=list(recall.DEFAULT_LENGTHS), help="recall context lengths")
@@ -132,7 +136,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     acc.add_argument("--min-recovery", type=float,
                      help=f"with --compare: fail when a task keeps less than this of the base's score "
                           f"(default {accuracy.DEFAULT_MIN_RECOVERY})")
-    draft = p.add_argument_group("--check mtp (EAGLE with the checkpoint's MTP draft, balanced preset)")
+    draft = p.add_argument_group("--check mtp (the checkpoint's draft: EAGLE for the preview's MTP block, "
+                                 "DSPARK for 0731's DSpark drafter)")
     draft.add_argument("--min-accept", type=float,
                        help=f"fail when the mean accepted length per verify step is below this "
                             f"(default {mtp.DEFAULT_MIN_ACCEPT}; 1.0 means no draft token was accepted)")
@@ -165,19 +170,26 @@ def _gpu_family(args: argparse.Namespace, topology: Topology | None) -> str:
     return families.pop()
 
 
-def _variant(args: argparse.Namespace) -> str:
+def _inspect(args: argparse.Namespace) -> tuple[str, ModelConfig | None]:
+    """The variant ``inspect`` detects, and the checkpoint's config (which draft it holds). With ``--variant`` only
+    config.json is read, where there is one (a router host may hold nothing but the tokenizer)."""
+    from dsv4convert.checkpoint import Checkpoint, read_small_json
+    from dsv4convert.inspection import inspect_checkpoint
+
     if args.variant:
-        return args.variant
-    from dsv4convert.inspection import detect_variant
+        path = args.model / "config.json"
+        return args.variant, ModelConfig.from_dict(read_small_json(path), source=str(path)) if path.is_file() else None
+    inspection = inspect_checkpoint(Checkpoint.open(args.model))
+    if inspection.variant not in launch.SERVED_VARIANTS:
+        raise launch.LaunchError(f"inspect calls this checkpoint {inspection.variant!r}; pass --variant to serve it "
+                                 "anyway")
+    return inspection.variant, inspection.config
 
-    variant = detect_variant(args.model)
-    if variant not in launch.SERVED_VARIANTS:
-        raise launch.LaunchError(f"inspect calls this checkpoint {variant!r}; pass --variant to serve it anyway")
-    return variant
 
-
-def plan(args: argparse.Namespace, topology: Topology | None) -> tuple[list[launch.Command], list[str]]:
-    """The commands to run, in start order, and warnings for the user (``args.variant`` must be set)."""
+def plan(args: argparse.Namespace, topology: Topology | None,
+         config: ModelConfig | None = None) -> tuple[list[launch.Command], list[str]]:
+    """The commands to run, in start order, and warnings for the user (``args.variant`` must be set;
+    ``config`` says which draft the checkpoint holds, the preview's MTP block when not given)."""
     warnings: list[str] = []
     extra = tuple(args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args)
     backend, warning = launch.choose_transfer_backend(args.transfer_backend, topology.ib_devices if topology else ())
@@ -189,7 +201,7 @@ def plan(args: argparse.Namespace, topology: Topology | None) -> tuple[list[laun
         bootstrap_port=args.bootstrap_port, transfer_backend=backend,
         ib_devices=topology.ib_devices if topology else (), indexer_topk=args.indexer_topk,
         mtp=(args.mtp or args.check == "mtp") and not any(a.startswith("--speculative-") for a in extra),
-        enable_metrics=args.metrics, extra_args=extra,
+        enable_metrics=args.metrics, extra_args=extra, **drafter_of(config),
     )
     if not args.pd:
         if args.role or args.prefill_gpus or args.decode_gpus:
@@ -283,9 +295,9 @@ def run(args: argparse.Namespace) -> int:
     if args.check == "accuracy" and checks_here:
         accuracy.check_tasks(checks.eval_settings(args))
     base = checks.base_report(args) if checks_here else None
-    args.variant = _variant(args)
+    args.variant, config = _inspect(args)
     topology = _topology(args)
-    commands, warnings = plan(args, topology)
+    commands, warnings = plan(args, topology, config)
     if args.tuned_configs:
         from dataclasses import replace
 

@@ -16,6 +16,7 @@ from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.engines.sglang.server import TRANSFER_BACKENDS, Disaggregation, Server, server
 from dsv4convert.errors import DSV4Error
+from dsv4convert.layout import Drafter
 from dsv4convert.serve.topology import Topology
 
 SERVED_VARIANTS = variants.SERVED
@@ -60,7 +61,9 @@ class LaunchOptions:
     transfer_backend: str = "mooncake_tcp"
     ib_devices: tuple[str, ...] = ()
     indexer_topk: bool = False
-    mtp: bool = False  # serve the MTP draft (EAGLE); refused where its MoE method cannot run
+    mtp: bool = False  # serve the checkpoint's draft; refused where its MoE method cannot run
+    drafter: Drafter = Drafter.MTP  # what the checkpoint's mtp.* holds: EAGLE serves MTP, DSPARK a DSpark drafter
+    dspark_block_size: int | None = None
     enable_metrics: bool = False  # Prometheus metrics at /metrics on every server
     extra_args: tuple[str, ...] = ()   # the user's own launch_server arguments (Server.with_arguments)
     python: str = sys.executable
@@ -89,14 +92,15 @@ def server_settings(options: LaunchOptions, role: str, tp_size: int, port: int, 
     """The SGLang server ``options`` launch as ``role`` on ``tp_size`` GPUs."""
     try:
         settings = server(options.model, options.variant, options.gpu_family, role=role, tp=tp_size, mtp=options.mtp,
-                          host=options.host, port=port, nccl_port=nccl_port, indexer_topk=options.indexer_topk,
+                          drafter=options.drafter, dspark_block_size=options.dspark_block_size, host=options.host,
+                          port=port, nccl_port=nccl_port, indexer_topk=options.indexer_topk,
                           enable_metrics=options.enable_metrics)
+        if role in ("prefill", "decode"):
+            settings = replace(settings, disaggregation=Disaggregation(options.transfer_backend,
+                                                                       options.bootstrap_port, options.ib_devices))
+        return settings.with_arguments(options.extra_args)
     except DSV4Error as exc:
         raise LaunchError(str(exc)) from None
-    if role in ("prefill", "decode"):
-        settings = replace(settings, disaggregation=Disaggregation(options.transfer_backend, options.bootstrap_port,
-                                                                   options.ib_devices))
-    return settings.with_arguments(options.extra_args)
 
 
 def _server_env(options: LaunchOptions, settings: Server, gpus: list[int]) -> dict[str, str]:

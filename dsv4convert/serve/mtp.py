@@ -1,6 +1,7 @@
-"""MTP draft acceptance: does the checkpoint's ``mtp.*`` draft really draft?
+"""Draft acceptance: does the checkpoint's ``mtp.*`` draft really draft?
 
-With SGLang's EAGLE speculative decoding the draft proposes tokens and the model verifies them;
+With SGLang's speculative decoding (EAGLE over the preview's MTP block, DSPARK over 0731's DSpark
+drafter) the draft proposes tokens and the model verifies them;
 a broken draft (head or embedding not loaded, wrong expert kernel) still serves correct text,
 only slowly: every proposal is rejected and each verify step yields one token. So the check
 sends prompts whose continuations are predictable (counting, a passage being copied), greedy,
@@ -10,7 +11,12 @@ and reads the acceptance SGLang itself computes per request, in ``meta_info`` of
 * ``spec_verify_ct``: verify steps; ``completion_tokens``: tokens generated;
 * accepted length = ``completion_tokens / spec_verify_ct`` (accepted drafts plus the bonus
   token per step: 1.0 means no draft token was ever accepted);
-* ``spec_num_correct_drafts / spec_num_proposed_drafts``: the draft acceptance rate.
+* ``spec_num_correct_drafts / spec_num_proposed_drafts``: the draft acceptance rate;
+* ``spec_correct_drafts_histogram[k]``: verify steps that accepted exactly ``k`` drafts
+  (``ScheduleBatch.Req.update_spec_correct_drafts_histogram``). Drafts are accepted as a prefix, so
+  draft position ``j`` was accepted in every step that accepted ``k >= j``: the histogram gives the
+  acceptance per draft position, which for DSPARK's block of drafts tells a drafter that only gets its
+  first token right from one that holds up across the block.
 
 Over all prompts the accepted length is ``sum(completion_tokens) / sum(spec_verify_ct)``, as
 SGLang's own test kit aggregates it. SGLang's server-wide figure, ``internal_states[i]
@@ -95,6 +101,7 @@ class MtpSample:
     correct_drafts: int | None
     proposed_drafts: int | None
     as_expected: bool
+    histogram: tuple[int, ...] = ()   # verify steps per accepted-draft count (SGLang's, when it reports one)
 
     @property
     def accept_length(self) -> float | None:
@@ -104,7 +111,7 @@ class MtpSample:
         return {"prompt": self.prompt, "output": self.output, "completion_tokens": self.completion_tokens,
                 "spec_verify_ct": self.verify_steps, "spec_num_correct_drafts": self.correct_drafts,
                 "spec_num_proposed_drafts": self.proposed_drafts, "accept_length": self.accept_length,
-                "continuation_as_expected": self.as_expected}
+                "spec_correct_drafts_histogram": list(self.histogram), "continuation_as_expected": self.as_expected}
 
 
 def parse_response(prompt: MtpPrompt, response: dict[str, Any]) -> MtpSample:
@@ -116,7 +123,39 @@ def parse_response(prompt: MtpPrompt, response: dict[str, Any]) -> MtpSample:
         raise FormatError(f"/generate's meta_info for {prompt.name!r} has no completion_tokens: {sorted(meta)}")
     return MtpSample(prompt.name, text, completion, _count(meta, "spec_verify_ct") or None,
                      _count(meta, "spec_num_correct_drafts"), _count(meta, "spec_num_proposed_drafts"),
-                     text.strip().startswith(prompt.expected_start.strip()))
+                     text.strip().startswith(prompt.expected_start.strip()), _histogram(prompt, meta))
+
+
+def _histogram(prompt: MtpPrompt, meta: dict[str, Any]) -> tuple[int, ...]:
+    value = meta.get("spec_correct_drafts_histogram")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                              for v in value):
+        raise FormatError(f"/generate's spec_correct_drafts_histogram for {prompt.name!r} is not a list of counts: "
+                          f"{str(value)[:80]}")
+    return tuple(value)
+
+
+def position_acceptance(histogram: Sequence[int]) -> list[dict[str, float]]:
+    """Per draft position ``j`` (1 = the first drafted token): the share of verify steps that accepted it
+    (``reached``), and the share of those that reached ``j - 1`` that also accepted ``j`` (``conditional``)."""
+    steps = sum(histogram)
+    rows, before = [], steps
+    for j in range(1, len(histogram)):
+        reached = sum(histogram[j:])
+        rows.append({"position": j, "reached": reached / steps if steps else 0.0,
+                     "conditional": reached / before if before else 0.0})
+        before = reached
+    return rows
+
+
+def _merged(histograms: Sequence[Sequence[int]]) -> list[int]:
+    merged = [0] * max((len(h) for h in histograms), default=0)
+    for histogram in histograms:
+        for k, count in enumerate(histogram):
+            merged[k] += count
+    return merged
 
 
 def summarize(samples: Sequence[MtpSample], server_accept_lengths: Sequence[float] = ()) -> dict[str, Any]:
@@ -124,6 +163,7 @@ def summarize(samples: Sequence[MtpSample], server_accept_lengths: Sequence[floa
     tokens = sum(s.completion_tokens for s in drafted)
     steps = sum(s.verify_steps for s in drafted)
     counted = [s for s in drafted if s.correct_drafts is not None and s.proposed_drafts]
+    histogram = _merged([s.histogram for s in drafted])
     return {
         "accept_length": tokens / steps if steps else None,
         "accept_rate": (sum(s.correct_drafts for s in counted) / sum(s.proposed_drafts for s in counted)
@@ -135,6 +175,8 @@ def summarize(samples: Sequence[MtpSample], server_accept_lengths: Sequence[floa
         "continuations_as_expected": sum(s.as_expected for s in samples),
         "server_avg_spec_accept_length": list(server_accept_lengths),
         "per_prompt": {s.prompt: s.accept_length for s in samples},
+        "correct_drafts_histogram": histogram,
+        "per_position": position_acceptance(histogram),
     }
 
 
@@ -151,7 +193,8 @@ def failures(summary: dict[str, Any], min_accept: float) -> list[str]:
     """Why the draft fails the check (empty: it passes)."""
     if summary["accept_length"] is None:
         return [("SGLang reported no speculative decoding for any prompt (meta_info has no spec_verify_ct): the "
-                 "server is not running the MTP draft; was it started with --speculative-algorithm EAGLE?")]
+                 "server is not running the draft; was it started with --speculative-algorithm (EAGLE for the "
+                 "preview's MTP block, DSPARK for a DSpark drafter)?")]
     if summary["accept_length"] < min_accept:
         rate = summary["accept_rate"]
         said = (f"{summary['correct_drafts']} of {summary['proposed_drafts']} draft tokens accepted ({rate:.0%})"
@@ -180,6 +223,10 @@ def compare_lines(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
     """Rows ``label, base, other`` for the side-by-side table (values may be None)."""
     rows = [("accepted length (all prompts)", base["accept_length"], other["accept_length"]),
             ("draft acceptance rate", base["accept_rate"], other["accept_rate"])]
+    base_positions = {row["position"]: row["reached"] for row in base.get("per_position", [])}
+    for row in other.get("per_position", []):
+        rows.append((f"draft position {row['position']} accepted", base_positions.get(row["position"]),
+                     row["reached"]))
     for name, value in other["per_prompt"].items():
         if name in base["per_prompt"]:
             rows.append((f"accepted length {name}", base["per_prompt"][name], value))

@@ -60,6 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # The SGLang flags this stand-in understands; every other launch_server flag is ignored.
     parser.add_argument("--speculative-algorithm")
     parser.add_argument("--speculative-num-draft-tokens", type=int)
+    parser.add_argument("--speculative-dspark-block-size", type=int)
     args, _ = parser.parse_known_args(argv)
     return args
 
@@ -99,7 +100,13 @@ class SpecCounters:
             self.total_tokens += completion_tokens
             self.total_steps += steps
         proposed = steps * self.proposed_per_step
+        # Steps that accepted k drafts (SGLang's spec_correct_drafts_histogram): the drafts spread as evenly
+        # over the steps as whole counts allow.
+        low, extra = divmod(correct, steps)
+        histogram = [0] * (low + 2)
+        histogram[low], histogram[low + 1] = steps - extra, extra
         return {
+            "spec_correct_drafts_histogram": histogram[:-1] if extra == 0 else histogram,
             "spec_accept_rate": correct / proposed,
             "spec_accept_length": completion_tokens / steps,
             "spec_num_correct_drafts": correct,
@@ -131,7 +138,10 @@ def main() -> int:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
-    spec = SpecCounters(args.speculative_num_draft_tokens or 2, args.spec_accept_rate) if args.speculative_algorithm else None
+    # DSPARK verifies its block and the anchor (speculative_hook.py::_handle_dspark); EAGLE its draft tokens.
+    draft_tokens = (args.speculative_dspark_block_size + 1 if args.speculative_algorithm == "DSPARK"
+                    else args.speculative_num_draft_tokens or 2)
+    spec = SpecCounters(draft_tokens, args.spec_accept_rate) if args.speculative_algorithm else None
     openai_requests = {"count": 0}
     counter_lock = threading.Lock()
     started = time.monotonic()

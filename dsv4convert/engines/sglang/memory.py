@@ -26,6 +26,7 @@ from dsv4convert.engines.memory import (
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.sglang.numerics import Serving
 from dsv4convert.engines.sglang.server import Server
+from dsv4convert.layout import Drafter
 
 # srt/arg_groups/deepseek_v4_hook.py apply_deepseek_v4_defaults; model_overrides/deepseek_v4.py.
 V4_MAX_RUNNING_REQUESTS = 256
@@ -211,7 +212,26 @@ def load_rules(model: ServedModel, server: Server) -> LoadRules:
     rules = server.rules
     mxfp4 = tuple(4 if method == "Mxfp4FlashinferTrtllmMoEMethod" else 1      # it holds E8M0 scales as F32
                   for method in (rules.moe_method, rules.draft_moe_method))
-    return LoadRules(wo_a_bf16=serving.wo_a() is None, nvfp4_scale_copies=1 if trtllm else 2, mxfp4_scale_bytes=mxfp4)
+    dspark = server.drafter is Drafter.DSPARK
+    return LoadRules(wo_a_bf16=serving.wo_a() is None, nvfp4_scale_copies=1 if trtllm else 2, mxfp4_scale_bytes=mxfp4,
+                     draft_wo_a_bf16=dspark, confidence_head_bytes=confidence_head_bytes(server) if dspark else 2)
+
+
+def confidence_head_bytes(server: Server) -> int:
+    """``models/deepseek_v4_dspark.py::build_dspark_v4_confidence_head``: an F32 head, built only when
+    ``SGLANG_RAGGED_VERIFY_MODE`` is not ``static`` (its default, ``environ.py``); otherwise dropped at load."""
+    return 0 if server.env.get("SGLANG_RAGGED_VERIFY_MODE", "static") == "static" else 4
+
+
+def draft_kv_bytes(server: Server, swa_tokens: int, stages: int, page_size: int = V4_PAGE_SIZE) -> int:
+    """The draft worker's own V4 pool (``kv_cache_configurator.py::_build_dsv4_kv_pool``, ``_derive_pool_sizes``):
+    every draft layer is sliding-window only (compress ratio 0) and holds the target's SWA token count; EAGLE's
+    NextN draft has one layer, DSPARK one per stage. SGLang budgets one draft layer whatever the algorithm
+    (:func:`kv_cost`'s inflation), so a DSPARK draft's other stages come out of the reserve (derived from the
+    code; not run on a GPU)."""
+    if not server.mtp:
+        return 0
+    return int(swa_tokens * stages * paged_kv_bytes_per_token(0, page_size))
 
 
 def size_server(model: ServedModel, gpu: Gpu, server: Server, *, context: int | None = None) -> ServerFit:
@@ -222,6 +242,9 @@ def size_server(model: ServedModel, gpu: Gpu, server: Server, *, context: int | 
     held = budget(gpu.mib, fraction.used, loaded)
     cost = kv_cost(model.geometry, server)
     full, swa = kv_tokens(held.available_bytes, cost)
+    stages = model.draft_blocks if server.drafter is Drafter.DSPARK else 1
+    draft_kv = draft_kv_bytes(server, swa, stages)
+    budgeted = int(full * cost.bytes_per_full_token * (1 - 1 / cost.mtp_inflation))
     running = min(server.max_running_requests or V4_MAX_RUNNING_REQUESTS, full // 2)
     needed = max(context or V4_PAGE_SIZE, V4_PAGE_SIZE)
     fits = held.available_bytes > 0 and full >= needed
@@ -235,4 +258,5 @@ def size_server(model: ServedModel, gpu: Gpu, server: Server, *, context: int | 
         swa_tokens=swa, max_running_requests=max(running, 0),
         requests_at_context=min(full // context, running) if context else None,
         min_mem_fraction_static=held.min_mem_fraction_static, fits=fits, shortfall_bytes=max(short, 0),
-        estimated=ESTIMATED, engine=SGLANG_LABEL.lower())
+        estimated=ESTIMATED, engine=SGLANG_LABEL.lower(), drafter=server.drafter.value if server.mtp else None,
+        draft_tokens=server.draft_tokens, draft_kv_bytes=draft_kv, draft_kv_budgeted_bytes=budgeted if server.mtp else 0)

@@ -13,11 +13,15 @@ from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL, EngineError, gpu_family_major
 from dsv4convert.formats import Format
 from dsv4convert.formats.fp8_block import FP8_BLOCK
+from dsv4convert.layout import Drafter
 
 # SGLang's EAGLE draft from the checkpoint's MTP block, the cookbook's "balanced" preset (sglang-contract.md
 # section 4: V4 accepts EAGLE with top-k 1, or DSPARK): one draft step, one candidate, two tokens verified
 # per step, so an accepted length of at most 2.
 EAGLE_STEPS, EAGLE_TOPK, EAGLE_DRAFT_TOKENS = 1, 1, 2
+# The algorithm that serves each drafter: EAGLE builds the one-block NextN draft from the preview's MTP block;
+# DSPARK builds DeepseekV4ForCausalLMDSpark from 0731's stages (configs/model_config.py::_config_draft_model).
+SPECULATIVE_ALGORITHM = {Drafter.MTP: "EAGLE", Drafter.DSPARK: "DSPARK"}
 
 # The cookbook's only SM120 cell: --mem-fraction-static 0.70, decode CUDA graphs up to batch 32.
 SM120_MEM_FRACTION = 0.70
@@ -56,17 +60,28 @@ class VariantRules:
 
 
 def _rules(env: dict[str, str], runner: str | None, method: str, draft_method: str, major: int,
-           draft_runner: str | None = None) -> VariantRules:
+           draft_runner: str | None = None, drafter: Drafter = Drafter.MTP) -> VariantRules:
     why = SM100_ONLY_METHODS.get(draft_method) if major != 10 else None
     note = None if why is None else (
-        f"{SGLANG_LABEL} loads this checkpoint's MXFP4 MTP experts into {draft_method}, and {why}; convert with "
-        "to-nvfp4 --mtp-experts bf16 (both engines) or --engine sglang (FP8-block MTP experts) to serve the draft on "
-        "this GPU")
+        f"{SGLANG_LABEL} loads this checkpoint's MXFP4 draft experts into {draft_method}, and {why}; convert with "
+        "to-nvfp4 --mtp-experts bf16 (both engines)" + (" or --engine sglang (FP8-block draft experts)"
+                                                       if drafter is not Drafter.DSPARK else "")
+        + " to serve the draft on this GPU")
+    if drafter is Drafter.DSPARK:
+        # DSpark's worker runs its stages outside speculative_moe_backend_context (speculative/
+        # draft_worker_common.py::build_draft_tp_worker), so --speculative-moe-runner-backend has no effect: the
+        # stages' experts run on the backbone's runner, where Fp8MoEMethod has no Marlin path.
+        draft_runner = None
+        if note is None and runner == "marlin" and draft_method == "Fp8MoEMethod":
+            note = (f"{SGLANG_LABEL}'s DSPARK runs the drafter's FP8 experts on the backbone's Marlin MoE runner, "
+                    "where Fp8MoEMethod has no path (DSPARK ignores --speculative-moe-runner-backend); convert with "
+                    "to-nvfp4 --mtp-experts bf16 to serve the draft on this GPU")
     return VariantRules(env, runner, method, draft_method, draft_runner, note)
 
 
-def variant_rules(variant: str, gpu_family: str) -> VariantRules:
-    """Environment, MoE runner and MTP draft settings a variant needs on a GPU family.
+def variant_rules(variant: str, gpu_family: str, drafter: Drafter = Drafter.MTP) -> VariantRules:
+    """Environment, MoE runner and draft settings a variant needs on a GPU family, for the checkpoint's drafter
+    (EAGLE serves the preview's MTP block, DSPARK 0731's drafter).
 
     SGLang detects the quantization itself; what it cannot know is that non-FP4 experts must not be read as
     FP4 when its shard probe finds nothing (W4A16 keys, BF16) or finds the NVFP4 backbone's U8 while the
@@ -80,22 +95,22 @@ def variant_rules(variant: str, gpu_family: str) -> VariantRules:
     if variant == "native":
         mxfp4 = {10: "Mxfp4FlashinferTrtllmMoEMethod", 12: "Mxfp4MarlinMoEMethod"}.get(major,
                                                                                      "Mxfp4FlashinferCutlassMoEMethod")
-        return _rules({}, "marlin" if major == 12 else None, mxfp4, mxfp4, major)
+        return _rules({}, "marlin" if major == 12 else None, mxfp4, mxfp4, major, drafter=drafter)
     if variant == "fp8":
-        return _rules(not_fp4, None, "Fp8MoEMethod", "Fp8MoEMethod", major)
+        return _rules(not_fp4, None, "Fp8MoEMethod", "Fp8MoEMethod", major, drafter=drafter)
     if variant == "nvfp4":
-        return _rules(not_fp4, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod", "Fp8MoEMethod", major, "triton")
+        return _rules(not_fp4, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod", "Fp8MoEMethod", major, "triton", drafter)
     if variant == "nvfp4-mtp-mxfp4":
         return _rules({"SGLANG_DSV4_FP4_EXPERTS": "1"}, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod",
-                      "Mxfp4FlashinferTrtllmMoEMethod", major)
+                      "Mxfp4FlashinferTrtllmMoEMethod", major, drafter=drafter)
     if variant == "nvfp4-mtp-bf16":  # BF16 draft experts (ignored_layers): SGLang's unquantized Triton MoE
         return _rules(not_fp4, nvfp4_runner, "ModelOptNvFp4FusedMoEMethod", "UnquantizedFusedMoEMethod", major,
-                      "triton")
+                      "triton", drafter)
     if variant == "w4a16":
         wna16 = "CompressedTensorsWNA16TritonMoE" if major == 10 else "CompressedTensorsWNA16MoE"
-        return _rules(not_fp4, None, wna16, wna16, major)
+        return _rules(not_fp4, None, wna16, wna16, major, drafter=drafter)
     if variant == "bf16":
-        return _rules(not_fp4, None, "UnquantizedFusedMoEMethod", "UnquantizedFusedMoEMethod", major)
+        return _rules(not_fp4, None, "UnquantizedFusedMoEMethod", "UnquantizedFusedMoEMethod", major, drafter=drafter)
     raise EngineError(f"no serving rules for variant {variant!r}; expected one of {', '.join(variants.SERVED)} "
                       "(pass --variant to override what inspect detected)")
 

@@ -14,18 +14,21 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, replace
 
-from dsv4convert.engines import EngineError, gpu_family_major
+from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
 from dsv4convert.engines.sglang.rules import (
     EAGLE_DRAFT_TOKENS,
     EAGLE_STEPS,
     EAGLE_TOPK,
     SM120_DECODE_GRAPH_BS,
     SM120_MEM_FRACTION,
+    SPECULATIVE_ALGORITHM,
     VariantRules,
     variant_rules,
 )
+from dsv4convert.layout import Drafter, ModelConfig
 
 ROLES = ("prefill", "decode", "server")
+DRAFT_LABELS = {Drafter.MTP: "MTP", Drafter.DSPARK: "DSpark", Drafter.NONE: "no"}
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
 
 
@@ -57,10 +60,12 @@ class Server:
     cuda_graph_max_bs_decode: int | None = None
     max_running_requests: int | None = None
     chunked_prefill_size: int | None = None
-    mtp: bool = False                           # the MTP draft by EAGLE
-    speculative_num_steps: int = EAGLE_STEPS
-    speculative_eagle_topk: int = EAGLE_TOPK
-    speculative_num_draft_tokens: int = EAGLE_DRAFT_TOKENS
+    mtp: bool = False                           # serve the checkpoint's drafter (EAGLE or DSPARK, by ``drafter``)
+    drafter: Drafter = Drafter.MTP              # what the checkpoint's mtp.* holds (config.json)
+    dspark_block_size: int | None = None        # DSPARK's gamma: the config's dspark_block_size unless overridden
+    speculative_num_steps: int | None = None           # None: the preset (EAGLE's balanced one; DSPARK's 1)
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
     draft_moe_runner_backend: str | None = None
     fp4_indexer: bool = False                   # --enable-deepseek-v4-fp4-indexer
     indexer_topk: bool = False                  # return the indexer's top-k (one attention-DP rank per GPU)
@@ -74,13 +79,23 @@ class Server:
         return gpu_family_major(self.gpu_family)
 
     @property
+    def speculative_algorithm(self) -> str | None:
+        """EAGLE for the preview's MTP block, DSPARK for a bundled DSpark drafter, None when no draft is served."""
+        return SPECULATIVE_ALGORITHM[self.drafter] if self.mtp else None
+
+    @property
     def draft_tokens(self) -> int | None:
-        """Tokens verified per step with the MTP draft (None: no draft)."""
-        return self.speculative_num_draft_tokens if self.mtp else None
+        """Tokens verified per step with the draft (None: no draft). DSPARK verifies its whole block and the
+        anchor, gamma + 1 (``arg_groups/speculative_hook.py::_handle_dspark``)."""
+        if not self.mtp:
+            return None
+        if self.drafter is Drafter.DSPARK:
+            return self.dspark_block_size + 1
+        return self.speculative_num_draft_tokens or EAGLE_DRAFT_TOKENS
 
     @property
     def rules(self) -> VariantRules:
-        return variant_rules(self.variant, self.gpu_family)
+        return variant_rules(self.variant, self.gpu_family, self.drafter)
 
     def argv(self) -> list[str]:
         """The arguments of ``python -m sglang.launch_server`` (what SGLang's parser sees)."""
@@ -98,17 +113,26 @@ class Server:
             args += ["--max-running-requests", str(self.max_running_requests)]
         if self.chunked_prefill_size is not None:
             args += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
-        if self.mtp:
-            args += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(self.speculative_num_steps),
-                     "--speculative-eagle-topk", str(self.speculative_eagle_topk),
-                     "--speculative-num-draft-tokens", str(self.speculative_num_draft_tokens)]
-            if self.draft_moe_runner_backend:
-                args += ["--speculative-moe-runner-backend", self.draft_moe_runner_backend]
+        if self.speculative_algorithm == "DSPARK":
+            # The draft path defaults to --model-path (the drafter is bundled); steps and top-k are forced to 1
+            # and the draft-token count to gamma + 1. The block size is written out so the command says it.
+            args += ["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size",
+                     str(self.dspark_block_size)]
+        elif self.speculative_algorithm == "EAGLE":
+            args += ["--speculative-algorithm", "EAGLE",
+                     "--speculative-num-steps", str(self.speculative_num_steps or EAGLE_STEPS),
+                     "--speculative-eagle-topk", str(self.speculative_eagle_topk or EAGLE_TOPK),
+                     "--speculative-num-draft-tokens", str(self.draft_tokens)]
+        if self.mtp and self.draft_moe_runner_backend:
+            args += ["--speculative-moe-runner-backend", self.draft_moe_runner_backend]
         if self.fp4_indexer:
             args += ["--enable-deepseek-v4-fp4-indexer"]
         if self.indexer_topk:
-            # The capturer needs attention TP == 1, i.e. one attention-DP rank per GPU.
+            # The capturer needs attention TP == 1, i.e. one attention-DP rank per GPU; DSPARK under attention
+            # DP needs the LM head split the same way (speculative_hook.py::_handle_dspark).
             args += ["--enable-return-indexer-topk", "--attn-dp-size", str(self.tp)]
+            if self.speculative_algorithm == "DSPARK" and self.tp > 1:
+                args += ["--enable-dp-lm-head"]
         if self.enable_metrics:
             args += ["--enable-metrics"]
         if self.disaggregation is not None:
@@ -130,15 +154,42 @@ class Server:
         if rest and rest[0] == "--":
             rest = rest[1:]
         changes = {name: value for name, value in vars(known).items() if value is not None}
-        if changes.get("speculative_algorithm") not in (None, "EAGLE"):
-            raise EngineError(f"--speculative-algorithm {changes['speculative_algorithm']}: this checkpoint's draft "
-                              "is served by EAGLE here (V4 takes EAGLE or DSPARK)")
-        if "speculative_algorithm" in changes:
+        if any(name.startswith(("speculative_", "dspark_")) for name in changes):   # the user's own draft settings
             changes["mtp"] = True
-            del changes["speculative_algorithm"]
-        if any(name.startswith("speculative_") for name in changes):   # the user's own draft settings
-            changes["mtp"] = True
-        return replace(self, **changes, passthrough=self.passthrough + tuple(rest))
+        chosen = changes.pop("speculative_algorithm", None)
+        served = replace(self, **changes, passthrough=self.passthrough + tuple(rest))
+        if served.mtp:
+            served._check_draft(chosen)
+        return served
+
+    def _check_draft(self, chosen: str | None) -> None:
+        """Refuse draft settings SGLang would refuse or, worse, accept and load wrong."""
+        if self.drafter is Drafter.NONE:
+            raise EngineError(f"--speculative-* arguments: {NO_DRAFT}")
+        expected = SPECULATIVE_ALGORITHM[self.drafter]
+        if chosen is not None and chosen != expected:
+            why = ("SGLang would build its one-layer NextN draft and load the DSpark stages into it, silently "
+                   "leaving e_proj/h_proj/enorm/hnorm uninitialized (configs/model_config.py::"
+                   "_config_draft_model)" if self.drafter is Drafter.DSPARK else
+                   "V4 takes EAGLE or DSPARK (arg_groups/deepseek_v4_hook.py), and DSPARK needs a bundled "
+                   "DSpark drafter, which this checkpoint's config does not announce")
+            raise EngineError(f"--speculative-algorithm {chosen}: this checkpoint's {DRAFT_LABELS[self.drafter]} draft "
+                              f"is served by {expected}; {why}")
+        if self.drafter is not Drafter.DSPARK:
+            return
+        if self.dspark_block_size is None or self.dspark_block_size < 1:
+            raise EngineError(f"--speculative-dspark-block-size: DSPARK needs a positive block size, got "
+                              f"{self.dspark_block_size}")
+        tokens = self.speculative_num_draft_tokens
+        if tokens is not None and tokens != self.dspark_block_size + 1:
+            raise EngineError(f"--speculative-num-draft-tokens {tokens}: DSPARK verifies its block and the anchor, "
+                              f"{self.dspark_block_size + 1} tokens for block size {self.dspark_block_size} (SGLang "
+                              "refuses any other count; set --speculative-dspark-block-size instead)")
+        for flag, value in (("--speculative-num-steps", self.speculative_num_steps),
+                            ("--speculative-eagle-topk", self.speculative_eagle_topk)):
+            if value not in (None, 1):
+                raise EngineError(f"{flag} {value}: DSPARK drafts its whole block in one step with one candidate "
+                                  "(SGLang overrides it to 1)")
 
 
 def _decimal(value: float) -> str:
@@ -159,28 +210,43 @@ for _flag, _type in (("--kv-cache-dtype", str), ("--moe-runner-backend", str), (
                      ("--max-running-requests", int), ("--chunked-prefill-size", int),
                      ("--speculative-algorithm", str), ("--speculative-num-steps", int),
                      ("--speculative-eagle-topk", int), ("--speculative-num-draft-tokens", int),
-                     ("--speculative-moe-runner-backend", str)):
+                     ("--speculative-moe-runner-backend", str), ("--speculative-dspark-block-size", int)):
     _USER_FLAGS.add_argument(_flag, type=_type, default=None,
-                             dest=_flag[2:].replace("-", "_").replace("speculative_moe", "draft_moe"))
+                             dest=_flag[2:].replace("-", "_").replace("speculative_moe", "draft_moe")
+                             .replace("speculative_dspark", "dspark"))
 _USER_FLAGS.add_argument("--enable-deepseek-v4-fp4-indexer", dest="fp4_indexer", action="store_const", const=True,
                          default=None)
 
 
+def drafter_of(config: ModelConfig | None) -> dict[str, object]:
+    """The :class:`Server` fields that follow from what a checkpoint's config says its ``mtp.*`` holds."""
+    if config is None:
+        return {}
+    return {"drafter": config.drafter, "dspark_block_size": config.dspark.block_size if config.dspark else None}
+
+
 def server(model: str, variant: str, gpu_family: str, *, role: str = "server", tp: int = 1, mtp: bool = False,
-           **settings) -> Server:
+           drafter: Drafter = Drafter.MTP, **settings) -> Server:
     """The server ``serve`` launches for ``variant`` on ``gpu_family``: the variant's MoE runner and environment,
-    the cookbook's SM120 memory settings, the MTP draft where its MoE method runs there (else refused), and for
-    a prefill or decode role the PD transfer settings (``serve`` gives its own)."""
+    the cookbook's SM120 memory settings, the checkpoint's draft (``drafter``: EAGLE for the preview's MTP
+    block, DSPARK for 0731's drafter) where its MoE method runs there (else refused), and for a prefill or
+    decode role the PD transfer settings (``serve`` gives its own)."""
     if role not in ROLES:
         raise EngineError(f"not a server role: {role!r}")
-    rules = variant_rules(variant, gpu_family)
+    rules = variant_rules(variant, gpu_family, drafter)
+    if mtp and drafter is Drafter.NONE:
+        raise EngineError(f"no draft to serve: {NO_DRAFT}")
     if mtp and not rules.serves_draft:
-        raise EngineError(f"no MTP draft for the {variant} variant on {gpu_family}: {rules.mtp_note}")
+        raise EngineError(f"no {DRAFT_LABELS[drafter]} draft for the {variant} variant on {gpu_family}: "
+                          f"{rules.mtp_note}")
     sm120 = gpu_family_major(gpu_family) == 12
-    base = Server(model=model, variant=variant, gpu_family=gpu_family, role=role, tp=tp, mtp=mtp,
+    base = Server(model=model, variant=variant, gpu_family=gpu_family, role=role, tp=tp, mtp=mtp, drafter=drafter,
                   moe_runner_backend=rules.moe_runner_backend,
                   mem_fraction_static=SM120_MEM_FRACTION if sm120 else None,
                   cuda_graph_max_bs_decode=SM120_DECODE_GRAPH_BS if sm120 and role in ("decode", "server") else None,
                   draft_moe_runner_backend=rules.draft_moe_runner_backend if mtp else None, env=dict(rules.env),
                   disaggregation=Disaggregation() if role in ("prefill", "decode") else None)
-    return replace(base, **settings)
+    served = replace(base, **settings)
+    if mtp:
+        served._check_draft(None)
+    return served

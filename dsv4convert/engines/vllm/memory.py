@@ -10,6 +10,7 @@ builds vLLM's spec classes with the same arguments and compares.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from dsv4convert.engines.memory import (
 )
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.vllm.server import vllm_launch
+from dsv4convert.layout import Drafter
 
 # config/cache.py CacheConfig.gpu_memory_utilization; the vLLM launch (engines/vllm/server.py) sets none.
 GPU_MEMORY_UTILIZATION = 0.92
@@ -112,19 +114,29 @@ ESTIMATES = (
 )
 # vLLM keeps wo_a FP8 and holds one copy of NVFP4 block scales.
 LOAD_RULES = LoadRules(wo_a_bf16=False, nvfp4_scale_copies=1)
+# A DSpark drafter (models/deepseek_v4/nvidia/dspark.py): context_wkv_proj holds a second copy of every stage's
+# wkv (_duplicate_context_wkv_weights), and the confidence head is an F32 ReplicatedLinear
+# (qwen3_dspark.py::DSparkConfidenceHead).
+DSPARK_LOAD_RULES = LoadRules(wo_a_bf16=False, nvfp4_scale_copies=1, draft_wkv_copies=2, confidence_head_bytes=4)
 
 
 def size_server(model: ServedModel, gpu: Gpu, tp: int, *, mtp: bool, context: int | None = None) -> ServerFit:
     """One vLLM server as its launch starts it (TP with expert parallelism, FP8 KV cache, whole blocks, the
     default ``gpu_memory_utilization``), as far as vLLM's code sizes it without a GPU."""
-    plan = vllm_launch("MODEL", model.variant, gpu.family, tp, draft=model.has_draft)   # raises if vLLM cannot load it
+    config = model.model_config
+    dspark = config.drafter is Drafter.DSPARK
+    plan = vllm_launch("MODEL", model.variant, gpu.family, tp,   # raises if vLLM cannot load it
+                       drafter=config.drafter if model.has_draft else Drafter.NONE,
+                       dspark_block_size=config.dspark.block_size if dspark else None)
     if mtp and plan.mtp_argv is None:
-        raise EngineError(f"no MTP draft with vLLM here: {plan.mtp_note}")
-    weights = weights_per_rank(model.tensors, tp, LOAD_RULES)
+        raise EngineError(f"no draft with vLLM here: {plan.mtp_note}")
+    weights = weights_per_rank(model.tensors, tp, DSPARK_LOAD_RULES if dspark else LOAD_RULES)
     loaded = weights.target + (weights.draft if mtp else 0)
     block = plan.block_size
+    # Each DSpark stage has its own sliding-window cache layer (dspark.py get_draft_kv_cache_layer_names).
+    draft_layers = (model.draft_blocks if dspark else 1) if mtp else 0
     specs = cache_specs(model.geometry, window=int(model.config.get("sliding_window", 128)), block_size=block,
-                        packed=packed_layout(gpu.family), draft_layers=1 if mtp else 0)
+                        packed=packed_layout(gpu.family), draft_layers=draft_layers)
     per_token = sum(spec.bytes_per_token for spec in specs)
     available = kv_budget(gpu.mib, GPU_MEMORY_UTILIZATION, loaded, RUNTIME_OVERHEAD_MIB)
     if per_token:
@@ -143,4 +155,5 @@ def size_server(model: ServedModel, gpu: Gpu, tp: int, *, mtp: bool, context: in
         requests_at_context=tokens // context if context else None,
         min_mem_fraction_static=math.ceil(minimum * 1000) / 1000, fits=fits,
         shortfall_bytes=0 if fits else int(needed * per_token - available), estimated=ESTIMATES,
-        engine=VLLM_LABEL.lower())
+        engine=VLLM_LABEL.lower(), drafter=config.drafter.value if mtp else None,
+        draft_tokens=json.loads(plan.mtp_argv[-1])["num_speculative_tokens"] + 1 if mtp else None)

@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass
 
 from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
+from dsv4convert.layout import Drafter
 
 KV_CACHE_DTYPE = "fp8"
 BLOCK_SIZE = 256        # tokens per KV block (--block-size); vLLM's memory sizing counts whole blocks
@@ -58,6 +59,15 @@ _VARIANT_LIMITS = {
               "a W4A16 MoE weight_scale sharding fault at TP > 2 was reported against vLLM (#41511, closed as "
               "stale); whether 0.33.0 fixed it is not checked here"],
 }
+# What a DSpark drafter meets in vLLM 0.33.0 (models/deepseek_v4/nvidia/dspark.py).
+DSPARK_LIMITS = [
+    "vLLM 0.33.0's V4 DSpark loader knows the Markov head only as markov_head.markov_w1/markov_w2 (the V4.1 loader "
+    "renames the release's embed/head, the V4 one raises KeyError): checkpoints converted for vLLM carry those "
+    "names, which SGLang reads too",
+    "the DSpark stages run the backbone's expert count (vLLM's V4 ignores dspark_n_routed_experts) and keep a "
+    "second copy of each stage's wkv (context_wkv_proj), which fit counts",
+    "DSpark runs on Model Runner V2 only; vLLM picks it where Triton is installed",
+]
 COMMON_LIMITS = [
     "CI builds vLLM 0.33.0's own model and MTP draft on CPU and loads every tensor through its loader; no "
     "kernel ran (the MoE backend vLLM picks depends on the GPU and the kernels installed)",
@@ -79,15 +89,29 @@ class VllmLaunch:
     block_size: int = BLOCK_SIZE
 
 
-def mtp_config(gpu_family: str) -> str | None:
-    tokens = _MTP_TOKENS.get(gpu_family_major(gpu_family))
-    return None if tokens is None else json.dumps({"method": "mtp", "num_speculative_tokens": tokens},
-                                                  separators=(",", ":"))
+def speculative_config(gpu_family: str, drafter: Drafter = Drafter.MTP, block_size: int | None = None) -> str | None:
+    """``--speculative-config`` for the checkpoint's drafter, or None where none is offered.
+
+    The preview's MTP block: vLLM's recipe (``method: mtp``). A DSpark drafter: ``method: dspark`` with
+    ``num_speculative_tokens`` set to the drafter's block size: vLLM 0.33.0 refuses the bundled form without
+    it (``config/speculative.py::SpeculativeConfig._verify_args``) and runs it only on Model Runner V2, its
+    default where Triton is installed (``config/vllm.py::VllmConfig.use_v2_model_runner``)."""
+    if drafter is Drafter.DSPARK:
+        if not block_size:
+            raise EngineError("a DSpark drafter needs its dspark_block_size for vLLM's num_speculative_tokens")
+        spec = {"method": "dspark", "num_speculative_tokens": block_size}
+    elif drafter is Drafter.MTP and gpu_family_major(gpu_family) in _MTP_TOKENS:
+        spec = {"method": "mtp", "num_speculative_tokens": _MTP_TOKENS[gpu_family_major(gpu_family)]}
+    else:
+        return None
+    return json.dumps(spec, separators=(",", ":"))
 
 
-def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, draft: bool = True) -> VllmLaunch:
-    """The vLLM command for a checkpoint vLLM 0.33.0 loads (``engines`` includes vllm), on one GPU family;
-    ``draft`` False: the checkpoint holds no MTP block (an NVFP4 one then has no draft format to tell apart)."""
+def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, drafter: Drafter = Drafter.MTP,
+                dspark_block_size: int | None = None) -> VllmLaunch:
+    """The vLLM command for a checkpoint vLLM 0.33.0 loads (``engines`` includes vllm), on one GPU family, with
+    its drafter (``Drafter.NONE``: no ``mtp.*``; an NVFP4 one then has no draft format to tell apart)."""
+    draft = drafter is not Drafter.NONE
     if not draft and variant == "nvfp4":
         variant = "nvfp4-mtp-bf16"
     if variant not in VLLM_MOE_METHODS:
@@ -96,9 +120,12 @@ def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, draft: bo
     moe, draft_method = VLLM_MOE_METHODS[variant]
     argv = ("vllm", "serve", model, "--tensor-parallel-size", str(tp), *(("--enable-expert-parallel",) if tp > 1
                                                                          else ()), *BASE_ARGS)
-    spec = mtp_config(gpu_family) if draft else None
+    spec = speculative_config(gpu_family, drafter, dspark_block_size)
     mtp_argv = None if spec is None else (*argv, "--speculative-config", spec)
     note = None if spec is not None else NO_DRAFT if not draft else (
         "vLLM's DeepSeek-V4-Flash recipe lists no RTX PRO 6000 (sm_120) and no MTP setting for it, so none is "
         "offered; vLLM 0.33.0's code does not refuse --speculative-config there, but it is unchecked")
-    return VllmLaunch(argv, {}, mtp_argv, note, moe, draft_method, tuple(_VARIANT_LIMITS.get(variant, [])))
+    limits = list(_VARIANT_LIMITS.get(variant, []))
+    if drafter is Drafter.DSPARK:
+        limits += DSPARK_LIMITS
+    return VllmLaunch(argv, {}, mtp_argv, note, moe, draft_method, tuple(limits))
