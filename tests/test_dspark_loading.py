@@ -24,8 +24,8 @@ And the engine behaviour the converter and ``serve`` rely on: both targets load 
 vLLM); SGLang under EAGLE silently builds the NextN draft instead (hence DSPARK); a DSpark draft's experts run
 on the target's MoE runner.
 
-Kept lean (CI is at its time limit): one vLLM process for the module, started first and run while SGLang
-loads; GPU families only where the engine behaves differently. The DSpark draft's parameters (names, dtypes,
+Kept lean (CI is at its time limit): one vLLM process answers the module's vLLM questions; GPU families only
+where the engine behaves differently. The DSpark draft's parameters (names, dtypes,
 shapes) are the same on sm_90, sm_100 and sm_120 for every output here, and its MoE method differs only for
 W4A16 (sm_100's Triton WNA16 MoE) and MXFP4 draft experts (their TRT-LLM method runs on sm_100 only): so each
 SGLang output is loaded on sm_90, W4A16 also on sm_100, the MXFP4 draft on sm_100 alone. vLLM's quant methods
@@ -35,8 +35,6 @@ do not depend on the family (test_vllm_loading.py): its drafts are built on sm_9
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +118,7 @@ def _markov_w1_w2(tensors: dict[str, torch.Tensor]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM: one process for the module, started before SGLang's loads and read by the vLLM tests.
+# vLLM: one process answers the module.
 
 def _vllm_argv(output: Path, gpu: str, config: dict) -> list[str]:
     """The card's ``vllm serve`` arguments with a DSpark draft of the config's block size: vLLM's bundled
@@ -133,8 +131,8 @@ def _vllm_argv(output: Path, gpu: str, config: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def vllm_pending(outputs, source) -> Iterator[Future]:
-    """vLLM's answers, computed in its own process while this one loads SGLang's models."""
+def vllm_answers(outputs, source) -> dict[tuple[str, str], dict]:
+    """Every vLLM question of the module, answered by one vLLM process (its import costs ~25 s)."""
     config = json.loads((source / "config.json").read_text())
     asked = {(name, "draft"): vllm.request(outputs[name], _vllm_argv(outputs[name], "sm90", config), gpu="sm90",
                                            draft=True) for name in VLLM_OUTPUTS}
@@ -144,13 +142,7 @@ def vllm_pending(outputs, source) -> Iterator[Future]:
     for name, path in (("native", source), ("native-w1w2", outputs["native-w1w2"])):
         asked[(name, "draft")] = vllm.request(path, native, gpu="sm90", draft=True)
     keys = list(asked)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        yield pool.submit(lambda: dict(zip(keys, vllm.run([asked[k] for k in keys]))))
-
-
-@pytest.fixture(scope="module")
-def vllm_answers(vllm_pending) -> dict[tuple[str, str], dict]:
-    return vllm_pending.result()
+    return dict(zip(keys, vllm.run([asked[k] for k in keys])))
 
 
 def _ok(answer: dict) -> dict:
@@ -254,9 +246,8 @@ class Drafted:
 
 
 @pytest.fixture(scope="module")
-def drafted(outputs, vllm_pending):
-    """SGLang's DSpark draft for one (output, family), built and loaded once per module (``vllm_pending`` is
-    asked for so that vLLM's process is already running)."""
+def drafted(outputs):
+    """SGLang's DSpark draft for one (output, family), built and loaded once per module."""
     cache: dict[tuple[str, str, tuple], Drafted] = {}
 
     def get(output: str, gpu: str, env: tuple = ()) -> Drafted:
