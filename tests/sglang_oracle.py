@@ -597,7 +597,7 @@ def _build_and_load(model_dir: str, argv: list[str], gpu: str, env: Mapping[str,
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
     from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
     from sglang.srt.model_loader.loader import _initialize_model, set_default_torch_dtype
-    from sglang.srt.runtime_context import SpawnRanks, publish, restore_context, snapshot_context
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, restore_context, snapshot_context
 
     state = snapshot_context()
     try:
@@ -629,6 +629,9 @@ def _build_and_load(model_dir: str, argv: list[str], gpu: str, env: Mapping[str,
             return _load_weights(model, model_config, load_config, gpu=gpu, draft=draft, sentinel=sentinel,
                                  stub_deep_gemm=wo_a_ue8m0)
     finally:
+        # The one-rank groups are stamped permanently (restore_context keeps stamps): left there, they contradict
+        # any later publish of a wider TP in this process (test_fit's pool check); the next call stamps them again.
+        get_parallel().clear_stamp()
         restore_context(state)
 
 
