@@ -120,14 +120,19 @@ def _markov_w1_w2(tensors: dict[str, torch.Tensor]) -> None:
 # ---------------------------------------------------------------------------------------------
 # vLLM: one process answers the module.
 
-def _vllm_argv(output: Path, gpu: str, config: dict) -> list[str]:
-    """The card's ``vllm serve`` arguments with a DSpark draft of the config's block size: vLLM's bundled
-    form requires num_speculative_tokens (config/speculative.py::SpeculativeConfig._verify_args)."""
+def _vllm_card(output: Path, gpu: str) -> dict:
+    """The model card's ``vllm serve`` commands for ``output`` on ``gpu``."""
     ckpt = Checkpoint.open(output)
     card = vllm_default_launch(output, detect_variant(output), opened=(ckpt, inspect_checkpoint(ckpt)))[_family(gpu)]
     assert card["argv"][:3] == ["vllm", "serve", str(output)]
+    return card
+
+
+def _vllm_argv(output: Path, gpu: str, config: dict) -> list[str]:
+    """The card's ``vllm serve`` arguments with a DSpark draft of the config's block size: vLLM's bundled
+    form requires num_speculative_tokens (config/speculative.py::SpeculativeConfig._verify_args)."""
     draft = json.dumps({"method": "dspark", "num_speculative_tokens": config["dspark_block_size"]})
-    return [*card["argv"][3:], "--speculative-config", draft]
+    return [*_vllm_card(output, gpu)["argv"][3:], "--speculative-config", draft]
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +142,8 @@ def vllm_answers(outputs, source) -> dict[tuple[str, str], dict]:
     asked = {(name, "draft"): vllm.request(outputs[name], _vllm_argv(outputs[name], "sm90", config), gpu="sm90",
                                            draft=True) for name in VLLM_OUTPUTS}
     asked[("fp8", "target")] = vllm.request(outputs["fp8"], _vllm_argv(outputs["fp8"], "sm90", config), gpu="sm90")
+    asked[("fp8", "mtp")] = vllm.request(outputs["fp8"], _vllm_card(outputs["fp8"], "sm90")["mtp"]["argv"][3:],
+                                         gpu="sm90", draft=True)
     native = ["--kv-cache-dtype", "fp8", "--block-size", "256", "--speculative-config",
               json.dumps({"method": "dspark", "num_speculative_tokens": config["dspark_block_size"]})]
     for name, path in (("native", source), ("native-w1w2", outputs["native-w1w2"])):
@@ -379,13 +386,13 @@ def test_sglang_target_loads_a_dspark_checkpoint_without_its_drafter(outputs):
 
 
 def test_sglang_eagle_on_a_dspark_checkpoint_builds_the_nextn_draft(outputs):
-    """Why serve must launch DSPARK: configs/model_config.py::ModelConfig._config_draft_model makes EAGLE's draft
-    DeepseekV4ForCausalLMNextN, which loads all stages into its one decoder and leaves the MTP block's own
-    projections and norms unwritten, with a warning and no error."""
-    argv, env = dspark_launch(outputs["fp8@sglang"], "sm90")
-    start = argv.index("--speculative-algorithm")
-    eagle = [*argv[:start], *sgl.EAGLE_ARGS, *argv[start + 2:]]
-    draft = sgl.load_checkpoint(outputs["fp8@sglang"], eagle, gpu="sm90", env=env, draft=True)
+    """Why serve must launch DSPARK: the card's MTP command (EAGLE) on a DSpark output makes
+    configs/model_config.py::ModelConfig._config_draft_model build DeepseekV4ForCausalLMNextN, which loads all
+    stages into its one decoder and leaves the MTP block's own projections and norms unwritten, with a warning
+    and no error."""
+    card = default_launch(outputs["fp8@sglang"], detect_variant(outputs["fp8@sglang"]))[_family("sm90")]["mtp"]
+    assert "EAGLE" in card["argv"]
+    draft = sgl.load_checkpoint(outputs["fp8@sglang"], card["argv"][3:], gpu="sm90", env=card["env"], draft=True)
     assert type(draft.model).__name__ == "DeepseekV4ForCausalLMNextN" and draft.error is None
     assert {p.rsplit(".", 1)[0] for p in draft.not_initialized} >= {"model.e_proj", "model.h_proj", "model.enorm",
                                                                      "model.hnorm"}
@@ -433,6 +440,15 @@ def test_vllm_target_loads_a_dspark_checkpoint_without_its_drafter(vllm_answers,
     assert {v for n, v in target["tensors"].items() if n.startswith("mtp.")} == {"dropped"}
     assert {v for n, v in target["tensors"].items() if not n.startswith("mtp.")} == {"landed"}
     assert target["unwritten"] == {} and target["replaced"] == {}
+
+
+def test_vllm_mtp_method_cannot_load_a_dspark_drafter(vllm_answers):
+    """Why a DSpark checkpoint must be served with {"method":"dspark"}: the card's MTP command (method mtp)
+    builds DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py), which has no parameter for a stage's main_norm."""
+    mtp = _ok(vllm_answers[("fp8", "mtp")])
+    assert mtp["resolved"]["speculative_method"] == "mtp" and mtp["model_class"] == "DeepSeekV4MTP"
+    assert mtp["error"] == "KeyError: 'model.layers.5.mtp_block.main_norm.weight'"
+    assert mtp["error_tensor"] == "mtp.0.main_norm.weight"
 
 
 def test_vllm_needs_markov_w1_w2_names(vllm_answers):
