@@ -128,26 +128,26 @@ def _vllm_card(output: Path, gpu: str) -> dict:
     return card
 
 
-def _vllm_argv(output: Path, gpu: str, config: dict) -> list[str]:
-    """The card's ``vllm serve`` arguments with a DSpark draft of the config's block size: vLLM's bundled
-    form requires num_speculative_tokens (config/speculative.py::SpeculativeConfig._verify_args)."""
-    draft = json.dumps({"method": "dspark", "num_speculative_tokens": config["dspark_block_size"]})
-    return [*_vllm_card(output, gpu)["argv"][3:], "--speculative-config", draft]
+def _dspark_config(source: Path) -> str:
+    """``--speculative-config`` for the DSpark draft, num_speculative_tokens the config's block size: vLLM's
+    bundled form requires it (config/speculative.py::SpeculativeConfig._verify_args)."""
+    config = json.loads((source / "config.json").read_text())
+    return json.dumps({"method": "dspark", "num_speculative_tokens": config["dspark_block_size"]})
 
 
 @pytest.fixture(scope="module")
 def vllm_answers(outputs, source) -> dict[tuple[str, str], dict]:
-    """Every vLLM question of the module, answered by one vLLM process (its import costs ~25 s)."""
-    config = json.loads((source / "config.json").read_text())
-    asked = {(name, "draft"): vllm.request(outputs[name], _vllm_argv(outputs[name], "sm90", config), gpu="sm90",
-                                           draft=True) for name in VLLM_OUTPUTS}
-    asked[("fp8", "target")] = vllm.request(outputs["fp8"], _vllm_argv(outputs["fp8"], "sm90", config), gpu="sm90")
-    asked[("fp8", "mtp")] = vllm.request(outputs["fp8"], _vllm_card(outputs["fp8"], "sm90")["mtp"]["argv"][3:],
-                                         gpu="sm90", draft=True)
-    native = ["--kv-cache-dtype", "fp8", "--block-size", "256", "--speculative-config",
-              json.dumps({"method": "dspark", "num_speculative_tokens": config["dspark_block_size"]})]
+    """Every vLLM question of the module, answered by one vLLM process (its import costs ~25 s): the card's
+    command with a DSpark draft for each output made for vLLM; the card's target and MTP commands for fp8; the
+    release's own checkpoint (it has no card: fp8's flags) and its Markov-renamed copy."""
+    dspark = ["--speculative-config", _dspark_config(source)]
+    card = {name: _vllm_card(outputs[name], "sm90") for name in VLLM_OUTPUTS}
+    asked = {(name, "draft"): vllm.request(outputs[name], [*card[name]["argv"][3:], *dspark], gpu="sm90", draft=True)
+             for name in VLLM_OUTPUTS}
+    asked[("fp8", "target")] = vllm.request(outputs["fp8"], [*card["fp8"]["argv"][3:], *dspark], gpu="sm90")
+    asked[("fp8", "mtp")] = vllm.request(outputs["fp8"], card["fp8"]["mtp"]["argv"][3:], gpu="sm90", draft=True)
     for name, path in (("native", source), ("native-w1w2", outputs["native-w1w2"])):
-        asked[(name, "draft")] = vllm.request(path, native, gpu="sm90", draft=True)
+        asked[(name, "draft")] = vllm.request(path, [*card["fp8"]["argv"][3:], *dspark], gpu="sm90", draft=True)
     keys = list(asked)
     return dict(zip(keys, vllm.run([asked[k] for k in keys])))
 
