@@ -68,7 +68,7 @@ from dsv4convert.engines.sglang.rules import variant_rules
 from dsv4convert.engines.vllm.server import VLLM_MOE_METHODS
 from dsv4convert.formats import Format, dequantize_fp8_block, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, detect_variant, inspect_checkpoint
-from dsv4convert.layout import Role, classify
+from dsv4convert.layout import Drafter, Role, classify
 from dsv4convert.synth import preset_config, synthesize, with_dspark
 
 RECIPES = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
@@ -132,7 +132,7 @@ def _dspark_config(source: Path) -> str:
     """``--speculative-config`` for the DSpark draft, num_speculative_tokens the config's block size: vLLM's
     bundled form requires it (config/speculative.py::SpeculativeConfig._verify_args)."""
     config = json.loads((source / "config.json").read_text())
-    return json.dumps({"method": "dspark", "num_speculative_tokens": config["dspark_block_size"]})
+    return json.dumps({"method": "dspark", "num_speculative_tokens": config["dspark_block_size"]}, separators=(",", ":"))
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +142,13 @@ def vllm_answers(outputs, source) -> dict[tuple[str, str], dict]:
     release's own checkpoint (it has no card: fp8's flags) and its Markov-renamed copy."""
     dspark = ["--speculative-config", _dspark_config(source)]
     card = {name: _vllm_card(outputs[name], "sm90") for name in VLLM_OUTPUTS}
-    asked = {(name, "draft"): vllm.request(outputs[name], [*card[name]["argv"][3:], *dspark], gpu="sm90", draft=True)
+    for name in VLLM_OUTPUTS:   # the card's draft command is the DSpark one
+        assert card[name]["mtp"]["argv"] == [*card[name]["argv"], *dspark], name
+    asked = {(name, "draft"): vllm.request(outputs[name], card[name]["mtp"]["argv"][3:], gpu="sm90", draft=True)
              for name in VLLM_OUTPUTS}
     asked[("fp8", "target")] = vllm.request(outputs["fp8"], [*card["fp8"]["argv"][3:], *dspark], gpu="sm90")
-    asked[("fp8", "mtp")] = vllm.request(outputs["fp8"], card["fp8"]["mtp"]["argv"][3:], gpu="sm90", draft=True)
+    mtp = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
+    asked[("fp8", "mtp")] = vllm.request(outputs["fp8"], [*card["fp8"]["argv"][3:], *mtp], gpu="sm90", draft=True)
     for name, path in (("native", source), ("native-w1w2", outputs["native-w1w2"])):
         asked[(name, "draft")] = vllm.request(path, [*card["fp8"]["argv"][3:], *dspark], gpu="sm90", draft=True)
     keys = list(asked)
@@ -234,14 +237,16 @@ def _outside_its_stage(loaded: sgl.LoadedModel) -> dict[str, list[str]]:
 
 
 def dspark_launch(output: Path, gpu: str) -> tuple[list[str], dict[str, str]]:
-    """The card's MTP launch on ``gpu`` with EAGLE's flags replaced by ``--speculative-algorithm DSPARK`` (the
-    card offers EAGLE only): its variant's env, and --speculative-moe-runner-backend where the rules give one.
-    DSPARK derives the rest (arg_groups/speculative_hook.py::_handle_dspark: steps and top-k 1, draft tokens
-    dspark_block_size + 1, the draft path the model's own)."""
-    card = default_launch(output, detect_variant(output))[_family(gpu)]["mtp"]
-    argv = card["argv"][3:]
-    start = next(i for i in range(len(argv)) if tuple(argv[i:i + len(sgl.EAGLE_ARGS)]) == sgl.EAGLE_ARGS)
-    return [*argv[:start], "--speculative-algorithm", "DSPARK", *argv[start + len(sgl.EAGLE_ARGS):]], card["env"]
+    """The card's draft launch on ``gpu`` (``--speculative-algorithm DSPARK``: SGLang derives the rest,
+    arg_groups/speculative_hook.py::_handle_dspark: steps and top-k 1, draft tokens dspark_block_size + 1, the
+    draft path the model's own). Where the card offers none (serve refuses the draft there), the card's launch
+    with the DSPARK flags added, so the loader is still asked what it would build."""
+    card = default_launch(output, detect_variant(output))[_family(gpu)]
+    if "mtp" in card:
+        assert "DSPARK" in card["mtp"]["argv"]
+        return card["mtp"]["argv"][3:], card["mtp"]["env"]
+    return [*card["argv"][3:], "--speculative-algorithm", "DSPARK", "--speculative-moe-runner-backend", "triton"], \
+        card["env"]
 
 
 @dataclass
@@ -345,7 +350,7 @@ def test_sglang_dspark_draft_loads_every_tensor(drafted, output, gpu):
 @pytest.mark.parametrize(("output", "gpu"), CELLS)
 def test_sglang_dspark_stage_moe_methods_follow_the_rules(drafted, output, gpu):
     d = drafted(output, gpu)
-    rules = variant_rules(detect_variant(d.ckpt.root), gpu)
+    rules = variant_rules(detect_variant(d.ckpt.root), gpu, Drafter.DSPARK)
     assert d.loaded.moe_methods == {f"stages.{s}.mlp.experts": rules.draft_moe_method for s in range(3)}
     assert d.loaded.wo_a_fp8 is False  # DSparkAttention.__init__: wo_a_fp8=False on every family
 
@@ -366,6 +371,7 @@ def test_sglang_dspark_experts_run_on_the_target_runner(drafted):
     ``sglang_oracle._draft_build_scopes``): ``--speculative-moe-runner-backend triton``, which the rules give the
     NVFP4 hybrid's FP8 draft experts, does not reach them; they get the target's marlin, for which
     ``Fp8MoEMethod.create_moe_runner`` (layers/quantization/fp8.py) builds no runner."""
+    assert not variant_rules("nvfp4", "sm90", Drafter.DSPARK).serves_draft   # why serve refuses this draft
     d = drafted("nvfp4@sglang", "sm90")
     assert d.argv[d.argv.index("--moe-runner-backend") + 1] == "marlin"
     assert d.argv[d.argv.index("--speculative-moe-runner-backend") + 1] == "triton"
@@ -386,13 +392,13 @@ def test_sglang_target_loads_a_dspark_checkpoint_without_its_drafter(outputs):
 
 
 def test_sglang_eagle_on_a_dspark_checkpoint_builds_the_nextn_draft(outputs):
-    """Why serve must launch DSPARK: the card's MTP command (EAGLE) on a DSpark output makes
+    """Why serve must launch DSPARK (and refuses EAGLE): EAGLE on a DSpark output makes
     configs/model_config.py::ModelConfig._config_draft_model build DeepseekV4ForCausalLMNextN, which loads all
     stages into its one decoder and leaves the MTP block's own projections and norms unwritten, with a warning
     and no error."""
-    card = default_launch(outputs["fp8@sglang"], detect_variant(outputs["fp8@sglang"]))[_family("sm90")]["mtp"]
-    assert "EAGLE" in card["argv"]
-    draft = sgl.load_checkpoint(outputs["fp8@sglang"], card["argv"][3:], gpu="sm90", env=card["env"], draft=True)
+    card = default_launch(outputs["fp8@sglang"], detect_variant(outputs["fp8@sglang"]))[_family("sm90")]
+    eagle = [*card["argv"][3:], *sgl.EAGLE_ARGS]
+    draft = sgl.load_checkpoint(outputs["fp8@sglang"], eagle, gpu="sm90", env=card["env"], draft=True)
     assert type(draft.model).__name__ == "DeepseekV4ForCausalLMNextN" and draft.error is None
     assert {p.rsplit(".", 1)[0] for p in draft.not_initialized} >= {"model.e_proj", "model.h_proj", "model.enorm",
                                                                      "model.hnorm"}
@@ -443,8 +449,7 @@ def test_vllm_target_loads_a_dspark_checkpoint_without_its_drafter(vllm_answers,
 
 
 def test_vllm_mtp_method_cannot_load_a_dspark_drafter(vllm_answers):
-    """Why a DSpark checkpoint must be served with {"method":"dspark"}: the card's MTP command (method mtp)
-    builds DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py), which has no parameter for a stage's main_norm."""
+    """Why a DSpark checkpoint's card says {"method":"dspark"}: the preview's method mtp builds DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py), which has no parameter for a stage's main_norm."""
     mtp = _ok(vllm_answers[("fp8", "mtp")])
     assert mtp["resolved"]["speculative_method"] == "mtp" and mtp["model_class"] == "DeepSeekV4MTP"
     assert mtp["error"] == "KeyError: 'model.layers.5.mtp_block.main_norm.weight'"
