@@ -216,3 +216,23 @@ def test_mutated_shipped_recipe(which, edits):
         position %= len(text) + 1
         text = text[:position] + insert + text[position + delete:]
     parse(text)
+
+
+def test_a_shipped_name_never_reads_the_working_directory(tmp_path, monkeypatch):
+    """`to-fp8` run where a folder (or file) is called fp8 still converts with the shipped recipe; a file named
+    like a shipped recipe is reached as ./fp8."""
+    from dsv4convert.convert.recipe import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "nvfp4").write_text("not a recipe")
+    assert load_recipe("fp8").source == str(RECIPE_DIR / "fp8.yaml")
+    assert load_recipe("nvfp4").source == str(RECIPE_DIR / "nvfp4.yaml")
+    (tmp_path / "mine").write_text((RECIPE_DIR / "bf16.yaml").read_text())
+    assert load_recipe("./mine").name == "bf16"
+    try:
+        load_recipe("./nvfp4")
+    except RecipeError as exc:
+        assert "nvfp4" in str(exc)
+    else:
+        raise AssertionError("./nvfp4 is the file there, which is not a recipe")

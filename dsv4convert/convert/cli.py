@@ -93,12 +93,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         if recipe == "nvfp4":
             _nvfp4_inputs(p)
             p.add_argument("--mtp-experts", choices=list(NVFP4_MTP_EXPERTS), default="auto",
-                           help="the MTP draft's experts, all lossless from MXFP4: auto (default) picks per --engine: "
-                                "fp8 for sglang (FP8-block; SGLang runs the draft on sm_90, sm_100 and sm_120; vLLM "
-                                "cannot load it), mxfp4 for vllm (kept as released: recipe nvfp4-mtp-mxfp4; both "
-                                "engines load it, SGLang runs that draft on sm_100 only), bf16 for both (2 bytes a "
-                                "weight, 12.9 GB at full size against 6.4 GB FP8 and 3.4 GB MXFP4; both engines run "
-                                "the draft on every family)")
+                           help="the draft's experts (the preview's MTP block, 0731's DSpark stages), all lossless "
+                                "from MXFP4: auto (default) picks per --engine: fp8 for sglang (FP8-block; SGLang runs "
+                                "the preview's draft on sm_90, sm_100 and sm_120, a DSpark one on sm_100 only: DSPARK "
+                                "runs it on the backbone's Marlin runner elsewhere; vLLM cannot load it), mxfp4 for "
+                                "vllm (kept as released: recipe nvfp4-mtp-mxfp4; both engines load it, SGLang runs that "
+                                "draft on sm_100 only), bf16 for both (2 bytes a weight: 12.9 GB per MTP block or "
+                                "DSpark stage at full size against 6.4 GB FP8 and 3.4 GB MXFP4; both engines run the "
+                                "draft on every family)")
         if recipe == "w4a16":
             _int4_options(p)
             _gptq_inputs(p)
@@ -112,7 +114,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "Convert with a recipe file: ordered rules that map tensor roles (and optional module regexes) to "
         "keep/bf16/fp8/nvfp4/int4. See recipes/ for the shipped ones and a mixed example."))
     p.add_argument("--recipe", required=True,
-                   help="recipe file, or a shipped name: fp8, nvfp4, nvfp4-mtp-mxfp4, w4a16, bf16")
+                   help="a shipped name (fp8, nvfp4, nvfp4-mtp-mxfp4, w4a16, bf16), or a recipe file (./fp8 for a "
+                        "file named like a shipped recipe)")
     _common(p)
     _nvfp4_inputs(p)
     p.add_argument("--gptq", action="store_true",

@@ -305,10 +305,10 @@ def parse_recipe(text: str, source: str) -> Recipe:
 
 
 def load_recipe(path_or_name: str | Path) -> Recipe:
-    """A recipe file, or the name of a shipped recipe (one of ``SHIPPED``)."""
-    path = Path(path_or_name)
-    if not path.exists() and str(path_or_name) in SHIPPED:
-        path = RECIPE_DIR / f"{path_or_name}.yaml"
+    """The shipped recipe of that name (one of ``SHIPPED``), else a recipe file. A bare shipped name never
+    reads the working directory (a folder called ``fp8`` there must not shadow ``to-fp8``'s recipe); a file
+    named like one is ``./fp8``."""
+    path = RECIPE_DIR / f"{path_or_name}.yaml" if str(path_or_name) in SHIPPED else Path(path_or_name)
     try:
         if path.stat().st_size > MAX_RECIPE_BYTES:
             raise RecipeError(f"recipe is larger than {MAX_RECIPE_BYTES} bytes", file=path)

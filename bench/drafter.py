@@ -1,0 +1,158 @@
+"""The DSpark drafter streams like any block: its stages' conversion rate against the backbone's, and peak memory.
+
+Synthesizes the official release's config (``dsv4convert/data/deepseek-v4-flash-0731-config.json``) at two
+real-size backbone layers with its drafter (``synth --config ... --num-layers 2``: three real-size DSpark
+stages, about 10.9 GB), then derives three checkpoints from it by hard links (``synth`` derives every tensor
+from (seed, name) alone, so these are the bytes ``synth`` would write for them):
+
+* ``A1``: one backbone layer, no drafter;
+* ``A2``: two backbone layers, no drafter;
+* ``D1``: one backbone layer and the drafter.
+
+Each converter (``to-<variant>``, one worker) runs on A1, A2 and D1 in turn, from a cold page cache
+(``bench/convert.py``'s ``timed``: wall seconds, CPU, peak RSS). The backbone's rate is what one more layer
+costs, ``(bytes(A2) - bytes(A1)) / (t(A2) - t(A1))``; the drafter's is what it adds,
+``(bytes(D1) - bytes(A1)) / (t(D1) - t(A1))``: the same embedding and head are in both differences'
+baselines, so they cancel. The ratio of the two rates is the finding (machines are noisy: the runs are side by
+side in one process, in the order A1, A2, D1 per variant, with ``--repeat`` rounds). Peak RSS of D1 against A1
+and A2 says whether memory grows with the drafter.
+
+    python bench/drafter.py --variants nvfp4 fp8 --work /root/bd --out-dir /root/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert import GB, _commit, _machine, _size, timed  # noqa: E402  (bench/convert.py: one way to time a run)
+
+from dsv4convert.checkpoint import Checkpoint, atomic_write_json  # noqa: E402
+from dsv4convert.checkpoint.writer import write_index  # noqa: E402
+from dsv4convert.layout import ModelConfig, native_groups  # noqa: E402
+from dsv4convert.synth import with_num_layers  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "dsv4convert" / "data" / "deepseek-v4-flash-0731-config.json"
+VARIANTS = ("nvfp4", "fp8", "w4a16", "bf16")
+
+
+def derive(full: Path, dst: Path, layers: int, *, drafter: bool) -> Path:
+    """A checkpoint of ``layers`` backbone layers (with or without the drafter) made of hard links into ``full``."""
+    config = with_num_layers(Checkpoint.open(full).config, layers, mtp=drafter)
+    wanted = {spec.name for group in native_groups(ModelConfig.from_dict(config)) for spec in group}
+    ckpt = Checkpoint.open(full)
+    missing = sorted(wanted - set(ckpt.tensors))
+    if missing:
+        raise SystemExit(f"{full} lacks {missing[0]} (and {len(missing) - 1} more)")
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    weight_map = {}
+    for name in wanted:
+        entry = ckpt.tensors[name]
+        weight_map[name] = entry.path.name
+        if not (dst / entry.path.name).exists():
+            os.link(entry.path, dst / entry.path.name)
+    for small in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (full / small).exists():
+            shutil.copy(full / small, dst / small)
+    atomic_write_json(dst / "config.json", config)
+    write_index(dst, weight_map, sum(ckpt.tensors[n].nbytes for n in wanted))
+    return dst
+
+
+def rates(rows: list[dict]) -> dict:
+    """Per variant: median seconds of A1/A2/D1 over the rounds, the backbone layer's and the drafter's rates."""
+    out = {}
+    for variant in sorted({r["variant"] for r in rows}):
+        t = {name: statistics.median(r["seconds"] for r in rows if r["variant"] == variant and r["source"] == name)
+             for name in ("A1", "A2", "D1")}
+        size = {r["source"]: r["source_bytes"] for r in rows}
+        layer = (size["A2"] - size["A1"]) / max(t["A2"] - t["A1"], 1e-9)
+        drafter = (size["D1"] - size["A1"]) / max(t["D1"] - t["A1"], 1e-9)
+        peak = {name: max(r["peak_rss_total"] for r in rows if r["variant"] == variant and r["source"] == name)
+                for name in ("A1", "A2", "D1")}
+        out[variant] = {"seconds": {k: round(v, 2) for k, v in t.items()},
+                        "backbone_layer_gb_per_s": round(layer / GB, 3), "drafter_gb_per_s": round(drafter / GB, 3),
+                        "drafter_over_backbone": round(drafter / layer, 2),
+                        "peak_rss_gb": {k: round(v / GB, 3) for k, v in peak.items()}}
+    return out
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = ["# The DSpark drafter's conversion rate against the backbone's (0731 config, real-size blocks)", "",
+             f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}",
+             f"- commit `{result['commit']}`; command: `{result['command']}`",
+             f"- sources: A1 {result['bytes']['A1'] / GB:.2f} GB (1 layer), A2 {result['bytes']['A2'] / GB:.2f} GB "
+             f"(2 layers), D1 {result['bytes']['D1'] / GB:.2f} GB (1 layer + drafter); synth "
+             f"{result['synth_seconds']} s", "",
+             "| variant | A1 s | A2 s | D1 s | backbone layer GB/s | drafter GB/s | drafter / backbone | "
+             "peak RSS A1 / A2 / D1 GB |", "|---|---|---|---|---|---|---|---|"]
+    for variant, r in result["rates"].items():
+        s, p = r["seconds"], r["peak_rss_gb"]
+        lines.append(f"| {variant} | {s['A1']} | {s['A2']} | {s['D1']} | {r['backbone_layer_gb_per_s']} | "
+                     f"{r['drafter_gb_per_s']} | {r['drafter_over_backbone']} | {p['A1']} / {p['A2']} / {p['D1']} |")
+    lines += ["", "Every run:", "", "| round | variant | source | seconds | CPU s | peak RSS GB | output GB |",
+              "|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        lines.append(f"| {r['round']} | {r['variant']} | {r['source']} | {r['seconds']:.1f} | "
+                     f"{r['cpu_user_seconds'] + r['cpu_system_seconds']:.1f} | {r['peak_rss_total'] / GB:.3f} | "
+                     f"{r['output_bytes'] / GB:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["nvfp4", "fp8"])
+    p.add_argument("--repeat", type=int, default=1, help="rounds of A1, A2, D1 per variant (default 1)")
+    p.add_argument("--work", type=Path, default=Path("bench-drafter-work"), help="scratch directory")
+    p.add_argument("--source", type=Path, help="reuse a synth of the 0731 config at 2 layers with its drafter")
+    p.add_argument("--config", type=Path, default=CONFIG, help="the config to synthesize (default: 0731's)")
+    p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--name", default="drafter-cpu", help="results file stem")
+    args = p.parse_args()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    full = args.source or work / "src-0731-2"
+    result: dict = {"machine": _machine("cpu"), "commit": _commit(), "command": shlex.join(sys.argv), "runs": []}
+    synth_seconds = 0.0
+    if args.source is None:
+        import time
+
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "dsv4convert", "synth", "--config", str(args.config), "--num-layers", "2",
+                        "--dst", str(full), "--overwrite"], check=True)
+        synth_seconds = round(time.monotonic() - t0, 1)
+    result["synth_seconds"] = synth_seconds
+    sources = {"A1": derive(full, work / "A1", 1, drafter=False), "A2": derive(full, work / "A2", 2, drafter=False),
+               "D1": derive(full, work / "D1", 1, drafter=True)}
+    result["bytes"] = {name: _size(path) for name, path in sources.items()}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for round_ in range(args.repeat):
+        for variant in args.variants:
+            for name, src in sources.items():
+                cmd = [sys.executable, "-m", "dsv4convert", f"to-{variant}", "--src", str(src), "--dst",
+                       str(work / "out"), "--no-progress"]
+                row = timed(cmd, src, work / "out")
+                row.update(round=round_, variant=variant, source=name, source_bytes=result["bytes"][name])
+                result["runs"].append(row)
+                print(f"{variant} {name}: {row['seconds']} s, peak RSS {row['peak_rss_total'] / GB:.2f} GB", flush=True)
+                (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["rates"] = rates(result["runs"])
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / f"{args.name}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
