@@ -118,24 +118,23 @@ def baselines(plan: AutomixPlan, measured: Measured) -> list[tuple[str, Mix]]:
 def pareto(plan: AutomixPlan, measured: Measured, heldout: torch.Tensor, work: Path, choices: dict[str, Choice],
            chosen: Mix | None) -> list[Row]:
     """Every baseline, and automix's choice at each baseline's bytes (``choices``, by baseline name) and at the
-    user's budget (``chosen``, when not converted already), measured on the held-out windows; a choice that is
-    a baseline's own mix is not converted twice."""
-    rows: dict[tuple, Row] = {}
-    for kind, mix in baselines(plan, measured):
-        rows[picks_key(mix.picks)] = measure_row(plan, mix, kind, measured, heldout, work)
-    automix: dict[tuple, tuple[Mix, Choice | None]] = {}
-    for name, choice in choices.items():
-        automix.setdefault(picks_key(choice.chosen.picks), (replace(choice.chosen, name=f"automix-at-{name}"), choice))
+    user's budget (``chosen``, when not converted already), measured on the held-out windows; a mix stored
+    twice (a choice that is a baseline's own mix, or the same choice at two budgets) is converted once."""
+    done: dict[tuple, Row] = {}
+
+    def row(mix: Mix, kind: str, choice: Choice | None = None) -> Row:
+        verified = choice is not None and choice.selection is not None
+        key = picks_key(mix.picks)
+        if key not in done:
+            done[key] = measure_row(plan, mix, kind, measured, heldout, work)
+        return replace(done[key], name=mix.name, kind=kind, layout=mix.layout.label, bytes=mix.bytes,
+                       predicted=mix.predicted, selection=choice.kld(choice.chosen) if verified else None,
+                       note=choice.verdict() if verified and choice.overruled else None)
+
+    table = [row(mix, kind) for kind, mix in baselines(plan, measured)]
+    table += [row(replace(choice.chosen, name=f"automix-at-{name}"), "automix", choice) for name, choice in choices.items()]
     if chosen is not None:
-        automix.setdefault(picks_key(chosen.picks), (chosen, None))
-    table = list(rows.values())
-    for key, (mix, choice) in automix.items():
-        if key in rows:
-            table.append(replace(rows[key], name=mix.name, kind="automix", layout=mix.layout.label, bytes=mix.bytes,
-                                 predicted=mix.predicted, selection=choice.kld(choice.chosen) if choice else None,
-                                 note=choice.verdict() if choice and choice.overruled else None))
-        else:
-            table.append(measure_row(plan, mix, "automix", measured, heldout, work, choice=choice))
+        table.append(row(chosen, "automix"))
     return sorted(table, key=lambda r: (r.bytes, r.name))
 
 
