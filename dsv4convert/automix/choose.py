@@ -79,7 +79,8 @@ class Choice:
             return f"{what}: the least predicted KLD ({self.chosen.predicted:.5f}), not verified (--verify-top 0)"
         tokens = self.selection.sequences * self.selection.seq_len
         measured = (f"{what} measured least of {len(self.candidates)} candidates on {tokens} selection tokens "
-                    f"({self.kld(self.chosen):.5f} ± {self.error(self.chosen):.5f}, predicted {self.chosen.predicted:.5f})")
+                    f"({self.kld(self.chosen):.5f} ± {self.error(self.chosen):.5f}, "
+                    f"predicted {self.chosen.predicted:.5f})")
         if not self.overruled:
             return f"{measured}, as predicted"
         gap = self.kld(self.predicted) - self.kld(self.chosen)

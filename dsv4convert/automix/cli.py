@@ -63,7 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "about 8 min for the whole V4-Flash on one H200 (docs/automix.md); 0: trust the estimate, "
                         "no selection windows (default 4)")
     p.add_argument("--verify-tokens", type=_tokens, default=8192,
-                   help="held-out tokens (after --select-tokens) for compare's verification and the report (default 8K)")
+                   help="held-out tokens (after --select-tokens) for compare's verification and the report "
+                        "(default 8K)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: bfloat16 on a GPU)")
@@ -105,7 +106,8 @@ def _options(args: argparse.Namespace) -> automix.AutomixOptions:
         src=args.src, dst=args.dst, size=args.size, gpu=args.gpu, tp=args.tp, kv_tokens=args.kv_tokens, mtp=args.mtp,
         engine=args.engine, gpu_family=args.gpu_family, text=args.text, tokens=args.tokens,
         select_tokens=args.select_tokens, verify_top=args.verify_top, verify_tokens=args.verify_tokens,
-        seq_len=args.seq_len, device=args.device, dtype=args.dtype, chunk=args.chunk, calibration=args.calibration, report=args.report, progress=not args.no_progress)
+        seq_len=args.seq_len, device=args.device, dtype=args.dtype, chunk=args.chunk, calibration=args.calibration,
+        report=args.report, progress=not args.no_progress)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -121,8 +123,8 @@ def _run(args: argparse.Namespace) -> int:
     best = plan.solve(measured)
     if best is None:
         raise DSV4Error("no mix fits the budget")
-    print(f"automix: predicted best {best.layout.label}, {human_bytes(best.bytes)} of {human_bytes(best.layout.capacity)} "
-          f"({best.layout.unit.describe()}); predicted mean KLD {best.predicted:.5f}")
+    print(f"automix: predicted best {best.layout.label}, {human_bytes(best.bytes)} of "
+          f"{human_bytes(best.layout.capacity)} ({best.layout.unit.describe()}); predicted mean KLD {best.predicted:.5f}")
     capacities: dict[str, int | None] = {"": None}
     if opts.report:
         capacities.update({mix.name: mix.bytes for _, mix in verify.baselines(plan, measured)})

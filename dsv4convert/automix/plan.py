@@ -237,9 +237,9 @@ class AutomixPlan:
         """The mix on a track of the pass: its candidates (none where it stores a decision exactly), its serving."""
         if not self._probe_of:
             self._probe_of = {p.candidate: p for p in self.probes}
-        schemes = (Candidate(d, scheme_of(d.group, f, layout.serving)) for d, f in picks.items())
-        return MixTrack(label, tuple(self._probe_of[c] for c in schemes if not is_exact(c.scheme, layout.sources[c.decision])),
-                        layout.serving)
+        candidates = (Candidate(d, scheme_of(d.group, f, layout.serving)) for d, f in picks.items())
+        return MixTrack(label, tuple(self._probe_of[c] for c in candidates
+                                     if not is_exact(c.scheme, layout.sources[c.decision])), layout.serving)
 
     def uniform_layouts(self) -> list[tuple[str, Layout, dict[Decision, Format]]]:
         """(name, layout, picks) of each servable uniform layout: every layout's uniform mix, and all BF16 once
@@ -472,7 +472,8 @@ def windows(plan: AutomixPlan) -> Windows:
     ids = tokenize(plan.ckpt.root, read_documents(Path(opts.text)))
     vocab = plan.inspection.config.vocab_size
     if ids.numel() and int(ids.max()) >= vocab:
-        raise DSV4Error(f"the tokenizer produced id {int(ids.max())} but the model has {vocab} tokens", file=plan.ckpt.root)
+        raise DSV4Error(f"the tokenizer produced id {int(ids.max())} but the model has {vocab} tokens",
+                        file=plan.ckpt.root)
     sizes = [count // opts.seq_len for count in counts.values()]
     if ids.numel() < sum(sizes) * opts.seq_len:
         wanted = " + ".join(f"{flag} {count}" for flag, count in counts.items() if count)
@@ -526,12 +527,12 @@ def print_plan(plan: AutomixPlan, out=None) -> None:
         fitting = [name for name, layout, picks in plan.uniform_layouts()
                    if plan.bytes_of(layout, picks) <= layout.capacity]
         tracks = opts.verify_top + len(fitting)
-        windows = opts.select_tokens // opts.seq_len
+        select = opts.select_tokens // opts.seq_len
+        streams = stream_bytes(tracks + 2, select * opts.seq_len, cfg.hc_mult, cfg.hidden_size, plan.dtype)
         print(f"  verification: the {opts.verify_top} best predicted mixes (the best of as many layouts) and the "
               f"{len(fitting)} uniform layout(s) within the budget ({', '.join(fitting) or 'none'}) measured whole on "
-              f"{windows} x {opts.seq_len} selection tokens: up to {tracks} tracks, one more pass over the model "
-              f"({tracks * cfg.num_hidden_layers} layer passes, no conversion; streams "
-              f"~{human_bytes(stream_bytes(tracks + 2, windows * opts.seq_len, cfg.hc_mult, cfg.hidden_size, plan.dtype))})"
+              f"{select} x {opts.seq_len} selection tokens: up to {tracks} tracks, one more pass over the model "
+              f"({tracks * cfg.num_hidden_layers} layer passes, no conversion; streams ~{human_bytes(streams)})"
               + ("; the report adds each baseline's candidates to that pass" if opts.report else ""), file=out)
     print(f"  held out: {opts.verify_tokens // opts.seq_len} x {opts.seq_len} tokens for compare of the written mix"
           + (" and the report's every row (one conversion and compare each)" if opts.report else ""), file=out)

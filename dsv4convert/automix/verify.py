@@ -132,7 +132,8 @@ def pareto(plan: AutomixPlan, measured: Measured, heldout: torch.Tensor, work: P
                        note=choice.verdict() if verified and choice.overruled else None)
 
     table = [row(mix, kind) for kind, mix in baselines(plan, measured)]
-    table += [row(replace(choice.chosen, name=f"automix-at-{name}"), "automix", choice) for name, choice in choices.items()]
+    table += [row(replace(choice.chosen, name=f"automix-at-{name}"), "automix", choice)
+              for name, choice in choices.items()]
     if chosen is not None:
         table.append(row(chosen, "automix"))
     return sorted(table, key=lambda r: (r.bytes, r.name))
