@@ -15,8 +15,8 @@ language from that seed (``organism.language.documents``), which no test reads.
 The summary counts the baselines met: automix's choice at a baseline's bytes measures at most the baseline's
 KLD on the held-out windows ("met"), or more by less than one standard error of the difference (the two
 rows' errors combined: "indistinguishable", listed), else "missed" (listed); and gives measured over
-predicted KLD per family, for the held-out rows, for automix's choices, and for the candidates measured on
-the selection windows.
+predicted KLD per family, for the held-out rows, for automix's choices (also with the prediction corrected by
+the family's measured/predicted on the selection windows), and for the candidates measured there.
 """
 
 from __future__ import annotations
@@ -58,25 +58,30 @@ def summary(report: dict) -> tuple[list[str], dict]:
                    f"{auto['bytes'] / 1e6:.1f} MB against {base['measured']:.5f} ± {base['standard_error']:.5f} at "
                    f"{base['bytes'] / 1e6:.1f} MB")
         (met if gap <= 0 else close if gap < error else missed).append(verdict)
+    columns = ("held-out rows", "automix's choices", "automix's choices, corrected", "selection candidates")
     families: dict[str, dict[str, list]] = {}
     for r in rows:
-        families.setdefault(r["layout"], {"held-out rows": [], "automix's choices": [], "selection candidates": []})
-        families[r["layout"]]["held-out rows"].append((r["predicted"], r["measured"]))
+        kinds = families.setdefault(r["layout"], {column: [] for column in columns})
+        kinds["held-out rows"].append((r["predicted"], r["measured"]))
         if r["kind"] == "automix":
-            families[r["layout"]]["automix's choices"].append((r["predicted"], r["measured"]))
+            kinds["automix's choices"].append((r["predicted"], r["measured"]))
+            if r["corrected"]:
+                kinds["automix's choices, corrected"].append((r["corrected"], r["measured"]))
     for c in report["candidates"]:
-        families.setdefault(c["layout"], {"held-out rows": [], "automix's choices": [], "selection candidates": []})
-        families[c["layout"]]["selection candidates"].append((c["predicted"], c["selection"]))
+        families.setdefault(c["layout"], {column: [] for column in columns})["selection candidates"].append(
+            (c["predicted"], c["selection"]))
     chosen = [(r["predicted"], r["measured"]) for r in rows if r["kind"] == "automix"]
+    corrected = [(r["corrected"], r["measured"]) for r in rows if r["kind"] == "automix" and r["corrected"]]
     lines = [f"- baselines met by automix's choice at their bytes: {len(met)} of {len(met) + len(close) + len(missed)} "
              f"at most their measured KLD, {len(close)} more within one standard error of the difference "
              f"(indistinguishable), {len(missed)} missed",
              *(f"  - indistinguishable: {v}" for v in close), *(f"  - missed: {v}" for v in missed),
              "- measured / predicted KLD, every held-out row: "
              + ratio_range([(r["predicted"], r["measured"]) for r in rows]),
-             f"- measured / predicted KLD, automix's choices: {ratio_range(chosen)}",
+             f"- measured / predicted KLD, automix's choices: {ratio_range(chosen)}; with the prediction corrected by "
+             f"its family's measured/predicted on the selection windows: {ratio_range(corrected)}",
              "- choices that overruled the estimate: " + str(sum(1 for r in rows if r["kind"] == "automix" and r["note"])),
-             "", "| family | held-out rows | automix's choices | selection candidates |", "|---|---|---|---|"]
+             "", "| family | " + " | ".join(columns) + " |", "|---|---|---|---|---|"]
     for family, kinds in sorted(families.items()):
         lines.append(f"| {family} | " + " | ".join(ratio_range(pairs) for pairs in kinds.values()) + " |")
     return lines, {"met": met, "indistinguishable": close, "missed": missed}

@@ -159,6 +159,10 @@ def test_the_measured_winner_is_returned_and_an_overruled_estimate_is_said(choic
     assert choice.chosen is other and choice.predicted is predicted and choice.overruled
     verdict = choice.verdict()
     assert f"not the predicted best {predicted.name}" in verdict and "0.00010 ± 0.00000 less" in verdict
+    # the family's correction: its candidates' measured over predicted KLD, pooled
+    family = [m for m in mixes if m.layout.label == other.layout.label]
+    factor = sum(float(klds[choose.track_label(m)].double().mean()) for m in family) / sum(m.predicted for m in family)
+    assert choice.corrected(other) == pytest.approx(other.predicted * factor)
     klds[choose.track_label(other)] = 1e-3 + noise.flip(0) - 1e-7          # a gap far inside the paired error
     assert "indistinguishable" in choose.choose(mixes, dataclasses.replace(selection, mixes=klds)).verdict()
 

@@ -9,13 +9,14 @@ selection windows (text neither the sensitivity pass nor the report reads): all 
 under its served numerics, caches included, which is exactly what ``compare`` measures on the converted mix
 (``tests/test_automix.py`` checks it). No candidate is converted: a pass reads the model once and each track
 costs one forward per layer, where converting and comparing each candidate would cost a conversion and a read of
-two checkpoints apiece (the arithmetic is in ``docs/automix.md``).
+two checkpoints apiece (the arithmetic is in ``docs/automix.md``). The same measurements correct the
+estimate per family (:func:`family_factors`): what the report states beside the pass's prediction.
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -60,12 +61,19 @@ class Choice:
     predicted: Mix
     candidates: list[Mix]
     selection: Measured | None
+    factors: dict[str, float] = field(default_factory=dict)    # family -> measured / predicted (selection)
 
     def kld(self, mix: Mix) -> float:
         return self.selection.mix_kld(track_label(mix))
 
     def error(self, mix: Mix, against: Mix | None = None) -> float:
         return self.selection.mix_error(track_label(mix), track_label(against) if against is not None else None)
+
+    def corrected(self, mix: Mix) -> float | None:
+        """The mix's predicted KLD scaled by its family's measured/predicted on the selection windows (None: no
+        candidate of its family was measured)."""
+        factor = self.factors.get(mix.layout.label)
+        return mix.predicted * factor if factor is not None else None
 
     @property
     def overruled(self) -> bool:
@@ -91,12 +99,27 @@ class Choice:
                 + (" (within one standard error of the difference: indistinguishable here)" if gap < paired else ""))
 
 
-def choose(mixes: list[Mix], selection: Measured | None) -> Choice:
-    """The least measured of ``mixes`` (ties: fewer bytes), beside the least predicted."""
+def family_factors(mixes: list[Mix], selection: Measured) -> dict[str, float]:
+    """Each family's measured over predicted KLD on the selection windows, pooled over its candidates there: how
+    far the pass's estimate is off for that family on text it did not read (the interaction of its formats that
+    its uniform track did not capture, and the text)."""
+    sums: dict[str, list[float]] = {}
+    for mix in mixes:
+        pair = sums.setdefault(mix.layout.label, [0.0, 0.0])
+        pair[0] += selection.mix_kld(track_label(mix))
+        pair[1] += mix.predicted
+    return {family: measured / predicted for family, (measured, predicted) in sums.items() if predicted > 0}
+
+
+def choose(mixes: list[Mix], selection: Measured | None, factors: dict[str, float] | None = None) -> Choice:
+    """The least measured of ``mixes`` (ties: fewer bytes), beside the least predicted; ``factors``: the
+    families' corrections (default: from ``mixes`` alone)."""
     predicted = min(mixes, key=lambda m: (m.predicted, m.bytes))
     if selection is None:
         return Choice(predicted, predicted, [predicted], None)
-    return Choice(min(mixes, key=lambda m: (selection.mix_kld(track_label(m)), m.bytes)), predicted, mixes, selection)
+    chosen = min(mixes, key=lambda m: (selection.mix_kld(track_label(m)), m.bytes))
+    return Choice(chosen, predicted, mixes, selection,
+                  family_factors(mixes, selection) if factors is None else factors)
 
 
 def choose_at(plan: AutomixPlan, measured: Measured, capacities: dict[str, int | None],
@@ -108,6 +131,7 @@ def choose_at(plan: AutomixPlan, measured: Measured, capacities: dict[str, int |
         raise DSV4Error("no mix fits the budget")
     if not plan.options.verify_top:
         return {name: choose(mixes, None) for name, mixes in sets.items()}
-    union = {track_label(m): m for mixes in sets.values() for m in mixes}
-    selection = measure_candidates(plan, list(union.values()), ids)
-    return {name: choose(mixes, selection) for name, mixes in sets.items()}
+    union = list({track_label(m): m for mixes in sets.values() for m in mixes}.values())
+    selection = measure_candidates(plan, union, ids)
+    factors = family_factors(union, selection)
+    return {name: choose(mixes, selection, factors) for name, mixes in sets.items()}

@@ -155,8 +155,9 @@ def _run(args: argparse.Namespace) -> int:
     if opts.dst:
         row = verify.measure_row(plan, chosen, "automix", measured, windows.heldout, Path(opts.dst),
                                  keep=Path(opts.dst), choice=choice)
+        corrected = f", {row.corrected:.5f} corrected for its family" if row.corrected else ""
         print(f"automix: measured mean KLD {row.measured:.5f} ± {row.standard_error:.5f} on {windows.heldout.numel()} "
-              f"held-out tokens (predicted {row.predicted:.5f})")
+              f"held-out tokens (predicted {row.predicted:.5f}{corrected})")
     rows = [row] if row else []
     if opts.report:
         with tempfile.TemporaryDirectory(prefix="automix-", dir=opts.report) as work:

@@ -42,6 +42,7 @@ class Row:
     same_top1: float | None = None
     served_as: str | None = None
     selection: float | None = None       # measured on the selection windows (automix's candidates)
+    corrected: float | None = None       # predicted x its family's measured/predicted on the selection windows
     note: str | None = None              # the choice's verdict, where the measurement overruled the estimate
 
     def to_json(self) -> dict:
@@ -85,7 +86,8 @@ def measure_row(plan: AutomixPlan, mix: Mix, kind: str, measured: Measured, held
     return Row(mix.name, kind, mix.layout.label, mix.bytes, mix.predicted, output["kld"]["mean"],
                output["kld"]["standard_error"], output["same_top1"], result["variant"]["numerics"]["serving"]
                ["variant_rules"], choice.kld(choice.chosen) if verified else None,
-               choice.verdict() if verified and choice.overruled else None)
+               choice.verdict() if verified and choice.overruled else None,
+               choice.corrected(mix) if choice is not None else None)
 
 
 # Most precise first: what "high precision" means for the naive mix, within what a family allows.
@@ -121,15 +123,18 @@ def pareto(plan: AutomixPlan, measured: Measured, heldout: torch.Tensor, work: P
     user's budget (``chosen``, when not converted already), measured on the held-out windows; a mix stored
     twice (a choice that is a baseline's own mix, or the same choice at two budgets) is converted once."""
     done: dict[tuple, Row] = {}
+    factors = next(iter(choices.values())).factors if choices else {}    # one selection pass: the same for all
 
     def row(mix: Mix, kind: str, choice: Choice | None = None) -> Row:
         verified = choice is not None and choice.selection is not None
         key = picks_key(mix.picks)
         if key not in done:
             done[key] = measure_row(plan, mix, kind, measured, heldout, work)
+        factor = factors.get(mix.layout.label)
         return replace(done[key], name=mix.name, kind=kind, layout=mix.layout.label, bytes=mix.bytes,
                        predicted=mix.predicted, selection=choice.kld(choice.chosen) if verified else None,
-                       note=choice.verdict() if verified and choice.overruled else None)
+                       note=choice.verdict() if verified and choice.overruled else None,
+                       corrected=mix.predicted * factor if factor is not None else None)
 
     table = [row(mix, kind) for kind, mix in baselines(plan, measured)]
     table += [row(replace(choice.chosen, name=f"automix-at-{name}"), "automix", choice)
@@ -181,8 +186,9 @@ def render(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen: Row |
              f"table measured on held-out windows neither read; reference: the base weights only; floor (served "
              f"caches) " + ", ".join(f"{k}: {v:.5f}" for k, v in measured.floors.items()), ""]
     if chosen is not None:
+        corrected = f" (corrected for its family {chosen.corrected:.5f})" if chosen.corrected else ""
         lines += [f"Chosen: **{chosen.name}** ({chosen.layout}), {human_bytes(chosen.bytes)}; predicted KLD "
-                  f"{chosen.predicted:.5f}, measured {chosen.measured:.5f} ± {chosen.standard_error:.5f}", ""]
+                  f"{chosen.predicted:.5f}{corrected}, measured {chosen.measured:.5f} ± {chosen.standard_error:.5f}", ""]
     if choices and choices[0].selection is not None:
         lines += [f"Choice: {choices[0].verdict()}", ""]
     measured_rows = [r for r in rows if r.measured is not None and r.predicted > 0]
@@ -192,26 +198,35 @@ def render(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen: Row |
                   f"the predictions order {rank_agreement(measured_rows):.2f} of the pairs as measured (Kendall's "
                   "tau)", ""]
     held = by_family([(r.layout, r.predicted, r.measured) for r in measured_rows])
+    held_corrected = by_family([(r.layout, r.corrected, r.measured) for r in measured_rows if r.corrected])
     candidates = selection_pairs(list(choices))
     chose = by_family([(m.layout.label, m.predicted, c.kld(m)) for m, c in candidates])
     if held or chose:
-        lines += ["Measured / predicted KLD per family:", "",
-                  "| family | held-out rows | selection candidates |", "|---|---|---|"]
+        factors = choices[0].factors if choices else {}
+        lines += ["Measured / predicted KLD per family (corrected: the prediction times the family's measured/predicted "
+                  "on the selection windows, pooled over its candidates there):", "",
+                  "| family | factor | held-out rows | held-out rows, corrected | selection candidates |",
+                  "|---|---|---|---|---|"]
+
         def cell(stats: tuple[float, float, int] | None) -> str:
             return f"{stats[0]:.2f}-{stats[1]:.2f} ({stats[2]})" if stats else "-"
 
         for family in sorted({*held, *chose}):
-            lines.append(f"| {family} | {cell(held.get(family))} | {cell(chose.get(family))} |")
+            factor = f"{factors[family]:.2f}" if family in factors else "-"
+            lines.append(f"| {family} | {factor} | {cell(held.get(family))} | {cell(held_corrected.get(family))} | "
+                         f"{cell(chose.get(family))} |")
         lines.append("")
-    lines += ["| recipe | kind | family | bytes | predicted KLD | selection KLD | measured KLD | measured/predicted | "
-              "same top-1 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| recipe | kind | family | bytes | predicted KLD | corrected | selection KLD | measured KLD | "
+              "measured/predicted | measured/corrected | same top-1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r.measured / r.predicted if r.measured is not None and r.predicted > 0 else float("nan")
+        ratio_corrected = f"{r.measured / r.corrected:.2f}" if r.measured is not None and r.corrected else "-"
         measured_text = f"{r.measured:.5f} ± {r.standard_error:.5f}" if r.measured is not None else "-"
+        corrected = f"{r.corrected:.5f}" if r.corrected is not None else "-"
         selection = f"{r.selection:.5f}" if r.selection is not None else "-"
         top1 = f"{r.same_top1:.4f}" if r.same_top1 is not None else "-"
-        lines.append(f"| {r.name} | {r.kind} | {r.layout} | {human_bytes(r.bytes)} | {r.predicted:.5f} | {selection} | "
-                     f"{measured_text} | {ratio:.2f} | {top1} |")
+        lines.append(f"| {r.name} | {r.kind} | {r.layout} | {human_bytes(r.bytes)} | {r.predicted:.5f} | {corrected} | "
+                     f"{selection} | {measured_text} | {ratio:.2f} | {ratio_corrected} | {top1} |")
     notes = [f"- {r.name}: {r.note}" for r in rows if r.note]
     if notes:
         lines += ["", "Where the measurement overruled the estimate:", "", *notes]
@@ -263,6 +278,7 @@ def write_report(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen:
             "excluded": [{"name": e.name, "reason": e.reason} for e in plan.excluded],
             "chosen": chosen.to_json() if chosen else None,
             "choice": choices[0].verdict() if choices and choices[0].selection is not None else None,
+            "family_factors": choices[0].factors if choices else {},
             "candidates": [{"name": m.name, "layout": m.layout.label, "bytes": m.bytes, "predicted": m.predicted,
                             "selection": c.kld(m), "selection_error": c.error(m)} for m, c in candidates],
             "selection_seconds": candidates[0][1].selection.seconds if candidates else None,
