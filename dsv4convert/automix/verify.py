@@ -85,9 +85,9 @@ def measure_row(plan: AutomixPlan, mix: Mix, kind: str, measured: Measured, held
     verified = choice is not None and choice.selection is not None
     return Row(mix.name, kind, mix.layout.label, mix.bytes, mix.predicted, output["kld"]["mean"],
                output["kld"]["standard_error"], output["same_top1"], result["variant"]["numerics"]["serving"]
-               ["variant_rules"], choice.kld(choice.chosen) if verified else None,
-               choice.verdict() if verified and choice.overruled else None,
-               choice.corrected(mix) if choice is not None else None)
+               ["variant_rules"], selection=choice.kld(choice.chosen) if verified else None,
+               corrected=choice.corrected(mix) if choice is not None else None,
+               note=choice.verdict() if verified and choice.overruled else None)
 
 
 # Most precise first: what "high precision" means for the naive mix, within what a family allows.
