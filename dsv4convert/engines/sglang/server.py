@@ -15,6 +15,7 @@ import argparse
 from dataclasses import dataclass, field, replace
 
 from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
+from dsv4convert.engines.sglang import TRANSFER_BACKENDS
 from dsv4convert.engines.sglang.rules import (
     EAGLE_DRAFT_TOKENS,
     EAGLE_STEPS,
@@ -29,7 +30,6 @@ from dsv4convert.layout import Drafter, ModelConfig
 
 ROLES = ("prefill", "decode", "server")
 DRAFT_LABELS = {Drafter.MTP: "MTP", Drafter.DSPARK: "DSpark", Drafter.NONE: "no"}
-TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
 
 
 @dataclass(frozen=True)
