@@ -23,7 +23,7 @@ from dsv4convert.errors import FormatError
 from dsv4convert.serve import checks as serve_checks
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve import mtp, report
-from dsv4convert.serve.launch import Command
+from dsv4convert.serve.launch import Command, LaunchError
 from dsv4convert.serve.process import ProcessGroup
 from dsv4convert.synth import TOKENIZER_CONFIG
 
@@ -122,7 +122,7 @@ def test_response_parsing_and_bad_input(tmp_path, model_dir):
     plain = sglang_server("MODEL", "fp8", "sm90", tp=4)
     user = plain.with_arguments(["--speculative-num-draft-tokens", "2", "--speculative-num-draft-tokens=4"])
     assert user.draft_tokens == 4 and user.mtp and plain.draft_tokens is None
-    with pytest.raises(serve_cli.launch.LaunchError, match="must be >= 1.0"):
+    with pytest.raises(LaunchError, match="must be >= 1.0"):
         serve_args(model_dir, tmp_path, 1, "--min-accept", "0.5")
     recall_report = tmp_path / "recall.json"
     report.write_report(recall_report, "recall", {}, {"summary": {"accuracy": 1.0, "cells": []}})

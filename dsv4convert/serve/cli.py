@@ -13,15 +13,19 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL
-from dsv4convert.engines.sglang.server import drafter_of
+from dsv4convert.engines.sglang import TRANSFER_BACKENDS
 from dsv4convert.errors import CheckpointError
-from dsv4convert.layout import ModelConfig
-from dsv4convert.serve import accuracy, checks, launch, mtp, recall, speed
+from dsv4convert.serve import accuracy, mtp, recall, speed
 from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, log_tail
 from dsv4convert.serve.topology import Topology, TopologyError, discover
+
+if TYPE_CHECKING:
+    from dsv4convert.layout import ModelConfig
+    from dsv4convert.serve import launch
 
 SMOKE_PROMPT = "The three primary colours are"
 # SGLang only logs this when a parameter got no checkpoint tensor; the server still starts.
@@ -85,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory (also the tokenizer)")
-    p.add_argument("--variant", choices=launch.SERVED_VARIANTS, help="override the variant `inspect` detects")
+    p.add_argument("--variant", choices=variants.SERVED, help="override the variant `inspect` detects")
     p.add_argument("--tuned-configs", type=Path, metavar="DIR",
                    help="`dsv4convert tune --out DIR`: sets SGLANG_MOE_CONFIG_DIR=DIR for every server")
     p.add_argument("--gpu-family", help="sm90, sm100 or sm120; read from nvidia-smi when omitted")
@@ -93,7 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-gpus", type=_gpu_list, help="GPUs of the prefill server (default: first NUMA node's)")
     p.add_argument("--decode-gpus", type=_gpu_list, help="GPUs of the decode server (default: second NUMA node's)")
     p.add_argument("--gpus", type=_gpu_list, help="GPUs of the single server (default: all)")
-    p.add_argument("--transfer-backend", choices=launch.TRANSFER_BACKENDS,
+    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS,
                    help="KV transfer for --pd (default mooncake with RDMA NICs, else mooncake_tcp)")
     p.add_argument("--role", choices=("prefill", "decode", "router"),
                    help="multi-node --pd: start only this host's part")
@@ -177,6 +181,8 @@ def _inspect(args: argparse.Namespace) -> tuple[str, ModelConfig | None]:
     config.json is read, where there is one (a router host may hold nothing but the tokenizer)."""
     from dsv4convert.checkpoint import Checkpoint, read_small_json
     from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.layout import ModelConfig
+    from dsv4convert.serve import launch
 
     if args.variant:
         path = args.model / "config.json"
@@ -192,6 +198,9 @@ def plan(args: argparse.Namespace, topology: Topology | None,
          config: ModelConfig | None = None) -> tuple[list[launch.Command], list[str]]:
     """The commands to run, in start order, and warnings for the user (``args.variant`` must be set;
     ``config`` says which draft the checkpoint holds, the preview's MTP block when not given)."""
+    from dsv4convert.engines.sglang.server import drafter_of
+    from dsv4convert.serve import launch
+
     warnings: list[str] = []
     extra = tuple(args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args)
     backend, warning = launch.choose_transfer_backend(args.transfer_backend, topology.ib_devices if topology else ())
@@ -272,6 +281,8 @@ ACCURACY_FLAGS = ("tasks", "limit", "num_fewshot", "eval_api", "eval_concurrency
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that belong to another check than the one asked for."""
+    from dsv4convert.serve import launch
+
     if args.indexer_topk and args.check != "recall":
         raise launch.LaunchError("--indexer-topk belongs to --check recall")
     if args.indexer_topk and args.pd:
@@ -292,6 +303,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsv4convert.serve import checks
+
     _check_flags(args)
     checks_here = args.role in (None, "router")  # a prefill or decode host only serves
     if args.check == "accuracy" and checks_here:
@@ -352,6 +365,7 @@ def _refuse_what_cannot_fit(args: argparse.Namespace, commands: list[launch.Comm
     """``fit``'s verdict before any process starts: a server SGLang could not load is refused in one line
     (the card of ``family`` we serve on: H200, B200 or RTX PRO 6000), sized as each command will run."""
     from dsv4convert.fit import source, verdict
+    from dsv4convert.serve import launch
 
     servers = [c for c in commands if c.server is not None]
     if not servers:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from dsv4convert.errors import FormatError
 from dsv4convert.needle import (
@@ -30,12 +28,17 @@ from dsv4convert.needle import (
     value_rank,
 )
 
+if TYPE_CHECKING:
+    import numpy as np
+
 DEFAULT_LENGTHS = tuple(2**k for k in range(10, 18))  # 1K .. 128K tokens
 DEFAULT_DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))  # 0% .. 100%
 
 
 def decode_indexer_topk(encoded: str, num_layers: int, topk: int) -> np.ndarray:
     """SGLang's ``meta_info["indexer_topk"]``: base64 int32 -> ``(positions, num_layers, topk)``."""
+    import numpy as np   # here, not at import: `serve --help` shows this module's defaults without numpy
+
     try:
         raw = base64.b64decode(encoded, validate=True)
     except ValueError as exc:
@@ -142,6 +145,8 @@ class RecallSweep:
 
 def summarize(trials: Sequence[RecallTrial], layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """Accuracy per (length, depth) cell and, with ranks, per-layer needle selection rates."""
+    import numpy as np
+
     cells: dict[tuple[int, float], list[bool]] = {}
     for trial in trials:
         cells.setdefault((trial.length, trial.depth), []).append(trial.correct)
