@@ -3,5 +3,5 @@
 Here only what the command line offers without loading torch.
 """
 
-# --disaggregation-transfer-backend values `serve --pd` may pass (server.py builds the launch with them).
+# The --disaggregation-transfer-backend values `serve --pd --transfer-backend` offers (serve/launch.py checks a choice).
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")

@@ -15,7 +15,6 @@ import argparse
 from dataclasses import dataclass, field, replace
 
 from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
-from dsv4convert.engines.sglang import TRANSFER_BACKENDS
 from dsv4convert.engines.sglang.rules import (
     EAGLE_DRAFT_TOKENS,
     EAGLE_STEPS,
