@@ -3,6 +3,10 @@
 Each command lives beside the code it drives and registers itself through an
 ``add_parser(subparsers)`` function that sets ``func``; this module only dispatches and
 turns :class:`DSV4Error` into one ``error:`` line and exit status 2.
+
+The modules below are light: they import what their arguments show (names, defaults, choices) and nothing
+that loads torch, numpy or transformers; ``func`` imports the implementation when the command runs. So
+``--version``, ``--help`` and every ``COMMAND --help`` start at once (tests/test_cli_startup.py).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from dsv4convert.errors import DSV4Error
 
 # Modules that define ``add_parser(subparsers)``, in the order ``--help`` lists them.
 COMMAND_MODULES = [
-    "dsv4convert.synth",
-    "dsv4convert.inspection",
+    "dsv4convert.synth_cli",
+    "dsv4convert.inspection_cli",
     "dsv4convert.convert.cli",
     "dsv4convert.validate.cli",
     "dsv4convert.compare.cli",

@@ -10,15 +10,12 @@ BF16 linears, BF16, or mixed for a custom recipe).
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4convert import variants
-from dsv4convert.checkpoint import Checkpoint, read_small_json
-from dsv4convert.errors import CheckpointError
+from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.formats import Format, detect_format
 from dsv4convert.layout import (
     ModelConfig,
@@ -192,7 +189,7 @@ def detect_variant(path: str | Path) -> str:
     return inspect_checkpoint(Checkpoint.open(path)).variant
 
 
-def _role_table(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[dict]:
+def role_table(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[dict]:
     rows: dict[str, dict] = {}
     for name, dtype, _shape, nbytes in entries:
         info = try_classify(name)
@@ -203,14 +200,6 @@ def _role_table(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[di
         row["bytes"] += nbytes
         row["dtypes"][dtype] += 1
     return [{**r, "dtypes": dict(r["dtypes"])} for r in sorted(rows.values(), key=lambda r: -r["bytes"])]
-
-
-def _print_table(rows: list[dict]) -> None:
-    print(f"{'role':28s} {'tensors':>8s} {'bytes':>16s}  dtypes")
-    for r in rows:
-        dts = ", ".join(f"{d} x{c}" for d, c in sorted(r["dtypes"].items()))
-        print(f"{r['role']:28s} {r['tensors']:8d} {r['bytes']:16,d}  {dts}")
-    print(f"{'total':28s} {sum(r['tensors'] for r in rows):8d} {sum(r['bytes'] for r in rows):16,d}")
 
 
 def expected_report(config: dict, source: str) -> dict:
@@ -224,78 +213,6 @@ def expected_report(config: dict, source: str) -> dict:
         "tensor_count": len(specs),
         "total_bytes": sum(s.nbytes for s in specs),
         "shard_bytes": [sum(s.nbytes for s in g) for g in groups],
-        "roles": _role_table([(s.name, s.dtype, s.shape, s.nbytes) for s in specs]),
+        "roles": role_table([(s.name, s.dtype, s.shape, s.nbytes) for s in specs]),
         "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
     }
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "inspect",
-        help="identify a checkpoint's variant and check it against the DeepSeek-V4 layout",
-        description=(
-            "Print which variant a checkpoint is (native FP8+MXFP4, fp8, nvfp4, w4a16, bf16 or mixed), a "
-            "table per role (tensors, bytes, dtypes), the format of every module role, and whatever is "
-            "missing, unexpected or of the wrong dtype/shape. With --config and --expected, print the "
-            "native inventory a config implies, without any weights (to plan disk)."
-        ),
-    )
-    p.add_argument("src", nargs="?", help="checkpoint directory or Hugging Face repo id")
-    p.add_argument("--config", type=Path, help="config.json (with --expected)")
-    p.add_argument("--expected", action="store_true", help="print the expected native inventory of --config")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.expected:
-        if not args.config:
-            raise CheckpointError("--expected needs --config CONFIG")
-        report = expected_report(read_small_json(args.config), str(args.config))
-        if args.json:
-            print(json.dumps(report))
-        else:
-            print(f"expected native inventory of {args.config}: {report['tensor_count']:,} tensors, "
-                  f"{report['total_bytes']:,} bytes in {len(report['shard_bytes'])} layout groups; "
-                  f"{report['drafter_description']}")
-            _print_table(report["roles"])
-        return 0
-    if not args.src:
-        raise CheckpointError("inspect needs a checkpoint (or --config CONFIG --expected)")
-    ckpt = Checkpoint.open(args.src)
-    result = inspect_checkpoint(ckpt)
-    entries = [(n, e.dtype, e.shape, e.nbytes) for n, e in ckpt.tensors.items()]
-    if args.json:
-        print(json.dumps({
-            "source": str(ckpt.root),
-            "variant": result.variant,
-            "drafter": result.drafter,
-            "ok": result.ok,
-            "tensor_count": len(result.tensors),
-            "total_bytes": ckpt.total_bytes,
-            "formats_by_role": result.formats_by_role(),
-            "roles": _role_table(entries),
-            "missing": result.missing,
-            "unexpected": result.unexpected,
-            "mismatched": result.mismatched,
-            "problems": result.problems,
-            "tensors": result.tensors,
-        }))
-    else:
-        print(f"{ckpt.root}: variant {result.variant}, {len(result.tensors):,} tensors, "
-              f"{ckpt.total_bytes:,} bytes in {len(ckpt.shards)} shard(s); {describe_drafter(result.config)}")
-        _print_table(_role_table(entries))
-        print("\nformats by role:")
-        for role, fmts in result.formats_by_role().items():
-            print(f"  {role:28s} " + ", ".join(f"{f} x{c}" for f, c in sorted(fmts.items())))
-        for title, items in (("missing", result.missing), ("unexpected", result.unexpected),
-                             ("mismatched", result.mismatched), ("problems", result.problems)):
-            if items:
-                print(f"\n{title} ({len(items)}):")
-                for item in items[:20]:
-                    print(f"  {item}")
-                if len(items) > 20:
-                    print(f"  ... and {len(items) - 20} more (see --json)")
-        if result.ok:
-            print("\nlayout check: OK")
-    return 0 if result.ok else 1

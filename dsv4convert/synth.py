@@ -16,7 +16,6 @@ layers take most of an hour to synthesize.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -28,13 +27,14 @@ import torch
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
-from dsv4convert.checkpoint.reader import INDEX_NAME, read_small_json
+from dsv4convert.checkpoint.reader import INDEX_NAME
 from dsv4convert.checkpoint.writer import shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
 from dsv4convert.formats.numerics import E8M0_BIAS, exponent_to_e8m0
 from dsv4convert.layout import ModelConfig, Role, TensorSpec, native_groups, without_drafter
+from dsv4convert.synth_presets import PRESETS
 
 DATA_DIR = Path(__file__).parent / "data"
 # Exact copies of the released config.json and generation_config.json (HF revision 60d8d70).
@@ -46,58 +46,11 @@ RELEASE_0731_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-0731-config.json"
 GENERATION_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-generation_config.json"
 # The trained model organism in the release format (docs/organism.md), written by `train-organism`.
 ORGANISM_DIR = DATA_DIR / "organism"
-ORGANISM = "organism"
 
 
 def reference_config() -> dict:
     return json.loads(REFERENCE_CONFIG_PATH.read_text())
 
-
-# Presets keep every structural feature of the real model (ratio 0/4/128 layers, hash
-# layers, an MTP block, several shards) at sizes a 2-core CI machine converts in seconds.
-# Linear dims stay multiples of 128, as in the real model (FP8 blocks are 128x128).
-PRESETS: dict[str, dict] = {
-    "tiny": {
-        "vocab_size": 512,
-        "hidden_size": 256,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 5,
-        "num_hash_layers": 3,
-        "num_attention_heads": 4,
-        "head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 128,
-        "o_lora_rank": 128,
-        "o_groups": 2,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "index_n_heads": 4,
-        "index_head_dim": 128,
-        "index_topk": 4,
-        "sliding_window": 8,
-        "compress_ratios": [0, 0, 4, 128, 4, 0],
-    },
-    "small": {
-        "vocab_size": 2048,
-        "hidden_size": 512,
-        "moe_intermediate_size": 256,
-        "num_hidden_layers": 8,
-        "num_hash_layers": 3,
-        "num_attention_heads": 8,
-        "head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 256,
-        "o_lora_rank": 128,
-        "o_groups": 4,
-        "n_routed_experts": 32,
-        "num_experts_per_tok": 4,
-        "index_n_heads": 8,
-        "index_head_dim": 128,
-        "index_topk": 16,
-        "sliding_window": 32,
-        "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 0, 0],
-    },
-}
 
 def preset_config(preset: str) -> dict:
     if preset not in PRESETS:
@@ -374,57 +327,3 @@ def write_organism(dst: Path, *, overwrite: bool = False) -> Path:
         shutil.copyfile(path, dst / path.name)
         (dst / path.name).chmod(0o644)
     return dst
-
-
-DRAFTERS = ("mtp", "dspark", "none")
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "synth",
-        help="write a synthetic checkpoint in the exact native DeepSeek-V4-Flash format",
-        description=(
-            "Write a checkpoint with the native names, dtypes and layouts (FP8 + E8M0 128x128 scales, "
-            "MXFP4 experts, BF16/F32/I64 elsewhere) and realistic values, deterministic by seed. "
-            "Presets are small enough for CI; --config with the real config.json and --num-layers "
-            "makes real-size layers for benchmarks (~3.6 GB per layer). --preset organism writes the "
-            "shipped model organism instead: a small DeepSeek-V4 trained to retrieve needles, stored as "
-            "the release is (docs/organism.md)."
-        ),
-    )
-    p.add_argument("--dst", required=True, type=Path, help="output directory")
-    p.add_argument("--preset", choices=sorted([*PRESETS, ORGANISM]), default="tiny",
-                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk)")
-    p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
-    p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
-    p.add_argument("--drafter", choices=DRAFTERS, help="the draft model under mtp.*: mtp (the preview's MTP block), "
-                   "dspark (V4-Flash-0731's DSpark drafter: three sliding-window stages, a Markov and a confidence "
-                   "head) or none; default: what the preset or --config has")
-    p.add_argument("--no-mtp", action="store_true", help="leave out the drafter (same as --drafter none)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.preset == ORGANISM:
-        if args.config or args.num_layers is not None or args.no_mtp or args.seed or args.drafter:
-            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --drafter, --no-mtp "
-                            "and --seed do not apply")
-        print(f"wrote {write_organism(args.dst, overwrite=args.overwrite)} (the trained organism, docs/organism.md)")
-        return 0
-    config = read_small_json(args.config) if args.config else preset_config(args.preset)
-    cfg = ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
-    drafter = "none" if args.no_mtp else args.drafter
-    if args.no_mtp and args.drafter not in (None, "none"):
-        raise DSV4Error(f"--no-mtp and --drafter {args.drafter} contradict each other")
-    if drafter == "dspark" and cfg.dspark is None:
-        config = with_dspark(with_num_layers(config, cfg.num_hidden_layers, mtp=False))
-    elif drafter == "mtp" and cfg.drafter.value != "mtp":
-        raise DSV4Error("--drafter mtp: this config has no MTP block to keep (the preview's configs and presets have "
-                        "one)")
-    if args.num_layers is not None or drafter == "none":
-        config = with_num_layers(config, args.num_layers or config["num_hidden_layers"], mtp=drafter != "none")
-    dst = synthesize(args.dst, config, seed=args.seed, overwrite=args.overwrite, progress=True)
-    print(f"wrote {dst}")
-    return 0

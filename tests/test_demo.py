@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from dsv4convert import demo
+from dsv4convert.demo import story as demo
 from dsv4convert.cli import main
 
 LENGTHS = [130, 253, 260, 520, 1040, 2080]   # half the 260-token threshold, fully covered, threshold, 2x-8x

@@ -23,7 +23,7 @@ from dsv4convert.serve import accuracy, report
 from dsv4convert.serve import checks as serve_checks
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve.accuracy import AccuracyError, EvalSettings
-from dsv4convert.serve.launch import Command
+from dsv4convert.serve.launch import Command, LaunchError
 from dsv4convert.serve.process import ProcessGroup, ServeError
 from dsv4convert.synth import TOKENIZER_CONFIG, byte_level_tokenizer
 from test_serve_process import STANDIN_SERVER, assert_nothing_left, free_port
@@ -256,7 +256,7 @@ def test_lm_eval_commands_and_flag_errors(tmp_path):
     for argv, message in ((["--tasks", "gsm8k"], "belong(s) to --check accuracy"),
                           (["--check", "accuracy", "--min-recovery", "0.9"], "needs --compare"),
                           (["--check", "accuracy", "--min-accept", "1.5"], "--min-accept belongs to --check mtp")):
-        with pytest.raises(serve_cli.launch.LaunchError, match=re.escape(message)):
+        with pytest.raises(LaunchError, match=re.escape(message)):
             serve_cli._check_flags(parser.parse_args(["serve", "--model", "m", *argv]))
 
 

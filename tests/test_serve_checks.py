@@ -16,6 +16,7 @@ from dsv4convert.errors import FormatError
 from dsv4convert import needle as needles
 from dsv4convert.needle import Needle, PromptTemplate, value_entries
 from dsv4convert.serve import recall, report, speed
+from dsv4convert.serve.defaults import DEFAULT_CONCURRENCIES
 from dsv4convert.serve.recall import RecallSweep
 
 TEMPLATE = PromptTemplate()
@@ -206,7 +207,7 @@ def test_bench_args_parse_with_sglang_benchmark_cli():
     assert parsed.dataset_name == "random-ids" and parsed.random_range_ratio == 1.0
     assert (parsed.random_input_len, parsed.random_output_len, parsed.max_concurrency) == (8192, 512, 16)
     assert parsed.pd_separated and parsed.num_prompts == case.num_prompts and parsed.output_file == "s.jsonl"
-    assert len(speed.bench_cases(speed.DEFAULT_SHAPES, speed.DEFAULT_CONCURRENCIES)) == 12
+    assert len(speed.bench_cases(speed.DEFAULT_SHAPES, DEFAULT_CONCURRENCIES)) == 12
     with pytest.raises(SystemExit):
         sgl.parse_bench_args([*args, "--no-such-bench-flag"])
 

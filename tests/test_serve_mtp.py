@@ -23,7 +23,8 @@ from dsv4convert.errors import FormatError
 from dsv4convert.serve import checks as serve_checks
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve import mtp, report
-from dsv4convert.serve.launch import Command
+from dsv4convert.serve.defaults import DEFAULT_MIN_ACCEPT
+from dsv4convert.serve.launch import Command, LaunchError
 from dsv4convert.serve.process import ProcessGroup
 from dsv4convert.synth import TOKENIZER_CONFIG
 
@@ -78,8 +79,8 @@ def sglang_accept_length(tokens: int, accept_rate: float, draft_tokens: int) -> 
 def test_working_draft_passes_and_a_broken_one_fails_side_by_side(tmp_path, model_dir, capsys):
     passed, base = run_check(tmp_path, model_dir, "base", 0.9)
     expected = sglang_accept_length(mtp.MAX_NEW_TOKENS, 0.9, 2)  # 256 tokens in 135 steps: 1.896
-    assert passed is True and base["draft_tokens"] == 2 and base["min_accept"] == mtp.DEFAULT_MIN_ACCEPT
-    assert base["summary"]["accept_length"] == pytest.approx(expected) and expected > mtp.DEFAULT_MIN_ACCEPT
+    assert passed is True and base["draft_tokens"] == 2 and base["min_accept"] == DEFAULT_MIN_ACCEPT
+    assert base["summary"]["accept_length"] == pytest.approx(expected) and expected > DEFAULT_MIN_ACCEPT
     assert base["summary"]["server_avg_spec_accept_length"] == [pytest.approx(expected)]
     assert base["summary"]["prompts"] == base["summary"]["prompts_with_spec_stats"] == len(mtp.PROMPTS)
     assert all(s["output"] and s["spec_verify_ct"] for s in base["samples"])
@@ -122,7 +123,7 @@ def test_response_parsing_and_bad_input(tmp_path, model_dir):
     plain = sglang_server("MODEL", "fp8", "sm90", tp=4)
     user = plain.with_arguments(["--speculative-num-draft-tokens", "2", "--speculative-num-draft-tokens=4"])
     assert user.draft_tokens == 4 and user.mtp and plain.draft_tokens is None
-    with pytest.raises(serve_cli.launch.LaunchError, match="must be >= 1.0"):
+    with pytest.raises(LaunchError, match="must be >= 1.0"):
         serve_args(model_dir, tmp_path, 1, "--min-accept", "0.5")
     recall_report = tmp_path / "recall.json"
     report.write_report(recall_report, "recall", {}, {"summary": {"accuracy": 1.0, "cells": []}})

@@ -7,12 +7,14 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dsv4convert.automix import choose, verify
-from dsv4convert.automix import plan as automix
-from dsv4convert.convert.plan import human_bytes, parse_size
 from dsv4convert.engines import CHOICES
 from dsv4convert.errors import DSV4Error
+from dsv4convert.sizes import human_bytes, parse_size
+
+if TYPE_CHECKING:
+    from dsv4convert.automix import plan as automix
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -102,6 +104,8 @@ def _count(text: str) -> int:
 
 
 def _options(args: argparse.Namespace) -> automix.AutomixOptions:
+    from dsv4convert.automix import plan as automix
+
     return automix.AutomixOptions(
         src=args.src, dst=args.dst, size=args.size, gpu=args.gpu, tp=args.tp, kv_tokens=args.kv_tokens, mtp=args.mtp,
         engine=args.engine, gpu_family=args.gpu_family, text=args.text, tokens=args.tokens,
@@ -111,6 +115,9 @@ def _options(args: argparse.Namespace) -> automix.AutomixOptions:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dsv4convert.automix import choose, verify
+    from dsv4convert.automix import plan as automix
+
     opts = _options(args)
     if opts.dst and Path(opts.dst).exists() and any(Path(opts.dst).iterdir()):
         raise DSV4Error("destination exists and is not empty", file=opts.dst)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsv4convert.calibrate.report import METHODS
 from dsv4convert.errors import DSV4Error
 
 
@@ -60,6 +59,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace, world) -> int:
+    from dsv4convert.calibrate.report import METHODS
+
     # transformers (the model code calibration runs) is imported here, not when the CLI starts,
     # and only this command needs it.
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsv4convert.convert.plan import human_bytes
+from dsv4convert.sizes import human_bytes
 from dsv4convert.errors import DSV4Error
 
 

@@ -10,11 +10,10 @@ import argparse
 import signal
 from pathlib import Path
 
-from dsv4convert.convert.execute import ConvertOptions, convert
-from dsv4convert.convert.plan import DEFAULT_MAX_SHARD_BYTES, parse_size
-from dsv4convert.convert.recipe import load_recipe, with_fp8_scale_dtype, with_int4_params, with_mtp_experts
+from dsv4convert.convert import DEFAULT_MAX_SHARD_BYTES
 from dsv4convert.engines import CHOICES, SGLANG_LABEL, VLLM_LABEL
-from dsv4convert.formats.int4 import SCALE_RULES
+from dsv4convert.format_names import SCALE_RULES
+from dsv4convert.sizes import parse_size
 from dsv4convert.variants import SUMMARIES
 
 # The shipped recipes a `to-*` command of its own makes (`convert --recipe` makes any).
@@ -130,6 +129,8 @@ def _raise_interrupt(signum, frame) -> None:
 def _recipe(args: argparse.Namespace):
     """The recipe with the command line's overrides: the NVFP4 MTP experts, the FP8 scale dtype, the INT4
     group and scale rule."""
+    from dsv4convert.convert.recipe import load_recipe, with_fp8_scale_dtype, with_int4_params, with_mtp_experts
+
     mtp_experts = NVFP4_MTP_EXPERTS[getattr(args, "mtp_experts", None) or "auto"]
     if mtp_experts == "keep":
         recipe = load_recipe("nvfp4-mtp-mxfp4")
@@ -143,6 +144,8 @@ def _recipe(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dsv4convert.convert.execute import ConvertOptions, convert
+
     signal.signal(signal.SIGTERM, _raise_interrupt)
     convert(ConvertOptions(
         src=args.src,

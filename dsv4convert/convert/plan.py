@@ -11,12 +11,12 @@ load, is an error naming both.
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, TensorEntry
 from dsv4convert.checkpoint.writer import group_into_shards, shard_name
+from dsv4convert.convert import DEFAULT_MAX_SHARD_BYTES
 from dsv4convert.convert.recipe import Recipe, Target
 from dsv4convert.engines import ENGINES, engines_for
 from dsv4convert.engines.config import output_module
@@ -25,8 +25,8 @@ from dsv4convert.errors import RecipeError
 from dsv4convert.formats import Format, detect_format, linear_storage, spec, stored_params
 from dsv4convert.inspection import WEIGHT_PARAMS, inspect_checkpoint
 from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.sizes import human_bytes, parse_size  # noqa: F401 - imported from here by the features
 
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # What a module's conversion holds at once, per element of its logical weight: the
 # float32 dequantized copy, one float32 temporary, and source plus output bytes.
 _WORK_BYTES_PER_ELEMENT = 4 + 4 + 2 + 2
@@ -279,25 +279,3 @@ def _stored(target: Target, source: Format | None) -> str:
         return f"as in the source ({source.value})" if source is not None else "as in the source"
     scale = target.params.get("scale_dtype")   # FP8's block scales, where the recipe or the engines chose them
     return f"{target.format.value} ({scale} scales)" if scale else target.format.value
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def parse_size(text: str) -> int:
-    """'8G', '512M', '3.5GB', '1000000' -> bytes (decimal units, as disks are sold)."""
-    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in units else ""
-    try:
-        value = float(t[: len(t) - len(unit)] if unit else t)
-    except ValueError:
-        raise RecipeError(f"cannot read size {text!r} (examples: 8G, 512M, 5GB)") from None
-    if value <= 0 or math.isinf(value) or math.isnan(value):
-        raise RecipeError(f"size must be positive, got {text!r}")
-    return int(value * units[unit])

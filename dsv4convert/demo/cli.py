@@ -1,4 +1,4 @@
-"""``dsv4convert demo``: the command line (the demo itself is :mod:`dsv4convert.demo`, loaded when it runs)."""
+"""``dsv4convert demo``: the command line (the demo itself is :mod:`dsv4convert.demo.story`, loaded when it runs)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        from dsv4convert.demo import demo_passed, run_demo
+        from dsv4convert.demo.story import demo_passed, run_demo
     except ImportError as exc:   # compare runs transformers' layers: one line instead of a traceback
         raise DSV4Error(f"the demo runs compare, which needs transformers ({exc}): "
                         "pip install -e '.[compare]'") from None

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dsv4convert.checkpoint import read_small_json
-from dsv4convert.engines import LABELS, SGLANG, SGLANG_LABEL, VLLM, EngineError
-from dsv4convert.engines import memory as sizing
-from dsv4convert.engines.served import ServedModel
-from dsv4convert.engines.vllm.memory import ESTIMATES as VLLM_ESTIMATED
-from dsv4convert.fit import source, verdict
-from dsv4convert.layout import ModelConfig
+from dsv4convert.engines import GPUS, LABELS, SGLANG, SGLANG_LABEL, VLLM, EngineError
+
+if TYPE_CHECKING:
+    from dsv4convert.engines.served import ServedModel
+    from dsv4convert.fit import verdict
 
 # The official release (V4-Flash-0731, DSpark drafter); the preview's config is data/deepseek-v4-flash-config.json.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "deepseek-v4-flash-0731-config.json"
@@ -51,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                    help="without --model: the native config.json to plan the variants from (default: the official "
                         "V4-Flash-0731's, with its DSpark drafter; the preview's is data/deepseek-v4-flash-config.json)")
-    p.add_argument("--gpu", default="h200", help=f"{', '.join(verdict.GPUS)} or a memory size in MiB (default h200)")
+    p.add_argument("--gpu", default="h200", help=f"{', '.join(GPUS)} or a memory size in MiB (default h200)")
     p.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"), help="with --gpu MiB: the launch rules to use")
     p.add_argument("--count", type=int, default=8, help="GPUs on the host (default 8)")
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel size of each server (default 4)")
@@ -71,6 +70,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _sources(args: argparse.Namespace) -> list[ServedModel]:
+    from dsv4convert.checkpoint import read_small_json
+    from dsv4convert.fit import source
+    from dsv4convert.layout import ModelConfig
+
     if args.model:
         return [source.from_checkpoint(args.model)]
     config = read_small_json(args.config)
@@ -91,6 +94,8 @@ def _header(engine: str) -> list[str]:
 
 
 def _line(label: str, fit: verdict.ServerFit, best: int | None, servers: int, count: int) -> str:
+    from dsv4convert.engines import memory as sizing
+
     gib = sizing.GIB
     fraction = (f"{fit.mem_fraction_static:.3f} ({fit.default_mem_fraction_static:.3f}, "
                 f"{fit.min_mem_fraction_static:.3f})")
@@ -112,6 +117,8 @@ def _line(label: str, fit: verdict.ServerFit, best: int | None, servers: int, co
 
 def _draft_line(fit: verdict.ServerFit) -> str:
     """The draft's share of a server, on its own line (nothing without a draft)."""
+    from dsv4convert.engines import memory as sizing
+
     if not fit.drafter:
         return ""
     line = (f"\n{'':18s} {'':8s} of which draft ({fit.drafter}, {fit.draft_tokens} tokens verified per step): "
@@ -126,6 +133,8 @@ def _draft_line(fit: verdict.ServerFit) -> str:
 
 def _refuse(args: argparse.Namespace) -> None:
     """Flags fit would otherwise accept and not act on (one error line each)."""
+    from dsv4convert.fit import verdict
+
     if args.ep:
         raise verdict.FitError("--ep: fit sizes the launch serve makes, and serve starts SGLang with tensor parallelism "
                                "only and vLLM with --enable-expert-parallel already (whole experts per rank: the same "
@@ -137,6 +146,8 @@ def _refuse(args: argparse.Namespace) -> None:
 
 
 def _size(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> verdict.ServerFit:
+    from dsv4convert.fit import verdict
+
     if args.engine == "vllm":
         return verdict.vllm_server(src, gpu, args.tp, mtp=args.mtp, context=args.context)
     return verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
@@ -144,6 +155,8 @@ def _size(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.Namespac
 
 
 def _smallest_tp(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> int | None:
+    from dsv4convert.fit import verdict
+
     if args.engine == "vllm":
         return next((tp for tp in verdict.TP_SIZES
                      if verdict.vllm_server(src, gpu, tp, mtp=args.mtp, context=args.context).fits), None)
@@ -151,6 +164,10 @@ def _smallest_tp(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.N
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsv4convert.engines import memory as sizing
+    from dsv4convert.engines.vllm.memory import ESTIMATES as VLLM_ESTIMATED
+    from dsv4convert.fit import verdict
+
     gpu = verdict.gpu_from(args.gpu, args.gpu_family)
     verdict.check_gpu(gpu)
     verdict.check_launch(gpu, args.count, args.tp, args.pd)

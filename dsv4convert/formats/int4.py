@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 from dsv4convert.errors import FormatError
+from dsv4convert.format_names import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 from dsv4convert.formats.numerics import divide, pack_nibbles, require_finite, unpack_nibbles
 
 INT4_MIN = -8
@@ -55,9 +55,6 @@ INT4_OFFSET = 8
 INT4_SCALE_DIVISOR = (INT4_MAX - INT4_MIN) / 2
 _CODES_PER_WORD = 8
 
-ScaleRule = Literal["mse", "amax"]
-SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
-DEFAULT_SCALE_RULE: ScaleRule = "mse"
 # The "mse" rule's candidate scales are amax / d. compressed-tensors' 7.5 comes first (ties keep
 # it). 8 puts -amax exactly on -8; 7 puts +amax exactly on 7; 6 suits groups of MXFP4-decoded
 # weights, whose values 0, 1, 2, 3, 4, 6 (x 2^k) it represents exactly; 8.25-11 clip a lone

@@ -21,16 +21,7 @@ import torch
 
 from dsv4convert.dtypes import nbytes
 from dsv4convert.errors import FormatError
-
-
-class Format(str, Enum):
-    """A weight format's one name (its value is what recipes, configs, reports and kernels say)."""
-
-    BF16 = "bf16"    # dense BF16 (F16/F32 read as well)
-    FP8 = "fp8"      # e4m3, 128x128 blocks, E8M0 (or F32) `.scale`
-    MXFP4 = "mxfp4"  # the native experts: I8 packed E2M1 + E8M0 per 32
-    NVFP4 = "nvfp4"  # ModelOpt: U8 packed E2M1 + E4M3 per 16 + F32 global + F32 input scale
-    INT4 = "int4"    # compressed-tensors pack-quantized W4A16
+from dsv4convert.format_names import Format  # the one name each format has (a leaf: the CLI reads it)
 
 
 class Calibration(str, Enum):

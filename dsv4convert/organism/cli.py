@@ -15,12 +15,14 @@ import platform
 import subprocess
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dsv4convert import __version__
 from dsv4convert.errors import DSV4Error
 from dsv4convert.needle import DEFAULT_DEPTHS, parse_lengths
+
+if TYPE_CHECKING:
+    import torch
 
 # A few steps on short prompts: the whole pipeline on a CPU in seconds (it does not learn to retrieve).
 TINY = {"steps": 6, "tokens_per_step": 512, "max_length": 160, "dense_steps": 3, "eval_every": 3,
@@ -87,6 +89,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _train_and_write(args: argparse.Namespace, config: dict, settings, lengths: list[int],
                      device: torch.device) -> int:
+    import torch
+
     from dsv4convert.organism.export import load_release, write_release
     from dsv4convert.organism.tokenizer import build_tokenizer
     import transformers

@@ -32,14 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from dsv4convert.errors import DSV4Error, FormatError
+from dsv4convert.serve.defaults import DEFAULT_CONCURRENCY, DEFAULT_TASKS, EVAL_APIS
 from dsv4convert.serve.process import log_tail
 
 LM_EVAL_VERSION = "0.4.13"  # the version pinned by the [eval] extra
-DEFAULT_TASKS = ("gsm8k",)
-DEFAULT_MIN_RECOVERY = 0.95  # llm-compressor's recovery gate
-DEFAULT_CONCURRENCY = 32
-EVAL_APIS = {"chat": ("local-chat-completions", "/v1/chat/completions"),
-             "completions": ("local-completions", "/v1/completions")}
 GREEDY = "temperature=0,do_sample=False"
 REQUEST_TIMEOUT_S = 1800
 _PROGRESS = re.compile(rb"Requesting API:\s+(\d+)%\|[^|\r\n]*\|\s*(\d+)/(\d+)")

@@ -16,7 +16,7 @@ from typing import Any
 
 from dsv4convert.checkpoint import read_small_json
 from dsv4convert.errors import FormatError
-from dsv4convert.serve import accuracy, launch, mtp, recall, report, speed
+from dsv4convert.serve import accuracy, defaults, launch, mtp, recall, report, speed
 from dsv4convert.serve.process import ProcessGroup, ServeError, http_get_json, http_post_json, log_tail
 
 
@@ -71,8 +71,8 @@ def run_speed(args: argparse.Namespace, url: str, meta: dict[str, Any]) -> Path:
 
 def eval_settings(args: argparse.Namespace) -> accuracy.EvalSettings:
     return accuracy.EvalSettings(
-        tasks=tuple(args.tasks or accuracy.DEFAULT_TASKS), api=args.eval_api or "chat", limit=args.limit,
-        num_fewshot=args.num_fewshot, concurrency=args.eval_concurrency or accuracy.DEFAULT_CONCURRENCY,
+        tasks=tuple(args.tasks or defaults.DEFAULT_TASKS), api=args.eval_api or "chat", limit=args.limit,
+        num_fewshot=args.num_fewshot, concurrency=args.eval_concurrency or defaults.DEFAULT_CONCURRENCY,
         include_path=args.include_path.resolve() if args.include_path else None,
         extra_args=tuple(shlex.split(args.lm_eval_args or "")),
     )
@@ -122,7 +122,7 @@ def run_accuracy(args: argparse.Namespace, url: str, meta: dict[str, Any], group
     print(f"wrote {path}")
     if base is None:
         return True
-    minimum = accuracy.DEFAULT_MIN_RECOVERY if args.min_recovery is None else args.min_recovery
+    minimum = defaults.DEFAULT_MIN_RECOVERY if args.min_recovery is None else args.min_recovery
     new = report.read_report(path)
     for line in report.compare(base, new, min_recovery=minimum):
         print(line)
@@ -135,7 +135,7 @@ def run_accuracy(args: argparse.Namespace, url: str, meta: dict[str, Any], group
 def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: list[launch.Command],
             base: dict[str, Any] | None) -> bool:
     """The fixed prompts through ``url``; SGLang's acceptance against --min-accept (and the base)."""
-    minimum = mtp.DEFAULT_MIN_ACCEPT if args.min_accept is None else args.min_accept
+    minimum = defaults.DEFAULT_MIN_ACCEPT if args.min_accept is None else args.min_accept
     samples = mtp.run_prompts(lambda payload: http_post_json(url + "/generate", payload, 1800.0),
                               mtp.bos_text(args.model))
     drafting = next((c for c in commands if c.role in ("decode", "server")), None)

@@ -13,15 +13,19 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL
-from dsv4convert.engines.sglang.server import drafter_of
+from dsv4convert.engines.sglang import TRANSFER_BACKENDS
 from dsv4convert.errors import CheckpointError
-from dsv4convert.layout import ModelConfig
-from dsv4convert.serve import accuracy, checks, launch, mtp, recall, speed
-from dsv4convert.serve.process import ProcessGroup, ServeError, http_post_json, log_tail
-from dsv4convert.serve.topology import Topology, TopologyError, discover
+from dsv4convert.serve import defaults
+
+if TYPE_CHECKING:
+    from dsv4convert.layout import ModelConfig
+    from dsv4convert.serve import launch
+    from dsv4convert.serve.process import ProcessGroup
+    from dsv4convert.serve.topology import Topology
 
 SMOKE_PROMPT = "The three primary colours are"
 # SGLang only logs this when a parameter got no checkpoint tensor; the server still starts.
@@ -85,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory (also the tokenizer)")
-    p.add_argument("--variant", choices=launch.SERVED_VARIANTS, help="override the variant `inspect` detects")
+    p.add_argument("--variant", choices=variants.SERVED, help="override the variant `inspect` detects")
     p.add_argument("--tuned-configs", type=Path, metavar="DIR",
                    help="`dsv4convert tune --out DIR`: sets SGLANG_MOE_CONFIG_DIR=DIR for every server")
     p.add_argument("--gpu-family", help="sm90, sm100 or sm120; read from nvidia-smi when omitted")
@@ -93,7 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-gpus", type=_gpu_list, help="GPUs of the prefill server (default: first NUMA node's)")
     p.add_argument("--decode-gpus", type=_gpu_list, help="GPUs of the decode server (default: second NUMA node's)")
     p.add_argument("--gpus", type=_gpu_list, help="GPUs of the single server (default: all)")
-    p.add_argument("--transfer-backend", choices=launch.TRANSFER_BACKENDS,
+    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS,
                    help="KV transfer for --pd (default mooncake with RDMA NICs, else mooncake_tcp)")
     p.add_argument("--role", choices=("prefill", "decode", "router"),
                    help="multi-node --pd: start only this host's part")
@@ -116,37 +120,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "a draft")
     p.add_argument("--indexer-topk", action="store_true",
                    help="recall: capture the indexer's top-k (sets --enable-return-indexer-topk and attention DP)")
-    p.add_argument("--lengths", type=_int_list, default=list(recall.DEFAULT_LENGTHS), help="recall context lengths")
-    p.add_argument("--depths", type=_float_list, default=list(recall.DEFAULT_DEPTHS), help="recall needle depths 0..1")
+    p.add_argument("--lengths", type=_int_list, default=list(defaults.DEFAULT_LENGTHS), help="recall context lengths")
+    p.add_argument("--depths", type=_float_list, default=list(defaults.DEFAULT_DEPTHS), help="recall needle depths 0..1")
     p.add_argument("--trials", type=int, default=3, help="recall needles per (length, depth) cell")
-    p.add_argument("--concurrency", type=_int_list, default=list(speed.DEFAULT_CONCURRENCIES), help="speed concurrencies")
+    p.add_argument("--concurrency", type=_int_list, default=list(defaults.DEFAULT_CONCURRENCIES), help="speed concurrencies")
     p.add_argument("--compare", type=Path, metavar="REPORT", help="print deltas of this run's report against REPORT")
     p.add_argument("--metrics", action="store_true",
                    help="SGLang's --enable-metrics: Prometheus metrics at /metrics on every server (docs/serve.md)")
     acc = p.add_argument_group("--check accuracy (lm-evaluation-harness; pip install 'dsv4convert[eval]')")
-    acc.add_argument("--tasks", type=_str_list, help=f"lm-eval tasks or groups, comma-separated (default {','.join(accuracy.DEFAULT_TASKS)})")
+    acc.add_argument("--tasks", type=_str_list, help=f"lm-eval tasks or groups, comma-separated (default {','.join(defaults.DEFAULT_TASKS)})")
     acc.add_argument("--limit", type=_limit, help="examples per task: a count, or a fraction below 1 (default: all)")
     acc.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
-    acc.add_argument("--eval-api", choices=tuple(accuracy.EVAL_APIS),
+    acc.add_argument("--eval-api", choices=tuple(defaults.EVAL_APIS),
                      help="chat (default): /v1/chat/completions, the server applies the model's chat format; "
                           "completions: /v1/completions with token ids from the model's tokenizer (log-likelihood tasks)")
-    acc.add_argument("--eval-concurrency", type=int, help=f"requests in flight (default {accuracy.DEFAULT_CONCURRENCY})")
+    acc.add_argument("--eval-concurrency", type=int, help=f"requests in flight (default {defaults.DEFAULT_CONCURRENCY})")
     acc.add_argument("--include-path", type=Path, help="a directory of your own lm-eval task YAMLs")
     acc.add_argument("--lm-eval-args", help="more lm-eval arguments, one shell-quoted string, e.g. \"--system_instruction '...'\"")
     acc.add_argument("--min-recovery", type=float,
                      help=f"with --compare: fail when a task keeps less than this of the base's score "
-                          f"(default {accuracy.DEFAULT_MIN_RECOVERY})")
+                          f"(default {defaults.DEFAULT_MIN_RECOVERY})")
     draft = p.add_argument_group("--check mtp (the checkpoint's draft: EAGLE for the preview's MTP block, "
                                  "DSPARK for 0731's DSpark drafter)")
     draft.add_argument("--min-accept", type=float,
                        help=f"fail when the mean accepted length per verify step is below this "
-                            f"(default {mtp.DEFAULT_MIN_ACCEPT}; 1.0 means no draft token was accepted)")
+                            f"(default {defaults.DEFAULT_MIN_ACCEPT}; 1.0 means no draft token was accepted)")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="after --: extra sglang.launch_server arguments")
     p.set_defaults(func=run)
 
 
 def _topology(args: argparse.Namespace) -> Topology | None:
     """This host's GPUs; None where none are needed (router role) or a dry run names them itself."""
+    from dsv4convert.serve.topology import TopologyError, discover
+
     if args.role == "router":
         return None
     try:
@@ -160,6 +166,8 @@ def _topology(args: argparse.Namespace) -> Topology | None:
 
 
 def _gpu_family(args: argparse.Namespace, topology: Topology | None) -> str:
+    from dsv4convert.serve.topology import TopologyError
+
     if args.gpu_family:
         return args.gpu_family
     if topology is None:
@@ -177,6 +185,8 @@ def _inspect(args: argparse.Namespace) -> tuple[str, ModelConfig | None]:
     config.json is read, where there is one (a router host may hold nothing but the tokenizer)."""
     from dsv4convert.checkpoint import Checkpoint, read_small_json
     from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.layout import ModelConfig
+    from dsv4convert.serve import launch
 
     if args.variant:
         path = args.model / "config.json"
@@ -192,6 +202,9 @@ def plan(args: argparse.Namespace, topology: Topology | None,
          config: ModelConfig | None = None) -> tuple[list[launch.Command], list[str]]:
     """The commands to run, in start order, and warnings for the user (``args.variant`` must be set;
     ``config`` says which draft the checkpoint holds, the preview's MTP block when not given)."""
+    from dsv4convert.engines.sglang.server import drafter_of
+    from dsv4convert.serve import launch
+
     warnings: list[str] = []
     extra = tuple(args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args)
     backend, warning = launch.choose_transfer_backend(args.transfer_backend, topology.ib_devices if topology else ())
@@ -236,6 +249,8 @@ def _print_plan(commands: list[launch.Command]) -> None:
 
 def smoke_request(url: str, timeout: float = 600.0) -> str:
     """One real generation; through the PD router it is the only thing that moves a KV cache."""
+    from dsv4convert.serve.process import ServeError, http_post_json
+
     response = http_post_json(
         url + "/generate",
         {"text": SMOKE_PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 16}},
@@ -272,6 +287,8 @@ ACCURACY_FLAGS = ("tasks", "limit", "num_fewshot", "eval_api", "eval_concurrency
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that belong to another check than the one asked for."""
+    from dsv4convert.serve import launch
+
     if args.indexer_topk and args.check != "recall":
         raise launch.LaunchError("--indexer-topk belongs to --check recall")
     if args.indexer_topk and args.pd:
@@ -292,6 +309,9 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsv4convert.serve import accuracy, checks
+    from dsv4convert.serve.process import ProcessGroup, ServeError
+
     _check_flags(args)
     checks_here = args.role in (None, "router")  # a prefill or decode host only serves
     if args.check == "accuracy" and checks_here:
@@ -352,6 +372,7 @@ def _refuse_what_cannot_fit(args: argparse.Namespace, commands: list[launch.Comm
     """``fit``'s verdict before any process starts: a server SGLang could not load is refused in one line
     (the card of ``family`` we serve on: H200, B200 or RTX PRO 6000), sized as each command will run."""
     from dsv4convert.fit import source, verdict
+    from dsv4convert.serve import launch
 
     servers = [c for c in commands if c.server is not None]
     if not servers:
@@ -380,12 +401,16 @@ def _print_metrics_endpoints(commands: list[launch.Command]) -> None:
 
 def _exited_tails(group: ProcessGroup) -> str:
     """Log tails of every started process that has already exited (why a request failed)."""
+    from dsv4convert.serve.process import log_tail
+
     return "".join(f"\n{p.name} exited with status {p.popen.poll()}; last lines of {p.log_path}:\n"
                    f"{log_tail(p.log_path)}" for p in group.processes if p.popen.poll() is not None)
 
 
 def _hold(group: ProcessGroup) -> None:
     """Serve until Ctrl-C, or until a server dies (then say why, and stop the rest)."""
+    from dsv4convert.serve.process import ServeError, log_tail
+
     while True:
         for p in group.processes:
             code = p.popen.poll()

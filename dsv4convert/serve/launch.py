@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 
 from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL
-from dsv4convert.engines.sglang.server import TRANSFER_BACKENDS, Disaggregation, Server, server
+from dsv4convert.engines.sglang import TRANSFER_BACKENDS
+from dsv4convert.engines.sglang.server import Disaggregation, Server, server
 from dsv4convert.errors import DSV4Error
 from dsv4convert.layout import Drafter
 from dsv4convert.serve.topology import Topology

@@ -35,7 +35,6 @@ from typing import Any
 from dsv4convert.errors import FormatError
 
 # SGLang's DeepSeek-V4-Flash CI gate with the same balanced preset (test_deepseek_v4_flash_fp8_h200.py).
-DEFAULT_MIN_ACCEPT = 1.6
 MAX_NEW_TOKENS = 256
 
 _PASSAGE_A = (

@@ -21,10 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from dsv4convert.errors import DSV4Error
-from dsv4convert.serve.launch import Command
+
+if TYPE_CHECKING:   # only named in annotations: `serve --help` loads this module without the launch rules
+    from dsv4convert.serve.launch import Command
 
 LOG_TAIL_LINES = 40
 

@@ -29,9 +29,7 @@ from dsv4convert.needle import (
     value_entries,
     value_rank,
 )
-
-DEFAULT_LENGTHS = tuple(2**k for k in range(10, 18))  # 1K .. 128K tokens
-DEFAULT_DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))  # 0% .. 100%
+from dsv4convert.serve.defaults import DEFAULT_DEPTHS, DEFAULT_LENGTHS
 
 
 def decode_indexer_topk(encoded: str, num_layers: int, topk: int) -> np.ndarray:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv4convert.errors import FormatError
-from dsv4convert.serve.accuracy import DEFAULT_MIN_RECOVERY, recoveries, recovery_lines
+from dsv4convert.serve.accuracy import recoveries, recovery_lines
+from dsv4convert.serve.defaults import DEFAULT_MIN_RECOVERY
 from dsv4convert.serve.mtp import compare_lines
 
 REPORT_VERSION = 1

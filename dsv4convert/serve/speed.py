@@ -13,7 +13,6 @@ from itertools import product
 
 from dsv4convert.errors import FormatError
 
-DEFAULT_CONCURRENCIES = (1, 4, 16, 32)
 DEFAULT_SHAPES = ((1024, 256), (8192, 512), (32768, 512))  # (input tokens, output tokens)
 METRICS = ("ttft", "tpot", "itl", "e2e_latency")
 STATISTICS = ("mean", "median", "p99")

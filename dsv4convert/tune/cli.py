@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from dsv4convert.engines import SGLANG_LABEL
-from dsv4convert.tune.search import DEFAULT_BATCH_SIZES
+from dsv4convert.tune import DEFAULT_BATCH_SIZES
 
 
 def _batch_sizes(text: str) -> list[int]:

@@ -31,8 +31,6 @@ from dsv4convert.tune.space import Tile
 from dsv4convert.tune.workload import ROUTINGS, TOLERANCE, Batch, make_batch, random_weights, relative_error, time_us
 
 GEMMS = ("up", "down")
-# SGLang's own tuner's default batch sizes (benchmark/kernels/fused_moe_triton/common_utils.py).
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 REFINED_SHAPES = 2  # per GEMM and batch size, the best shapes the second round varies
 CONFIRMED_PER_BLOCK_M = 2  # finalists re-timed per GEMM, batch size and BLOCK_SIZE_M (plus the shipped entry)
 PAIRED_PER_BLOCK_M = 2     # of those, the fastest per GEMM whose pairs are timed together

@@ -9,17 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
-from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.engines import SGLANG_LABEL, VLLM_LABEL
 from dsv4convert.errors import DSV4Error
-from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import linear_shapes
-from dsv4convert.validate.integrity import check_integrity
-from dsv4convert.validate.layer_error import layer_errors
-from dsv4convert.validate.report import engine_line, write_reports
 
 
 @dataclass
@@ -31,6 +22,16 @@ class ValidationResult:
 def validate(dst: str | Path, *, against: str | Path | None = None, device: str | None = None,
              report_dir: Path | None = None, fail_below_snr: float | None = None, progress: bool = True,
              chunk_bytes: int | None = None) -> ValidationResult:
+    import torch
+    from tqdm import tqdm
+
+    from dsv4convert.checkpoint import Checkpoint
+    from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.layout import linear_shapes
+    from dsv4convert.validate.integrity import check_integrity
+    from dsv4convert.validate.layer_error import layer_errors
+    from dsv4convert.validate.report import write_reports
+
     t0 = time.monotonic()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -90,6 +91,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dsv4convert.validate.report import engine_line
+
     result = validate(args.dst, against=args.against, device=args.device, report_dir=args.report,
                       fail_below_snr=args.fail_below_snr, progress=not args.no_progress)
     s = result.summary

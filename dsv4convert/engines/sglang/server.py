@@ -29,7 +29,6 @@ from dsv4convert.layout import Drafter, ModelConfig
 
 ROLES = ("prefill", "decode", "server")
 DRAFT_LABELS = {Drafter.MTP: "MTP", Drafter.DSPARK: "DSpark", Drafter.NONE: "no"}
-TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl")
 
 
 @dataclass(frozen=True)

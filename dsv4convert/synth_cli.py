@@ -1,0 +1,68 @@
+"""``dsv4convert synth``: the command line (the checkpoints themselves are :mod:`dsv4convert.synth`, loaded when the
+command runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dsv4convert.errors import DSV4Error
+from dsv4convert.synth_presets import PRESETS
+
+ORGANISM = "organism"
+DRAFTERS = ("mtp", "dspark", "none")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "synth",
+        help="write a synthetic checkpoint in the exact native DeepSeek-V4-Flash format",
+        description=(
+            "Write a checkpoint with the native names, dtypes and layouts (FP8 + E8M0 128x128 scales, "
+            "MXFP4 experts, BF16/F32/I64 elsewhere) and realistic values, deterministic by seed. "
+            "Presets are small enough for CI; --config with the real config.json and --num-layers "
+            "makes real-size layers for benchmarks (~3.6 GB per layer). --preset organism writes the "
+            "shipped model organism instead: a small DeepSeek-V4 trained to retrieve needles, stored as "
+            "the release is (docs/organism.md)."
+        ),
+    )
+    p.add_argument("--dst", required=True, type=Path, help="output directory")
+    p.add_argument("--preset", choices=sorted([*PRESETS, ORGANISM]), default="tiny",
+                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk)")
+    p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
+    p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
+    p.add_argument("--drafter", choices=DRAFTERS, help="the draft model under mtp.*: mtp (the preview's MTP block), "
+                   "dspark (V4-Flash-0731's DSpark drafter: three sliding-window stages, a Markov and a confidence "
+                   "head) or none; default: what the preset or --config has")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the drafter (same as --drafter none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dsv4convert.checkpoint import read_small_json
+    from dsv4convert.layout import ModelConfig
+    from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers, write_organism
+
+    if args.preset == ORGANISM:
+        if args.config or args.num_layers is not None or args.no_mtp or args.seed or args.drafter:
+            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --drafter, --no-mtp "
+                            "and --seed do not apply")
+        print(f"wrote {write_organism(args.dst, overwrite=args.overwrite)} (the trained organism, docs/organism.md)")
+        return 0
+    config = read_small_json(args.config) if args.config else preset_config(args.preset)
+    cfg = ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
+    drafter = "none" if args.no_mtp else args.drafter
+    if args.no_mtp and args.drafter not in (None, "none"):
+        raise DSV4Error(f"--no-mtp and --drafter {args.drafter} contradict each other")
+    if drafter == "dspark" and cfg.dspark is None:
+        config = with_dspark(with_num_layers(config, cfg.num_hidden_layers, mtp=False))
+    elif drafter == "mtp" and cfg.drafter.value != "mtp":
+        raise DSV4Error("--drafter mtp: this config has no MTP block to keep (the preview's configs and presets have "
+                        "one)")
+    if args.num_layers is not None or drafter == "none":
+        config = with_num_layers(config, args.num_layers or config["num_hidden_layers"], mtp=drafter != "none")
+    dst = synthesize(args.dst, config, seed=args.seed, overwrite=args.overwrite, progress=True)
+    print(f"wrote {dst}")
+    return 0
