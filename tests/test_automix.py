@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
 
 import pytest
@@ -233,3 +234,20 @@ def test_a_gpu_budget_binds_exactly_as_fit_counts(measured, organism):
     assert mix.bytes <= mix.layout.capacity
     lines = automix.check_fit(tight, mix, sensitivity)
     assert lines and f"(asked {kv_tokens})" in lines[0]
+
+
+
+def test_the_mix_is_written_alone_and_its_report_beside_it(measured, choices, tmp_path, capsys):
+    """As the command delivers it: the model directory holds the mix alone (it is what gets uploaded), automix.md
+    and .json go to DST-automix beside it, and the last line says what to do next."""
+    plan, sensitivity, windows = measured
+    dst = tmp_path / "mix"
+    plan = dataclasses.replace(plan, options=dataclasses.replace(plan.options, dst=str(dst), report=None))
+    written = verify.deliver(plan, sensitivity, dataclasses.replace(windows, heldout=windows.heldout[:1]),
+                             choices[1][BASELINES[0]], {})
+    assert (dst / "config.json").is_file() and (dst / "automix-recipe.yaml").is_file()   # the recipe travels with it
+    assert not {"automix.md", "automix.json", "pareto.png"} & {p.name for p in dst.iterdir()}
+    assert {p.parent for p in written} == {tmp_path / "mix-automix"}
+    report = json.loads((tmp_path / "mix-automix" / "automix.json").read_text())
+    assert report["rows"][-1]["name"] == "automix" and report["rows"][-1]["measured"] >= 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(f"next: dsv4convert validate {dst}")

@@ -28,9 +28,10 @@ from dsv4convert.checkpoint import (
 from dsv4convert.cli import main
 from dsv4convert.convert import execute, pipeline
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, convert_module, partner_params, read_module
-from dsv4convert.convert.pipeline import DeviceTransfer, pipeline_memory, resolve_device, run_shard_job
+from dsv4convert.convert.pipeline import DeviceTransfer, pipeline_memory, run_shard_job
 from dsv4convert.convert.plan import build_plan
 from dsv4convert.convert.recipe import load_recipe
+from dsv4convert.devices import resolve_device
 from dsv4convert.errors import CheckpointError, DSV4Error
 from dsv4convert.formats import dequantize_mxfp4, mxfp4_to_fp8_block, mxfp4_to_nvfp4, nvfp4_global_exponent
 from dsv4convert.synth import realistic_mxfp4

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,7 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, help="tensor-parallel GPUs per server (with --gpu)")
     p.add_argument("--kv-tokens", type=_tokens, help="tokens of KV cache the server must still hold (e.g. 1M, 262144)")
     p.add_argument("--mtp", action="store_true", help="count the MTP draft's weights and KV in the budget (fit --mtp)")
-    p.add_argument("--engine", choices=CHOICES, default="sglang", help="engines the mix must load in (default sglang)")
+    p.add_argument("--engine", choices=CHOICES, default="sglang",
+                   help="engines the mix must load in (default sglang, unlike the converters' both: a mix is chosen for "
+                        "the engine that serves it, and both leaves only the layouts the two engines share)")
     p.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"),
                    help="numerics the candidates are served with (default: --gpu's, else sm120)")
     p.add_argument("--text", type=Path, help="UTF-8 text or JSONL the pass and the verification read (the user's own)")
@@ -68,13 +69,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="held-out tokens (after --select-tokens) for compare's verification and the report "
                         "(default 8K)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or cuda:N (default: auto, the first CUDA GPU when there is one, else cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: bfloat16 on a GPU)")
     p.add_argument("--chunk", type=int, default=2048, help="queries per forward (default 2048)")
     p.add_argument("--calibration", type=Path, help="NVFP4 input scales from calibrate's file (as convert)")
-    p.add_argument("--report", type=Path,
+    p.add_argument("--report", type=Path, metavar="DIR",
                    help="write automix.md/json and pareto.png here, measuring every uniform layout, the naive mix and "
-                        "automix at each of their sizes (one conversion and compare each)")
+                        "automix at each of their sizes (one conversion and compare each); without it, automix.md/json "
+                        "of the choice go to DST-automix beside DST, never into the model directory")
     p.add_argument("--dry-run", action="store_true", help="print the plan (menu, candidates, budget) and stop")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run)
@@ -150,25 +153,8 @@ def _run(args: argparse.Namespace) -> int:
     chosen = replace(choice.chosen, name="automix")
     for line in automix.check_fit(plan, chosen, measured):
         print(f"automix: {line}")
-    text = chosen.recipe(plan, measured, "per-layer formats chosen by dsv4convert automix").text
-    report = opts.report or (Path(opts.dst) if opts.dst else None)
-    if report is None:
-        sys.stdout.write(text)
+    if not opts.dst and not opts.report:
+        sys.stdout.write(chosen.recipe(plan, measured, "per-layer formats chosen by dsv4convert automix").text)
         return 0
-    report.mkdir(parents=True, exist_ok=True)
-    if opts.report:
-        (report / "automix-recipe.yaml").write_text(text, encoding="utf-8")
-    row = None
-    if opts.dst:
-        row = verify.measure_row(plan, chosen, "automix", measured, windows.heldout, Path(opts.dst),
-                                 keep=Path(opts.dst), choice=choice)
-        corrected = f", {row.corrected:.5f} corrected for its family" if row.corrected else ""
-        print(f"automix: measured mean KLD {row.measured:.5f} ± {row.standard_error:.5f} on {windows.heldout.numel()} "
-              f"held-out tokens (predicted {row.predicted:.5f}{corrected})")
-    rows = [row] if row else []
-    if opts.report:
-        with tempfile.TemporaryDirectory(prefix="automix-", dir=opts.report) as work:
-            rows = verify.pareto(plan, measured, windows.heldout, Path(work), choices, None) + rows
-    for path in verify.write_report(plan, measured, rows, row, report, [choice, *choices.values()]):
-        print(f"wrote {path}")
+    verify.deliver(plan, measured, windows, choice, choices)
     return 0

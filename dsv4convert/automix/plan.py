@@ -43,6 +43,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare.numerics import Numerics, serving_from_formats
 from dsv4convert.convert.plan import build_plan, human_bytes
 from dsv4convert.convert.recipe import Recipe
+from dsv4convert.devices import resolve_device
 from dsv4convert.engines import SGLANG_LABEL, engines_for
 from dsv4convert.engines.config import build_quant_config
 from dsv4convert.engines.sglang.numerics import Serving
@@ -53,7 +54,7 @@ from dsv4convert.fit.verdict import Gpu, gpu_from, sglang_server, vllm_server
 from dsv4convert.formats import Format
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import linear_shapes
-from dsv4convert.model.blocks import COMPUTE_DTYPES, parse_device
+from dsv4convert.model.blocks import COMPUTE_DTYPES
 from dsv4convert.model.text import read_documents, tokenize
 
 
@@ -304,7 +305,7 @@ def build(opts: AutomixOptions) -> AutomixPlan:
     if not families:
         reasons = "; ".join(f"{e.name}: {e.reason}" for e in excluded)
         raise DSV4Error(f"--engine {opts.engine} on {gpu_family}: no mixed layout is servable ({reasons})")
-    device = parse_device(opts.device)
+    device = resolve_device(opts.device)
     dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype_name not in COMPUTE_DTYPES:
         raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")
@@ -519,7 +520,8 @@ def print_plan(plan: AutomixPlan, out=None) -> None:
           f"beside the {cfg.num_hidden_layers} of the reference), {len(plan.floors)} floor, "
           f"{len(plan.calibrations)} calibration and {len(plan.layouts)} uniform-layout track(s), "
           f"{opts.tokens // opts.seq_len} x {opts.seq_len} tokens on {plan.device} ({str(plan.dtype)[6:]}); "
-          f"the forks' streams ~{human_bytes(plan.memory['stream_bytes'])} (on the GPU when they fit)", file=out)
+          f"the candidates' hidden states ~{human_bytes(plan.memory['stream_bytes'])} (on the GPU when they fit)",
+          file=out)
     if not opts.verify_top:
         print("  verification: none (--verify-top 0): the least predicted mix is returned as the estimate ranks it",
               file=out)

@@ -272,7 +272,7 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
                 runner(layer, reference, ids, out=scratch)
                 reference, scratch = scratch, reference
                 seconds["reference"] += time.perf_counter() - t
-                bar.set_postfix(forks=len(bank.index))
+                bar.set_postfix(candidates=len(bank.index))
                 per_block.append({"block": block, "fork_passes": forks_before, "n_candidates": len(by_block.get(block, [])),
                                   "n_tracks": len(labels), **{k: round(seconds[k] - before[k], 4) for k in seconds}})
                 del layer, staged

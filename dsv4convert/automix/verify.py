@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from dsv4convert.automix.choose import Choice, track_label
-from dsv4convert.automix.plan import AutomixPlan, Layout, Mix, picks_key, uniform_picks
+from dsv4convert.automix.plan import AutomixPlan, Layout, Mix, Windows, picks_key, uniform_picks
 from dsv4convert.automix.sensitivity import Measured
+from dsv4convert.checkpoint import atomic_write_bytes
 from dsv4convert.compare.run import CompareOptions
 from dsv4convert.compare.run import build_plan as build_compare
 from dsv4convert.compare.run import run as run_compare
@@ -289,3 +291,39 @@ def write_report(plan: AutomixPlan, measured: Measured, rows: list[Row], chosen:
     if any(r.measured is not None for r in rows):
         paths.append(plot(rows, out / "pareto.png", plan.layouts[0].unit.describe()))
     return paths
+
+
+def report_dir(opts) -> Path:
+    """``--report DIR``, else ``DST-automix`` next to the mix: a model directory holds what is uploaded, not its
+    reports (as compare's ``VARIANT-compare``)."""
+    return Path(opts.report) if opts.report else Path(opts.dst).parent / f"{Path(opts.dst).name}-automix"
+
+
+def deliver(plan: AutomixPlan, measured: Measured, windows: Windows, choice: Choice,
+            baseline_choices: dict[str, Choice]) -> list[Path]:
+    """The chosen mix written to ``--dst`` and measured on the held-out windows, and the report (with ``--report``:
+    every baseline and the choice at its bytes too) in :func:`report_dir`; prints each path and what to do next."""
+    opts = plan.options
+    chosen = replace(choice.chosen, name="automix")
+    report = report_dir(opts)
+    report.mkdir(parents=True, exist_ok=True)
+    if opts.report:
+        text = chosen.recipe(plan, measured, "per-layer formats chosen by dsv4convert automix").text
+        atomic_write_bytes(report / "automix-recipe.yaml", text.encode("utf-8"))
+    row = None
+    if opts.dst:
+        row = measure_row(plan, chosen, "automix", measured, windows.heldout, Path(opts.dst), keep=Path(opts.dst),
+                          choice=choice)
+        corrected = f", {row.corrected:.5f} corrected for its family" if row.corrected else ""
+        print(f"automix: measured mean KLD {row.measured:.5f} ± {row.standard_error:.5f} on {windows.heldout.numel()} "
+              f"held-out tokens (predicted {row.predicted:.5f}{corrected})")
+    rows = [row] if row else []
+    if opts.report:
+        with tempfile.TemporaryDirectory(prefix="automix-", dir=report) as work:
+            rows = pareto(plan, measured, windows.heldout, Path(work), baseline_choices, None) + rows
+    written = write_report(plan, measured, rows, row, report, [choice, *baseline_choices.values()])
+    for path in written:
+        print(f"wrote {path}")
+    if opts.dst:
+        print(f"next: dsv4convert validate {opts.dst} --against {opts.src}, then dsv4convert fit --model {opts.dst}")
+    return written

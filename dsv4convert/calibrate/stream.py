@@ -36,6 +36,7 @@ from dsv4convert.calibrate.report import block_errors
 from dsv4convert.calibrate.stats import ExpertRecorder, ExpertStats
 from dsv4convert.calibration import InputScales, build_input_scales
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json, read_small_json
+from dsv4convert.devices import resolve_device
 from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
@@ -72,14 +73,6 @@ class CalibrateOptions:
 def work_dir(output: Path) -> Path:
     """Where the per-block statistics (and Hessians) and the streaming state live."""
     return output.parent / f"{output.name}.d"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise DSV4Error(f"--device must be cpu or cuda[:N], got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise DSV4Error("--device cuda but torch sees no CUDA device")
-    return torch.device(name)
 
 
 def batches(calibration: int, total: int, size: int) -> list[slice]:

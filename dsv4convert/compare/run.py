@@ -31,12 +31,13 @@ from dsv4convert.compare.recall import (
     summarize,
     verdict,
 )
+from dsv4convert.devices import resolve_device
 from dsv4convert.distributed import World
 from dsv4convert.engines.sglang.quant_config import sglang_topk_group
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import Drafter, ModelConfig, linear_shapes, native_inventory, try_classify
-from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource, parse_device
+from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
 # Config keys that describe how weights are stored, not the model: they may differ between sides.
@@ -178,7 +179,7 @@ def build_plan(opts: CompareOptions, world: World = World()) -> Plan:
     check_same_model(base_ckpt, variant_ckpt)
     if opts.chunk < 1 or opts.batch_size < 1:
         raise DSV4Error(f"--chunk and --batch-size must be at least 1, got {opts.chunk} and {opts.batch_size}")
-    device = world.device(str(parse_device(opts.device)))
+    device = world.device(str(resolve_device(opts.device)))
     dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype_name not in COMPUTE_DTYPES:
         raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")

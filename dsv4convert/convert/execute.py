@@ -50,10 +50,11 @@ from dsv4convert.convert.model_card import (
     source_card_metadata,
     vllm_default_launch,
 )
-from dsv4convert.convert.pipeline import CONVERT_THREADS, BarFeed, pipeline_memory, resolve_device, run_shard_job
+from dsv4convert.convert.pipeline import CONVERT_THREADS, BarFeed, pipeline_memory, run_shard_job
 from dsv4convert.convert.plan import Plan, ShardJob, build_plan, cost_of_both, human_bytes
 from dsv4convert.convert.recipe import Recipe, canonical
 from dsv4convert.convert.state import DestinationLock, RunState, signature
+from dsv4convert.devices import resolve_device
 from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Calibration, calibrated_by

@@ -25,7 +25,7 @@ from dsv4convert.calibration import CalibrationHessians, InputScales
 from dsv4convert.checkpoint import WRITER_MEMORY, ShardWriter, SourceBytes, prefetch, read_tensor
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, ModuleResult, convert_module, read_module
 from dsv4convert.convert.plan import ModuleJob, ShardJob
-from dsv4convert.errors import DSV4Error
+from dsv4convert.devices import resolve_device
 from dsv4convert.layout import Role
 from dsv4convert.stop_points import reach
 
@@ -69,24 +69,6 @@ class DeviceTransfer:
         event = torch.cuda.Event()
         event.record()
         return staged, event
-
-
-def resolve_device(name: str) -> torch.device:
-    """The conversion device, refusing one this machine does not have."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise DSV4Error(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise DSV4Error(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DSV4Error(f"--device {name}: no CUDA GPU is available on this machine")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise DSV4Error(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
-        device = torch.device("cuda", index)
-    return device
 
 
 # How far ahead of the module being read the kernel is asked to fetch source bytes.

@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory (the release-format checkpoint)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu; training wants a GPU)")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or cuda:N (default: auto, the first CUDA GPU when there is one, else cpu)")
     p.add_argument("--steps", type=int,
                    help="optimizer steps (default: as many as fill --time-budget at the speed of the first 30; "
                         "the provenance records the count, and --steps N replays the run)")
@@ -62,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dsv4convert.model.blocks import parse_device
+    from dsv4convert.devices import resolve_device
     from dsv4convert.model.trainable import TrainableModel
     from dsv4convert.organism.config import organism_config
     from dsv4convert.organism.train import TrainSettings
@@ -77,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     config = organism_config()
     if args.dst.exists() and any(args.dst.iterdir()) and not args.overwrite:
         raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=args.dst)
-    device = parse_device(args.device)
+    device = resolve_device(args.device)
     if args.dry_run:
         params = sum(p.numel() for p in TrainableModel(config).parameters())
         steps = settings.steps or f"as many as fill {settings.time_budget:.0f} s:"
@@ -90,11 +91,10 @@ def _run(args: argparse.Namespace) -> int:
 def _train_and_write(args: argparse.Namespace, config: dict, settings, lengths: list[int],
                      device: torch.device) -> int:
     import torch
+    import transformers
 
     from dsv4convert.organism.export import load_release, write_release
     from dsv4convert.organism.tokenizer import build_tokenizer
-    import transformers
-
     from dsv4convert.organism.train import recall_by_length, train
 
     tokenizer = build_tokenizer(int(config["vocab_size"]), seed=settings.seed)
