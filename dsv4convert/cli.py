@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv4convert",
         description=(
-            "Convert the native DeepSeek-V4-Flash checkpoint (FP8 + MXFP4 experts) into the "
-            "quantized variants SGLang serves, prove each one's error, and serve it."
+            "Convert DeepSeek-V4-Flash (0731 with its DSpark drafter, or the preview; FP8 + MXFP4 experts) into the "
+            "quantized variants SGLang and vLLM serve, prove each one's error, size it, and serve it. "
+            "Start with `dsv4convert demo` (about a minute on a CPU)."
         ),
     )
     parser.add_argument("--version", action="version", version=f"dsv4convert {__version__}")

@@ -7,7 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# As the tool does before torch loads (cli.py:_quiet_openmp), for a plain `pytest` too (ci/test.sh sets it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 from hypothesis import settings
 
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, write_index

@@ -321,7 +321,7 @@ def test_serve_refuses_what_cannot_fit(small) -> None:
 def test_the_table_says_what_it_shows_and_advises_only_what_fits_the_host(capsys) -> None:
     """Column names and the fraction explained; a TP that fits one server but not PD on --count GPUs is not
     offered as the fix."""
-    assert main(["fit", "--gpu", "rtx-pro-6000", "--count", "8", "--tp", "4", "--pd"]) == 1
+    assert main(["fit", "--gpu", "rtx-pro-6000", "--count", "8", "--tp", "4", "--pd"]) == 0   # some variants fit
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("fraction: SGLang's --mem-fraction-static") and out[2].split()[:3] == \
         ["variant", "server", "weights/GPU"]

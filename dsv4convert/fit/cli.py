@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "caches, indexer, compressor state), the KV tokens it leaves, the smallest fraction that loads,\n"
             "and a verdict. Without --model: every shipped variant planned from the released config.json\n"
             "(no weights needed; one layer of each kind planned and counted: about 2 s for the table).\n"
-            "KV tokens are the full pool: concurrent requests x context <= KV tokens."
+            "KV tokens are the full pool: concurrent requests x context <= KV tokens.\n"
+            "Exit status: 0 when the --model fits (without --model: when at least one variant does), else 1."
         ),
         epilog=(
             "examples:\n"
@@ -204,4 +205,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{label:18s} not served: {why}")
         for line in estimated:
             print(f"estimated: {line}")
-    return 0 if all(fit.fits for _, fit, _ in rows) else 1
+    fitting = sorted({src.label for src, _, _ in rows} - {src.label for src, fit, _ in rows if not fit.fits})
+    if not args.json and not args.model:
+        print(f"next: convert to one that fits ({', '.join(fitting)}), then dsv4convert fit --model DIR"
+              if fitting else "nothing fits: more GPUs per server (--tp), another --gpu, or a shorter --context")
+    # With --model, whether it fits; without, whether any variant does (the question the table answers).
+    return 0 if (all(fit.fits for _, fit, _ in rows) if args.model else fitting) else 1
