@@ -167,4 +167,6 @@ def _run(args: argparse.Namespace) -> int:
         engine=args.engine,
         no_mtp=args.no_mtp,
     ))
+    if not args.dry_run:
+        print(f"next: dsv4convert validate {args.dst} --against {args.src}")
     return 0

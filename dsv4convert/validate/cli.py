@@ -110,4 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     if s["below_threshold"]:
         print(f"  {len(s['below_threshold'])} modules below {s['fail_below_snr_db']} dB, e.g. {s['below_threshold'][0]}")
     print(f"report: {result.report_dir / 'validate.md'}")
+    if s["passed"]:
+        print(f"next: dsv4convert compare --base {args.against} --variant {args.dst}" if args.against
+              else f"next: dsv4convert fit --model {args.dst}")
     return 0 if s["passed"] else 1
