@@ -401,12 +401,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "makes real-size layers for benchmarks (~3.6 GB per layer). --preset organism writes the "
             "shipped model organism instead: a small DeepSeek-V4 trained to retrieve needles, stored as "
             "the release is (docs/organism.md); with --drafter dspark in V4-Flash-0731's layout, its backbone "
-            "unchanged and a trained DSpark drafter under mtp.* (10.1 MB), with --drafter none without a drafter."
+            "unchanged and its trained DSpark drafter under mtp.* (10.1 MB on disk, 3.4 MB of it the drafter), with "
+            "--drafter none without a drafter."
         ),
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory")
     p.add_argument("--preset", choices=sorted([*PRESETS, ORGANISM]), default="tiny",
-                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk)")
+                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk; "
+                        "10.1 MB with --drafter dspark)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
     p.add_argument("--drafter", choices=DRAFTERS, help="the draft model under mtp.*: mtp (the preview's MTP block), "

@@ -51,8 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "(synth --preset organism) came from this command; docs/organism.md. --drafter dspark instead "
             "trains V4-Flash-0731's DSpark drafter (three sliding-window stages drafting blocks of 5 from layers "
             "1-3, a rank-64 Markov head, a confidence head; 3.9M parameters) on the frozen shipped organism, "
-            "measures its acceptance per draft position on held-out text, and writes only what it adds (about "
-            "2.5 MB): what synth --preset organism --drafter dspark puts under mtp.*. One GPU: about 3 minutes."
+            "measures its acceptance per draft position on held-out text, and writes only what it adds (3.4 MB): "
+            "what synth --preset organism --drafter dspark puts under mtp.*. One H200: 2.5 minutes."
         ),
     )
     p.add_argument("--dst", required=True, type=Path,

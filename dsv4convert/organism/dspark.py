@@ -21,7 +21,8 @@ step on a fresh batch run through the frozen backbone (features at the target la
   probe of the drafter's state and never trades draft quality for calibration.
 
 Anchors are a seeded sample of every position with a full block after it (and at least one context row before
-it). Deterministic for a seed on a CPU; on a GPU up to the order of floating-point atomics.
+it). Deterministic for a seed: a replay with the recorded step count writes the same bytes (on a CPU, and on the
+H200 the shipped drafter was trained on).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -79,7 +81,7 @@ class DraftSettings:
     initializer_range: float = 0.0625  # the organism's
     confidence_weight: float = 1.0
     eval_every: int = 100
-    eval_sequences: int = 4
+    eval_sequences: int = 4           # held-out and needle rows the curve measures (0: none)
     seed: int = 0
     time_limit: float | None = None
 
@@ -141,13 +143,35 @@ def drafter_losses(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, an
     return ce, bce, metrics
 
 
+@contextmanager
+def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
+    """On a CPU, torch's deterministic algorithms while the block lasts: the backward of each block's gather of
+    its context window (``index_put`` with accumulation: context rows are shared by many blocks) otherwise adds
+    across threads in no fixed order. CUDA's already sorts its indices; its kernels are left as they are."""
+    if device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def train_drafter(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings, *,
                   device: torch.device, log: Callable[[str], None] = print) -> DraftResult:
     """Train the DSpark drafter of ``config`` on the frozen ``target_model``; returns it in eval mode. ``text``
     is held-out text (the curve's acceptance is measured on it).
 
     With ``settings.steps`` None the step count is chosen once, after ``PROBE_STEPS`` steps, to fill
-    ``settings.time_budget``; the result's settings record it, and ``steps=N`` replays the run."""
+    ``settings.time_budget``; the result's settings record it, and ``steps=N`` replays the run bit for bit (on
+    a CPU, and on the H200 as measured: bench/results/organism-dspark-h200.md)."""
+    with deterministic_on_cpu(device):
+        return _train(target_model, config, tokenizer, text, settings, device, log)
+
+
+def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings,
+           device: torch.device, log: Callable[[str], None]) -> DraftResult:
     s = settings
     torch.manual_seed(s.seed)
     target = Target(target_model.to(device), config)
@@ -163,7 +187,7 @@ def train_drafter(target_model: TrainableModel, config: dict, tokenizer, text: s
     other = [p for n, p in drafter.named_parameters() if not (p.ndim >= 2 and "hc" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
                                    {"params": other, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
-    held = heldout_sets(tokenizer, text, sequences=s.eval_sequences, seed=s.seed)
+    held = heldout_sets(tokenizer, text, sequences=s.eval_sequences, seed=s.seed) if s.eval_sequences else {}
     batches = prefetched(lambda: data.batch()[0])
     curve: list[dict] = []
     running: dict[str, torch.Tensor] = {}
