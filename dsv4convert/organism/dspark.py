@@ -152,11 +152,14 @@ def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
     if device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
         yield
         return
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False     # a cost only: no kernel here reads one
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def train_drafter(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings, *,
