@@ -46,6 +46,8 @@ RELEASE_0731_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-0731-config.json"
 GENERATION_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-generation_config.json"
 # The trained model organism in the release format (docs/organism.md), written by `train-organism`.
 ORGANISM_DIR = DATA_DIR / "organism"
+# What its DSpark drafter adds (`train-organism --drafter dspark`): the mtp.* tensors and dspark.json.
+ORGANISM_DSPARK_DIR = DATA_DIR / "organism-dspark"
 
 
 def reference_config() -> dict:
@@ -311,13 +313,22 @@ def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = Fals
     return dst
 
 
-def write_organism(dst: Path, *, overwrite: bool = False) -> Path:
-    """Copy the shipped organism (trained weights, not synthetic ones) to ``dst``; the index is copied last,
-    so an interrupted copy never looks complete."""
+def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) -> Path:
+    """The shipped organism (trained weights, not synthetic ones) at ``dst`` with ``drafter``: ``mtp`` its own
+    files copied (the index last, so an interrupted copy never looks complete); ``dspark`` 0731's layout, its
+    backbone's bytes with the shipped DSpark drafter under ``mtp.*``; ``none`` the backbone alone."""
+    from dsv4convert.organism.export import write_with_drafter
+
     dst = Path(dst)
     files = sorted(p for p in ORGANISM_DIR.iterdir() if p.is_file())
     if not any(p.name == INDEX_NAME for p in files):
         raise DSV4Error("the package has no organism checkpoint (reinstall dsv4convert)", file=ORGANISM_DIR)
+    if drafter == "dspark" and not any(ORGANISM_DSPARK_DIR.glob("*.safetensors")):
+        raise DSV4Error("the package has no DSpark drafter for the organism (reinstall dsv4convert)",
+                        file=ORGANISM_DSPARK_DIR)
+    if drafter != "mtp":
+        return write_with_drafter(dst, ORGANISM_DIR, ORGANISM_DSPARK_DIR if drafter == "dspark" else None,
+                                  overwrite=overwrite)
     if dst.exists() and any(dst.iterdir()):
         if not overwrite:
             raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)

@@ -17,6 +17,7 @@ everything else becomes ``D`` (quantized weights are dequantized in float32 and 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -81,14 +82,16 @@ TENSOR_PATHS = {
 
 
 def hf_config(config: dict) -> DeepseekV4Config:
-    """transformers' config for every block, MTP blocks included (as layers ``n .. n+mtp-1``).
+    """transformers' config for every block, the drafter's included (as layers ``n .. n+d-1``: the preview's
+    MTP blocks, or a DSpark drafter's stages, sliding-window and score-routed as their compress ratios 0 and
+    indices past ``num_hash_layers`` make them).
 
     Eager attention is the only one DeepSeek-V4 supports; ``grouped_mm`` is the experts
     implementation ``from_pretrained`` picks, so the layers compute what the full model does.
     """
     cfg = ModelConfig.from_dict(config)
     fields = {k: v for k, v in config.items() if k != "quantization_config"}
-    fields["num_hidden_layers"] = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    fields["num_hidden_layers"] = cfg.num_hidden_layers + cfg.num_draft_blocks
     hf = DeepseekV4Config(**fields)
     hf._attn_implementation = "eager"
     hf._experts_implementation = "grouped_mm"
@@ -201,8 +204,22 @@ def _rebuild_rotary(layer: nn.Module, config: DeepseekV4Config, device: torch.de
             setattr(owner, leaf, DeepseekV4RotaryEmbedding(config, device=device))
 
 
+def block_config(config: DeepseekV4Config, cfg: ModelConfig, block: str) -> DeepseekV4Config:
+    """The config ``block``'s layer is built with: ``config`` itself, or for a DSpark stage with its own expert
+    count (``dspark_n_routed_experts`` / ``dspark_num_experts_per_tok``) a copy carrying it, as SGLang's
+    ``models/deepseek_v4_dspark.py::_dspark_stage_config`` builds the stages."""
+    d = cfg.dspark
+    if d is None or not block.startswith("mtp.") or (
+            d.n_routed_experts, d.num_experts_per_tok) == (cfg.n_routed_experts, cfg.num_experts_per_tok):
+        return config
+    stage = copy.copy(config)
+    stage.n_routed_experts, stage.num_experts_per_tok = d.n_routed_experts, d.num_experts_per_tok
+    return stage
+
+
 def build_layer(source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig, block: str) -> DeepseekV4DecoderLayer:
     """transformers' decoder layer for ``block`` with the checkpoint's weights on ``source.device``."""
+    config = block_config(config, cfg, block)
     with torch.device("meta"):
         layer = DeepseekV4DecoderLayer(config, block_index(cfg, block))
     _rebuild_rotary(layer, config, source.device)
@@ -212,7 +229,7 @@ def build_layer(source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig
     for suffix, path in TENSOR_PATHS.items():
         if f"{block}.{suffix}" in source.ckpt.tensors:
             set_tensor(layer, path, source.tensor(f"{block}.{suffix}"))
-    gate_up, down = source.experts(block, cfg.n_routed_experts)
+    gate_up, down = source.experts(block, cfg.experts_in(block))
     set_tensor(layer, "mlp.experts.gate_up_proj", gate_up)
     set_tensor(layer, "mlp.experts.down_proj", down)
     left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]

@@ -29,7 +29,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4RMSNorm,
 )
 
-from dsv4convert.layout import ModelConfig
+from dsv4convert.layout import Drafter, ModelConfig
 from dsv4convert.model.blocks import LINEAR_PATHS, TENSOR_PATHS, hf_config
 from dsv4convert.model.forward import Positions
 
@@ -79,8 +79,9 @@ class TrainableModel(nn.Module):
         full._experts_implementation = "eager"
         full.initializer_range = backbone_config.initializer_range
         self.full_config = full
-        self.mtp = nn.ModuleList(MtpBlock(full, self.cfg.num_hidden_layers + j)
-                                 for j in range(self.cfg.num_nextn_predict_layers))
+        # The preview's MTP blocks; a DSpark drafter (0731) is model/dspark.py's DSparkDrafter, trained apart.
+        mtp_blocks = self.cfg.num_nextn_predict_layers if self.cfg.drafter is Drafter.MTP else 0
+        self.mtp = nn.ModuleList(MtpBlock(full, self.cfg.num_hidden_layers + j) for j in range(mtp_blocks))
         for module in self.mtp.modules():
             self.backbone._init_weights(module)
         self.csa_layers = [i for i, t in enumerate(full.layer_types[: self.cfg.num_hidden_layers]) if t == CSA]
