@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsv4convert.devices import resolve_device
 from dsv4convert.errors import DSV4Error
 
 TIMEOUT_SECONDS = 600.0   # a lost rank's collective fails after this, whatever the launcher
@@ -90,7 +91,7 @@ def join(device: str) -> World:
     if size <= 1:
         return World()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.device(device).type == "cuda"
+    cuda = resolve_device(device).type == "cuda"
     if cuda:
         if local_rank >= torch.cuda.device_count():
             raise DSV4Error(f"rank {rank}: local rank {local_rank} but this host has {torch.cuda.device_count()} GPU(s)")
