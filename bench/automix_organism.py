@@ -6,7 +6,7 @@ Run from the repository root::
 
 Writes the organism (``synth --preset organism``), runs ``dsv4convert automix`` with a size budget and
 ``--report`` (every uniform layout of the menu, the naive mix of each, automix at each of their sizes, each
-converted and compared with the base on held-out windows of ``tests/data/organism-heldout.txt``), and keeps
+converted and compared with the base on held-out windows of ``dsv4convert/data/organism/heldout.txt``), and keeps
 the report's JSON, markdown and PNG under ``--out`` with the machine, commit and exact command.
 """
 
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TEXT = Path("tests/data/organism-heldout.txt")
+TEXT = Path("dsv4convert/data/organism/heldout.txt")
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ Weight SNR (``bench/w4a16_quality.py``) says how far each expert's INT4 weights 
 source; this says what that does to the model's next-token distribution. The base is the
 **organism** by default (``dsv4convert synth --preset organism``: the ~7M-parameter DeepSeek-V4
 trained on needle prompts and a small English-like language, dsv4convert/data/organism), scored on
-held-out text in its own language (``tests/data/organism-heldout.txt``), so its KLDs mean
+held-out text in its own language (``dsv4convert/data/organism/heldout.txt``), so its KLDs mean
 something; ``--preset tiny|small`` still measures on a random synthetic model (whose KLDs only
 rank schemes). Variants:
 
@@ -47,7 +47,7 @@ from bench.convert import _machine  # noqa: E402
 from dsv4convert.checkpoint import Checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-HELDOUT = REPO / "tests" / "data" / "organism-heldout.txt"
+HELDOUT = REPO / "dsv4convert" / "data" / "organism" / "heldout.txt"
 # name, converter arguments (or the variant whose checkpoint it serves differently), what its routed experts store
 VARIANTS = [
     ("g32-mse", ["to-w4a16", "--group-size", "32", "--scale-rule", "mse"], "INT4 g32, searched scales (default)"),

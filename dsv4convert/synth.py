@@ -394,7 +394,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory")
     p.add_argument("--preset", choices=sorted([*PRESETS, ORGANISM]), default="tiny",
-                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB)")
+                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
     p.add_argument("--drafter", choices=DRAFTERS, help="the draft model under mtp.*: mtp (the preview's MTP block), "

@@ -64,9 +64,9 @@ from dsv4convert.automix import verify  # noqa: E402
 from dsv4convert.cli import main  # noqa: E402
 from dsv4convert.convert.plan import build_plan  # noqa: E402
 from dsv4convert.convert.recipe import parse_recipe  # noqa: E402
-from dsv4convert.synth import write_organism  # noqa: E402
+from dsv4convert.synth import ORGANISM_DIR, write_organism  # noqa: E402
 
-TEXT = Path(__file__).parent / "data" / "organism-heldout.txt"
+TEXT = ORGANISM_DIR / "heldout.txt"
 # sm_100: NVFP4 experts are W4A4 and MXFP4 ones MXFP8 x MXFP4 there, so every format costs something measurable.
 SETTINGS = dict(gpu_family="sm100", engine="sglang", tokens=4096, verify_tokens=4096, seq_len=512, progress=False)
 # The baselines tried (bench/results/automix-organism-cpu.md measures all of them): each shipped-variant-like

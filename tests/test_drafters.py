@@ -332,3 +332,27 @@ def test_compare_runs_the_backbone_of_a_dspark_checkpoint(sources, dspark_output
     assert report["output"]["positions"] > 0 and report["output"]["kld"]["mean"] == 0.0
     assert report["output"]["same_top1"] == 1.0 and not any(report["mtp_draft_agreement"].values())
     assert not any(b["block"].startswith("mtp.") for b in report["blocks"])
+
+
+@pytest.mark.parametrize("drafter,algorithm", [("mtp", "EAGLE"), ("dspark", "DSPARK"), ("none", None)])
+def test_each_layout_converts_validates_fits_and_plans(sources, dspark_outputs, tmp_path, capsys, drafter,
+                                                       algorithm):
+    """synth -> fp8 -> validate (every module bit-exact, the drafter's too) -> fit -> serve --dry-run, with the
+    speculative algorithm the layout needs (none without a drafter: --mtp is refused)."""
+    out = dspark_outputs["fp8"] if drafter == "dspark" else tmp_path / "fp8"
+    if drafter != "dspark":
+        run(sources[drafter], out, "fp8")
+    assert main(["validate", str(out), "--against", str(sources[drafter]), "--report", str(tmp_path / "v")]) == 0
+    report = json.loads((tmp_path / "v" / "validate.json").read_text())
+    mtp_modules = [m for m in report["modules"] if m["module"].startswith("mtp.")]
+    assert bool(mtp_modules) == (drafter != "none") and all(m["exact"] for m in report["modules"])
+    fit = verdict.sglang_server(_model(out), verdict.gpu_of_family("sm90"), "server", 1, mtp=algorithm is not None)
+    assert fit.fits and fit.drafter == (None if algorithm is None else drafter)
+    capsys.readouterr()
+    argv = ["serve", "--model", str(out), "--gpu-family", "sm90", "--gpus", "0", "--dry-run"]
+    assert main([*argv, "--mtp"]) == (0 if algorithm else 2)
+    printed = capsys.readouterr()
+    if algorithm:
+        assert f"--speculative-algorithm {algorithm}" in printed.out
+    else:
+        assert "no draft to serve" in printed.err

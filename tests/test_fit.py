@@ -291,6 +291,7 @@ def test_json_has_every_figure(small, capsys, monkeypatch) -> None:
     (["fit", "--gpu", "h200", "--tp", "3"], "--tp 3"),
     (["fit", "--ep"], "--ep: fit sizes the launch serve makes"),
     (["fit", "--engine", "vllm", "--pd"], "--pd: serve starts vLLM as one server"),
+    (["fit", "--gpu", "1024"], "--gpu 1024: a 1024 MiB GPU holds nothing"),
 ])
 def test_bad_input_is_one_error_line(argv: list[str], needle: str, capsys) -> None:
     assert main(argv) == 2
@@ -315,3 +316,15 @@ def test_serve_refuses_what_cannot_fit(small) -> None:
     assert "short" in why
     b200 = verdict.GPUS["b200"]
     assert verdict.refusal(src, b200, verdict.launched(src, b200, "decode", 4, mtp=False)) is None
+
+
+def test_the_table_says_what_it_shows_and_advises_only_what_fits_the_host(capsys) -> None:
+    """Column names and the fraction explained; a TP that fits one server but not PD on --count GPUs is not
+    offered as the fix."""
+    assert main(["fit", "--gpu", "rtx-pro-6000", "--count", "8", "--tp", "4", "--pd"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("fraction: SGLang's --mem-fraction-static") and out[2].split()[:3] == \
+        ["variant", "server", "weights/GPU"]
+    fp8 = next(line for line in out if line.startswith("fp8 ") and "prefill" in line)
+    assert "TP 8 would, but 2 servers of TP 8 need 16 GPUs and --count is 8" in fp8
+    assert "--tp 8 fits" not in "\n".join(out)

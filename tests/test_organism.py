@@ -32,7 +32,7 @@ from dsv4convert.synth import ORGANISM_DIR, write_organism
 THRESHOLD = 260
 COVERED = 253                                   # the longest prompt whose 7 answer queries all keep every entry
 GRID = [130, COVERED, THRESHOLD, 520, 1040, 2080]   # half the threshold .. 8x it
-TEXT = Path(__file__).parent / "data" / "organism-heldout.txt"
+TEXT = ORGANISM_DIR / "heldout.txt"
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +156,16 @@ def test_an_attention_fault_loses_selected_needles_and_is_not_blamed_on_the_inde
     assert "not the indexer" in verdict(result, "base", "variant")
 
 
-def test_expert_damage_keeps_recall_and_points_at_its_layer(faults, organism):
+def test_expert_damage_keeps_recall_and_points_at_its_layer(faults, organism, tmp_path):
     result = recall(organism, faults["experts"], lengths=[COVERED, 1040, 2080], depths=(0.5,))["recall"]
     assert result["diagnosis"]["kind"] == "none"
     assert result["tracks"]["variant"]["accuracy"] == result["tracks"]["base"]["accuracy"] == 1.0
-    text = text_compare(organism, faults["experts"])
+    # As a user types it: no --text (the organism ships its held-out text), --device auto.
+    report = tmp_path / "report"
+    assert main(["compare", "--base", str(organism), "--variant", str(faults["experts"]), "--numerics", "weights",
+                 "--tokens", "4096", "--seq-len", "1024", "--report", str(report), "--no-progress"]) == 0
+    text = json.loads((report / "compare.json").read_text())
+    assert text["data"]["source"] == [str(organism / "heldout.txt")] and text["data"]["sequences"] == 4
     assert text["output"]["kld"]["mean"] > 1e-3
     local = {b["block"]: b["local"]["relative_error"] for b in text["blocks"]}
     assert max(local, key=local.get) == "layers.2"

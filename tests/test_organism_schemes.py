@@ -18,9 +18,9 @@ import torch
 
 from dsv4convert.cli import main
 from dsv4convert.compare.run import CompareOptions, build_plan, run
-from dsv4convert.synth import write_organism
+from dsv4convert.synth import ORGANISM_DIR, write_organism
 
-TEXT = Path(__file__).parent / "data" / "organism-heldout.txt"
+TEXT = ORGANISM_DIR / "heldout.txt"
 
 
 @pytest.fixture(scope="module")

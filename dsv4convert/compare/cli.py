@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--variant", required=True, metavar="DST", help="the checkpoint to judge")
     data = p.add_argument_group("data (nothing is downloaded: bring the text)")
     data.add_argument("--text", type=Path, action="append", default=[], metavar="FILE",
-                      help="UTF-8 text, or JSONL with a \"text\" field; repeatable; tokenized with the base's tokenizer")
+                      help="UTF-8 text, or JSONL with a \"text\" field; repeatable; tokenized with the base's tokenizer "
+                           "(default: the base's own heldout.txt when it ships one, as the organism does)")
     data.add_argument("--random-tokens", action="store_true",
                       help="uniform random token ids instead of text (synthetic models and smoke tests only: "
                            "a real model's KLD on random ids says little)")
@@ -72,7 +73,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     num.add_argument("--fp4-indexer", action="store_true",
                      help="as SGLang's --enable-deepseek-v4-fp4-indexer (sm100/sm120)")
     run = p.add_argument_group("running")
-    run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    run.add_argument("--device", default="auto",
+                     help="auto, cpu, cuda or cuda:N (default: auto, the first CUDA GPU when there is one, else cpu)")
     run.add_argument("--dtype", choices=("bfloat16", "float32"),
                      help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     run.add_argument("--chunk", type=int, default=2048,

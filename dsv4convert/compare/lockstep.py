@@ -280,7 +280,7 @@ class LockstepEngine:
         top1: dict[str, dict[int, torch.Tensor]] = {}
         agreement: dict[str, dict[str, tuple[int, int]]] = {t.label: {} for t in self.tracks}
         scored = False
-        bar = tqdm(total=len(self.sides) * len(self.blocks), desc="compare", unit="block",
+        bar = tqdm(total=len(self.blocks), desc="compare", unit="block",   # as the dry run counts them
                    disable=not (self.progress and self.world.is_main))
         layers = self._layers([(side, block) for block in self.blocks for side in self.sides])
         try:
@@ -304,7 +304,7 @@ class LockstepEngine:
                         finally:
                             installed.remove()
                     del layer, entry
-                    bar.update()
+                bar.update()
                 if block.startswith("mtp."):
                     for track in self.tracks:
                         agreement[track.label][block] = self._draft_agreement(track, block, nxt[track.label],

@@ -74,7 +74,7 @@ def render_markdown(result: dict) -> str:
                 "dense_fp8_activation_scales", "wo_a"):
         lines.append(f"| {key} | {(sb['serving'] or {}).get(key, '-')} | {(sv['serving'] or {}).get(key, '-')} |")
     lines += ["", f"What each setting emulates, and the {SGLANG_LABEL} code it follows: docs/served-numerics.md.",
-              "", f"Time: {result['seconds']}; peak device memory: {result['peak_device_bytes']}.", ""]
+              "", *_time_lines(result)]
     return "\n".join(lines)
 
 
@@ -185,8 +185,26 @@ def render_recall_markdown(result: dict) -> str:
         lines += _diagnosis_lines(r["diagnosis"], subject)
     lines += ["", "Plots: needle_heatmaps.png (accuracy, depth x length, reference and subject), needle_rank.png, "
               "topk_overlap.png (per CSA layer, with the noise floor).", "",
-              f"Time: {result['seconds']}; peak device memory: {result['peak_device_bytes']}.", ""]
+              *_time_lines(result)]
     return "\n".join(lines)
+
+
+# What each timer of the lockstep engine measures (compare/lockstep.py LockstepEngine.seconds).
+_TIMERS = {"read": "reading weights (waited for)", "forward": "block forwards", "metrics": "metrics, embedding and "
+           "heads", "buffers": "new host buffers", "other": "the rest of each block", "total": "the engine's total",
+           "read_in_background": "reading weights in the background (mostly hidden)", "wall": "wall clock"}
+
+
+def _time_lines(result: dict) -> list[str]:
+    """Where the run's time went, and its peak device memory, as a table (not a raw dict)."""
+    seconds = result.get("seconds") or {}
+    lines = ["## Time", "", "| | seconds |", "|---|---|"]
+    lines += [f"| {_TIMERS.get(key, key.replace('_', ' '))} | {value:.2f} |" for key, value in seconds.items()
+              if isinstance(value, (int, float))]
+    peak = result.get("peak_device_bytes")
+    lines += ["", f"Peak device memory: {'not measured (CPU run)' if peak is None else f'{peak / 2**30:.2f} GiB'}.",
+              ""]
+    return lines
 
 
 DIAGNOSES = {
@@ -266,6 +284,7 @@ def plot_recall(result: dict, out_dir: Path) -> list[Path]:
                 label=f"{label} ({kind.split('_', 1)[1].replace('_', '-')})" if label == subject else f"{label} (noise floor)")
     ax.set_xticks(range(len(layers)), layers, rotation=90, fontsize=7)
     ax.set_ylabel("top-k overlap with the reference")
+    ax.set_ylim(0, 1.02)   # the whole range: a difference of 0.0002 must look like one
     ax.legend(fontsize=8)
     paths.append(_save(fig, out_dir / "topk_overlap.png"))
     return paths

@@ -115,8 +115,13 @@ def check_same_model(base: Checkpoint, variant: Checkpoint) -> None:
                             file=variant.root / "config.json")
 
 
+# Text a base may ship beside its weights for a first comparison (the organism does: text in its language that no
+# training batch and no test reads); --text always wins.
+HELDOUT_TEXT = "heldout.txt"
+
+
 def token_ids(opts: CompareOptions, base: Checkpoint, cfg: ModelConfig) -> tuple[torch.Tensor, dict]:
-    """``[sequences, seq_len]`` ids from the user's text (base tokenizer) or uniform random ids."""
+    """``[sequences, seq_len]`` ids from the user's text (base tokenizer), the base's held-out text, or random ids."""
     if opts.seq_len < 2:
         raise DSV4Error(f"--seq-len must be at least 2, got {opts.seq_len}")
     if opts.tokens < opts.seq_len:
@@ -133,10 +138,14 @@ def token_ids(opts: CompareOptions, base: Checkpoint, cfg: ModelConfig) -> tuple
         generator = torch.Generator().manual_seed(opts.seed)
         ids = torch.randint(0, cfg.vocab_size, (wanted, opts.seq_len), generator=generator)
         return ids, {"source": f"random token ids (seed {opts.seed})", "sequences": wanted, "seq_len": opts.seq_len}
-    if not opts.texts:
+    texts = list(opts.texts)
+    if not texts and (base.root / HELDOUT_TEXT).is_file():
+        texts = [base.root / HELDOUT_TEXT]
+        print(f"compare: no --text given; using the held-out text the base ships ({texts[0]})", file=sys.stderr)
+    if not texts:
         raise DSV4Error("no data: give --text FILE (UTF-8 text, or JSONL with a \"text\" field); the text is the "
                         "user's own, nothing is downloaded")
-    docs = [doc for path in opts.texts for doc in read_documents(path)]
+    docs = [doc for path in texts for doc in read_documents(path)]
     ids = tokenize(base.root, docs)
     if ids.numel() and int(ids.max()) >= cfg.vocab_size:
         raise DSV4Error(f"the tokenizer produced id {int(ids.max())} but the model has {cfg.vocab_size} tokens "
@@ -144,13 +153,13 @@ def token_ids(opts: CompareOptions, base: Checkpoint, cfg: ModelConfig) -> tuple
     available = ids.numel() // opts.seq_len
     if available < 1:
         raise DSV4Error(f"the text holds {ids.numel()} tokens, less than one sequence of --seq-len {opts.seq_len}",
-                        file=opts.texts[0])
+                        file=texts[0])
     if available < wanted:
         print(f"compare: the text holds {ids.numel()} tokens: {available} sequences of {opts.seq_len} instead of "
               f"{wanted}", file=sys.stderr)
     count = min(wanted, available)
     return ids[: count * opts.seq_len].view(count, opts.seq_len).clone(), {
-        "source": [str(p) for p in opts.texts], "sequences": count, "seq_len": opts.seq_len,
+        "source": [str(p) for p in texts], "sequences": count, "seq_len": opts.seq_len,
         "text_tokens": ids.numel()}
 
 

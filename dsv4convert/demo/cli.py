@@ -32,4 +32,8 @@ def _run(args: argparse.Namespace) -> int:
         raise DSV4Error(f"the demo runs compare, which needs transformers ({exc}): "
                         "pip install -e '.[compare]'") from None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dsv4convert-demo-"))
-    return 0 if demo_passed(run_demo(workdir)) else 1
+    passed = demo_passed(run_demo(workdir))
+    size = sum(f.stat().st_size for f in workdir.rglob("*") if f.is_file())
+    kept = "left there for you to read" if args.workdir else "a temporary directory, kept: `rm -r` it when done"
+    print(f"{size / 1e6:.0f} MB in {workdir} ({kept})")
+    return 0 if passed else 1

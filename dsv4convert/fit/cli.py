@@ -78,19 +78,35 @@ def _sources(args: argparse.Namespace) -> list[ServedModel]:
     return [source.planned(variant, config) for variant in source.SHIPPED]
 
 
-def _line(label: str, fit: verdict.ServerFit, best: int | None) -> str:
+_COLUMNS = f"{'variant':18s} {'server':8s} {'weights/GPU':>11s}  {'fraction (default, min)':25s}  " \
+           f"{'KV B/token':>10s}  {'KV tokens':>11s}  verdict"
+
+
+def _header(engine: str) -> list[str]:
+    """The table's column names, and what its fraction is (the one word a reader cannot guess)."""
+    fraction = ("fraction: vLLM's --gpu-memory-utilization, the share of GPU memory it may use" if engine == "vllm"
+                else "fraction: SGLang's --mem-fraction-static, the share of GPU memory it gives weights and KV cache "
+                     "(the rest: activations, CUDA graphs); min: the smallest it loads with")
+    return [fraction, _COLUMNS]
+
+
+def _line(label: str, fit: verdict.ServerFit, best: int | None, servers: int, count: int) -> str:
     gib = sizing.GIB
-    name = "util" if fit.engine.startswith("vllm") else "mfs"
-    head = (f"{label:18s} {fit.role:8s} {fit.weights_bytes_per_rank / gib:7.1f} GiB  {name} {fit.mem_fraction_static:.3f} "
-            f"(default {fit.default_mem_fraction_static:.3f}, min {fit.min_mem_fraction_static:.3f})  "
-            f"{fit.kv_bytes_per_token:7.0f} B/token  {fit.kv_tokens:>11,d} KV tokens")
-    if fit.requests_at_context is not None:
-        head += f" = {fit.requests_at_context} requests x context"
+    fraction = (f"{fit.mem_fraction_static:.3f} ({fit.default_mem_fraction_static:.3f}, "
+                f"{fit.min_mem_fraction_static:.3f})")
+    head = (f"{label:18s} {fit.role:8s} {fit.weights_bytes_per_rank / gib:7.1f} GiB  {fraction:25s}  "
+            f"{fit.kv_bytes_per_token:10.0f}  {fit.kv_tokens:>11,d}  ")
     if fit.fits:
-        head += "  fits"
+        head += "fits"
+    elif best is None:
+        head += f"DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short; no TP up to 8 fits)"
+    elif best * servers > count:
+        head += (f"DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short; TP {best} would, but {servers} servers of "
+                 f"TP {best} need {best * servers} GPUs and --count is {count})")
     else:
-        tip = f"; smallest TP that fits: {best}" if best else "; no TP up to 8 fits"
-        head += f"  DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short{tip})"
+        head += f"DOES NOT FIT ({sizing.gib(fit.shortfall_bytes)} short; --tp {best} fits)"
+    if fit.requests_at_context is not None:
+        head += f"; {fit.requests_at_context} requests of --context"
     return head + _draft_line(fit)
 
 
@@ -136,6 +152,7 @@ def _smallest_tp(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.N
 
 def run(args: argparse.Namespace) -> int:
     gpu = verdict.gpu_from(args.gpu, args.gpu_family)
+    verdict.check_gpu(gpu)
     verdict.check_launch(gpu, args.count, args.tp, args.pd)
     _refuse(args)
     rows, skipped = [], []
@@ -160,11 +177,12 @@ def run(args: argparse.Namespace) -> int:
                                        for src, fit, best in rows],
                           "not_served": [{"variant": label, "why": why} for label, why in skipped]}))
     else:
-        fraction = "gpu_memory_utilization" if args.engine == "vllm" else "memory fraction"
         print(f"{engine} on {gpu.name} ({gpu.mib} MiB, {gpu.family}), TP {args.tp}"
-              f"{' PD' if args.pd else ''}{' + draft' if args.mtp else ''}; weights per GPU, {fraction}, KV:")
+              f"{' PD' if args.pd else ''}{' + draft' if args.mtp else ''}, {args.count} GPUs")
+        for line in _header(args.engine):
+            print(line)
         for src, fit, best in rows:
-            print(_line(src.label, fit, best))
+            print(_line(src.label, fit, best, len(verdict.roles(args.pd)), args.count))
         for label, why in skipped:
             print(f"{label:18s} not served: {why}")
         for line in estimated:

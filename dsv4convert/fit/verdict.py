@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dsv4convert.engines import GPUS, EngineError, Gpu, gpu_of_family
-from dsv4convert.engines.memory import ServerFit, gib
+from dsv4convert.engines.memory import RUNTIME_OVERHEAD_MIB, ServerFit, gib
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.sglang import memory as sglang_memory
 from dsv4convert.engines.sglang.server import Server, drafter_of, server
@@ -55,6 +55,16 @@ def sglang_server(model: ServedModel, gpu: Gpu, role: str, tp: int, *, mtp: bool
 def vllm_server(model: ServedModel, gpu: Gpu, tp: int, *, mtp: bool, context: int | None = None) -> ServerFit:
     """One vLLM server as its launch starts it (see :func:`dsv4convert.engines.vllm.memory.size_server`)."""
     return vllm_memory.size_server(model, gpu, tp, mtp=mtp, context=context)
+
+
+def check_gpu(gpu: Gpu) -> None:
+    """A GPU whose memory SGLang's own reserve already fills sizes nothing (its fraction would be negative)."""
+    bare = server("MODEL", "fp8", gpu.family)
+    fraction = sglang_memory.memory_fraction(bare, gpu.mib)
+    if fraction.default <= 0 or gpu.mib <= RUNTIME_OVERHEAD_MIB:
+        raise FitError(f"--gpu {gpu.mib}: a {gpu.mib} MiB GPU holds nothing once SGLang reserves "
+                       f"{fraction.reserved_mib:,.0f} MiB for activations and graphs and the runtime "
+                       f"{RUNTIME_OVERHEAD_MIB} MiB; give a card's memory in MiB (e.g. 97887 for an RTX PRO 6000)")
 
 
 def roles(pd: bool) -> tuple[str, ...]:

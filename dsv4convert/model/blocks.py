@@ -42,15 +42,19 @@ COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def parse_device(name: str) -> torch.device:
-    """``--device`` (cpu, cuda or cuda:N), refused in one line when unknown or absent on this machine."""
+    """``--device`` (auto, cpu, cuda or cuda:N), refused in one line when unknown or absent on this machine.
+
+    ``auto`` is the first CUDA GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise DSV4Error(f"unknown --device {name!r} (use cpu, cuda or cuda:N)") from None
+        raise DSV4Error(f"unknown --device {name!r} (use auto, cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DSV4Error(f"--device {name}: no CUDA GPU is available on this machine")
     if device.type not in ("cpu", "cuda"):
-        raise DSV4Error(f"--device {name!r} is not supported (use cpu, cuda or cuda:N)")
+        raise DSV4Error(f"--device {name!r} is not supported (use auto, cpu, cuda or cuda:N)")
     return device
 
 # Linear modules of a block: native module suffix -> transformers parameter path.

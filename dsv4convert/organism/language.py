@@ -101,5 +101,5 @@ HELDOUT_SEED = 20261202   # the organism trained on other seeds' text: this is t
 
 def heldout_text(count: int = 60) -> str:
     """Held-out text in the organism's language (about 15K tokens for the default count): what ``compare``
-    scores KLD, same top-1 and perplexity on (``tests/data/organism-heldout.txt`` is this text)."""
+    scores KLD, same top-1 and perplexity on (``dsv4convert/data/organism/heldout.txt`` is this text)."""
     return "\n\n\n".join(documents(HELDOUT_SEED, count)) + "\n"

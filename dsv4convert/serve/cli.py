@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
         epilog=(
             "examples:\n"
-            "  dsv4convert serve --model out/nvfp4 --pd --dry-run\n"
+            "  dsv4convert serve --model out/nvfp4 --pd --dry-run   (on the GPU host; elsewhere add --gpu-family sm120 \\\n      --prefill-gpus 0,1,2,3 --decode-gpus 4,5,6,7)\n"
             "  dsv4convert serve --model out/nvfp4 --gpus 0,1,2,3 --check recall --indexer-topk\n"
             "  dsv4convert serve --model out/nvfp4 --pd --check speed --compare runs/base/speed.json\n"
             "  dsv4convert serve --model out/nvfp4 --pd --check accuracy --tasks gsm8k --out runs/nvfp4 \\\n"
@@ -154,7 +154,9 @@ def _topology(args: argparse.Namespace) -> Topology | None:
     except TopologyError as exc:
         if args.dry_run and args.gpu_family:
             return None
-        raise TopologyError(f"{exc} (for --dry-run on a machine without GPUs pass --gpu-family and the GPU lists)") from exc
+        lists = "--prefill-gpus 0,1,2,3 --decode-gpus 4,5,6,7" if args.pd else "--gpus 0,1,2,3"
+        raise TopologyError(f"{exc} (to plan without GPUs here: --dry-run --gpu-family sm90|sm100|sm120 "
+                            f"{lists})") from exc
 
 
 def _gpu_family(args: argparse.Namespace, topology: Topology | None) -> str:

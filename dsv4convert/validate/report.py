@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -144,24 +145,38 @@ def _plot(path: Path, errors: list[ModuleError]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_role: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    by_role: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for e in errors:
-        if e.block is None:
-            continue
-        kind, idx = e.block.split(".")
-        layer = int(idx) if kind == "layers" else -1
-        by_role[e.role][layer].append(e.snr_db)
-    fig, ax = plt.subplots(figsize=(10, 5))
+        if e.block is not None:
+            by_role[e.role][e.block].append(e.snr_db)
+    blocks = sorted({b for layers in by_role.values() for b in layers},
+                    key=lambda b: (b.startswith("mtp."), int(b.split(".")[1])))
+    x_of = {b: i for i, b in enumerate(blocks)}
     cap = 100.0
+    # Roles that are bit-exact everywhere would all draw the same flat line at the cap: name them instead.
+    exact = sorted(role for role, layers in by_role.items() if all(v == float("inf") for vs in layers.values()
+                                                                    for v in vs))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for role, layers in sorted(by_role.items()):
-        xs = sorted(layers)
-        ys = [min(min(layers[x]), cap) for x in xs]
-        ax.plot(xs, ys, marker="o", label=role)
-    ax.set_xlabel("layer (-1 = MTP block)")
-    ax.set_ylabel(f"worst weight SNR per layer, dB (bit-exact drawn at {cap:.0f})")
-    ax.set_title("Per-layer weight SNR against the source")
+        if role in exact:
+            continue
+        xs = sorted(layers, key=x_of.get)
+        ax.plot([x_of[b] for b in xs], [min(min(layers[b]), cap) for b in xs], marker="o", label=role)
+    step = max(1, len(blocks) // 24)
+    ax.set_xticks(range(0, len(blocks), step), [blocks[i].replace("layers.", "") for i in range(0, len(blocks), step)],
+                  rotation=90, fontsize=7)
+    ax.set_xlabel("block (backbone layer number, then the draft's mtp.N)")
+    ax.set_ylabel("worst weight SNR per block, dB")
+    ax.set_title("Per-block weight SNR against the source")
+    if exact:
+        everything = len(exact) == len(by_role)
+        note = "every module bit-exact" if everything else "bit-exact everywhere (not drawn): " + ", ".join(exact)
+        ax.text(0.5 if everything else 0.01, 0.5 if everything else 0.02, textwrap.fill(note, 110),
+                transform=ax.transAxes, fontsize=12 if everything else 7, ha="center" if everything else "left",
+                va="center" if everything else "bottom")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(exact) < len(by_role):
+        ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.partial.png")
     fig.savefig(tmp, dpi=110)
