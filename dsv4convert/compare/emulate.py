@@ -107,6 +107,15 @@ def install(layer: nn.Module, block: str, numerics: Numerics, source: WeightSour
     return installed
 
 
+def install_dspark_entry(entry: nn.Module, numerics: Numerics, source: WeightSource, installed: Installed) -> None:
+    """A DSpark drafter's ``main_proj`` stored FP8 runs as a W8A8 block GEMM like every quantized dense linear
+    (SGLang 0.5.23 ``models/deepseek_v4_dspark.py``: a ``ReplicatedLinear`` built with the ``quant_config``)."""
+    if numerics.serving is None or not numerics.activations or source.format_of("mtp.0.main_proj") is not Format.FP8:
+        return
+    quantize = _token_groups(numerics.serving.dense_scale_format(), "mtp.0.main_proj")
+    installed.hook(entry.main_proj.register_forward_pre_hook(_on_input(quantize)))
+
+
 def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installed: Installed,
            entry: MtpEntry | None) -> None:
     dense = serving.dense_scale_format()
