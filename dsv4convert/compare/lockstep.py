@@ -18,7 +18,9 @@ device never holds more than one layer, and reading costs only what the forwards
 
 After the backbone, each track's output head gives logits at the scored positions, compared with the
 reference's (:mod:`.metrics`) and, where a batch marks answer tokens, checked for retrieval; after each
-MTP block, its head gives the draft's prediction, scored against the same track's main model.
+MTP block, its head gives the draft's prediction, scored against the same track's main model. A DSpark
+drafter (0731) is not a block in that sequence: the target layers' outputs are captured as the backbone
+streams through, and its stages run after the backbone (:class:`~.dspark.DraftPass`).
 Observers (:class:`BlockObserver`) see each track's pass through each block, as the recall diagnosis
 needs (the indexer's choices).
 
