@@ -3,5 +3,6 @@
 :mod:`.run` plans and checks (both checkpoints, the data, each side's numerics), :mod:`.engine`
 streams both through the model block by block in lockstep, :mod:`.numerics` derives what each
 side's server computes with from the launch ``serve`` makes, :mod:`.emulate` installs it on a
-layer, :mod:`.metrics` scores the logits and hidden states, :mod:`.report` writes the reports.
+layer, :mod:`.metrics` scores the logits and hidden states, :mod:`.dspark` drafts with a DSpark drafter and
+localizes what moved its drafts, :mod:`.report` writes the reports.
 """
