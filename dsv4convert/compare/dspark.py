@@ -177,7 +177,7 @@ class DraftPass:
                 embed = side.source.tensor("embed.weight") if s == 0 else None
                 rotary = _rotary(e.config, device)
                 for track in (t for t in e.tracks if t.side is side):
-                    installed = install(layer, block, track.numerics, side.source)
+                    installed = install(layer, block, track.numerics, side.source, dspark_stage=True)
                     if entry is not None:
                         install_dspark_entry(entry, track.numerics, side.source, installed)
                     try:
