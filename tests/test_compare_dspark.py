@@ -103,7 +103,7 @@ def test_on_a_random_drafter_a_fault_shows_in_its_component_alone(tmp_path, caps
             "--seq-len", "64", "--numerics", "weights", "--report", str(report), "--no-progress"]
     assert main([*argv, "--dry-run"]) == 0
     plan = capsys.readouterr().out
-    assert "DSpark drafter: 59 blocks of 5 drafts" in plan and "DSpark target layers differ" in plan
+    assert "DSpark drafter: 59 blocks of 5 drafts (anchored at every position)" in plan and "DSpark target layers differ" in plan
     assert main([*argv, "--no-mtp", "--dry-run"]) == 0 and "not compared (--no-mtp)" in capsys.readouterr().out
     assert main(argv) == 0
     section = json.loads((report / "compare.json").read_text())["dspark"]

@@ -167,8 +167,9 @@ def print_plan(plan) -> None:
           f"reads {human_bytes(e['bytes_to_read'])}")
     draft = e.get("dspark")
     if draft:
-        print(f"  DSpark drafter: {draft['blocks']} blocks of {draft['block_size']} drafts (every {draft['stride']}-th "
-              f"anchor), {draft['stages']} stages per track ({draft['draft_rows']} draft rows each, the variant's "
+        print(f"  DSpark drafter: {draft['blocks']} blocks of {draft['block_size']} drafts (anchored "
+              + ("at every position" if draft["stride"] == 1 else f"every {draft['stride']} positions") + "), "
+              f"{draft['stages']} stages per track ({draft['draft_rows']} draft rows each, the variant's "
               f"again on the base's inputs); host memory {human_bytes(draft['host_bytes'])} for target features and "
               f"draft streams, device {human_bytes(draft['device_bytes'])} for a stage and its heads")
         base_ids = plan.base.side.inspection.config.dspark.target_layer_ids

@@ -84,13 +84,14 @@ def dspark_lines(d: dict) -> list[str]:
     """The DSpark section: per draft position, the length SGLang counts, each component's local error, the verdict."""
     a = d["anchors"]
     lines = ["## DSpark draft", "", f"**{d['verdict']['sentence']}.**", "",
-             f"{a['blocks']} blocks of {d['block_size']} drafts, anchored at every {a['stride']}-th position from "
+             f"{a['blocks']} blocks of {d['block_size']} drafts, anchored "
+             + (f"every {a['stride']} positions" if a["stride"] > 1 else "at every position") + f" from "
              f"{a['first']}; each side drafts as SGLang does (greedy, each Markov step on the previous draft) and is "
              "checked against its own target's greedy tokens. KLD: KL(base \u2016 variant) of the draft distribution, "
              f"both conditioned on {d['draft_conditioned_on']}. Noise floor: 3 standard errors of the paired "
              "per-block difference. Target layers: base "
              f"{d['target_layer_ids']['base']}, variant {d['target_layer_ids']['variant']}.", "",
-             "| position | KLD | agreement base | variant | accepted base | variant | noise floor | "
+             "| position | KLD | agreement base | variant | accepted base | variant | noise floor (accepted) | "
              "confidence predicted / measured base | variant | Brier base | variant |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in d["positions"]:
