@@ -46,6 +46,8 @@ RELEASE_0731_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-0731-config.json"
 GENERATION_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-generation_config.json"
 # The trained model organism in the release format (docs/organism.md), written by `train-organism`.
 ORGANISM_DIR = DATA_DIR / "organism"
+# What its DSpark drafter adds (`train-organism --drafter dspark`): the mtp.* tensors and dspark.json.
+ORGANISM_DSPARK_DIR = DATA_DIR / "organism-dspark"
 ORGANISM = "organism"
 
 
@@ -358,13 +360,22 @@ def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = Fals
     return dst
 
 
-def write_organism(dst: Path, *, overwrite: bool = False) -> Path:
-    """Copy the shipped organism (trained weights, not synthetic ones) to ``dst``; the index is copied last,
-    so an interrupted copy never looks complete."""
+def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) -> Path:
+    """The shipped organism (trained weights, not synthetic ones) at ``dst`` with ``drafter``: ``mtp`` its own
+    files copied (the index last, so an interrupted copy never looks complete); ``dspark`` 0731's layout, its
+    backbone's bytes with the shipped DSpark drafter under ``mtp.*``; ``none`` the backbone alone."""
+    from dsv4convert.organism.export import write_with_drafter
+
     dst = Path(dst)
     files = sorted(p for p in ORGANISM_DIR.iterdir() if p.is_file())
     if not any(p.name == INDEX_NAME for p in files):
         raise DSV4Error("the package has no organism checkpoint (reinstall dsv4convert)", file=ORGANISM_DIR)
+    if drafter == "dspark" and not any(ORGANISM_DSPARK_DIR.glob("*.safetensors")):
+        raise DSV4Error("the package has no DSpark drafter for the organism (reinstall dsv4convert)",
+                        file=ORGANISM_DSPARK_DIR)
+    if drafter != "mtp":
+        return write_with_drafter(dst, ORGANISM_DIR, ORGANISM_DSPARK_DIR if drafter == "dspark" else None,
+                                  overwrite=overwrite)
     if dst.exists() and any(dst.iterdir()):
         if not overwrite:
             raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
@@ -389,17 +400,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Presets are small enough for CI; --config with the real config.json and --num-layers "
             "makes real-size layers for benchmarks (~3.6 GB per layer). --preset organism writes the "
             "shipped model organism instead: a small DeepSeek-V4 trained to retrieve needles, stored as "
-            "the release is (docs/organism.md)."
+            "the release is (docs/organism.md); with --drafter dspark in V4-Flash-0731's layout, its backbone "
+            "unchanged and its trained DSpark drafter under mtp.* (10.1 MB on disk, 3.4 MB of it the drafter), with "
+            "--drafter none without a drafter."
         ),
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory")
     p.add_argument("--preset", choices=sorted([*PRESETS, ORGANISM]), default="tiny",
-                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk)")
+                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk; "
+                        "10.1 MB with --drafter dspark)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
     p.add_argument("--drafter", choices=DRAFTERS, help="the draft model under mtp.*: mtp (the preview's MTP block), "
                    "dspark (V4-Flash-0731's DSpark drafter: three sliding-window stages, a Markov and a confidence "
-                   "head) or none; default: what the preset or --config has")
+                   "head) or none; default: what the preset or --config has. With --preset organism: mtp (default) "
+                   "its own MTP block, dspark its trained DSpark drafter (0731's layout), none neither")
     p.add_argument("--no-mtp", action="store_true", help="leave out the drafter (same as --drafter none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
@@ -407,17 +422,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.no_mtp and args.drafter not in (None, "none"):
+        raise DSV4Error(f"--no-mtp and --drafter {args.drafter} contradict each other")
+    drafter = "none" if args.no_mtp else args.drafter
     if args.preset == ORGANISM:
-        if args.config or args.num_layers is not None or args.no_mtp or args.seed or args.drafter:
-            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --drafter, --no-mtp "
-                            "and --seed do not apply")
-        print(f"wrote {write_organism(args.dst, overwrite=args.overwrite)} (the trained organism, docs/organism.md)")
+        if args.config or args.num_layers is not None or args.seed:
+            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers and --seed do not "
+                            "apply")
+        dst = write_organism(args.dst, drafter=drafter or "mtp", overwrite=args.overwrite)
+        size = sum(p.stat().st_size for p in dst.iterdir())
+        what = {"mtp": "its MTP block", "dspark": "its DSpark drafter, 0731's layout", "none": "no drafter"}
+        print(f"wrote {dst} (the trained organism with {what[drafter or 'mtp']}, {size / 1e6:.1f} MB; "
+              "docs/organism.md)")
         return 0
     config = read_small_json(args.config) if args.config else preset_config(args.preset)
     cfg = ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
-    drafter = "none" if args.no_mtp else args.drafter
-    if args.no_mtp and args.drafter not in (None, "none"):
-        raise DSV4Error(f"--no-mtp and --drafter {args.drafter} contradict each other")
     if drafter == "dspark" and cfg.dspark is None:
         config = with_dspark(with_num_layers(config, cfg.num_hidden_layers, mtp=False))
     elif drafter == "mtp" and cfg.drafter.value != "mtp":

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
+from dsv4convert.automix import choose, verify
 from dsv4convert.automix import plan as automix
-from dsv4convert.automix import verify
 from dsv4convert.convert.plan import human_bytes, parse_size
 from dsv4convert.engines import CHOICES
 from dsv4convert.errors import DSV4Error
@@ -21,12 +22,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Choose one format per decision (each MoE layer's routed experts, each layer's attention, indexer and\n"
-            "shared expert) among the layouts --engine serves on --gpu-family, so that the predicted KLD is least\n"
-            "within the budget; write the recipe, convert it into DST and measure its KLD with compare on held-out\n"
-            "text. The sensitivity pass streams the base once: each candidate is made by the converter's own code\n"
+            "shared expert) among the layouts --engine serves on --gpu-family, so that the KLD is least within the\n"
+            "budget; write the recipe, convert it into DST and measure its KLD with compare on held-out text.\n"
+            "The sensitivity pass streams the base once: each candidate is made by the converter's own code\n"
             "and run under its served numerics on the base's input, then the rest of the model runs at the base's\n"
-            "precision to the output, where its KL divergence is measured (docs/automix.md). The budget is a\n"
-            "checkpoint size (--size) or bytes per GPU as fit computes them (--gpu, --tp, --kv-tokens)."
+            "precision to the output, where its KL divergence is measured (docs/automix.md). The choice is then\n"
+            "verified: the --verify-top best predicted mixes and every uniform layout within the budget are\n"
+            "measured whole on --select-tokens of other text, in one more pass over the model, and the one that\n"
+            "measures least is returned (it says so when that is not the predicted best). The held-out\n"
+            "--verify-tokens are read by neither. The budget is a checkpoint size (--size) or bytes per GPU as\n"
+            "fit computes them (--gpu, --tp, --kv-tokens). The text must hold --tokens + --select-tokens +\n"
+            "--verify-tokens (24K by default)."
         ),
         epilog=(
             "examples:\n"
@@ -49,8 +55,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="numerics the candidates are served with (default: --gpu's, else sm120)")
     p.add_argument("--text", type=Path, help="UTF-8 text or JSONL the pass and the verification read (the user's own)")
     p.add_argument("--tokens", type=_tokens, default=8192, help="tokens of text for the sensitivity pass (default 8K)")
+    p.add_argument("--select-tokens", type=_tokens, default=8192,
+                   help="tokens (after --tokens) on which the candidates of the choice are measured whole (default 8K)")
+    p.add_argument("--verify-top", type=_count, default=4, metavar="N",
+                   help="measure the N best predicted mixes (each the best of its layout) and every uniform layout "
+                        "within the budget before choosing: N + up to 11 tracks in one more pass over the model, "
+                        "about 8 min for the whole V4-Flash on one H200 (docs/automix.md); 0: trust the estimate, "
+                        "no selection windows (default 4)")
     p.add_argument("--verify-tokens", type=_tokens, default=8192,
-                   help="held-out tokens (after --tokens) for compare's verification (default 8K)")
+                   help="held-out tokens (after --select-tokens) for compare's verification and the report "
+                        "(default 8K)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: bfloat16 on a GPU)")
@@ -77,12 +91,23 @@ def _tokens(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
 def _options(args: argparse.Namespace) -> automix.AutomixOptions:
     return automix.AutomixOptions(
         src=args.src, dst=args.dst, size=args.size, gpu=args.gpu, tp=args.tp, kv_tokens=args.kv_tokens, mtp=args.mtp,
         engine=args.engine, gpu_family=args.gpu_family, text=args.text, tokens=args.tokens,
-        verify_tokens=args.verify_tokens, seq_len=args.seq_len, device=args.device, dtype=args.dtype, chunk=args.chunk,
-        calibration=args.calibration, report=args.report, progress=not args.no_progress)
+        select_tokens=args.select_tokens, verify_top=args.verify_top, verify_tokens=args.verify_tokens,
+        seq_len=args.seq_len, device=args.device, dtype=args.dtype, chunk=args.chunk, calibration=args.calibration,
+        report=args.report, progress=not args.no_progress)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -91,15 +116,31 @@ def _run(args: argparse.Namespace) -> int:
         raise DSV4Error("destination exists and is not empty", file=opts.dst)
     plan = automix.build(opts)
     automix.print_plan(plan)
-    ids, heldout = automix.windows(plan)
+    windows = automix.windows(plan)
     if args.dry_run:
         return 0
-    measured = automix.run_sensitivity(plan, ids)
-    chosen = plan.solve(measured)
-    if chosen is None:
+    measured = automix.run_sensitivity(plan, windows.sensitivity)
+    best = plan.solve(measured)
+    if best is None:
         raise DSV4Error("no mix fits the budget")
-    print(f"automix: {chosen.layout.label}, {human_bytes(chosen.bytes)} of {human_bytes(chosen.layout.capacity)} "
-          f"({chosen.layout.unit.describe()}); predicted mean KLD {chosen.predicted:.5f}")
+    print(f"automix: predicted best {best.layout.label}, {human_bytes(best.bytes)} of "
+          f"{human_bytes(best.layout.capacity)} ({best.layout.unit.describe()}); predicted mean KLD {best.predicted:.5f}")
+    capacities: dict[str, int | None] = {"": None}
+    if opts.report:
+        capacities.update({mix.name: mix.bytes for _, mix in verify.baselines(plan, measured)})
+    if opts.verify_top:
+        print(f"automix: verifying the choice: the best predicted mixes and the uniform layouts within the budget "
+              f"{'(and within each baseline of the report) ' if opts.report else ''}measured whole on "
+              f"{windows.selection.numel()} selection tokens, one more pass over the model")
+    choices = choose.choose_at(plan, measured, capacities, windows.selection)
+    choice = choices.pop("")
+    if choice.selection is not None:
+        for mix in choice.candidates:
+            mark = "  <- chosen" if mix is choice.chosen else ""
+            print(f"  {mix.name:40} {mix.layout.label:28} {human_bytes(mix.bytes):>9}  predicted {mix.predicted:.5f}  "
+                  f"measured {choice.kld(mix):.5f} ± {choice.error(mix):.5f}{mark}")
+    print(f"automix: {choice.verdict()}")
+    chosen = replace(choice.chosen, name="automix")
     for line in automix.check_fit(plan, chosen, measured):
         print(f"automix: {line}")
     text = chosen.recipe(plan, measured, "per-layer formats chosen by dsv4convert automix").text
@@ -112,13 +153,15 @@ def _run(args: argparse.Namespace) -> int:
         (report / "automix-recipe.yaml").write_text(text, encoding="utf-8")
     row = None
     if opts.dst:
-        row = verify.measure_row(plan, chosen, "automix", measured, heldout, Path(opts.dst), keep=Path(opts.dst))
-        print(f"automix: measured mean KLD {row.measured:.5f} ± {row.standard_error:.5f} on {heldout.numel()} held-out "
-              f"tokens (predicted {row.predicted:.5f})")
+        row = verify.measure_row(plan, chosen, "automix", measured, windows.heldout, Path(opts.dst),
+                                 keep=Path(opts.dst), choice=choice)
+        corrected = f", {row.corrected:.5f} corrected for its family" if row.corrected else ""
+        print(f"automix: measured mean KLD {row.measured:.5f} ± {row.standard_error:.5f} on {windows.heldout.numel()} "
+              f"held-out tokens (predicted {row.predicted:.5f}{corrected})")
     rows = [row] if row else []
     if opts.report:
         with tempfile.TemporaryDirectory(prefix="automix-", dir=opts.report) as work:
-            rows = verify.pareto(plan, measured, heldout, Path(work), None) + rows
-    for path in verify.write_report(plan, measured, rows, row, report):
+            rows = verify.pareto(plan, measured, windows.heldout, Path(work), choices, None) + rows
+    for path in verify.write_report(plan, measured, rows, row, report, [choice, *choices.values()]):
         print(f"wrote {path}")
     return 0

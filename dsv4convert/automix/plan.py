@@ -30,6 +30,7 @@ from dsv4convert.automix.recipe import Line, write
 from dsv4convert.automix.sensitivity import (
     Calibration,
     Measured,
+    MixTrack,
     Probe,
     floor_label,
     floor_numerics,
@@ -37,7 +38,7 @@ from dsv4convert.automix.sensitivity import (
     stream_bytes,
 )
 from dsv4convert.automix.solve import Option, solve
-from dsv4convert.calibration import build_input_scales
+from dsv4convert.calibration import InputScales, build_input_scales
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare.numerics import Numerics, serving_from_formats
 from dsv4convert.convert.plan import build_plan, human_bytes
@@ -53,7 +54,7 @@ from dsv4convert.formats import Format
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import linear_shapes
 from dsv4convert.model.blocks import COMPUTE_DTYPES, parse_device
-from dsv4convert.model.text import token_windows
+from dsv4convert.model.text import read_documents, tokenize
 
 
 @dataclass
@@ -69,7 +70,9 @@ class AutomixOptions:
     gpu_family: str | None = None        # default: the --gpu's family, else sm120
     text: Path | None = None
     tokens: int = 8192                   # sensitivity pass
+    select_tokens: int = 8192            # the verified choice's selection windows
     verify_tokens: int = 8192            # held-out, for compare
+    verify_top: int = 4                  # best predicted mixes measured whole before choosing (0: trust the estimate)
     seq_len: int = 2048
     device: str = "cpu"
     dtype: str | None = None
@@ -128,8 +131,9 @@ class Mix:
                        + (f" (else {others})" if others else ""))
             lines.append(Line(decision, fmt, comment))
         header = [f"written by dsv4convert automix: family {self.layout.label}, {self.layout.unit.describe()}",
-                  f"predicted mean KLD {self.predicted:.5f} (floor {plan.floor(self.layout, measured):.5f} + choices), "
-                  f"{human_bytes(self.bytes)} of {human_bytes(self.layout.capacity)}"]
+                  f"predicted mean KLD {self.predicted:.5f} (floor {plan.floor(self.layout, measured):.5f} + choices, "
+                  f"as the family's uniform mix adds them up), {human_bytes(self.bytes)} of "
+                  f"{human_bytes(self.layout.capacity)}"]
         return write(self.name, description, plan.options.engine, lines, self.layout.sources,
                      self.layout.family.mtp_experts, tuple(header), self.layout.forced, source)
 
@@ -153,6 +157,7 @@ class AutomixPlan:
     _bytes: dict = field(default_factory=dict, repr=False)
     _calibration_of: dict = field(default_factory=dict, repr=False)
     _shapes: dict = field(default_factory=dict, repr=False)
+    _probe_of: dict = field(default_factory=dict, repr=False)
 
     def cost(self, layout: Layout, decision: Decision, fmt: Format, measured: Measured) -> float:
         """The predicted KLD a decision adds: its isolated cost, scaled by its format's calibration."""
@@ -174,6 +179,24 @@ class AutomixPlan:
     def floor(self, layout: Layout, measured: Measured) -> float:
         return measured.floors[floor_label(layout.serving)]
 
+    def predict(self, layout: Layout, picks: dict[Decision, Format], measured: Measured) -> float:
+        """The floor plus the choices' costs as the family's whole uniform mix says they add up."""
+        total = sum(self.cost(layout, d, f, measured) for d, f in picks.items())
+        return self.floor(layout, measured) + total * self.interaction(layout, measured, total)
+
+    def interaction(self, layout: Layout, measured: Measured, total: float) -> float:
+        """How the costs of this family's choices add up, per family: at the uniform mix, its measured track over
+        its summed costs (c: formats interact within a layout, experts with linears and with the served caches,
+        which the per-format calibration does not see); with no choice applied, 1; in between, 1 + (c - 1) x
+        the mix's share of the uniform's summed cost. The prediction is then exact at both ends and increases
+        with the sum (c is held within [0.5, 2]), so the knapsack's least sum is still the least prediction."""
+        uniform = sum(self.cost(layout, d, f, measured) for d, f in uniform_picks(layout).items())
+        if uniform <= 0:
+            return 1.0
+        track = measured.mix_kld(uniform_label(layout)) - self.floor(layout, measured)
+        c = min(max(track / uniform, 0.5), 2.0)
+        return 1 + (c - 1) * min(total / uniform, 1.0)
+
     def option_bytes(self, layout: Layout, decision: Decision, fmt: Format) -> int:
         """Bytes of one decision stored as ``fmt``, in the layout's unit."""
         key = (layout.label, decision, fmt)
@@ -187,10 +210,11 @@ class AutomixPlan:
             self._bytes[key] = layout.unit.count(tensors)
         return self._bytes[key]
 
-    def solve(self, measured: Measured, capacity: int | None = None) -> Mix | None:
-        """The least-predicted-KLD mix over every layout within ``capacity`` (default: each layout's own)."""
+    def solve(self, measured: Measured, capacity: int | None = None, layouts: list[Layout] | None = None) -> Mix | None:
+        """The least-predicted-KLD mix over ``layouts`` (default: every one) within ``capacity`` (default: each
+        layout's own)."""
         best = None
-        for layout in self.layouts:
+        for layout in self.layouts if layouts is None else layouts:
             limit = (layout.capacity if capacity is None else capacity) - layout.fixed_bytes
             order = list(layout.options)
             groups = [[Option(f.value, self.option_bytes(layout, d, f), self.cost(layout, d, f, measured))
@@ -204,13 +228,52 @@ class AutomixPlan:
                 best = mix
         return best
 
+    @property
+    def uniforms(self) -> list[MixTrack]:
+        """Each layout's uniform mix on a track of the pass: what its family's predictions are corrected with."""
+        return [self.track(layout, uniform_picks(layout), uniform_label(layout)) for layout in self.layouts]
+
+    def track(self, layout: Layout, picks: dict[Decision, Format], label: str) -> MixTrack:
+        """The mix on a track of the pass: its candidates (none where it stores a decision exactly), its serving."""
+        if not self._probe_of:
+            self._probe_of = {p.candidate: p for p in self.probes}
+        candidates = (Candidate(d, scheme_of(d.group, f, layout.serving)) for d, f in picks.items())
+        return MixTrack(label, tuple(self._probe_of[c] for c in candidates
+                                     if not is_exact(c.scheme, layout.sources[c.decision])), layout.serving)
+
+    def uniform_layouts(self) -> list[tuple[str, Layout, dict[Decision, Format]]]:
+        """(name, layout, picks) of each servable uniform layout: every layout's uniform mix, and all BF16 once
+        (in the first layout that offers BF16 everywhere)."""
+        out = [(f"uniform-{layout.slug}", layout, uniform_picks(layout)) for layout in self.layouts]
+        bf16 = next((layout for layout in self.layouts if all(Format.BF16 in o for o in layout.options.values())), None)
+        if bf16 is not None:
+            out.append(("uniform-bf16", bf16, {d: Format.BF16 for d in bf16.options}))
+        seen: set[tuple] = set()
+        unique = []
+        for name, layout, picks in out:      # layouts that store the same uniform checkpoint: the first one
+            key = picks_key(picks)
+            if key not in seen:
+                seen.add(key)
+                unique.append((name, layout, picks))
+        return unique
+
+    def bytes_of(self, layout: Layout, picks: dict[Decision, Format]) -> int:
+        return layout.fixed_bytes + sum(self.option_bytes(layout, d, f) for d, f in picks.items())
+
     def mix(self, layout: Layout, picks: dict[Decision, Format], measured: Measured, name: str = "automix") -> Mix:
-        size = layout.fixed_bytes + sum(self.option_bytes(layout, d, f) for d, f in picks.items())
-        predicted = self.floor(layout, measured) + sum(self.cost(layout, d, f, measured) for d, f in picks.items())
-        return Mix(layout, picks, size, predicted, name)
+        return Mix(layout, picks, self.bytes_of(layout, picks), self.predict(layout, picks, measured), name)
 
 
 # ------------------------------------------------------------------------------------------- planning
+
+def uniform_label(layout: Layout) -> str:
+    return f"uniform {layout.label}"
+
+
+def picks_key(picks: dict[Decision, Format]) -> tuple:
+    """What a mix stores, comparable across layouts."""
+    return tuple(sorted((d.block, d.group, f.value) for d, f in picks.items()))
+
 
 def uniform_picks(layout: Layout) -> dict[Decision, Format]:
     """Every decision at its first option: the family's main expert format, its first linear format."""
@@ -265,7 +328,7 @@ def build(opts: AutomixOptions) -> AutomixPlan:
                     probes.setdefault(candidate, Probe(candidate, tuple(decision_list[decision]), layout.serving))
     calibrations = _calibrations(layouts, probes)
     cfg = inspection.config
-    tracks = len(floors) + len(calibrations)
+    tracks = len(floors) + len(calibrations) + len(layouts)     # + each layout's uniform, whole
     memory = {"stream_bytes": stream_bytes(len(probes) + tracks + 2, max(opts.tokens // opts.seq_len, 1) * opts.seq_len,
                                            cfg.hc_mult, cfg.hidden_size, dtype),
               "layer_passes": sum(_passes_after(cfg, p.candidate.decision.block) for p in probes.values())}
@@ -383,24 +446,53 @@ def check_fit(plan: AutomixPlan, mix: Mix, measured: Measured) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- measuring
 
-def windows(plan: AutomixPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sensitivity ids, held-out ids) from ``--text``: disjoint windows of ``--seq-len`` tokens."""
+@dataclass(frozen=True)
+class Windows:
+    """Disjoint windows of ``--seq-len`` tokens, in the text's order: the pass's, the choice's, the report's."""
+
+    sensitivity: torch.Tensor
+    selection: torch.Tensor
+    heldout: torch.Tensor
+
+
+def windows(plan: AutomixPlan) -> Windows:
+    """``--tokens`` for the pass, ``--select-tokens`` to verify the choice (none without ``--verify-top``), and
+    ``--verify-tokens`` held out for ``compare``, from ``--text``."""
     opts = plan.options
     if opts.text is None:
-        raise DSV4Error("no data: give --text FILE (UTF-8 text, or JSONL with a \"text\" field); the sensitivity pass "
-                        "and the held-out verification both read it, nothing is downloaded")
-    if opts.seq_len < 2 or opts.tokens < opts.seq_len or opts.verify_tokens < opts.seq_len:
-        raise DSV4Error(f"--tokens and --verify-tokens must each hold one --seq-len {opts.seq_len} window at least")
-    return token_windows(plan.ckpt.root, Path(opts.text), num_sequences=opts.tokens // opts.seq_len,
-                         seq_len=opts.seq_len, holdout=opts.verify_tokens // opts.seq_len,
-                         vocab_size=plan.inspection.config.vocab_size)
+        raise DSV4Error("no data: give --text FILE (UTF-8 text, or JSONL with a \"text\" field); the sensitivity pass, "
+                        "the choice's verification and the held-out comparison all read it, nothing is downloaded")
+    counts = {"--tokens": opts.tokens, "--select-tokens": opts.select_tokens if opts.verify_top else 0,
+              "--verify-tokens": opts.verify_tokens}
+    if opts.seq_len < 2:
+        raise DSV4Error(f"--seq-len must be at least 2, got {opts.seq_len}")
+    short = [flag for flag, count in counts.items() if count < opts.seq_len and (count or flag != "--select-tokens")]
+    if short:
+        raise DSV4Error(f"{' and '.join(short)} must each hold one --seq-len {opts.seq_len} window at least")
+    ids = tokenize(plan.ckpt.root, read_documents(Path(opts.text)))
+    vocab = plan.inspection.config.vocab_size
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise DSV4Error(f"the tokenizer produced id {int(ids.max())} but the model has {vocab} tokens",
+                        file=plan.ckpt.root)
+    sizes = [count // opts.seq_len for count in counts.values()]
+    if ids.numel() < sum(sizes) * opts.seq_len:
+        wanted = " + ".join(f"{flag} {count}" for flag, count in counts.items() if count)
+        raise DSV4Error(f"the text holds {ids.numel()} tokens; {wanted} need {sum(sizes) * opts.seq_len} (whole "
+                        f"--seq-len {opts.seq_len} windows): give more text or fewer tokens", file=opts.text)
+    cut = ids[:sum(sizes) * opts.seq_len].view(-1, opts.seq_len)
+    return Windows(*(part.clone() for part in cut.split(sizes)))
+
+
+def input_scales(plan: AutomixPlan) -> InputScales | None:
+    """The NVFP4 experts' input scales, as the converter sets them (``--calibration``), when NVFP4 is on the menu."""
+    needs_scales = any(Format.NVFP4 in layout.family.experts for layout in plan.layouts)
+    return build_input_scales(plan.ckpt, calibration=plan.options.calibration) if needs_scales else None
 
 
 def run_sensitivity(plan: AutomixPlan, ids: torch.Tensor) -> Measured:
-    needs_scales = any(Format.NVFP4 in layout.family.experts for layout in plan.layouts)
-    scales = build_input_scales(plan.ckpt, calibration=plan.options.calibration) if needs_scales else None
     return measure(plan.ckpt, plan.inspection, ids, plan.probes, plan.floors, plan.calibrations, device=plan.device,
-                   dtype=plan.dtype, chunk=plan.options.chunk, input_scales=scales, progress=plan.options.progress)
+                   dtype=plan.dtype, chunk=plan.options.chunk, input_scales=input_scales(plan), mixes=plan.uniforms,
+                   progress=plan.options.progress)
 
 
 def print_plan(plan: AutomixPlan, out=None) -> None:
@@ -424,7 +516,23 @@ def print_plan(plan: AutomixPlan, out=None) -> None:
         print(f"  note: candidates are measured under {SGLANG_LABEL}'s served numerics on {plan.gpu_family} (compare "
               "emulates SGLang only); vLLM's kernels may round differently", file=out)
     print(f"  sensitivity: {len(plan.probes)} candidates measured ({plan.memory['layer_passes']} extra layer passes "
-          f"beside the {cfg.num_hidden_layers} of the reference), {len(plan.floors)} floor and "
-          f"{len(plan.calibrations)} calibration track(s), "
+          f"beside the {cfg.num_hidden_layers} of the reference), {len(plan.floors)} floor, "
+          f"{len(plan.calibrations)} calibration and {len(plan.layouts)} uniform-layout track(s), "
           f"{opts.tokens // opts.seq_len} x {opts.seq_len} tokens on {plan.device} ({str(plan.dtype)[6:]}); "
           f"the forks' streams ~{human_bytes(plan.memory['stream_bytes'])} (on the GPU when they fit)", file=out)
+    if not opts.verify_top:
+        print("  verification: none (--verify-top 0): the least predicted mix is returned as the estimate ranks it",
+              file=out)
+    else:
+        fitting = [name for name, layout, picks in plan.uniform_layouts()
+                   if plan.bytes_of(layout, picks) <= layout.capacity]
+        tracks = opts.verify_top + len(fitting)
+        select = opts.select_tokens // opts.seq_len
+        streams = stream_bytes(tracks + 2, select * opts.seq_len, cfg.hc_mult, cfg.hidden_size, plan.dtype)
+        print(f"  verification: the {opts.verify_top} best predicted mixes (the best of as many layouts) and the "
+              f"{len(fitting)} uniform layout(s) within the budget ({', '.join(fitting) or 'none'}) measured whole on "
+              f"{select} x {opts.seq_len} selection tokens: up to {tracks} tracks, one more pass over the model "
+              f"({tracks * cfg.num_hidden_layers} layer passes, no conversion; streams ~{human_bytes(streams)})"
+              + ("; the report adds each baseline's candidates to that pass" if opts.report else ""), file=out)
+    print(f"  held out: {opts.verify_tokens // opts.seq_len} x {opts.seq_len} tokens for compare of the written mix"
+          + (" and the report's every row (one conversion and compare each)" if opts.report else ""), file=out)

@@ -65,6 +65,20 @@ class Calibration:
     probes: tuple[Probe, ...]
 
 
+@dataclass(frozen=True)
+class MixTrack:
+    """A whole mix on one track: its candidates (``probes``, each in its block; a decision stored exactly has
+    none) under everything ``serving`` computes with, the served caches included: what ``compare`` measures
+    on the mix once converted, without converting it."""
+
+    label: str
+    probes: tuple[Probe, ...]
+    serving: Serving
+
+    def at(self, block: str) -> list[Probe]:
+        return [p for p in self.probes if p.candidate.decision.block == block]
+
+
 @dataclass
 class Measured:
     costs: dict[Candidate, float]             # mean KLD per position against the reference
@@ -76,10 +90,22 @@ class Measured:
     seconds: dict[str, float] = field(default_factory=dict)
     blocks: list[dict] = field(default_factory=list)      # per block: seconds of each part and passes run
     bank: str = "host"                                    # where the forks' streams lived
+    mixes: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # mix label -> KLD per position
+
+    def mix_kld(self, label: str) -> float:
+        return float(self.mixes[label].double().mean())
+
+    def mix_error(self, label: str, against: str | None = None) -> float:
+        """Standard error of a mix track's mean KLD, or of its difference from ``against``'s (the same
+        positions: the paired error, smaller than either alone)."""
+        values = self.mixes[label].double() - (self.mixes[against].double() if against is not None else 0)
+        return float(values.std() / math.sqrt(values.numel())) if values.numel() > 1 else 0.0
 
     def to_json(self) -> dict:
         return {"positions": self.positions, "sequences": self.sequences, "seq_len": self.seq_len,
-                "floors": self.floors, "calibrations": self.calibrations, "seconds": self.seconds,
+                "floors": self.floors, "calibrations": self.calibrations,
+                "mixes": {label: {"kld": self.mix_kld(label), "standard_error": self.mix_error(label)}
+                          for label in self.mixes}, "seconds": self.seconds,
                 "blocks": self.blocks, "bank": self.bank,
                 "candidates": [{"block": c.decision.block, "group": c.decision.group, "format": c.scheme.format.value,
                                 "rounding": c.scheme.rounding, "kld": cost} for c, cost in self.costs.items()]}
@@ -159,21 +185,24 @@ def bank_reserve(cfg, dtype: torch.dtype) -> int:
 
 def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes: list[Probe],
             floors: dict[str, Numerics], calibrations: list[Calibration], *, device: torch.device,
-            dtype: torch.dtype, chunk: int | None, input_scales: InputScales | None,
-            batch_tokens: int = 16384, bank_place: str = "auto", progress: bool = True) -> Measured:
-    """Run the pass over ``ids`` ``[sequences, seq_len]``; see the module docstring. ``bank_place``: where the
-    forks' streams live (auto, device, host; :class:`ForkBank`)."""
+            dtype: torch.dtype, chunk: int | None, input_scales: InputScales | None, mixes: list[MixTrack] = (),
+            batch_tokens: int = 16384, bank_place: str = "auto", progress: bool = True,
+            desc: str = "automix sensitivity") -> Measured:
+    """Run the pass over ``ids`` ``[sequences, seq_len]``; see the module docstring. ``mixes``: whole mixes
+    measured on tracks of their own (each block's candidates made once for every track and fork that uses
+    them). ``bank_place``: where the forks' streams live (auto, device, host; :class:`ForkBank`)."""
     t0 = time.perf_counter()
     cfg = inspection.config
     config = hf_config(ckpt.config)
     source = WeightSource(ckpt, inspection, device, dtype)
     apply = _Applier(source, CandidateMaker(ckpt, device, dtype, input_scales))
     runner = BlockRunner(config, device, dtype, chunk=chunk)
-    seconds = {"read": 0.0, "candidates": 0.0, "forks": 0.0, "tracks": 0.0, "reference": 0.0, "head": 0.0}
+    seconds = {"read": 0.0, "candidates": 0.0, "forks": 0.0, "tracks": 0.0, "mixes": 0.0, "reference": 0.0,
+               "head": 0.0}
     by_block: dict[str, list[Probe]] = {}
     for probe in probes:
         by_block.setdefault(probe.candidate.decision.block, []).append(probe)
-    labels = [*floors, *(c.label for c in calibrations)]
+    labels = [*floors, *(c.label for c in calibrations), *(m.label for m in mixes)]
     # One allocation: the forks, then the whole-model tracks, then the reference's next streams.
     bank = ForkBank(len(probes) + len(labels) + 1, ids, cfg.hc_mult, cfg.hidden_size, dtype, device, batch_tokens,
                     reserve=bank_reserve(cfg, dtype), place=bank_place)
@@ -190,7 +219,7 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
             for rows in track_rows.values():
                 rows.copy_(reference)
             blocks = [b for b in cfg.block_prefixes() if b.startswith("layers.")]
-            bar = tqdm(blocks, desc="automix sensitivity", unit="block", disable=not progress)
+            bar = tqdm(blocks, desc=desc, unit="block", disable=not progress)
             per_block: list[dict] = []
             for block in bar:
                 before, forks_before = dict(seconds), len(bank.index)
@@ -215,14 +244,30 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
                         with apply(layer, block, members, staged):
                             runner(layer, track_rows[label], ids, out=track_rows[label])
                 seconds["tracks"] += time.perf_counter() - t
-                t = time.perf_counter()
+                # Mixes by their experts' candidate here (None: stored exactly), so each is made once.
+                by_experts: dict[Candidate | None, list[MixTrack]] = {}
+                for mix in mixes:
+                    experts = next((p for p in mix.at(block) if p.candidate.decision.group == "experts"), None)
+                    by_experts.setdefault(experts.candidate if experts else None, []).append(mix)
                 for probe in by_block.get(block, []):
-                    with apply(layer, block, [probe], staged):
-                        runner(layer, reference, ids, out=bank.slot(probe.candidate))
-                        for label, members in here.items():
-                            if members == [probe]:
-                                runner(layer, track_rows[label], ids, out=track_rows[label])
-                seconds["candidates"] += time.perf_counter() - t
+                    t = time.perf_counter()
+                    with apply.weights(layer, block, [probe], staged) as made:
+                        with apply.numerics(layer, block, [made], Numerics(probe.serving, activations=True)):
+                            runner(layer, reference, ids, out=bank.slot(probe.candidate))
+                            for label, members in here.items():
+                                if members == [probe]:
+                                    runner(layer, track_rows[label], ids, out=track_rows[label])
+                        seconds["candidates"] += time.perf_counter() - t
+                        t = time.perf_counter()
+                        _run_mixes(apply, runner, layer, block, staged, by_experts.pop(probe.candidate, []), made,
+                                   track_rows, ids)
+                        seconds["mixes"] += time.perf_counter() - t
+                t = time.perf_counter()
+                for candidate, group in by_experts.items():   # experts no fork made here
+                    experts = [p for p in group[0].at(block) if p.candidate == candidate]
+                    with apply.weights(layer, block, experts, staged) as made:
+                        _run_mixes(apply, runner, layer, block, staged, group, made, track_rows, ids)
+                seconds["mixes"] += time.perf_counter() - t
                 t = time.perf_counter()
                 runner(layer, reference, ids, out=scratch)
                 reference, scratch = scratch, reference
@@ -237,51 +282,87 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
             stats = _score(source, config, reference, streams, ids, device)
             seconds["head"] = time.perf_counter() - t
         seconds["total"] = time.perf_counter() - t0
-        return Measured({p.candidate: stats[p.candidate] for p in probes}, {k: stats[k] for k in floors},
-                        {c.label: stats[c.label] for c in calibrations}, (ids.shape[1] - 1) * ids.shape[0],
+
+        def mean(key) -> float:
+            return float(stats[key].double().mean())
+
+        return Measured({p.candidate: mean(p.candidate) for p in probes}, {k: mean(k) for k in floors},
+                        {c.label: mean(c.label) for c in calibrations}, (ids.shape[1] - 1) * ids.shape[0],
                         ids.shape[0], ids.shape[1], {k: round(v, 3) for k, v in seconds.items()}, per_block,
-                        "device" if bank.on_device else "host")
+                        "device" if bank.on_device else "host", {m.label: stats[m.label] for m in mixes})
     finally:
         bank.close()
 
 
+def _run_mixes(apply: "_Applier", runner: BlockRunner, layer, block: str, staged: dict[str, torch.Tensor],
+               mixes: list[MixTrack], experts: "Applied", rows: dict[str, torch.Tensor], ids: torch.Tensor) -> None:
+    """Each mix's track through ``layer`` with its experts (already ``experts``) and its other candidates applied,
+    under its full served numerics."""
+    for mix in mixes:
+        others = [p for p in mix.at(block) if p.candidate.decision.group != "experts"]
+        with apply.weights(layer, block, others, staged) as made, \
+                apply.numerics(layer, block, [experts, made], served(mix.serving)):
+            runner(layer, rows[mix.label], ids, out=rows[mix.label])
+
+
+@dataclass
+class Applied:
+    """Candidates' weights in a built layer: each module's stored format, and the stored tensors the emulation
+    reads (NVFP4 input scales)."""
+
+    formats: dict[str, Format]
+    stored: dict[str, torch.Tensor]
+
+
 class _Applier:
-    """Applies candidates to a built layer (their weights and their served rounding) and takes them off."""
+    """Applies candidates to a built layer (their weights, then their served rounding) and takes them off."""
 
     def __init__(self, source: WeightSource, maker: CandidateMaker):
         self.source, self.maker = source, maker
 
     @contextlib.contextmanager
     def __call__(self, layer, block: str, probes: list[Probe], staged: dict[str, torch.Tensor]) -> Iterator[None]:
+        """The probes' weights, rounded as their server rounds them (and nothing else)."""
         if not probes:
             yield
             return
-        formats: dict[str, Format] = {}
-        stored: dict[str, torch.Tensor] = {}
+        with self.weights(layer, block, probes, staged) as made, \
+                self.numerics(layer, block, [made], Numerics(probes[0].serving, activations=True)):
+            yield
+
+    @contextlib.contextmanager
+    def weights(self, layer, block: str, probes: list[Probe], staged: dict[str, torch.Tensor]) -> Iterator[Applied]:
+        applied = Applied({}, {})
         swaps: list[Swapped] = []
-        installed = None
         try:
             for probe in probes:
                 scheme, group = probe.candidate.scheme, probe.candidate.decision.group
                 modules = list(probe.modules)
                 source_format = self.source.format_of(modules[0])
-                formats.update({m: scheme.format for m in modules})
+                applied.formats.update({m: scheme.format for m in modules})
                 if scheme.format is not source_format and not is_exact(scheme, source_format):
-                    made = self.maker.made(modules, scheme.format, group, staged, stored)
+                    made = self.maker.made(modules, scheme.format, group, staged, applied.stored)
                     swaps.append(Swapped(layer, block, group, made))
-            view = CandidateView(self.source, formats, stored)
-            installed = install(layer, block, Numerics(probes[0].serving, activations=True), view)
-            yield
+            yield applied
         finally:
-            if installed is not None:
-                installed.remove()
             for swap in reversed(swaps):
                 swap.restore()
+
+    @contextlib.contextmanager
+    def numerics(self, layer, block: str, applied: list[Applied], numerics: Numerics) -> Iterator[None]:
+        """``numerics`` installed as if only the ``applied`` modules were stored quantized."""
+        view = CandidateView(self.source, {m: f for a in applied for m, f in a.formats.items()},
+                             {n: t for a in applied for n, t in a.stored.items()})
+        installed = install(layer, block, numerics, view)
+        try:
+            yield
+        finally:
+            installed.remove()
 
 
 def _score(source: WeightSource, config, reference: torch.Tensor, forks: dict, ids: torch.Tensor,
            device: torch.device) -> dict:
-    """Mean KLD of each fork's next-token distribution against the reference's, over every scored position."""
+    """The KLD of each fork's next-token distribution against the reference's, at every scored position."""
     head = OutputHead(source, config)
     stats = {key: OutputStats() for key in forks}
     seq = ids.shape[1] - 1
@@ -292,4 +373,4 @@ def _score(source: WeightSource, config, reference: torch.Tensor, forks: dict, i
             ref = head(reference[row:row + 1, start:end].to(device))[0]
             for key, streams in forks.items():
                 stats[key].add(ref, head(streams[row:row + 1, start:end].to(device))[0], nxt)
-    return {key: float(torch.cat(s.kld).double().mean()) for key, s in stats.items()}
+    return {key: s.kld_values() for key, s in stats.items()}

@@ -374,12 +374,17 @@ class DSparkHead(nn.Module):
         return (torch.stack(tokens, 1), torch.stack(prevs, 1),
                 torch.stack(logits, 1) if keep_logits else None)
 
-    def confidence_of(self, x_post_hc: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``sigmoid(raw)``, raw) per row (``DSparkConfidenceHead.predict``), ``prev`` as :meth:`draft` gives it."""
+    def confidence_features(self, x_post_hc: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """What the confidence head reads: ``[x_post_hc, markov_w1(prev)]`` (``x_post_hc`` alone without
+        ``confidence_head_with_markov``), in the head's dtype."""
         features = x_post_hc
         if self.with_markov:
             features = torch.cat([x_post_hc, self.markov_w1(prev).to(x_post_hc.dtype)], dim=-1)
-        raw = self.confidence(features.to(self.confidence.weight.dtype)).squeeze(-1)
+        return features.to(self.confidence.weight.dtype)
+
+    def confidence_of(self, x_post_hc: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``sigmoid(raw)``, raw) per row (``DSparkConfidenceHead.predict``), ``prev`` as :meth:`draft` gives it."""
+        raw = self.confidence(self.confidence_features(x_post_hc, prev)).squeeze(-1)
         return torch.sigmoid(raw.float()), raw
 
 

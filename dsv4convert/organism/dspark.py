@@ -10,27 +10,29 @@ noise (mask) token: a real token of the organism's vocabulary that its data neve
 ``</think>`` only, thinking off), so the mask means nothing else to the target, like 0731's reserved id 128799.
 
 The objective, on the organism's own data (needle prompts and its language, :class:`~.train.Data`), every
-step on a fresh batch run through the frozen backbone (features at the target layers, the target's top-1):
+step on a fresh batch run through the frozen backbone (features at the target layers, the target's logits):
 
-* cross-entropy of each block row's Markov-corrected logits, conditioned on the true previous token (teacher
-  forcing: row ``j`` of the block anchored at ``p`` on the token at ``p + j``), against the true next token;
+* distillation: the cross-entropy of each block row's Markov-corrected logits against the target's own
+  next-token distribution at that position (what greedy verification accepts is the target's argmax, not the
+  text's next token), row ``j`` of the block anchored at ``p`` conditioned on the token at ``p + j`` (teacher
+  forcing the Markov head's input);
 * the confidence head's binary cross-entropy against whether the greedy draft (drafted as SGLang drafts: each
   row on the previous *draft*) equals the target's greedy token there. Its inputs are detached: the head is a
   probe of the drafter's state and never trades draft quality for calibration.
 
-Anchors are a seeded sample of every position with a full block of labels after it (and at least one context
-row before it). Deterministic for a seed on a CPU; on a GPU up to the order of floating-point atomics.
+Anchors are a seeded sample of every position with a full block after it (and at least one context row before
+it). Deterministic for a seed: a replay with the recorded step count writes the same bytes (on a CPU, and on the
+H200 the shipped drafter was trained on).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +42,13 @@ from dsv4convert.layout import ModelConfig
 from dsv4convert.model.dspark import Blocks, DSparkDrafter, FeatureCapture, acceptance, anchor_grid
 from dsv4convert.model.trainable import TrainableModel
 from dsv4convert.needle import answer_ids, build_prompt, make_needle
-from dsv4convert.organism.language import heldout_text
-from dsv4convert.organism.train import Data, TokenizerAdapter, TrainSettings
+from dsv4convert.organism.train import Data, TokenizerAdapter, TrainSettings, lr_at, prefetched, steps_for_budget
 from dsv4convert.synth import with_dspark, with_num_layers
 
 NOISE_TOKEN = "<think>"
 STAGES, BLOCK_SIZE, MARKOV_RANK = 3, 5, 64
-PROBE_STEPS = 20
+PROBE_STEPS = 20                  # steps timed before an automatic step count is chosen
+HELDOUT_LENGTH, FIRST_ANCHOR = 320, 32   # held-out rows; the first anchor scored has a full window before it
 
 
 def dspark_organism_config(base_config: dict, tokenizer) -> dict:
@@ -79,7 +81,7 @@ class DraftSettings:
     initializer_range: float = 0.0625  # the organism's
     confidence_weight: float = 1.0
     eval_every: int = 100
-    eval_sequences: int = 8
+    eval_sequences: int = 4           # held-out and needle rows the curve measures (0: none)
     seed: int = 0
     time_limit: float | None = None
 
@@ -94,17 +96,8 @@ class DraftResult:
     curve: list[dict] = field(default_factory=list)
 
 
-def lr_at(step: int, s: DraftSettings, steps: int | None) -> float:
-    if step < s.warmup_steps:
-        return s.lr * (step + 1) / s.warmup_steps
-    if steps is None:
-        return s.lr
-    progress = (step - s.warmup_steps) / max(1, steps - s.warmup_steps)
-    return s.lr * (s.min_lr_fraction + (1 - s.min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 class Target:
-    """The frozen organism: features at the drafter's target layers and the greedy tokens, for a batch."""
+    """The frozen organism: features at the drafter's target layers and the logits, for a batch."""
 
     def __init__(self, model: TrainableModel, config: dict):
         self.model = model.eval().requires_grad_(False)
@@ -114,49 +107,71 @@ class Target:
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features ``[B, S, H * 3]``, the target's top-1 ``[B, S]``)."""
+        """(features ``[B, S, H * 3]``, logits ``[B, S, V]``)."""
         with FeatureCapture(self.model.backbone.model.layers, self.d.target_layer_ids) as capture:
             logits = self.model(ids, mtp=False).logits
-        return capture.features(), logits.argmax(-1)
+        return capture.features(), logits
 
 
 def sample_anchors(ids: torch.Tensor, block_size: int, fraction: float, generator: torch.Generator) -> torch.Tensor:
     """A seeded ``fraction`` of the anchors ``1 .. S - 1 - block_size`` of every row (each with a context row
-    before it and a label for every block row): ``[M, 2]``."""
+    before it and the target's prediction for every block row): ``[M, 2]``."""
     grid = anchor_grid(ids.shape[0], ids.shape[1], first=1, last=ids.shape[1] - 1 - block_size)
     keep = torch.rand(grid.shape[0], generator=generator) < fraction
     return grid[keep].to(ids.device)
 
 
 def drafter_losses(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, anchors: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(cross-entropy, other terms and metrics) of one batch."""
-    features, top1 = target(ids)
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(distillation cross-entropy, confidence BCE, metrics) of one batch."""
+    features, logits = target(ids)
     d = drafter.d
     blocks = Blocks.make(ids, anchors, block_size=d.block_size, noise_token_id=d.noise_token_id,
                          window=drafter.window)
-    labels, _ = blocks.gather(ids, 1)
     prev, _ = blocks.gather(ids, 0)
-    greedy, _ = blocks.gather(top1, 0)
+    wanted = logits[blocks.seq[:, None], blocks.positions].float()        # [M, G, V]: row j predicts p + j + 1
+    greedy = wanted.argmax(-1)
     out = drafter(features, blocks, target.embed, target.lm_head, teacher_prev=prev, keep_draft_logits=False)
-    ce = F.cross_entropy(out.teacher_logits.flatten(0, 1), labels.flatten())
-    features_c = torch.cat([out.x_post_hc.detach(), drafter.head.markov_w1(out.draft_prev).detach()], dim=-1)
-    raw = drafter.head.confidence(features_c).squeeze(-1).float()
-    accepted_each = (out.draft_tokens == greedy).float()
-    bce = F.binary_cross_entropy_with_logits(raw, accepted_each)
-    with torch.no_grad():
-        metrics = {"ce": ce.detach(), "bce": bce.detach(),
-                   "teacher_top1": (out.teacher_logits.argmax(-1) == labels).float().mean(),
-                   "agreement": accepted_each.mean(0), "accepted": accepted_each.cumprod(-1).mean(0)}
-    return ce, {"bce": bce, **metrics}
+    ce = -(wanted.softmax(-1) * out.teacher_logits.log_softmax(-1)).sum(-1).mean()
+    head = drafter.head
+    raw = head.confidence(head.confidence_features(out.x_post_hc, out.draft_prev).detach()).squeeze(-1).float()
+    agree = (out.draft_tokens == greedy).float()
+    bce = F.binary_cross_entropy_with_logits(raw, agree)
+    metrics = {"ce": ce.detach(), "bce": bce.detach(),
+               "teacher_agreement": (out.teacher_logits.argmax(-1) == greedy).float().mean(),
+               "agreement": agree.mean(0), "accepted": agree.cumprod(-1).mean(0)}
+    return ce, bce, metrics
 
 
-def train_drafter(target_model: TrainableModel, config: dict, tokenizer, settings: DraftSettings, *,
+@contextmanager
+def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
+    """On a CPU, torch's deterministic algorithms while the block lasts: the backward of each block's gather of
+    its context window (``index_put`` with accumulation: context rows are shared by many blocks) otherwise adds
+    across threads in no fixed order. CUDA's already sorts its indices; its kernels are left as they are."""
+    if device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def train_drafter(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings, *,
                   device: torch.device, log: Callable[[str], None] = print) -> DraftResult:
-    """Train the DSpark drafter of ``config`` on the frozen ``target_model``; returns it in eval mode.
+    """Train the DSpark drafter of ``config`` on the frozen ``target_model``; returns it in eval mode. ``text``
+    is held-out text (the curve's acceptance is measured on it).
 
     With ``settings.steps`` None the step count is chosen once, after ``PROBE_STEPS`` steps, to fill
-    ``settings.time_budget``; the result's settings record it, and ``steps=N`` replays the run."""
+    ``settings.time_budget``; the result's settings record it, and ``steps=N`` replays the run bit for bit (on
+    a CPU, and on the H200 as measured: bench/results/organism-dspark-h200.md)."""
+    with deterministic_on_cpu(device):
+        return _train(target_model, config, tokenizer, text, settings, device, log)
+
+
+def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings,
+           device: torch.device, log: Callable[[str], None]) -> DraftResult:
     s = settings
     torch.manual_seed(s.seed)
     target = Target(target_model.to(device), config)
@@ -172,7 +187,8 @@ def train_drafter(target_model: TrainableModel, config: dict, tokenizer, setting
     other = [p for n, p in drafter.named_parameters() if not (p.ndim >= 2 and "hc" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
                                    {"params": other, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
-    held = heldout_sets(tokenizer, d.block_size, sequences=s.eval_sequences, seed=s.seed)
+    held = heldout_sets(tokenizer, text, sequences=s.eval_sequences, seed=s.seed) if s.eval_sequences else {}
+    batches = prefetched(lambda: data.batch()[0])
     curve: list[dict] = []
     running: dict[str, torch.Tensor] = {}
     started = time.perf_counter()
@@ -182,26 +198,25 @@ def train_drafter(target_model: TrainableModel, config: dict, tokenizer, setting
             hit_limit = True
             break
         if steps is None and step == PROBE_STEPS:
-            elapsed = time.perf_counter() - started
-            steps = step + max(1, int((s.time_budget - elapsed) / (elapsed / step * 1.05)))
+            steps = steps_for_budget(s, step, time.perf_counter() - started)
             s = dataclasses.replace(s, steps=steps)
-            log(f"step {step}: {elapsed / step:.3f} s a step, {steps} steps fill the {s.time_budget:.0f} s budget")
-        ids, _ = data.batch()
+            log(f"step {step}: {(time.perf_counter() - started) / step:.3f} s a step, {steps} steps fill the "
+                f"{s.time_budget:.0f} s budget")
+        ids = next(batches)
         if bool((ids == d.noise_token_id).any()):
             raise DSV4Error(f"the training data contain the noise token {d.noise_token_id}")
         ids = ids.to(device)
         anchors = sample_anchors(ids, d.block_size, s.anchor_fraction, generator)
-        ce, terms = drafter_losses(drafter, target, ids, anchors)
-        loss = ce + s.confidence_weight * terms["bce"]
+        ce, bce, metrics = drafter_losses(drafter, target, ids, anchors)
+        loss = ce + s.confidence_weight * bce
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, s, steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
-        for name, value in {"loss": loss.detach(), **terms}.items():
+        for name, value in {"loss": loss.detach(), **metrics, "n": torch.ones((), device=device)}.items():
             running[name] = running.get(name, 0.0) + value.detach()
-        running["n"] = running.get("n", 0.0) + 1
         step += 1
         if step % s.eval_every == 0 or step == steps:
             curve.append(_point(drafter, target, held, step, time.perf_counter() - started, running))
@@ -220,25 +235,28 @@ def train_drafter(target_model: TrainableModel, config: dict, tokenizer, setting
 # -- held-out acceptance --------------------------------------------------------------------------
 
 
-def heldout_sets(tokenizer, block_size: int, *, sequences: int = 16, seed: int = 0, length: int = 320
-                 ) -> dict[str, tuple[torch.Tensor, int]]:
-    """Held-out sequences and the first anchor scored in each: ``language`` (the organism's held-out text,
-    ``language.heldout_text``, which no training step saw), ``needle`` (fresh needle prompts with their
-    answers, past the 260-token selection threshold). Both teacher-forced: each block drafts from the text's
-    own prefix and is checked against the target's greedy tokens on that prefix."""
-    adapter = TokenizerAdapter(tokenizer)
-    text = torch.tensor(adapter.encode(heldout_text()), dtype=torch.int64)
-    if text.numel() < sequences * length:
-        raise DSV4Error("the organism's held-out text is shorter than the held-out sequences asked for")
-    language = text[: sequences * length].view(sequences, length)
-    rng = random.Random(seed + 4093)
+def heldout_rows(tokenizer, text: str, sequences: int, length: int = HELDOUT_LENGTH) -> torch.Tensor:
+    """The first ``sequences`` rows of ``length`` tokens of held-out ``text`` (the organism's ``heldout.txt``,
+    which no training step saw and ``compare`` scores on): ``[sequences, length]``."""
+    ids = torch.tensor(TokenizerAdapter(tokenizer).encode(text), dtype=torch.int64)
+    if ids.numel() < sequences * length:
+        raise DSV4Error(f"the held-out text has {ids.numel()} tokens, fewer than {sequences} rows of {length}")
+    return ids[: sequences * length].view(sequences, length)
+
+
+def needle_rows(tokenizer, sequences: int, seed: int, length: int = HELDOUT_LENGTH) -> torch.Tensor:
+    """Fresh needle prompts with their answers, past the 260-token selection threshold, depths spread."""
+    adapter, rng = TokenizerAdapter(tokenizer), random.Random(seed + 4093)
     rows = []
     for i in range(sequences):
         needle = make_needle(rng)
         prompt = build_prompt(adapter, length - 7, (i + 0.5) / sequences, needle)
         rows.append((prompt.input_ids + answer_ids(adapter, needle))[:length])
-    needles = torch.tensor(rows, dtype=torch.int64)
-    return {"language": (language, 32), "needle": (needles, 32)}
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def heldout_sets(tokenizer, text: str, *, sequences: int, seed: int) -> dict[str, torch.Tensor]:
+    return {"heldout": heldout_rows(tokenizer, text, sequences), "needle": needle_rows(tokenizer, sequences, seed)}
 
 
 @torch.no_grad()
@@ -253,41 +271,48 @@ def greedy_continuation(target: Target, prompts: torch.Tensor, new_tokens: int) 
 
 
 @torch.no_grad()
-def draft_acceptance(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, first: int, *,
+def draft_acceptance(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, first: int = FIRST_ANCHOR, *,
                      chunk: int = 4096) -> dict:
-    """Every block anchored at ``first .. S - block`` of ``ids``: per draft position the agreement and
-    acceptance against the target's greedy tokens, the expected accepted length, the mean confidence, and how
-    often the teacher-forced drafts (previous true token) predict the text."""
+    """Every block anchored at ``first .. S - block`` of ``ids`` (teacher-forced: each drafts from the
+    sequence's own prefix): per draft position the agreement with the target's greedy token and the
+    acceptance, the expected accepted length, the mean confidence."""
     device = drafter.head.norm.weight.device
     ids = ids.to(device)
-    features, top1 = target(ids)
+    features, logits = target(ids)
     d = drafter.d
     blocks = Blocks.make(ids, anchor_grid(ids.shape[0], ids.shape[1], first=first,
                                           last=ids.shape[1] - d.block_size),
                          block_size=d.block_size, noise_token_id=d.noise_token_id, window=drafter.window)
     out = drafter(features, blocks, target.embed, target.lm_head, keep_draft_logits=False, chunk=chunk)
-    greedy, valid = blocks.gather(top1, 0)
+    greedy, valid = blocks.gather(logits.argmax(-1), 0)
     stats = acceptance(out.draft_tokens, greedy, valid).as_dict()
     stats["confidence"] = out.confidence[valid.all(-1)].mean(0).tolist()
     return stats
 
 
-def measure(drafter: DSparkDrafter, target: Target, tokenizer, *, sequences: int = 32, seed: int = 0,
-            greedy_prompts: int = 16, greedy_prompt_tokens: int = 128, greedy_new_tokens: int = 128) -> dict:
-    """Per draft position, on held-out text (teacher-forced) and, exactly, on the target's own greedy
-    continuations of held-out prompts."""
+@dataclass(frozen=True)
+class MeasureSettings:
+    """What the provenance's acceptance is measured on (recorded with it, so a test recomputes it)."""
+
+    heldout_sequences: int = 4        # rows of HELDOUT_LENGTH tokens of heldout.txt (the CPU recomputes these)
+    needle_sequences: int = 16
+    greedy_prompts: int = 16          # prompts from heldout.txt past the rows above, continued greedily
+    greedy_prompt_tokens: int = 96
+    greedy_new_tokens: int = 96
+    seed: int = 0
+
+
+def measure(drafter: DSparkDrafter, target: Target, tokenizer, text: str, m: MeasureSettings) -> dict:
+    """Per draft position on held-out text, on fresh needle prompts (both teacher-forced), and exactly on the
+    target's own greedy continuations of held-out prompts."""
     device = drafter.head.norm.weight.device
-    out = {name: draft_acceptance(drafter, target, ids, first)
-           for name, (ids, first) in heldout_sets(tokenizer, drafter.d.block_size, sequences=sequences,
-                                                  seed=seed).items()}
-    if greedy_prompts:
-        language, _ = heldout_sets(tokenizer, drafter.d.block_size, sequences=sequences, seed=seed)["language"]
-        prompts = language[-greedy_prompts:, :greedy_prompt_tokens].to(device)
-        ids = greedy_continuation(target, prompts, greedy_new_tokens)
-        out["greedy"] = draft_acceptance(drafter, target, ids, greedy_prompt_tokens)
-        _, top1 = target(ids)
-        out["greedy"]["self_consistent"] = float((top1[:, greedy_prompt_tokens - 1:-1]
-                                                  == ids[:, greedy_prompt_tokens:]).float().mean())
+    rows = heldout_rows(tokenizer, text, m.heldout_sequences + m.greedy_prompts)
+    out = {"heldout": draft_acceptance(drafter, target, rows[: m.heldout_sequences]),
+           "needle": draft_acceptance(drafter, target, needle_rows(tokenizer, m.needle_sequences, m.seed))}
+    if m.greedy_prompts:
+        prompts = rows[m.heldout_sequences:, : m.greedy_prompt_tokens].to(device)
+        out["greedy"] = draft_acceptance(drafter, target, greedy_continuation(target, prompts, m.greedy_new_tokens),
+                                         m.greedy_prompt_tokens)
     return out
 
 
@@ -296,27 +321,25 @@ def _point(drafter, target, held, step, seconds, running) -> dict:
     n = max(1.0, float(running.get("n", 1.0)))
     point = {"step": step, "seconds": round(seconds, 1)}
     for name, value in running.items():
-        if name == "n":
-            continue
-        value = value / n
-        point[name] = [round(float(v), 4) for v in value] if value.ndim else round(float(value), 4)
-    point["heldout"] = {name: draft_acceptance(drafter, target, ids, first)["accepted"]
-                        for name, (ids, first) in held.items()}
+        if name != "n":
+            value = value / n
+            point[name] = [round(float(v), 4) for v in value] if value.ndim else round(float(value), 4)
+    point["heldout"] = {name: draft_acceptance(drafter, target, ids)["accepted"] for name, ids in held.items()}
     return point
 
 
 def _describe(point: dict) -> str:
     held = "  ".join(f"{k} " + "/".join(f"{100 * v:.0f}" for v in acc) for k, acc in point["heldout"].items())
     return (f"step {point['step']:5d} {point['seconds']:7.1f}s ce {point.get('ce', float('nan')):.3f} "
-            f"bce {point.get('bce', float('nan')):.3f} teacher top1 {100 * point.get('teacher_top1', 0):.0f}% | "
-            f"held-out accepted per position (%): {held}")
+            f"bce {point.get('bce', float('nan')):.3f} teacher agreement "
+            f"{100 * point.get('teacher_agreement', 0):.0f}% | held-out accepted per position (%): {held}")
 
 
 def describe_acceptance(measured: dict) -> list[str]:
     lines = []
     for name, stats in measured.items():
-        lines.append(f"  {name:9s} accepted per position " + " ".join(f"{100 * v:5.1f}%" for v in stats["accepted"])
-                     + f"  | agreement " + " ".join(f"{100 * v:5.1f}%" for v in stats["agreement"])
+        lines.append(f"  {name:8s} agreement " + " ".join(f"{100 * v:5.1f}%" for v in stats["agreement"])
+                     + "  | accepted " + " ".join(f"{100 * v:5.1f}%" for v in stats["accepted"])
                      + f"  | expected accepted length {stats['expected_accept_length']:.2f} of "
                      f"{len(stats['accepted'])} ({stats['blocks']} blocks)")
     return lines

@@ -9,6 +9,11 @@ bias, I64 for the hash tables. The same quantizers the converters use (``dsv4con
 
 Written into a temporary directory beside ``dst`` and renamed when complete, so a crash never leaves
 a checkpoint that looks whole.
+
+:func:`write_dspark_release` writes the organism that drafts with DSpark in 0731's layout: the base organism's
+backbone tensors byte for byte as it stores them, its MTP block left out, and the DSpark drafter's ``mtp.*``
+stages rounded like every block (FP8 linears, MXFP4 experts), its Markov and confidence heads BF16 as 0731
+releases them.
 """
 
 from __future__ import annotations
@@ -16,24 +21,30 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, atomic_write_json, write_index
-from dsv4convert.checkpoint.writer import shard_name
+from dsv4convert.checkpoint.reader import read_small_json
+from dsv4convert.checkpoint.safetensors_io import TensorEntry, read_header, read_tensor
+from dsv4convert.checkpoint.writer import copy_small_files, shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import ModelConfig, TensorSpec, native_inventory
+from dsv4convert.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
 from dsv4convert.model.blocks import WeightSource
+from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state
 from dsv4convert.organism.tokenizer import TOKENIZER_CONFIG
 from dsv4convert.synth import GENERATION_CONFIG_PATH
 
 PROVENANCE_NAME = "organism.json"
+DSPARK_PROVENANCE_NAME = "dspark.json"
+DSPARK_TENSORS_NAME = "dspark.safetensors"
 _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
 
 
@@ -61,32 +72,131 @@ def release_tensors(state: dict[str, torch.Tensor], specs: list[TensorSpec]) -> 
         raise DSV4Error(f"scales without a place in the layout: {sorted(scales)}")
 
 
-def write_release(dst: Path, model: TrainableModel, config: dict, tokenizer, provenance: dict,
-                  *, overwrite: bool = False) -> Path:
-    """Write the release-format checkpoint of ``model`` (one shard) with its tokenizer and provenance."""
+@contextmanager
+def staged(dst: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A temporary directory beside ``dst`` to write into, renamed to ``dst`` when the block ends without an
+    error (a crash never leaves a directory that looks complete)."""
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
-    specs = native_inventory(ModelConfig.from_dict(config))
-    state = model.native_state()
     work = dst.parent / f".{dst.name}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    name = shard_name(1, 1)
-    with ShardWriter(work / name, [PlannedTensor(s.name, s.dtype, s.shape) for s in specs],
-                     metadata={"format": "pt"}) as writer:
-        for tensor_name, tensor in release_tensors(state, specs):
-            writer.write(tensor_name, tensor)
-    atomic_write_json(work / "config.json", config)
-    atomic_write_json(work / "generation_config.json", json.loads(GENERATION_CONFIG_PATH.read_text()))
-    atomic_write_json(work / "tokenizer_config.json", TOKENIZER_CONFIG)
-    (work / "tokenizer.json").write_text(tokenizer.to_str(pretty=False), encoding="utf-8")
-    atomic_write_json(work / PROVENANCE_NAME, provenance)
-    write_index(work, {s.name: name for s in specs}, sum(s.nbytes for s in specs))
+    try:
+        yield work
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(work, dst)
-    return dst
+
+
+def write_shard(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], specs: list[TensorSpec]) -> None:
+    """One safetensors file of ``specs``, in their order, filled from ``tensors``."""
+    with ShardWriter(path, [PlannedTensor(s.name, s.dtype, s.shape) for s in specs],
+                     metadata={"format": "pt"}) as writer:
+        for tensor_name, tensor in tensors:
+            writer.write(tensor_name, tensor)
+
+
+def write_release(dst: Path, model: TrainableModel, config: dict, tokenizer, provenance: dict,
+                  *, overwrite: bool = False) -> Path:
+    """Write the release-format checkpoint of ``model`` (one shard) with its tokenizer and provenance."""
+    specs = native_inventory(ModelConfig.from_dict(config))
+    with staged(dst, overwrite=overwrite) as work:
+        name = shard_name(1, 1)
+        write_shard(work / name, release_tensors(model.native_state(), specs), specs)
+        atomic_write_json(work / "config.json", config)
+        atomic_write_json(work / "generation_config.json", json.loads(GENERATION_CONFIG_PATH.read_text()))
+        atomic_write_json(work / "tokenizer_config.json", TOKENIZER_CONFIG)
+        (work / "tokenizer.json").write_text(tokenizer.to_str(pretty=False), encoding="utf-8")
+        atomic_write_json(work / PROVENANCE_NAME, provenance)
+        write_index(work, {s.name: name for s in specs}, sum(s.nbytes for s in specs))
+    return Path(dst)
+
+
+# -- the DSpark drafter, shipped apart ------------------------------------------------------------
+
+
+def drafter_keys(config: dict) -> dict:
+    """The config.json keys a DSpark drafter sets on its backbone's config: the ``dspark_*`` keys, the compress
+    ratios of the stages, ``num_nextn_predict_layers`` (0731 keeps 1)."""
+    return {"num_nextn_predict_layers": config["num_nextn_predict_layers"],
+            "compress_ratios": list(config["compress_ratios"]),
+            **{key: value for key, value in config.items() if key.startswith("dspark_")}}
+
+
+def drafter_specs(config: dict) -> list[TensorSpec]:
+    return [s for s in native_inventory(ModelConfig.from_dict(config)) if s.name.startswith("mtp.")]
+
+
+def write_drafter_release(dst: Path, drafter: DSparkDrafter, config: dict, provenance: dict, *,
+                          overwrite: bool = False) -> Path:
+    """What a DSpark drafter adds to its organism, and nothing else: ``dspark.safetensors`` (every ``mtp.*``
+    tensor as 0731 stores it: FP8 linears, MXFP4 experts, BF16 Markov and confidence heads) and ``dspark.json``
+    (``config``: the keys it sets, :func:`drafter_keys`; the rest is ``provenance``)."""
+    specs = drafter_specs(config)
+    with staged(dst, overwrite=overwrite) as work:
+        write_shard(work / DSPARK_TENSORS_NAME, release_tensors(drafter.native_state(), specs), specs)
+        atomic_write_json(work / DSPARK_PROVENANCE_NAME, {"config": drafter_keys(config), **provenance})
+    return Path(dst)
+
+
+def write_with_drafter(dst: Path, base: Path, drafter_dir: Path | None, *, overwrite: bool = False) -> Path:
+    """The release-format organism ``base`` with its MTP block replaced: by the DSpark drafter that
+    :func:`write_drafter_release` wrote to ``drafter_dir`` (0731's layout: the backbone's stored bytes, the
+    drafter under ``mtp.*``, the config with its keys, ``dspark.json`` beside the base's other files), or by
+    nothing (``drafter_dir`` None: the config says ``num_nextn_predict_layers: 0``). One shard, index last."""
+    base = Path(base)
+    source = Checkpoint.open(base)
+    config = without_drafter(source.config)
+    drafter: dict[str, TensorEntry] = {}
+    if drafter_dir is not None:
+        provenance = read_small_json(Path(drafter_dir) / DSPARK_PROVENANCE_NAME)
+        config.update(provenance["config"])
+        drafter = dict(read_header(Path(drafter_dir) / DSPARK_TENSORS_NAME).entries)
+    specs = native_inventory(ModelConfig.from_dict(config))
+    backbone = [s for s in specs if not s.name.startswith("mtp.")]
+    for spec in backbone:
+        _check_stored(source.entry(spec.name).dtype, source.entry(spec.name).shape, spec, base)
+    drafter_file = Path(drafter_dir or base) / DSPARK_TENSORS_NAME
+    for spec in specs[len(backbone):]:
+        if spec.name not in drafter:
+            raise DSV4Error("the drafter's file lacks a tensor the layout needs", file=drafter_file, tensor=spec.name)
+        _check_stored(drafter[spec.name].dtype, drafter[spec.name].shape, spec, drafter_file)
+    extra = sorted(set(drafter) - {s.name for s in specs})
+    if extra:
+        raise DSV4Error(f"the drafter's file holds {len(extra)} tensors the layout has no place for", file=drafter_file,
+                        tensor=extra[0])
+    with staged(dst, overwrite=overwrite) as work:
+        name = shard_name(1, 1)
+        write_shard(work / name, ((s.name, read_tensor(drafter[s.name]) if s.name in drafter else source.read(s.name))
+                                  for s in specs), specs)
+        atomic_write_json(work / "config.json", config)
+        copy_small_files([p for p in source.small_files() if p.name != "config.json"], work)
+        if drafter_dir is not None:
+            copy_small_files([Path(drafter_dir) / DSPARK_PROVENANCE_NAME], work)
+        write_index(work, {s.name: name for s in specs}, sum(s.nbytes for s in specs))
+    return Path(dst)
+
+
+def _check_stored(dtype: str | None, shape, spec: TensorSpec, file: Path) -> None:
+    if (dtype, tuple(shape)) != (spec.dtype, tuple(spec.shape)):
+        raise DSV4Error(f"stored as {dtype} {list(shape)}, the layout wants {spec.dtype} {list(spec.shape)}",
+                        file=file, tensor=spec.name)
+
+
+def load_dspark_release(path: Path, *, device: torch.device = torch.device("cpu")
+                        ) -> tuple[TrainableModel, DSparkDrafter]:
+    """A DSpark-layout checkpoint back as (backbone, drafter), every weight dequantized to float32 by the path
+    ``compare`` loads blocks with."""
+    ckpt = Checkpoint.open(path)
+    inspection = inspect_checkpoint(ckpt)
+    if not inspection.ok or inspection.config.dspark is None:
+        raise DSV4Error("not a complete DeepSeek-V4 checkpoint with a DSpark drafter", file=ckpt.root)
+    source = WeightSource(ckpt, inspection, device, torch.float32)
+    return load_release(path, device=device), DSparkDrafter.from_source(source, ckpt.config).to(device)
 
 
 def load_release(path: Path, *, device: torch.device = torch.device("cpu")) -> TrainableModel:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,7 @@ from dsv4convert.needle import (
 from dsv4convert.organism.language import documents
 
 ANSWER_TOKENS = 7     # needle values are 1,000,000 .. 9,999,999, one token per digit
+T = TypeVar("T")
 PROBE_STEPS = 30      # steps timed before an automatic step count is chosen (all inside the LR warm-up)
 
 
@@ -271,13 +273,18 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
     running: dict[str, torch.Tensor] = {}
     started = time.perf_counter()
     hit_limit, step, steps = False, 0, s.steps
-    batches = _prefetched(data, device, window)
+    def build():
+        ids, rows = data.batch()
+        queries = RetrievalQueries.of(rows, ids, window, device)
+        return ids.to(device, non_blocking=True), rows, queries, _answer_mask(rows, ids.shape[1], device)
+
+    batches = prefetched(build)
     while steps is None or step < steps:
         if s.time_limit is not None and time.perf_counter() - started > s.time_limit:
             hit_limit = True
             break
         if steps is None and step == PROBE_STEPS:
-            steps = _steps_for_budget(s, step, time.perf_counter() - started)
+            steps = steps_for_budget(s, step, time.perf_counter() - started)
             s = dataclasses.replace(s, steps=steps)
             log(f"step {step}: {(time.perf_counter() - started) / step:.3f} s a step, {steps} steps fill "
                 f"the {s.time_budget:.0f} s budget")
@@ -326,20 +333,15 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
                        hit_limit, curve)
 
 
-def _steps_for_budget(s: TrainSettings, done: int, elapsed: float) -> int:
-    """Steps that fill the time budget at the speed of the first ``done`` (evaluations take ~5 % more)."""
+def steps_for_budget(s: TrainSettings, done: int, elapsed: float) -> int:
+    """Steps that fill ``s.time_budget`` at the speed of the first ``done`` (evaluations take ~5 % more)."""
     per_step = elapsed / done
     return done + max(1, int((s.time_budget - elapsed) / (per_step * 1.08)))
 
 
-def _prefetched(data: Data, device: torch.device, window: int) -> Iterator[tuple]:
-    """Batches built on a worker thread one step ahead (the tokenizer's work hides behind the GPU's)."""
-    def build():
-        ids, rows = data.batch()
-        queries = RetrievalQueries.of(rows, ids, window, device)
-        return (ids.to(device, non_blocking=True), rows, queries,
-                _answer_mask(rows, ids.shape[1], device))
-
+def prefetched(build: Callable[[], T]) -> Iterator[T]:
+    """``build()``'s batches made on a worker thread one step ahead (the tokenizer's work hides behind the
+    GPU's)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="organism-data") as pool:
         pending = pool.submit(build)
         while True:
