@@ -71,6 +71,7 @@ from dsv4convert.model.dspark import (
 )
 
 DEFAULT_ANCHORS = 4096      # draft blocks per run (all sequences together)
+ROUNDING = "rounding"       # the base re-drafted in other batches: the KLD float rounding alone gives
 NOISE_SIGMAS = 3.0
 TARGET_FEATURES, DRAFT_HEAD, MARKOV_HEAD, CONFIDENCE_HEAD = ("target features", "draft head", "Markov head",
                                                              "confidence head")
@@ -167,10 +168,12 @@ class DraftPass:
                     self.features(ref, u.index, self.ids[ref]), self.features(track.label, u.index,
                                                                               self.ids[track.label]))
         streams: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
+        rounding: dict[int, torch.Tensor] = {}
         main_x: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
         for s in range(self.d.stages):
             block = stage_block(s)
             nxt: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
+            rounding_next: dict[int, torch.Tensor] = {}
             for side in e.sides:
                 layer = build_layer(side.source, e.config, self.cfg, block)
                 entry = DSparkEntry.load(side.source, e.config, self.cfg) if s == 0 else None
@@ -192,6 +195,10 @@ class DraftPass:
                                             chunk=chunk).cpu()
                             nxt[track.label][u.index] = out
                             if track.label == ref:
+                                # The rounding floor: the base once more, its blocks in batches of half the size.
+                                given = streams[ref][u.index] if s == 0 else rounding[u.index]
+                                rounding_next[u.index] = run_stage(layer, given, kv, b, rotary,
+                                                                   chunk=max(1, (len(b) + 1) // 2)).cpu()
                                 continue
                             result[u.index].free[track.label][block] = _error(nxt[ref][u.index], out)
                             if track.local:
@@ -205,12 +212,13 @@ class DraftPass:
                     finally:
                         installed.remove()
                 del layer, entry, embed
-            streams = nxt
-        self._heads(streams, blocks, top1, result)
+            streams, rounding = nxt, rounding_next
+        self._heads(streams, rounding, blocks, top1, result)
         self.seconds += time.perf_counter() - t0
         return result
 
-    def _heads(self, streams, blocks: dict[int, Blocks], top1, result: dict[int, UnitDraft]) -> None:
+    def _heads(self, streams, rounding: dict[int, torch.Tensor], blocks: dict[int, Blocks], top1,
+               result: dict[int, UnitDraft]) -> None:
         """Each side's head on its last stage's streams, a chunk of blocks at a time (draft logits are
         ``[blocks, gamma, vocab]``: never all at once)."""
         e, ref = self.engine, self.engine.reference.label
@@ -231,8 +239,12 @@ class DraftPass:
                     outs[track.label] = (head, lm_head, out)
                     parts.setdefault(f"agree:{track.label}", []).append((out.draft_tokens == greedy).cpu())
                     parts.setdefault(f"survival:{track.label}", []).append(out.confidence.cumprod(-1).cpu())
-                _, _, base = outs[ref]
+                base_head, base_lm_head, base = outs[ref]
                 base_logp = torch.log_softmax(base.draft_logits.double(), -1)
+                again = finish(base_head, rounding[u.index][rows].to(device), part, base_lm_head)
+                again_logp = torch.log_softmax(base_head.markov_logits(again.base_logits, base.draft_prev).double(), -1)
+                parts.setdefault(f"kld:{ROUNDING}", []).append(
+                    (base_logp.exp() * (base_logp - again_logp)).sum(-1).clamp_min(0.0).cpu())
                 for label, (head, lm_head, out) in outs.items():
                     if label == ref:
                         continue
@@ -246,7 +258,6 @@ class DraftPass:
                     last = streams[ref][u.index][rows].to(device)
                     logits, _ = head.base(last, lm_head)
                     _add(local, DRAFT_HEAD, base.base_logits, logits)
-                    base_head = outs[ref][0]
                     _add(local, MARKOV_HEAD, base_head.markov_bias(base.draft_prev), head.markov_bias(base.draft_prev))
                     _, raw = head.confidence_of(base.x_post_hc, base.draft_prev)
                     _add(local, CONFIDENCE_HEAD, base.confidence_raw.float(), raw.float())
@@ -312,13 +323,17 @@ def summarize(units: list[UnitDraft], reference: str, subject: str, components: 
         sides[label] = {"agree": agree.double(), "accepted": accepted, "survival": survival,
                         "brier": (survival - accepted).square()}
     base, mine = sides[reference], sides[subject]
-    kld = cat("kld", subject)
+    kld, rounding = cat("kld", subject), cat("kld", ROUNDING)
     positions, moved = [], []
     for j in range(block_size):
         row = {"position": j + 1}
         mean = float(kld[:, j].mean())
         row["kld"] = mean
         row["kld_standard_error"] = float(kld[:, j].std() / math.sqrt(kld.shape[0])) if kld.shape[0] > 1 else 0.0
+        floor_mean, floor_spread = _paired(rounding[:, j])
+        row["kld_noise_floor"] = floor_mean + floor_spread
+        if mean > row["kld_noise_floor"]:
+            moved.append(f"draft distribution at position {j + 1}")
         for key in ("agreement", "accepted"):
             source = "agree" if key == "agreement" else "accepted"
             delta, floor = _paired(mine[source][:, j] - base[source][:, j])
