@@ -87,8 +87,11 @@ def main() -> int:
     lines = ["# compare on the organism's DSpark drafter: conversions and injected faults", "",
              f"Command: `{command}`; commit {commit}; machine: {json.dumps(_machine('cpu'))}.", "",
              f"Base: {base}; {args.tokens} tokens of its held-out text in sequences of {args.seq_len}, "
-             f"{first['anchors']['blocks']} draft blocks of {gamma} (every {first['anchors']['stride']}-th anchor), "
-             f"numerics {args.numerics}. Per draft position 1..{gamma}, separated by /.", "",
+             f"{first['anchors']['blocks']} draft blocks of {gamma} (an anchor every {first['anchors']['stride']} "
+             f"position(s)), numerics {args.numerics}. Per draft position 1..{gamma}, separated by /. The draft "
+             "KLD's noise floor (float rounding: the base re-drafted in other batches) is below "
+             f"{max(p['kld_noise_floor'] for r in results.values() for p in r['dspark']['positions']):.1g} nats "
+             "in every case.", "",
              "Base: agreement " + " / ".join(f"{100 * x['agreement']['base']:.1f}" for x in first["positions"])
              + " %, accepted " + " / ".join(f"{100 * x['accepted']['base']:.1f}" for x in first["positions"])
              + f" %, expected accepted length {first['expected_accept_length']['base']:.3f} (drafts + bonus), "

@@ -1,14 +1,16 @@
-"""compare on a DSpark drafter: known truths, each checked against what was done to the checkpoint.
+"""compare on a DSpark drafter: known truths on the organism that drafts, each checked against what was done to it.
 
-On the organism that drafts (``synth --preset organism --drafter dspark``: the shipped organism with its trained
-DSpark drafter): lossless conversions (fp8, nvfp4) keep every draft and the draft distributions exactly (KLD 0),
-and each fault injected into one drafter component (dsv4convert/organism/faults.py) moves agreement, acceptance or
-the confidence calibration beyond the noise floor and is named by that component. On a random drafter (``synth
---preset tiny --drafter dspark``, which drafts nothing worth accepting) the machinery: a conversion changes no
-draft (tests/test_drafters.py), and a fault shows in its component's local error alone.
+The organism that drafts (``synth --preset organism --drafter dspark``: the shipped organism with its trained DSpark
+drafter, 0731's layout): lossless conversions (fp8, nvfp4) keep every draft and every draft distribution (KLD 0,
+every component's local error 0); each fault injected into one drafter component (dsv4convert/organism/faults.py)
+moves the draft distribution beyond float rounding at every draft position (the confidence head's fault: the
+confidence calibration beyond its noise floor instead), is named by that component, and shows in that component's
+local error alone. How much acceptance each fault costs is measured, not asserted: the organism's drafter loses
+little to most of them (bench/results/compare-dspark-organism-cpu.md).
 
 Weights-only numerics: the known truths are about the weights; the served numerics are compare's default and
-run in tests/test_compare.py. Few tokens, one compare run per case (the CI machine has two cores).
+run in tests/test_compare.py. 128 tokens of held-out text (123 draft blocks), one compare run per case (the CI
+machine has two cores).
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ FAULTS = {"draft-experts": (Fault("draft-experts", 1), "mtp.1"),
 
 
 def dspark_compare(base: Path, variant: Path, **kw) -> dict:
-    """compare's DSpark section, weights only, on the base's held-out text (or random ids for synth's tiny)."""
-    data = {"texts": [base / "heldout.txt"]} if (base / "heldout.txt").is_file() else {"random_tokens": True}
-    opts = CompareOptions(base=str(base), variant=str(variant), tokens=kw.pop("tokens", 512),
-                          seq_len=kw.pop("seq_len", 256), draft_anchors=kw.pop("draft_anchors", 256),
-                          numerics="weights", progress=False, **data, **kw)
+    """compare's DSpark section, weights only, on 128 tokens of the base's held-out text (123 draft blocks)."""
+    data = {"texts": [base / "heldout.txt"]}
+    opts = CompareOptions(base=str(base), variant=str(variant), tokens=128, seq_len=128, numerics="weights",
+                          progress=False, **data, **kw)
     return run(build_plan(opts))["dspark"]
 
 
@@ -51,15 +52,10 @@ def assert_drafts_identical(section: dict) -> None:
     assert set(local_errors(section).values()) == {0.0}
 
 
-# -- the organism that drafts ---------------------------------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def organism(tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("dspark-organism") / "base"
-    if main(["synth", "--preset", "organism", "--drafter", "dspark", "--dst", str(dst)]) != 0:
-        pytest.skip("the organism that drafts (synth --preset organism --drafter dspark, branch issue-47-dspark) "
-                    "is not shipped in this tree yet")
+    assert main(["synth", "--preset", "organism", "--drafter", "dspark", "--dst", str(dst)]) == 0
     return dst
 
 
@@ -75,7 +71,7 @@ def test_lossless_conversions_keep_every_draft(organism, recipe, tmp_path):
     assert section["expected_accept_length"]["base"] > 1.5
 
 
-@pytest.mark.parametrize("name", FAULTS)
+@pytest.mark.parametrize("name", [name for name in FAULTS if name != "target-layer"])   # that one: below
 def test_each_drafter_fault_is_caught_and_named_by_its_component(organism, name, tmp_path):
     fault, component = FAULTS[name]
     section = dspark_compare(organism, inject(organism, tmp_path / name, fault))
@@ -90,25 +86,24 @@ def test_each_drafter_fault_is_caught_and_named_by_its_component(organism, name,
     assert drafts == [name != "confidence-flipped"] * len(drafts), section["positions"]
 
 
-# -- a random drafter: the machinery --------------------------------------------------------------------------
-
-
-def test_on_a_random_drafter_a_fault_shows_in_its_component_alone(tmp_path, capsys):
-    """(A lossless conversion of a random drafter: tests/test_drafters.py.)"""
-    base = tmp_path / "tiny"
-    assert main(["synth", "--preset", "tiny", "--drafter", "dspark", "--dst", str(base)]) == 0
-    wired = inject(base, tmp_path / "wired", Fault("target-layer", 0))
+def test_a_rewired_drafter_in_the_plan_and_the_report(organism, tmp_path, capsys):
+    """The target-layer fault through the command line: the plan states the DSpark pass and that the sides read
+    different layers, --no-mtp leaves it out, the report names the target features."""
+    wired = inject(organism, tmp_path / "wired", FAULTS["target-layer"][0])
     report = tmp_path / "report"
-    argv = ["compare", "--base", str(base), "--variant", str(wired), "--random-tokens", "--tokens", "64",
-            "--seq-len", "64", "--numerics", "weights", "--report", str(report), "--no-progress"]
+    argv = ["compare", "--base", str(organism), "--variant", str(wired), "--tokens", "128", "--seq-len", "128",
+            "--numerics", "weights", "--report", str(report), "--no-progress"]
     assert main([*argv, "--dry-run"]) == 0
     plan = capsys.readouterr().out
-    assert "DSpark drafter: 59 blocks of 5 drafts (anchored at every position)" in plan and "DSpark target layers differ" in plan
+    assert "DSpark drafter: 123 blocks of 5 drafts (anchored at every position)" in plan
+    assert "DSpark target layers differ" in plan
     assert main([*argv, "--no-mtp", "--dry-run"]) == 0 and "not compared (--no-mtp)" in capsys.readouterr().out
     assert main(argv) == 0
+    assert "DSpark: draft distribution at position 1" in capsys.readouterr().out
     section = json.loads((report / "compare.json").read_text())["dspark"]
+    assert section["verdict"]["component"] == TARGET_FEATURES
+    assert section["target_layer_ids"]["variant"][0] == 0 != section["target_layer_ids"]["base"][0]
     errors = local_errors(section)
     assert errors[TARGET_FEATURES] > 0 and all(e == 0.0 for c, e in errors.items() if c != TARGET_FEATURES)
-    assert section["target_layer_ids"]["variant"][0] == 0 != section["target_layer_ids"]["base"][0]
-    assert all(p["kld"] > 0 for p in section["positions"])
-    assert "## DSpark draft" in (report / "compare.md").read_text()
+    markdown = (report / "compare.md").read_text()
+    assert "## DSpark draft" in markdown and section["verdict"]["sentence"] in markdown

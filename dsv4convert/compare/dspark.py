@@ -397,6 +397,9 @@ def name_component(moved: list[str], components: list[dict]) -> dict:
     if worst is None or worst["local"]["relative_error"] == 0.0:
         return {"component": "backbone", "sentence": f"{what} moved beyond the noise floor; no drafter component "
                 "differs on the base's inputs: the target features it reads (the backbone) do"}
+    costs = any(m.startswith(("agreement", "accepted", "expected")) for m in moved)
     return {"component": worst["component"],
-            "sentence": f"{what} moved beyond the noise floor; the largest local error is the "
-                        f"{worst['component']}'s ({worst['local']['relative_error']:.3g} on the base's inputs)"}
+            "sentence": f"{what} moved beyond the noise floor"
+                        + ("" if costs or not drafts_moved else " (agreement and acceptance within theirs)")
+                        + f"; the largest local error is the {worst['component']}'s "
+                        f"({worst['local']['relative_error']:.3g} on the base's inputs)"}
