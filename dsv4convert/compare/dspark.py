@@ -33,17 +33,22 @@ Per draft position ``j`` (1 = the first drafted token):
   dspark_observability.py::ConfidenceMetricsProbe``, ``PerPositionConfidenceMetrics``): the predicted survival
   ``cumprod(sigmoid(raw))`` against the accepted prefix, per position: mean predicted, measured, Brier.
 
-**The noise floor** of a difference: three standard errors of the paired per-block difference (variant minus
-base, on the same anchors): what drawing other anchors could move it by. Exactly equal drafts have a floor of 0.
+**The noise floors.** Of agreement, acceptance, accepted length and Brier: three standard errors of the paired
+per-block difference (variant minus base, on the same anchors), what drawing other anchors could move it by
+(exactly equal drafts have a floor of 0). Of the draft KLD: float rounding, as compare's recall noise floor is:
+the base drafted once more with its blocks in batches of half the size, and its KLD against itself (mean plus
+three standard errors). A drafter that differs at all moves its KLD beyond rounding; whether that costs
+acceptance is the other floors' question.
 
 **Localization**, as compare's per-block *local* error: each component of the variant fed the base's inputs,
 against the base's output: *target features* (the base's backbone streams read at the variant's target layers,
 against the base's features: the drafter's wiring), each *stage* (``mtp.0`` with ``main_proj``/``main_norm`` on
 the base's features; every stage on the base's block streams and ``main_x``), the *draft head* (``hc_head``,
 ``norm`` and the target's ``lm_head``: base logits), the *Markov head* (its bias on the base's previous drafts),
-the *confidence head* (its raw logit on the base's ``x_post_hc`` and previous drafts). When agreement, acceptance
-or calibration moved beyond the noise floor, the verdict names the component with the largest local error (among
-those that make the drafts when the drafts moved; any, the confidence head included, when only calibration did).
+the *confidence head* (its raw logit on the base's ``x_post_hc`` and previous drafts). When the draft distribution,
+agreement, acceptance or calibration moved beyond its noise floor, the verdict names the component with the largest
+local error (among those that make the drafts when the drafts moved; any, the confidence head included, when only
+calibration did), and says when agreement and acceptance stayed within theirs.
 """
 
 from __future__ import annotations
