@@ -58,11 +58,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 from dsv4convert.compare.emulate import install, install_dspark_entry
 from dsv4convert.compare.metrics import HiddenError
 from dsv4convert.layout import ModelConfig
-from dsv4convert.model.blocks import build_layer
+from dsv4convert.model.blocks import build_layer, vocab_projection
 from dsv4convert.model.dspark import (
     Blocks,
     DSparkEntry,
@@ -183,7 +184,7 @@ class DraftPass:
                 layer = build_layer(side.source, e.config, self.cfg, block)
                 entry = DSparkEntry.load(side.source, e.config, self.cfg) if s == 0 else None
                 embed = side.source.tensor("embed.weight") if s == 0 else None
-                rotary = _rotary(e.config, device)
+                rotary = DeepseekV4RotaryEmbedding(e.config, device=device)
                 for track in (t for t in e.tracks if t.side is side):
                     installed = install(layer, block, track.numerics, side.source, dspark_stage=True)
                     if entry is not None:
@@ -228,7 +229,7 @@ class DraftPass:
         ``[blocks, gamma, vocab]``: never all at once)."""
         e, ref = self.engine, self.engine.reference.label
         device = e.device
-        heads = {id(side): (DSparkHead.load(side.source, e.config, self.cfg).to(device), _lm_head(side.source))
+        heads = {id(side): (DSparkHead.load(side.source, e.config, self.cfg).to(device), vocab_projection(side.source))
                  for side in e.sides}
         step = max(1, 4 * 1024 ** 2 // max(1, self.block_size * self.cfg.vocab_size))   # ~16 MB of logits a side
         for u in e.units_of[ref]:
@@ -247,15 +248,11 @@ class DraftPass:
                 base_head, base_lm_head, base = outs[ref]
                 base_logp = torch.log_softmax(base.draft_logits.double(), -1)
                 again = finish(base_head, rounding[u.index][rows].to(device), part, base_lm_head)
-                again_logp = torch.log_softmax(base_head.markov_logits(again.base_logits, base.draft_prev).double(), -1)
-                parts.setdefault(f"kld:{ROUNDING}", []).append(
-                    (base_logp.exp() * (base_logp - again_logp)).sum(-1).clamp_min(0.0).cpu())
+                parts.setdefault(f"kld:{ROUNDING}", []).append(_kld(base_logp, base_head, again, base.draft_prev))
                 for label, (head, lm_head, out) in outs.items():
                     if label == ref:
                         continue
-                    theirs = torch.log_softmax(head.markov_logits(out.base_logits, base.draft_prev).double(), -1)
-                    parts.setdefault(f"kld:{label}", []).append(
-                        (base_logp.exp() * (base_logp - theirs)).sum(-1).clamp_min(0.0).cpu())
+                    parts.setdefault(f"kld:{label}", []).append(_kld(base_logp, head, out, base.draft_prev))
                     track = next(t for t in e.tracks if t.label == label)
                     if not track.local:
                         continue
@@ -272,15 +269,10 @@ class DraftPass:
                 getattr(unit, kind)[label] = torch.cat(values)
 
 
-def _rotary(config, device: torch.device):
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-
-    return DeepseekV4RotaryEmbedding(config, device=device)
-
-
-def _lm_head(source) -> torch.Tensor:
-    """The target's vocabulary projection, which the drafter shares (``attach_shared_modules``)."""
-    return source.linear("head") if source.inspection.modules.get("head") else source.tensor("head.weight")
+def _kld(base_logp: torch.Tensor, head: DSparkHead, out, prev: torch.Tensor) -> torch.Tensor:
+    """``KL(base || other)`` per block row, float64, of ``out``'s draft distribution conditioned on ``prev``."""
+    other = torch.log_softmax(head.markov_logits(out.base_logits, prev).double(), -1)
+    return (base_logp.exp() * (base_logp - other)).sum(-1).clamp_min(0.0).cpu()
 
 
 def _error(reference: torch.Tensor, other: torch.Tensor) -> HiddenError:
