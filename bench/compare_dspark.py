@@ -60,6 +60,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--draft-anchors", type=int, default=2048)
+    parser.add_argument("--cases", default="fp8,nvfp4," + ",".join(FAULTS),
+                        help="which variants (default: both conversions and every fault)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/compare-dspark-organism-cpu"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -68,13 +70,14 @@ def main() -> int:
         base = args.work / "base"
         if not base.exists():
             assert dsv4convert(["synth", "--preset", "organism", "--drafter", "dspark", "--dst", str(base)]) == 0
+    wanted = set(args.cases.split(","))
     cases: dict[str, Path] = {}
-    for recipe in ("fp8", "nvfp4"):
+    for recipe in sorted(wanted & {"fp8", "nvfp4"}):
         dst = args.work / recipe
         if not dst.exists():
             assert dsv4convert([f"to-{recipe}", "--src", str(base), "--dst", str(dst), "--no-progress"]) == 0
         cases[recipe] = dst
-    for name, (fault, _) in FAULTS.items():
+    for name, (fault, _) in ((n, f) for n, f in FAULTS.items() if n in wanted):
         cases[f"{name} ({fault.describe()})"] = inject(base, args.work / name, fault, overwrite=True)
     results = {name: measure(base, path, args.numerics, args.tokens, args.seq_len, args.draft_anchors)
                for name, path in cases.items()}
@@ -83,7 +86,7 @@ def main() -> int:
     gamma = first["block_size"]
     command = (f"python bench/compare_dspark.py --work {args.work}" + (f" --base {args.base}" if args.base else "")
                + f" --numerics {args.numerics} --tokens {args.tokens} --seq-len {args.seq_len} "
-               f"--draft-anchors {args.draft_anchors}")
+               f"--draft-anchors {args.draft_anchors} --cases {args.cases}")
     lines = ["# compare on the organism's DSpark drafter: conversions and injected faults", "",
              f"Command: `{command}`; commit {commit}; machine: {json.dumps(_machine('cpu'))}.", "",
              f"Base: {base}; {args.tokens} tokens of its held-out text in sequences of {args.seq_len}, "
