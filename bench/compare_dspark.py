@@ -64,6 +64,7 @@ def main() -> int:
                         help="which variants (default: both conversions and every fault)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/compare-dspark-organism-cpu"))
     args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     args.work.mkdir(parents=True, exist_ok=True)
     base = args.base
     if base is None:
@@ -81,7 +82,6 @@ def main() -> int:
         cases[f"{name} ({fault.describe()})"] = inject(base, args.work / name, fault, overwrite=True)
     results = {name: measure(base, path, args.numerics, args.tokens, args.seq_len, args.draft_anchors)
                for name, path in cases.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     first = next(iter(results.values()))["dspark"]
     gamma = first["block_size"]
     command = (f"python bench/compare_dspark.py --work {args.work}" + (f" --base {args.base}" if args.base else "")
