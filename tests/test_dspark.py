@@ -1,5 +1,4 @@
-"""The DSpark draft forward (dsv4convert/model/dspark.py) against code it did not write, and the organism that
-drafts with it (dsv4convert/organism/dspark.py).
+"""The DSpark draft forward (dsv4convert/model/dspark.py) against code it did not write.
 
 * Where SGLang's draft and a plain decoder layer coincide (the block's rows causal among themselves, the
   window covering the context), a stage's block rows equal transformers' own ``DeepseekV4DecoderLayer`` run over
@@ -9,8 +8,8 @@ drafts with it (dsv4convert/organism/dspark.py).
   the same drafts, logits equal to float32 rounding (transformers' hyper-connections compute in float32 even in a
   float64 layer, and the batch shape moves their rounding).
 * The drafter's tensors are named as the layout's ``mtp.*`` inventory names them, shapes included.
-* A few CPU training steps lower the loss, and the exported 0731-layout checkpoint inspects as a DSpark
-  checkpoint with no problem, its backbone bytes the shipped organism's.
+
+The organism's trained drafter, its 0731-layout checkpoint and its training: tests/test_organism_dspark.py.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_a_drafter_file_missing_a_tensor_is_refused(tmp_path):
 def test_training_is_deterministic_for_a_seed():
     tokenizer = Tokenizer.from_file(str(ORGANISM_DIR / "tokenizer.json"))
     config = Checkpoint.open(ORGANISM_DIR).config | PROVENANCE["config"]
-    settings = DraftSettings(steps=2, tokens_per_step=128, min_length=64, max_length=64, warmup_steps=1,
+    settings = DraftSettings(steps=1, tokens_per_step=128, min_length=64, max_length=64, warmup_steps=1,
                              eval_sequences=0, seed=3)
     target = load_release(ORGANISM_DIR)
     runs = [train_drafter(target, config, tokenizer, "", settings, device=torch.device("cpu"), log=lambda _: None)

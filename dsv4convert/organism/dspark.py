@@ -6,8 +6,9 @@ drafter learns from the features the released model computes. Its shape is 0731'
 drafts from its last three, 40-42 of 43; the organism has four layers, and layer 0 is the only one left out),
 blocks of 5 (0731's ``dspark_block_size``), a Markov head of rank 64 (``synth.with_dspark``'s choice for a small
 model, a quarter of the hidden size; 0731's is 256 over a 129,280-token vocabulary), and ``<think>`` as the
-noise (mask) token: a real token of the organism's vocabulary that its data never contain (its prompts close the turn with
-``</think>`` only, thinking off), so the mask means nothing else to the target, like 0731's reserved id 128799.
+noise (mask) token: a real token of the organism's vocabulary that its data never contain (its prompts close
+the turn with ``</think>`` only, thinking off), so the mask means nothing else to the target, like 0731's
+reserved id 128799.
 
 The objective, on the organism's own data (needle prompts and its language, :class:`~.train.Data`), every
 step on a fresh batch run through the frozen backbone (features at the target layers, the target's logits):
@@ -151,11 +152,14 @@ def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
     if device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
         yield
         return
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False     # a cost only: no kernel here reads one
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def train_drafter(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings, *,

@@ -10,10 +10,10 @@ bias, I64 for the hash tables. The same quantizers the converters use (``dsv4con
 Written into a temporary directory beside ``dst`` and renamed when complete, so a crash never leaves
 a checkpoint that looks whole.
 
-:func:`write_dspark_release` writes the organism that drafts with DSpark in 0731's layout: the base organism's
-backbone tensors byte for byte as it stores them, its MTP block left out, and the DSpark drafter's ``mtp.*``
-stages rounded like every block (FP8 linears, MXFP4 experts), its Markov and confidence heads BF16 as 0731
-releases them.
+:func:`write_drafter_release` writes only what the organism's DSpark drafter adds (its ``mtp.*`` tensors
+rounded like every block: FP8 linears, MXFP4 experts, the Markov and confidence heads BF16 as 0731 releases
+them; and ``dspark.json``); :func:`write_with_drafter` puts it in place of the organism's MTP block, 0731's
+layout, the backbone's stored bytes unchanged.
 """
 
 from __future__ import annotations
