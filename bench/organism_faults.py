@@ -27,9 +27,9 @@ from bench.convert import _machine  # noqa: E402
 from dsv4convert.cli import main as dsv4convert  # noqa: E402
 from dsv4convert.compare.recall import RecallOptions  # noqa: E402
 from dsv4convert.compare.run import CompareOptions, build_plan, run  # noqa: E402
+from dsv4convert.organism.export import write_organism  # noqa: E402
 from dsv4convert.organism.faults import Fault, inject  # noqa: E402
 from dsv4convert.organism.language import heldout_text  # noqa: E402
-from dsv4convert.synth import write_organism  # noqa: E402
 
 GRID = [130, 253, 260, 520, 1040, 2080]
 DEPTHS = (0.1, 0.5, 0.9)

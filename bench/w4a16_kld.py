@@ -150,7 +150,7 @@ def main() -> int:
     if args.reuse and (base / "model.safetensors.index.json").exists():
         pass
     elif args.preset == "organism":
-        from dsv4convert.synth import write_organism
+        from dsv4convert.organism.export import write_organism
 
         write_organism(base, overwrite=True)
     else:

@@ -27,7 +27,6 @@ import torch
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
-from dsv4convert.checkpoint.reader import INDEX_NAME
 from dsv4convert.checkpoint.writer import shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
@@ -310,31 +309,4 @@ def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = Fals
     atomic_write_json(dst / "tokenizer_config.json", TOKENIZER_CONFIG)
     atomic_write_json(dst / "tokenizer.json", byte_level_tokenizer(cfg.vocab_size))
     write_index(dst, weight_map, total)
-    return dst
-
-
-def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) -> Path:
-    """The shipped organism (trained weights, not synthetic ones) at ``dst`` with ``drafter``: ``mtp`` its own
-    files copied (the index last, so an interrupted copy never looks complete); ``dspark`` 0731's layout, its
-    backbone's bytes with the shipped DSpark drafter under ``mtp.*``; ``none`` the backbone alone."""
-    from dsv4convert.organism.export import write_with_drafter
-
-    dst = Path(dst)
-    files = sorted(p for p in ORGANISM_DIR.iterdir() if p.is_file())
-    if not any(p.name == INDEX_NAME for p in files):
-        raise DSV4Error("the package has no organism checkpoint (reinstall dsv4convert)", file=ORGANISM_DIR)
-    if drafter == "dspark" and not any(ORGANISM_DSPARK_DIR.glob("*.safetensors")):
-        raise DSV4Error("the package has no DSpark drafter for the organism (reinstall dsv4convert)",
-                        file=ORGANISM_DSPARK_DIR)
-    if drafter != "mtp":
-        return write_with_drafter(dst, ORGANISM_DIR, ORGANISM_DSPARK_DIR if drafter == "dspark" else None,
-                                  overwrite=overwrite)
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for path in sorted(files, key=lambda p: p.name == INDEX_NAME):
-        shutil.copyfile(path, dst / path.name)
-        (dst / path.name).chmod(0o644)
     return dst

@@ -70,7 +70,8 @@ from dsv4convert.automix.sensitivity import Measured  # noqa: E402
 from dsv4convert.cli import main  # noqa: E402
 from dsv4convert.convert.plan import build_plan  # noqa: E402
 from dsv4convert.convert.recipe import parse_recipe  # noqa: E402
-from dsv4convert.synth import ORGANISM_DIR, write_organism  # noqa: E402
+from dsv4convert.organism.export import write_organism  # noqa: E402
+from dsv4convert.synth import ORGANISM_DIR  # noqa: E402
 
 TEXT = ORGANISM_DIR / "heldout.txt"
 # sm_100: NVFP4 experts are W4A4 and MXFP4 ones MXFP8 x MXFP4 there, so every format costs something measurable.

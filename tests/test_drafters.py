@@ -319,19 +319,25 @@ def test_a_recipe_names_one_stage(sources, tmp_path):
     assert formats["1"] == {"bf16"} and formats["0"] == formats["2"] == formats["backbone"] == {"fp8"}
 
 
-def test_compare_runs_the_backbone_of_a_dspark_checkpoint(sources, dspark_outputs, tmp_path, capsys):
-    """Until model/ runs the DSpark forward, compare says it leaves the drafter out and compares the rest:
-    the lossless FP8 variant under weights-only numerics is the source, position for position."""
+def test_compare_runs_a_dspark_checkpoint_with_its_drafter(sources, dspark_outputs, tmp_path, capsys):
+    """The lossless FP8 variant under weights-only numerics is the source, position for position, and so are its
+    drafts: every draft position's KLD 0, the same agreement, every drafter component's local error 0 (the drafter
+    reported in its own section, not among the backbone's blocks)."""
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
     assert main(["compare", "--base", str(sources["dspark"]), "--variant", str(dspark_outputs["fp8"]), "--text",
-                 str(text), "--seq-len", "128", "--numerics", "weights", "--no-progress", "--report",
-                 str(tmp_path / "report")]) == 0
-    assert "the DSpark drafter (mtp.*) is not compared" in capsys.readouterr().err
+                 str(text), "--seq-len", "128", "--numerics", "weights", "--draft-anchors", "64", "--no-progress",
+                 "--report", str(tmp_path / "report")]) == 0
+    assert "DSpark draft agreement per position (variant)" in capsys.readouterr().out
     report = json.loads((tmp_path / "report" / "compare.json").read_text())
     assert report["output"]["positions"] > 0 and report["output"]["kld"]["mean"] == 0.0
     assert report["output"]["same_top1"] == 1.0 and not any(report["mtp_draft_agreement"].values())
     assert not any(b["block"].startswith("mtp.") for b in report["blocks"])
+    draft = report["dspark"]
+    assert draft["anchors"]["blocks"] > 0 and len(draft["positions"]) == draft["block_size"]
+    assert all(p["kld"] == 0.0 and p["agreement"]["base"] == p["agreement"]["variant"] for p in draft["positions"])
+    assert {c["local"]["relative_error"] for c in draft["components"]} == {0.0}
+    assert draft["verdict"]["component"] is None
 
 
 @pytest.mark.parametrize("drafter,algorithm", [("mtp", "EAGLE"), ("dspark", "DSPARK"), ("none", None)])

@@ -23,11 +23,11 @@ from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.model.blocks import OutputHead, WeightSource, build_layer, hf_config
 from dsv4convert.model.forward import BlockRunner
 from dsv4convert.needle import build_prompt, make_needle, selection_threshold
-from dsv4convert.organism.export import load_release, write_release
+from dsv4convert.organism.export import load_release, write_organism, write_release
 from dsv4convert.organism.faults import Fault, inject
 from dsv4convert.organism.tokenizer import build_tokenizer
 from dsv4convert.organism.train import TokenizerAdapter, TrainSettings, train
-from dsv4convert.synth import ORGANISM_DIR, write_organism
+from dsv4convert.synth import ORGANISM_DIR
 
 THRESHOLD = 260
 COVERED = 253                                   # the longest prompt whose 7 answer queries all keep every entry

@@ -18,7 +18,8 @@ import torch
 
 from dsv4convert.cli import main
 from dsv4convert.compare.run import CompareOptions, build_plan, run
-from dsv4convert.synth import ORGANISM_DIR, write_organism
+from dsv4convert.organism.export import write_organism
+from dsv4convert.synth import ORGANISM_DIR
 
 TEXT = ORGANISM_DIR / "heldout.txt"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsv4convert.cli import main
-from dsv4convert.synth import write_organism
+from dsv4convert.organism.export import write_organism
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 RELEASE, OUTPUT = "deepseek-ai/DeepSeek-V4-Flash-0731", "/models/V4-Flash-0731-W4A16"

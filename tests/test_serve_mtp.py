@@ -50,6 +50,12 @@ def model_dir(tmp_path: Path) -> Path:
 
 def run_check(tmp_path: Path, model: Path, name: str, accept_rate: float | None, *argv: str) -> tuple[bool, dict]:
     """Plan `serve --check mtp`, start the stand-in with the planned server arguments, run the check."""
+    return run_check_expected(tmp_path, model, name, accept_rate, None, *argv)
+
+
+def run_check_expected(tmp_path: Path, model: Path, name: str, accept_rate: float | None, expected: dict | None,
+                       *argv: str) -> tuple[bool, dict]:
+    """:func:`run_check` with compare's expected figures (``serve_checks.expected_report``'s)."""
     port = free_port()
     args = serve_args(model, tmp_path / name, port, *argv)
     (server,) = serve_cli.plan(args, None, serve_cli._inspect(args)[1])[0]   # the draft config.json announces
@@ -61,7 +67,8 @@ def run_check(tmp_path: Path, model: Path, name: str, accept_rate: float | None,
         running = group.start(standin)
         group.wait_healthy(running, STARTUP_S, poll=0.1)
         pgid = running.popen.pid
-        passed = serve_checks.run_mtp(args, server.url, {"model": name, "variant": "fp8"}, [server], _base(args))
+        passed = serve_checks.run_mtp(args, server.url, {"model": name, "variant": "fp8"}, [server], _base(args),
+                                      expected)
     assert_nothing_left([pgid], [port])
     return passed, report.read_report(tmp_path / name / "mtp.json")
 
@@ -162,3 +169,59 @@ def test_position_acceptance_reads_a_prefix_histogram():
     with pytest.raises(FormatError, match="spec_correct_drafts_histogram for 'counting' is not a list of counts"):
         mtp.parse_response(mtp.PROMPTS[0], {"text": "x", "meta_info": {"completion_tokens": 3,
                                                                        "spec_correct_drafts_histogram": [1, -2]}})
+
+
+def dspark_model(model_dir: Path) -> Path:
+    from dsv4convert.synth import preset_config, with_dspark, with_num_layers
+
+    tiny = preset_config("tiny")
+    config = with_dspark(with_num_layers(tiny, tiny["num_hidden_layers"], mtp=False), block_size=5)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def write_compare_report(directory: Path, accept_length: float, accepted: list[float]) -> Path:
+    """A compare.json as `compare` writes its DSpark section (only the keys the check reads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    positions = [{"position": j + 1, "accepted": {"base": 1.0, "variant": value}} for j, value in enumerate(accepted)]
+    (directory / "compare.json").write_text(json.dumps({
+        "variant": {"path": "model"}, "data": {"source": ["heldout.txt"]},
+        "dspark": {"expected_accept_length": {"base": 6.0, "variant": accept_length}, "positions": positions}}))
+    return directory
+
+
+def test_dspark_acceptance_against_compares_expectation(tmp_path, model_dir, capsys):
+    """With compare's report of the variant at its default place (MODEL-compare/compare.json), the check sets the
+    server's accepted length and per-position acceptance beside compare's and says which is lower, by how much."""
+    dspark_model(model_dir)
+    expected = [0.95, 0.9, 0.85, 0.8, 0.75]
+    write_compare_report(model_dir.parent / "model-compare", 5.25, expected)
+    args = serve_args(model_dir, tmp_path / "x", 1)
+    assert serve_checks.expected_report(args)["accept_length"] == 5.25
+    _, found = run_check_expected(tmp_path, model_dir, "dspark", 0.5, serve_checks.expected_report(args))
+    summary, rows = found["summary"], found["expected"]["rows"]
+    assert rows[0] == {"what": "accepted length", "server": pytest.approx(summary["accept_length"]),
+                       "expected": 5.25, "lower": "server", "by": pytest.approx(5.25 - summary["accept_length"])}
+    reached = [row["reached"] for row in summary["per_position"]]
+    reached += [0.0] * (len(expected) - len(reached))     # past the histogram's end: never accepted
+    assert [r["server"] for r in rows[1:]] == pytest.approx(reached)
+    assert [r["lower"] for r in rows[1:]] == ["server" if m < e else "compare" for m, e in zip(reached, expected)]
+    out = capsys.readouterr().out
+    assert (f"mtp: accepted length: server {summary['accept_length']:.3f}, compare expects 5.250: the server is lower "
+            f"by {5.25 - summary['accept_length']:.3f}") in out
+    # A measured figure above compare's is said the other way round.
+    low = {"report": "r", "text": "t", "accept_length": 1.0, "per_position": [0.0] * 5}
+    lines, _ = mtp.against_expected(summary, low)
+    assert f"compare's expectation is lower by {summary['accept_length'] - 1.0:.3f}" in lines[0]
+
+
+def test_expected_from_must_hold_a_dspark_section(tmp_path, model_dir):
+    dspark_model(model_dir)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "compare.json").write_text(json.dumps({"dspark": None, "mtp_draft_agreement": {}}))
+    with pytest.raises(FormatError, match="has no DSpark section"):
+        serve_checks.expected_report(serve_args(model_dir, tmp_path / "x", 1, "--expected-from", str(plain)))
+    assert serve_checks.expected_report(serve_args(model_dir, tmp_path / "x", 1)) is None   # no default report
+    with pytest.raises(LaunchError, match="--expected-from belongs to --check mtp"):
+        serve_args(model_dir, tmp_path, 1, "--check", "recall", "--expected-from", str(plain))

@@ -3,5 +3,10 @@
 :mod:`.run` plans and checks (both checkpoints, the data, each side's numerics), :mod:`.engine`
 streams both through the model block by block in lockstep, :mod:`.numerics` derives what each
 side's server computes with from the launch ``serve`` makes, :mod:`.emulate` installs it on a
-layer, :mod:`.metrics` scores the logits and hidden states, :mod:`.report` writes the reports.
+layer, :mod:`.metrics` scores the logits and hidden states, :mod:`.dspark` drafts with a DSpark drafter and
+localizes what moved its drafts, :mod:`.report` writes the reports.
 """
+
+# Draft blocks per run (all sequences together) a DSpark drafter is compared on; here, not in .dspark, so that
+# `compare --help` shows it without loading torch.
+DEFAULT_ANCHORS = 4096

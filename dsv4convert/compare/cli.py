@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsv4convert.sizes import human_bytes
+from dsv4convert.compare import DEFAULT_ANCHORS
 from dsv4convert.errors import DSV4Error
+from dsv4convert.sizes import human_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +81,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--chunk", type=int, default=2048,
                      help="queries per layer forward, through the layer's cache (default: 2048)")
     run.add_argument("--batch-size", type=int, default=1, help="sequences per forward (default: 1)")
-    run.add_argument("--no-mtp", action="store_true", help="skip the MTP draft block")
+    run.add_argument("--no-mtp", action="store_true",
+                     help="skip the drafter: the preview's MTP block, or the DSpark drafter's draft fidelity")
+    run.add_argument("--draft-anchors", type=int, default=DEFAULT_ANCHORS, metavar="N",
+                     help="DSpark: draft blocks in all, anchored evenly over the sequences (default: "
+                          f"{DEFAULT_ANCHORS}); each side drafts every block through every stage")
     run.add_argument("--seed", type=int, default=0, help="seed of --random-tokens")
     run.add_argument("--gpus", metavar="LIST",
                      help="one rank per listed GPU on this host (0,1,2,3), each running its share of the sequences "
@@ -129,7 +134,8 @@ def _options(args: argparse.Namespace):
         tokens=args.tokens, seq_len=args.seq_len, numerics=args.numerics, base_numerics=args.base_numerics,
         engine=args.engine, gpu_family=args.gpu_family, moe_runner_backend=args.moe_runner_backend,
         fp4_indexer=args.fp4_indexer, device=args.device, dtype=args.dtype, chunk=args.chunk,
-        batch_size=args.batch_size, mtp=not args.no_mtp, seed=args.seed, progress=not args.no_progress,
+        batch_size=args.batch_size, mtp=not args.no_mtp, draft_anchors=args.draft_anchors, seed=args.seed,
+        progress=not args.no_progress,
         recall=recall)
 
 
@@ -159,6 +165,20 @@ def print_plan(plan) -> None:
           f"estimated peak device memory {human_bytes(e['peak_device_bytes'])} (largest layer "
           f"{human_bytes(e['largest_layer_bytes'])}), host memory {human_bytes(e['peak_host_bytes'])}, "
           f"reads {human_bytes(e['bytes_to_read'])}")
+    draft = e.get("dspark")
+    if draft:
+        print(f"  DSpark drafter: {draft['blocks']} blocks of {draft['block_size']} drafts (anchored "
+              + ("at every position" if draft["stride"] == 1 else f"every {draft['stride']} positions") + "), "
+              f"{draft['stages']} stages per track ({draft['draft_rows']} draft rows each, the variant's "
+              f"again on the base's inputs); host memory {human_bytes(draft['host_bytes'])} for target features and "
+              f"draft streams, device {human_bytes(draft['device_bytes'])} for a stage and its heads")
+        base_ids = plan.base.side.inspection.config.dspark.target_layer_ids
+        variant_ids = plan.variant.side.inspection.config.dspark.target_layer_ids
+        if base_ids != variant_ids:
+            print(f"  DSpark target layers differ: base {list(base_ids)}, variant {list(variant_ids)} (each side "
+                  "drafts from its own; the report measures what it costs)")
+    elif plan.base.side.inspection.config.dspark is not None:
+        print("  DSpark drafter: not compared (--no-mtp)")
     print("dry run: nothing run")
 
 
@@ -201,6 +221,14 @@ def _compare(args: argparse.Namespace, world) -> int:
     for label, blocks in result["mtp_draft_agreement"].items():
         for block, value in blocks.items():
             print(f"  MTP {block} draft agreement ({label}): {100 * value:.2f}%")
+    draft = result.get("dspark")
+    if draft:
+        length = draft["expected_accept_length"]
+        for side in ("base", "variant"):
+            print(f"  DSpark draft agreement per position ({side}): " + ", ".join(
+                f"{100 * p['agreement'][side]:.1f}%" for p in draft["positions"])
+                + f"; expected accepted length {length[side]:.3f}")
+        print(f"  DSpark: {draft['verdict']['sentence']}")
     print(f"report: {out_dir / 'compare.md'}")
     if args.fail_above_kld is not None and o["kld"]["mean"] > args.fail_above_kld:
         print(f"compare: mean KLD {o['kld']['mean']:.6g} is above --fail-above-kld {args.fail_above_kld}")

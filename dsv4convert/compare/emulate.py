@@ -85,14 +85,16 @@ def _token_groups(scale_format: str, name: str) -> Callable[[torch.Tensor], torc
 
 
 def install(layer: nn.Module, block: str, numerics: Numerics, source: WeightSource,
-            entry: MtpEntry | None = None) -> Installed:
-    """Put ``numerics`` on ``layer`` (built for ``block`` from ``source``) and on an MTP block's ``entry``."""
+            entry: MtpEntry | None = None, *, dspark_stage: bool = False) -> Installed:
+    """Put ``numerics`` on ``layer`` (built for ``block`` from ``source``) and on an MTP block's ``entry``.
+    A DSpark stage's ``wo_a`` is always a BF16 GEMM (SGLang 0.5.23 ``models/deepseek_v4_dspark.py::
+    DSparkAttention.__init__``: ``wo_a_fp8=False``, the FP8 weight dequantized at load)."""
     installed = Installed()
     serving = numerics.serving
     if serving is None or not (numerics.activations or numerics.kv_cache or numerics.indexer):
         return installed
     if numerics.activations:
-        _dense(layer, block, serving, source, installed, entry)
+        _dense(layer, block, serving, source, installed, entry, dspark_stage)
         _experts(layer, block, serving, source, installed)
     if numerics.kv_cache:
         rope = layer.self_attn.config.qk_rope_head_dim
@@ -107,15 +109,24 @@ def install(layer: nn.Module, block: str, numerics: Numerics, source: WeightSour
     return installed
 
 
+def install_dspark_entry(entry: nn.Module, numerics: Numerics, source: WeightSource, installed: Installed) -> None:
+    """A DSpark drafter's ``main_proj`` stored FP8 runs as a W8A8 block GEMM like every quantized dense linear
+    (SGLang 0.5.23 ``models/deepseek_v4_dspark.py``: a ``ReplicatedLinear`` built with the ``quant_config``)."""
+    if numerics.serving is None or not numerics.activations or source.format_of("mtp.0.main_proj") is not Format.FP8:
+        return
+    quantize = _token_groups(numerics.serving.dense_scale_format(), "mtp.0.main_proj")
+    installed.hook(entry.main_proj.register_forward_pre_hook(_on_input(quantize)))
+
+
 def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installed: Installed,
-           entry: MtpEntry | None) -> None:
+           entry: MtpEntry | None, dspark_stage: bool) -> None:
     dense = serving.dense_scale_format()
     for suffix, path in LINEAR_PATHS.items():
         if source.format_of(f"{block}.{suffix}") is not Format.FP8 or suffix in UNQUANTIZED:
             continue
         scale_format = dense
         if suffix == "attn.wo_a":
-            scale_format = serving.wo_a()
+            scale_format = None if dspark_stage else serving.wo_a()
             if scale_format is None:
                 continue        # dequantized to BF16 at load: a BF16 GEMM
         target = layer.get_submodule(path.rsplit(".", 1)[0])

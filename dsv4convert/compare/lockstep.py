@@ -18,7 +18,9 @@ device never holds more than one layer, and reading costs only what the forwards
 
 After the backbone, each track's output head gives logits at the scored positions, compared with the
 reference's (:mod:`.metrics`) and, where a batch marks answer tokens, checked for retrieval; after each
-MTP block, its head gives the draft's prediction, scored against the same track's main model.
+MTP block, its head gives the draft's prediction, scored against the same track's main model. A DSpark
+drafter (0731) is not a block in that sequence: the target layers' outputs are captured as the backbone
+streams through, and its stages run after the backbone (:class:`~.dspark.DraftPass`).
 Observers (:class:`BlockObserver`) see each track's pass through each block, as the recall diagnosis
 needs (the indexer's choices).
 
@@ -42,6 +44,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare import DEFAULT_ANCHORS
+from dsv4convert.compare.dspark import DraftPass, UnitDraft
 from dsv4convert.compare.emulate import Installed, install
 from dsv4convert.compare.metrics import HiddenError, OutputStats
 from dsv4convert.compare.numerics import Numerics
@@ -136,6 +140,7 @@ class EngineResult:
     retrieval: dict[str, list[list[tuple[bool, float] | None]]]   # track -> per batch, per row: (retrieved,
     #                                                                log p(answer)); None where the track did not run
     mtp: dict[str, dict[str, float]] = field(default_factory=dict)   # track -> draft agreement per MTP block
+    dspark: list[UnitDraft] = field(default_factory=list)  # a DSpark drafter's results per micro-batch, in order
     seconds: dict[str, float] = field(default_factory=dict)
     peak_device_bytes: int | None = None
     tokens_per_rank: list[int] = field(default_factory=list)
@@ -148,7 +153,7 @@ class LockstepEngine:
 
     def __init__(self, tracks: list[Track], batches: list[Batch], *, device: torch.device, dtype: torch.dtype,
                  chunk: int | None, batch_size: int = 1, mtp: bool = True, progress: bool = True,
-                 observers: list[BlockObserver] = (), world: World = World()):
+                 observers: list[BlockObserver] = (), world: World = World(), draft_anchors: int = DEFAULT_ANCHORS):
         if len({t.label for t in tracks}) != len(tracks):
             raise ValueError("track labels must differ")
         if tracks[0].rows is not None:
@@ -160,7 +165,9 @@ class LockstepEngine:
         self.config = hf_config(tracks[0].side.ckpt.config)
         self.runners = {t.label: BlockRunner(self.config, device, dtype, chunk=t.chunk or chunk) for t in tracks}
         self.sides = list({id(t.side): t.side for t in tracks}.values())   # reference's checkpoint first
-        self.blocks = [b for b in self.cfg.block_prefixes() if mtp or b.startswith("layers.")]
+        # The preview's MTP blocks run as blocks; a DSpark drafter's stages run after the backbone (DraftPass).
+        dspark = self.cfg.dspark is not None
+        self.blocks = [b for b in self.cfg.block_prefixes() if (mtp and not dspark) or b.startswith("layers.")]
         # Per block: read, forward, metrics, new host buffers, and the rest of the block (numerics installed,
         # buffers handed over); outside blocks: embedding and output heads (in "metrics"), the total.
         self.seconds: dict[str, float] = {"read": 0.0, "forward": 0.0, "metrics": 0.0, "buffers": 0.0, "other": 0.0}
@@ -172,6 +179,7 @@ class LockstepEngine:
         self.units = [Unit(i, b, rows) for i, (b, rows) in enumerate(units)]
         self.mine = [u for u in self.units if world.owns(u.index)]
         self.units_of = {t.label: [u for u in self.mine if t.runs(u)] for t in tracks}
+        self.draft = DraftPass(self, draft_anchors) if mtp and dspark else None
 
     # -- the pieces -------------------------------------------------------------------------
 
@@ -280,6 +288,7 @@ class LockstepEngine:
         top1: dict[str, dict[int, torch.Tensor]] = {}
         agreement: dict[str, dict[str, tuple[int, int]]] = {t.label: {} for t in self.tracks}
         scored = False
+        drafts: dict[int, UnitDraft] = {}
         bar = tqdm(total=len(self.blocks), desc="compare", unit="block",   # as the dry run counts them
                    disable=not (self.progress and self.world.is_main))
         layers = self._layers([(side, block) for block in self.blocks for side in self.sides])
@@ -305,6 +314,8 @@ class LockstepEngine:
                             installed.remove()
                     del layer, entry
                 bar.update()
+                if self.draft is not None:
+                    self.draft.capture(block, nxt)
                 if block.startswith("mtp."):
                     for track in self.tracks:
                         agreement[track.label][block] = self._draft_agreement(track, block, nxt[track.label],
@@ -317,13 +328,16 @@ class LockstepEngine:
                 results.append(self._block_result(block, free, local, spent))
             if not scored:
                 self._score_outputs(streams, output, retrieval, top1)
+            if self.draft is not None:
+                drafts = self.draft.run(top1)
+                self.seconds["dspark"] = self.draft.seconds
         finally:
             layers.close()
             bar.close()
             self._unregister()
             self._spare.clear()
         self.seconds["total"] = time.perf_counter() - started
-        return self._combined(results, output, retrieval, agreement)
+        return self._combined(results, output, retrieval, agreement, drafts)
 
     def _pass(self, track: Track, layer, entry, block: str, streams, nxt, free, local) -> None:
         """``track`` through the loaded ``layer`` for this rank's micro-batches; errors against the reference."""
@@ -383,7 +397,8 @@ class LockstepEngine:
         t0 = time.perf_counter()
         ref = self.reference.label
         heads = {side.label: OutputHead(side.source, self.config) for side in self.sides}
-        need_all = any(block.startswith("mtp.") for block in self.blocks)  # the draft needs every top-1
+        # the drafts need every top-1
+        need_all = any(block.startswith("mtp.") for block in self.blocks) or self.draft is not None
         for track in self.tracks:
             top1[track.label] = {}
         for unit in self.mine:
@@ -447,13 +462,13 @@ class LockstepEngine:
         self.seconds["metrics"] += time.perf_counter() - t0
         return agree, total
 
-    def _combined(self, results: list[BlockResult], output, retrieval, agreement) -> EngineResult | None:
+    def _combined(self, results: list[BlockResult], output, retrieval, agreement, drafts) -> EngineResult | None:
         """Every rank's per-micro-batch results on rank 0, in the global order."""
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         tokens = sum(self.batches[u.batch].ids[u.rows].numel() for u in self.mine)
         parts = self.world.gather({"output": output, "retrieval": retrieval, "agreement": agreement,
                                    "observers": [obs.exported() for obs in self.observers], "tokens": tokens,
-                                   "peak": peak, "seconds": dict(self.seconds)})
+                                   "peak": peak, "seconds": dict(self.seconds), "drafts": drafts})
         if parts is None:
             return None
         merged_output = {}
@@ -478,8 +493,11 @@ class LockstepEngine:
             obs.merge([rank["observers"][i] for rank in parts[1:]])
         peaks = [rank["peak"] for rank in parts if rank["peak"] is not None]
         seconds = {**{k: round(v, 3) for k, v in self.seconds.items()}, "read_in_background": round(self.background_read, 3)}
-        return EngineResult(results, merged_output, merged_retrieval, mtp, seconds, max(peaks) if peaks else None,
-                            [rank["tokens"] for rank in parts], [rank["peak"] for rank in parts])
+        dspark = [d for _, d in sorted(((i, d) for rank in parts for i, d in rank["drafts"].items()),
+                                         key=lambda pair: pair[0])]
+        return EngineResult(results, merged_output, merged_retrieval, mtp, dspark, seconds,
+                            max(peaks) if peaks else None, [rank["tokens"] for rank in parts],
+                            [rank["peak"] for rank in parts])
 
 
 def _shift(block: str) -> int:

@@ -58,6 +58,8 @@ def render_markdown(result: dict) -> str:
         for block, value in result["mtp_draft_agreement"]["base"].items():
             lines.append(f"| {block} | {_pct(value)} | {_pct(result['mtp_draft_agreement']['variant'][block])} |")
         lines.append("")
+    if result.get("dspark"):
+        lines += dspark_lines(result["dspark"])
     lines += ["## Layers, by the error each adds on its own", "",
               "*local*: the variant's block fed the base's input; *free-running*: each side on its own streams "
               "(the drift a user gets). Relative error of the output streams, and cosine.", "",
@@ -76,6 +78,40 @@ def render_markdown(result: dict) -> str:
     lines += ["", f"What each setting emulates, and the {SGLANG_LABEL} code it follows: docs/served-numerics.md.",
               "", *_time_lines(result)]
     return "\n".join(lines)
+
+
+def dspark_lines(d: dict) -> list[str]:
+    """The DSpark section: per draft position, the length SGLang counts, each component's local error, the verdict."""
+    a = d["anchors"]
+    lines = ["## DSpark draft", "", f"**{d['verdict']['sentence']}.**", "",
+             f"{a['blocks']} blocks of {d['block_size']} drafts, anchored "
+             + (f"every {a['stride']} positions" if a["stride"] > 1 else "at every position") + f" from "
+             f"{a['first']}; each side drafts as SGLang does (greedy, each Markov step on the previous draft) and is "
+             "checked against its own target's greedy tokens. KLD: KL(base \u2016 variant) of the draft distribution, "
+             f"both conditioned on {d['draft_conditioned_on']}. Noise floor: 3 standard errors of the paired "
+             "per-block difference. Target layers: base "
+             f"{d['target_layer_ids']['base']}, variant {d['target_layer_ids']['variant']}.", "",
+             "| position | KLD | agreement base | variant | accepted base | variant | noise floor (accepted) | "
+             "confidence predicted / measured base | variant | Brier base | variant |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in d["positions"]:
+        ag, ac, c = p["agreement"], p["accepted"], p["confidence"]
+        lines.append(f"| {p['position']} | {_num(p['kld'])} | {_pct(ag['base'])} | {_pct(ag['variant'])} | "
+                     f"{_pct(ac['base'])} | {_pct(ac['variant'])} | {_pct(ac['noise_floor'])} | "
+                     f"{_pct(c['base']['predicted'])} / {_pct(c['base']['measured'])} | "
+                     f"{_pct(c['variant']['predicted'])} / {_pct(c['variant']['measured'])} | "
+                     f"{_num(c['base']['brier'])} | {_num(c['variant']['brier'])} |")
+    length = d["expected_accept_length"]
+    lines += ["", f"Expected accepted length (accepted drafts + the bonus token per verify step, as SGLang's "
+              f"spec_accept_length counts it): base {_num(length['base'])}, variant {_num(length['variant'])} "
+              f"(difference {length['delta']:+.4f}, noise floor {_num(length['noise_floor'])}).", "",
+              "Each component of the variant's drafter on the base's inputs (*local*) and on its own (*free-running*),"
+              " relative error against the base's:", "", "| component | local rel. error | free-running rel. error |",
+              "|---|---|---|"]
+    for c in d["components"]:
+        lines.append(f"| {c['component']} | {_num((c['local'] or {}).get('relative_error'))} | "
+                     f"{_num((c['free_running'] or {}).get('relative_error'))} |")
+    return lines + [""]
 
 
 def _save(fig, path: Path, *, tight: bool = True) -> Path:
@@ -191,7 +227,8 @@ def render_recall_markdown(result: dict) -> str:
 
 # What each timer of the lockstep engine measures (compare/lockstep.py LockstepEngine.seconds).
 _TIMERS = {"read": "reading weights (waited for)", "forward": "block forwards", "metrics": "metrics, embedding and "
-           "heads", "buffers": "new host buffers", "other": "the rest of each block", "total": "the engine's total",
+           "heads", "buffers": "new host buffers", "dspark": "the DSpark drafter (stages, heads, its metrics)",
+           "other": "the rest of each block", "total": "the engine's total",
            "read_in_background": "reading weights in the background (mostly hidden)", "wall": "wall clock"}
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare import DEFAULT_ANCHORS
+from dsv4convert.compare.dspark import anchor_stride, draft_components
+from dsv4convert.compare.dspark import summarize as summarize_drafts
 from dsv4convert.compare.lockstep import HEAD_POSITIONS, Batch, LockstepEngine, Side, Track
 from dsv4convert.compare.numerics import Numerics, served, serving_for, weights_only
 from dsv4convert.compare.recall import (
@@ -36,12 +39,15 @@ from dsv4convert.distributed import World
 from dsv4convert.engines.sglang.quant_config import sglang_topk_group
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
-from dsv4convert.layout import Drafter, ModelConfig, linear_shapes, native_inventory, try_classify
+from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory, try_classify
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
 # Config keys that describe how weights are stored, not the model: they may differ between sides.
 STORAGE_KEYS = frozenset({"quantization_config", "torch_dtype", "dtype", "transformers_version", "expert_dtype"})
+# Keys that wire the drafter to the backbone: a variant that rewrote them is compared (the DSpark report shows
+# each side's and what it costs the drafts), not refused.
+DRAFTER_WIRING = frozenset({"dspark_target_layer_ids"})
 NUMERICS = ("served", "weights")
 
 
@@ -65,6 +71,7 @@ class CompareOptions:
     chunk: int = 2048
     batch_size: int = 1
     mtp: bool = True
+    draft_anchors: int = DEFAULT_ANCHORS  # DSpark draft blocks per run (anchors over every sequence)
     seed: int = 0
     progress: bool = True
     recall: RecallOptions | None = None  # needle prompts instead of text (``compare --recall``)
@@ -108,7 +115,7 @@ def _engine_fix(key: str, base: dict, variant: dict) -> bool:
 
 def check_same_model(base: Checkpoint, variant: Checkpoint) -> None:
     """The two sides must be one model stored two ways: every config key but the storage ones agrees."""
-    keys = (set(base.config) | set(variant.config)) - STORAGE_KEYS
+    keys = (set(base.config) | set(variant.config)) - STORAGE_KEYS - DRAFTER_WIRING
     for key in sorted(keys):
         if base.config.get(key) != variant.config.get(key) and not _engine_fix(key, base.config, variant.config):
             raise DSV4Error(f"not a variant of the base model: config key {key!r} is {variant.config.get(key)!r} "
@@ -185,12 +192,8 @@ def build_plan(opts: CompareOptions, world: World = World()) -> Plan:
         raise DSV4Error(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype_name!r}")
     dtype = COMPUTE_DTYPES[dtype_name]
     cfg = base_info.config
-    if opts.mtp and cfg.drafter is Drafter.DSPARK:
-        # model/ runs the preview's MTP block; the DSpark drafter's forward (Markov head, block drafting) is not
-        # there yet, so its stages are left out rather than run as something they are not.
-        print("note: the DSpark drafter (mtp.*) is not compared: compare runs the backbone; its draft agreement "
-              "is not measured yet", file=sys.stderr)
-        opts = replace(opts, mtp=False)
+    if opts.draft_anchors < 1:
+        raise DSV4Error(f"--draft-anchors must be at least 1, got {opts.draft_anchors}")
     base = Side("base", base_ckpt, base_info, WeightSource(base_ckpt, base_info, device, dtype))
     variant = Side("variant", variant_ckpt, variant_info, WeightSource(variant_ckpt, variant_info, device, dtype))
     base_numerics = _numerics(opts.base_numerics or opts.numerics, base_info, base_ckpt, opts)
@@ -275,8 +278,27 @@ def estimate_resources(cfg: ModelConfig, config: dict, seq: int, track_tokens: i
     # Each track's input and output streams, and the stored bytes of two blocks read ahead (one being built).
     host = 2 * track_tokens * cfg.hc_mult * cfg.hidden_size * item + 2 * max(_largest_block(c) for c in ckpts)
     read = sum(e.nbytes for c in ckpts for e in c.tensors.values())
-    return {"peak_device_bytes": int(device), "peak_host_bytes": int(host), "bytes_to_read": int(read),
-            "largest_layer_bytes": int(layer), "chunk": chunk}
+    estimate = {"peak_device_bytes": int(device), "peak_host_bytes": int(host), "bytes_to_read": int(read),
+                "largest_layer_bytes": int(layer), "chunk": chunk}
+    if cfg.dspark is not None and opts.mtp and opts.recall is None:
+        estimate["dspark"] = draft_estimate(cfg, track_tokens // 2, seq, item, opts.draft_anchors,
+                                            max(v for k, v in per_block.items() if k.startswith("mtp.")))
+    return estimate
+
+
+def draft_estimate(cfg: ModelConfig, tokens: int, seq: int, item: int, anchors: int, stage_bytes: int) -> dict:
+    """What the DSpark pass adds (two tracks: base and variant): the anchors, the host memory of the target
+    features (each side's and the base's at the variant's layers), ``main_x`` and the draft streams (in, out, the
+    local pass's), and the device memory of a stage with both heads and a chunk of draft logits."""
+    d = cfg.dspark
+    stride = anchor_stride(tokens // seq, seq, d.block_size, anchors)
+    blocks = (tokens // seq) * len(range(1, seq - d.block_size + 1, stride))
+    rows = blocks * d.block_size
+    features = 3 * tokens * cfg.hidden_size * d.stages * item + 2 * tokens * cfg.hidden_size * item
+    streams = 5 * rows * cfg.hc_mult * cfg.hidden_size * item
+    heads = 2 * cfg.vocab_size * (2 * d.markov_rank * 4 + cfg.hidden_size * item)
+    return {"blocks": blocks, "stride": stride, "block_size": d.block_size, "stages": d.stages, "draft_rows": rows,
+            "host_bytes": int(features + streams), "device_bytes": int(stage_bytes + heads + 64 * 1024 ** 2)}
 
 
 def _largest_block(ckpt: Checkpoint) -> int:
@@ -296,7 +318,8 @@ def run(plan: Plan) -> dict | None:
     if plan.grid is not None:
         return run_recall(plan)
     engine = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype,
-                            chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress, world=plan.world)
+                            chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress, world=plan.world,
+                            draft_anchors=o.draft_anchors)
     result = engine.run()
     if result is None:
         return None
@@ -311,6 +334,7 @@ def run(plan: Plan) -> dict | None:
                         "peak_device_bytes_per_rank": result.peak_device_bytes_per_rank},
         "output": result.output["variant"].summary(),
         "mtp_draft_agreement": result.mtp,
+        "dspark": dspark_section(plan, engine, result),
         "blocks": [{"block": b.block, "free_running": b.free_running["variant"], "local": b.local["variant"],
                     "seconds": b.seconds} for b in result.blocks],
         "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
@@ -318,6 +342,16 @@ def run(plan: Plan) -> dict | None:
         "estimate": plan.estimate,
         "_kld_values": result.output["variant"].kld_values(),
     }
+
+
+def dspark_section(plan: Plan, engine: LockstepEngine, result) -> dict | None:
+    """``compare.json``'s ``dspark``: None unless both sides bundle a DSpark drafter and ``--no-mtp`` is off."""
+    if engine.draft is None:
+        return None
+    d = engine.draft
+    return summarize_drafts(result.dspark, plan.base.label, plan.variant.label,
+                            draft_components(engine.cfg.dspark.stages), stride=d.stride, block_size=d.block_size,
+                            ids=d.ids)
 
 
 def side_record(track: Track) -> dict:

@@ -26,9 +26,9 @@ from dsv4convert.convert.plan import human_bytes
 from dsv4convert.convert.recipe import load_recipe
 from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.needle import selection_threshold
+from dsv4convert.organism.export import write_organism
 from dsv4convert.organism.faults import Fault, inject
 from dsv4convert.organism.language import heldout_text
-from dsv4convert.synth import write_organism
 from dsv4convert.validate.cli import validate
 
 VARIANTS = ("fp8", "nvfp4", "w4a16")

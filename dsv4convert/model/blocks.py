@@ -271,6 +271,12 @@ class MtpEntry:
         return e.unsqueeze(2) + h
 
 
+def vocab_projection(source: WeightSource) -> torch.Tensor:
+    """The target's ``head`` ``[vocab, hidden]`` (dequantized where a variant stores it quantized), which the
+    output head and a DSpark drafter's head share."""
+    return source.linear("head") if source.inspection.modules.get("head") else source.tensor("head.weight")
+
+
 class OutputHead(nn.Module):
     """Streams ``[B, S, hc_mult, hidden]`` to logits: ``head(norm(hc_head(streams)))``, as transformers'
     ``DeepseekV4Model``/``ForCausalLM`` end. ``prefix`` is ``""`` for the backbone and ``"mtp.j."`` for an
@@ -284,7 +290,7 @@ class OutputHead(nn.Module):
         for leaf in ("fn", "base", "scale"):
             set_tensor(self.hc_head, f"hc_{leaf}", source.tensor(f"{prefix}hc_head_{leaf}"))
         set_tensor(self.norm, "weight", source.tensor(f"{prefix}norm.weight"))
-        self.head = source.linear("head") if source.inspection.modules.get("head") else source.tensor("head.weight")
+        self.head = vocab_projection(source)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(self.norm(self.hc_head(streams)), self.head)

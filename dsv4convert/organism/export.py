@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, atomic_write_json, write_index
-from dsv4convert.checkpoint.reader import read_small_json
+from dsv4convert.checkpoint.reader import INDEX_NAME, read_small_json
 from dsv4convert.checkpoint.safetensors_io import TensorEntry, read_header, read_tensor
 from dsv4convert.checkpoint.writer import copy_small_files, shard_name
 from dsv4convert.errors import DSV4Error
@@ -40,7 +40,7 @@ from dsv4convert.model.blocks import WeightSource
 from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state
 from dsv4convert.organism.tokenizer import TOKENIZER_CONFIG
-from dsv4convert.synth import GENERATION_CONFIG_PATH
+from dsv4convert.synth import GENERATION_CONFIG_PATH, ORGANISM_DIR, ORGANISM_DSPARK_DIR
 
 PROVENANCE_NAME = "organism.json"
 DSPARK_PROVENANCE_NAME = "dspark.json"
@@ -212,3 +212,28 @@ def load_release(path: Path, *, device: torch.device = torch.device("cpu")) -> T
                                            if name.removesuffix(".weight") in inspection.modules
                                            and name.endswith(".weight") else source.tensor(name)))
     return model.to(device).eval()
+
+
+def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) -> Path:
+    """The shipped organism (trained weights, not synthetic ones) at ``dst`` with ``drafter``: ``mtp`` its own
+    files copied (the index last, so an interrupted copy never looks complete); ``dspark`` 0731's layout, its
+    backbone's bytes with the shipped DSpark drafter under ``mtp.*``; ``none`` the backbone alone."""
+    dst = Path(dst)
+    files = sorted(p for p in ORGANISM_DIR.iterdir() if p.is_file())
+    if not any(p.name == INDEX_NAME for p in files):
+        raise DSV4Error("the package has no organism checkpoint (reinstall dsv4convert)", file=ORGANISM_DIR)
+    if drafter == "dspark" and not any(ORGANISM_DSPARK_DIR.glob("*.safetensors")):
+        raise DSV4Error("the package has no DSpark drafter for the organism (reinstall dsv4convert)",
+                        file=ORGANISM_DSPARK_DIR)
+    if drafter != "mtp":
+        return write_with_drafter(dst, ORGANISM_DIR, ORGANISM_DSPARK_DIR if drafter == "dspark" else None,
+                                  overwrite=overwrite)
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in sorted(files, key=lambda p: p.name == INDEX_NAME):
+        shutil.copyfile(path, dst / path.name)
+        (dst / path.name).chmod(0o644)
+    return dst

@@ -14,6 +14,18 @@ variant:
 * ``experts``: every routed expert's down projection in a layer scaled by 2**shift (its MXFP4 block
   scales raised by ``shift`` binades): the layer's output changes, its attention and indexer do not.
 
+A DSpark drafter's faults (0731's layout; ``layer`` names the stage or the backbone layer as each says), each in
+one component ``compare`` localizes:
+
+* ``draft-experts``: stage ``layer``'s (``mtp.{layer}``) routed experts' down projections x 2**shift, as ``experts``;
+* ``markov-zeroed``: the Markov head dropped: ``markov_head.head`` (SGLang's ``markov_w2``) zeroed, so the bias
+  it adds to every draft step is 0; its ``embed``, which the confidence head also reads, is kept;
+* ``confidence-flipped``: the confidence head's sign flipped. 0731's ``confidence_head.proj`` has no bias
+  (``[1, H + R]``, nothing else: ``layout._dspark_extras``), so the flip is its weight's: ``sigmoid(-raw)``
+  = ``1 - sigmoid(raw)``;
+* ``target-layer``: stage 0 fed the wrong target layer: ``config.json``'s ``dspark_target_layer_ids`` with its first
+  entry replaced by backbone layer ``layer``, the weights untouched (what a converter that rewrote the key does).
+
 Deterministic for a seed. Shards are rewritten one at a time (small checkpoints: the organism, synth).
 """
 
@@ -27,25 +39,35 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.checkpoint import Checkpoint, atomic_write_json
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from dsv4convert.formats.numerics import e8m0_to_exponent, exponent_to_e8m0
+from dsv4convert.layout import ModelConfig
 
-KINDS = ("indexer-randomized", "indexer-crushed", "attention", "experts")
+KINDS = ("indexer-randomized", "indexer-crushed", "attention", "experts", "draft-experts", "markov-zeroed",
+         "confidence-flipped", "target-layer")
+DRAFTER_KINDS = frozenset(KINDS[4:])
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    layer: int
-    shift: int = 2          # ``experts``: binades added to the down projections' block scales
+    layer: int = 0
+    shift: int = 2          # ``experts``, ``draft-experts``: binades added to the down projections' block scales
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise DSV4Error(f"unknown fault {self.kind!r} (choose from {', '.join(KINDS)})")
 
     def describe(self) -> str:
+        if self.kind == "draft-experts":
+            return f"mtp.{self.layer}: routed experts' down projections x{2 ** self.shift}"
+        if self.kind in DRAFTER_KINDS:
+            return {"markov-zeroed": "the DSpark Markov head zeroed (markov_head.head)",
+                    "confidence-flipped": "the DSpark confidence head's sign flipped (its weight: it has no bias)",
+                    "target-layer": f"stage 0 fed layers.{self.layer} as its first target layer "
+                                    "(dspark_target_layer_ids)"}[self.kind]
         what = {"indexer-randomized": "indexer weights randomized", "indexer-crushed": "indexer head weights zeroed",
                 "attention": "compressed KV projection randomized (indexer untouched)",
                 "experts": f"routed experts' down projections x{2 ** self.shift}"}[self.kind]
@@ -55,10 +77,14 @@ class Fault:
 def inject(src: Path, dst: Path, fault: Fault, *, seed: int = 0, overwrite: bool = False) -> Path:
     """Copy the checkpoint ``src`` to ``dst`` with ``fault`` applied; returns ``dst``."""
     ckpt = Checkpoint.open(src)
-    prefix = f"layers.{fault.layer}."
-    if not any(name.startswith(prefix) for name in ckpt.tensors):
-        raise DSV4Error(f"the checkpoint has no layer {fault.layer}", file=ckpt.root)
-    edits = _edits(ckpt, fault, torch.Generator().manual_seed(seed))
+    config = None
+    if fault.kind in DRAFTER_KINDS:
+        edits, config = _drafter_edits(ckpt, fault)
+    else:
+        prefix = f"layers.{fault.layer}."
+        if not any(name.startswith(prefix) for name in ckpt.tensors):
+            raise DSV4Error(f"the checkpoint has no layer {fault.layer}", file=ckpt.root)
+        edits = _edits(ckpt, fault, torch.Generator().manual_seed(seed))
     dst = Path(dst)
     if dst.exists():
         if not overwrite:
@@ -69,6 +95,8 @@ def inject(src: Path, dst: Path, fault: Fault, *, seed: int = 0, overwrite: bool
     shutil.copytree(ckpt.root, work)
     for path in work.iterdir():
         path.chmod(0o644)
+    if config is not None:
+        atomic_write_json(work / "config.json", config)
     for shard in sorted({ckpt.tensors[name].path.name for name in edits}):
         tensors = load_file(work / shard)
         tensors.update({name: t for name, t in edits.items() if ckpt.tensors[name].path.name == shard})
@@ -76,6 +104,47 @@ def inject(src: Path, dst: Path, fault: Fault, *, seed: int = 0, overwrite: bool
         os.replace(work / f"{shard}.tmp", work / shard)
     os.replace(work, dst)
     return dst
+
+
+def _drafter_edits(ckpt: Checkpoint, fault: Fault) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The replaced drafter tensors and, for ``target-layer``, the new config.json."""
+    d = ModelConfig.from_dict(ckpt.config).dspark
+    if d is None:
+        raise DSV4Error(f"the {fault.kind} fault needs a DSpark drafter (no dspark_* keys in config.json)",
+                        file=ckpt.root)
+    if fault.kind == "target-layer":
+        ids = list(ckpt.config["dspark_target_layer_ids"])
+        if fault.layer == ids[0] or not 0 <= fault.layer < ckpt.config["num_hidden_layers"]:
+            raise DSV4Error(f"target-layer: layer {fault.layer} must be a backbone layer other than {ids[0]}",
+                            file=ckpt.root)
+        return {}, {**ckpt.config, "dspark_target_layer_ids": [fault.layer, *ids[1:]]}
+    if fault.kind == "draft-experts":
+        if not 0 <= fault.layer < d.stages:
+            raise DSV4Error(f"draft-experts: the drafter has stages 0..{d.stages - 1}, not {fault.layer}",
+                            file=ckpt.root)
+        return _scaled_experts(ckpt, f"mtp.{fault.layer}.", fault.shift), None
+    last = f"mtp.{d.stages - 1}."
+    leaf = {"markov-zeroed": ("markov_head.head.weight", "markov_w2.weight"),
+            "confidence-flipped": ("confidence_head.proj.weight",)}[fault.kind]
+    name = next((f"{last}{x}" for x in leaf if f"{last}{x}" in ckpt.tensors), None)
+    if name is None:
+        raise DSV4Error(f"the drafter has no {' or '.join(last + x for x in leaf)}", file=ckpt.root)
+    weight = ckpt.read(name)
+    return {name: torch.zeros_like(weight) if fault.kind == "markov-zeroed" else -weight}, None
+
+
+def _scaled_experts(ckpt: Checkpoint, prefix: str, shift: int) -> dict[str, torch.Tensor]:
+    """Every routed expert's down projection under ``prefix`` x 2**shift (MXFP4 block scales + shift binades)."""
+    edits = {}
+    for name in ckpt.tensors:
+        if name.startswith(f"{prefix}ffn.experts.") and name.endswith(".w2.scale"):
+            scale = ckpt.read(name)
+            if scale.dtype != torch.float8_e8m0fnu:
+                raise DSV4Error("the experts fault needs MXFP4 experts with E8M0 scales", file=ckpt.root, tensor=name)
+            edits[name] = exponent_to_e8m0(e8m0_to_exponent(scale) + shift)
+    if not edits:
+        raise DSV4Error(f"{prefix.rstrip('.')} has no routed experts to damage", file=ckpt.root)
+    return edits
 
 
 def _edits(ckpt: Checkpoint, fault: Fault, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -93,16 +162,7 @@ def _edits(ckpt: Checkpoint, fault: Fault, gen: torch.Generator) -> dict[str, to
     if fault.kind == "attention":
         name = f"{p}attn.compressor.wkv.weight"
         return {name: _redrawn(ckpt.read(name), gen)}
-    edits = {}
-    for name in ckpt.tensors:
-        if name.startswith(f"{p}ffn.experts.") and name.endswith(".w2.scale"):
-            scale = ckpt.read(name)
-            if scale.dtype != torch.float8_e8m0fnu:
-                raise DSV4Error("the experts fault needs MXFP4 experts with E8M0 scales", file=ckpt.root, tensor=name)
-            edits[name] = exponent_to_e8m0(e8m0_to_exponent(scale) + fault.shift)
-    if not edits:
-        raise DSV4Error(f"layers.{fault.layer} has no routed experts to damage", file=ckpt.root)
-    return edits
+    return _scaled_experts(ckpt, p, fault.shift)
 
 
 def _redrawn(weight: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -132,9 +132,28 @@ def run_accuracy(args: argparse.Namespace, url: str, meta: dict[str, Any], group
     return not problems
 
 
+def expected_report(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``compare``'s expected DSpark acceptance for the served variant, read before anything starts:
+    ``--expected-from``, else the default report (``VARIANT-compare/compare.json``) when it is there and has a
+    DSpark section; None without one."""
+    if args.check != "mtp":
+        return None
+    if args.expected_from is not None:
+        return mtp.read_expected(args.expected_from)
+    default = mtp.default_compare_report(args.model)
+    if not default.is_file():
+        return None
+    try:
+        return mtp.read_expected(default)
+    except FormatError as exc:
+        print(f"note: {exc}; the server's acceptance is not compared with an expected figure", file=sys.stderr)
+        return None
+
+
 def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: list[launch.Command],
-            base: dict[str, Any] | None) -> bool:
-    """The fixed prompts through ``url``; SGLang's acceptance against --min-accept (and the base)."""
+            base: dict[str, Any] | None, expected: dict[str, Any] | None = None) -> bool:
+    """The fixed prompts through ``url``; SGLang's acceptance against --min-accept (and the base, and
+    ``compare``'s expected figures for this variant)."""
     minimum = defaults.DEFAULT_MIN_ACCEPT if args.min_accept is None else args.min_accept
     samples = mtp.run_prompts(lambda payload: http_post_json(url + "/generate", payload, 1800.0),
                               mtp.bos_text(args.model))
@@ -149,8 +168,9 @@ def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: 
     summary = mtp.summarize(samples, server_lengths)
     tokens = drafting.server.draft_tokens if drafting and drafting.server else None
     path = args.out / "mtp.json"
+    against, expectation = ([], None) if expected is None else mtp.against_expected(summary, expected)
     report.write_report(path, "mtp", meta, {"summary": summary, "min_accept": minimum, "draft_tokens": tokens,
-                                            "samples": [s.to_json() for s in samples]})
+                                            "expected": expectation, "samples": [s.to_json() for s in samples]})
     length = summary["accept_length"]
     ceiling = f" (at most {tokens}: {tokens} tokens verified per step)" if tokens else ""
     if length is not None:
@@ -160,6 +180,11 @@ def run_mtp(args: argparse.Namespace, url: str, meta: dict[str, Any], commands: 
         if summary["per_position"]:
             print("mtp: accepted per draft position: " + ", ".join(
                 f"{row['position']}: {row['reached']:.0%}" for row in summary["per_position"]))
+    if expected is not None:
+        print(f"mtp: against compare's expectation ({expected['report']}; measured offline on {expected['text']}, "
+              "teacher-forced, not on these prompts):")
+        for line in against:
+            print(line)
     print(f"wrote {path}")
     if base is not None:
         for line in report.compare(base, report.read_report(path)):

@@ -145,6 +145,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     draft.add_argument("--min-accept", type=float,
                        help=f"fail when the mean accepted length per verify step is below this "
                             f"(default {defaults.DEFAULT_MIN_ACCEPT}; 1.0 means no draft token was accepted)")
+    draft.add_argument("--expected-from", type=Path, metavar="REPORT",
+                       help="compare's report of this variant (its directory or compare.json): the server's measured "
+                            "DSpark acceptance against the expected, per draft position (default: "
+                            "MODEL-compare/compare.json when it is there)")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="after --: extra sglang.launch_server arguments")
     p.set_defaults(func=run)
 
@@ -302,6 +306,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise launch.LaunchError(f"{', '.join(given)} belong(s) to --check accuracy")
     if args.min_recovery is not None and not args.compare:
         raise launch.LaunchError("--min-recovery needs --compare BASE/accuracy.json (recovery is against a base)")
+    if args.expected_from is not None and args.check != "mtp":
+        raise launch.LaunchError("--expected-from belongs to --check mtp")
     if args.min_accept is not None and args.check != "mtp":
         raise launch.LaunchError("--min-accept belongs to --check mtp")
     if args.min_accept is not None and args.min_accept < 1.0:
@@ -317,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check == "accuracy" and checks_here:
         accuracy.check_tasks(checks.eval_settings(args))
     base = checks.base_report(args) if checks_here else None
+    expected = checks.expected_report(args) if checks_here else None
     args.variant, config = _inspect(args)
     topology = _topology(args)
     commands, warnings = plan(args, topology, config)
@@ -361,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.check == "accuracy":
             failed = not checks.run_accuracy(args, client_url, meta, group, base)
         elif args.check == "mtp":
-            failed = not checks.run_mtp(args, client_url, meta, commands, base)
+            failed = not checks.run_mtp(args, client_url, meta, commands, base, expected)
         if not args.check or args.hold:
             print(f"serving at {client_url}; Ctrl-C stops every process")
             _hold(group)

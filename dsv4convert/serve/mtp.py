@@ -236,5 +236,55 @@ def compare_lines(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
     return lines
 
 
+def default_compare_report(model: Path) -> Path:
+    """Where ``compare`` writes its report for the variant ``model`` when not told otherwise."""
+    return model.parent / f"{model.name}-compare" / "compare.json"
+
+
+def read_expected(path: Path) -> dict[str, Any]:
+    """The DSpark figures ``compare`` expects of a variant: its ``compare.json`` (or the directory holding it)."""
+    path = path / "compare.json" if path.is_dir() else path
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"cannot read the compare report: {exc}", file=path) from None
+    draft = report.get("dspark") if isinstance(report, dict) else None
+    if not isinstance(draft, dict) or "expected_accept_length" not in draft or "positions" not in draft:
+        raise FormatError("has no DSpark section (dspark.expected_accept_length): compare it with a DSpark drafter "
+                          "and without --no-mtp", file=path)
+    return {"report": str(path), "variant": (report.get("variant") or {}).get("path"),
+            "text": (report.get("data") or {}).get("source"),
+            "accept_length": draft["expected_accept_length"]["variant"],
+            "per_position": [p["accepted"]["variant"] for p in draft["positions"]]}
+
+
+def against_expected(summary: dict[str, Any], expected: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """The server's measured acceptance against ``compare``'s expected figures for this variant: which is lower,
+    by how much (accepted length per verify step, then each draft position's acceptance)."""
+    measured = summary["accept_length"]
+    rows = [("accepted length", measured, expected["accept_length"])]
+    # SGLang's histogram ends at the most drafts a step accepted (Req.update_spec_correct_drafts_histogram): the
+    # positions past it were never accepted.
+    reached = {row["position"]: row["reached"] for row in summary.get("per_position", [])}
+    never = 0.0 if summary.get("correct_drafts_histogram") else None
+    rows += [(f"draft position {j} accepted", reached.get(j, never), value)
+             for j, value in enumerate(expected["per_position"], start=1)]
+    lines, record = [], []
+    for label, server, offline in rows:
+        if server is None or offline is None:
+            lines.append(f"mtp: {label}: server {_fmt(server)}, compare expects {_fmt(offline)}")
+            record.append({"what": label, "server": server, "expected": offline, "lower": None, "by": None})
+            continue
+        lower = "equal" if server == offline else ("server" if server < offline else "compare")
+        by = abs(server - offline)
+        relative = f" ({by / max(server, offline):.0%} of the higher)" if max(server, offline) > 0 else ""
+        said = ("the same" if lower == "equal" else
+                f"the server is lower by {by:.3f}{relative}" if lower == "server" else
+                f"compare's expectation is lower by {by:.3f}{relative}")
+        lines.append(f"mtp: {label}: server {server:.3f}, compare expects {offline:.3f}: {said}")
+        record.append({"what": label, "server": server, "expected": offline, "lower": lower, "by": by})
+    return lines, {**expected, "rows": record}
+
+
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
