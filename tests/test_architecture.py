@@ -30,7 +30,7 @@ from dsv4convert.inspection import inspect_checkpoint
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsv4convert"
 LAYERS = {"": 0, "errors": 0, "dtypes": 0, "stop_points": 0, "format_names": 0, "sizes": 0, "layout": 1, "formats": 1,
-          "checkpoint": 1, "variants": 2, "inspection": 2, "calibration": 2, "engines": 3, "kernels": 4, "model": 4,
+          "checkpoint": 1, "devices": 1, "variants": 2, "inspection": 2, "calibration": 2, "engines": 3, "kernels": 4, "model": 4,
           "needle": 4, "distributed": 4}
 FEATURE = 5
 
