@@ -212,6 +212,7 @@ def _compare(args: argparse.Namespace, world) -> int:
             print(f"compare: the variant retrieves {100 * subject['accuracy']:.0f}% of the needles, the base "
                   f"{100 * reference['accuracy']:.0f}%")
             return 1
+        print(f"next: dsv4convert serve --model {args.variant} --check recall (the same needles through the server)")
         return 0
     write_reports(result, out_dir)
     o = result["output"]
@@ -233,4 +234,6 @@ def _compare(args: argparse.Namespace, world) -> int:
     if args.fail_above_kld is not None and o["kld"]["mean"] > args.fail_above_kld:
         print(f"compare: mean KLD {o['kld']['mean']:.6g} is above --fail-above-kld {args.fail_above_kld}")
         return 1
+    print(f"next: dsv4convert compare --base {args.base} --variant {args.variant} --recall (long-context recall), "
+          f"then dsv4convert serve --model {args.variant}")
     return 0
