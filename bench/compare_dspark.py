@@ -27,11 +27,12 @@ from dsv4convert.organism.faults import inject  # noqa: E402
 from tests.test_compare_dspark import FAULTS  # noqa: E402
 
 
-def measure(base: Path, variant: Path, numerics: str, tokens: int, seq_len: int, anchors: int) -> dict:
+def measure(base: Path, variant: Path, numerics: str, tokens: int, seq_len: int, anchors: int,
+            device: str = "cpu") -> dict:
     t0 = time.perf_counter()
     result = run(build_plan(CompareOptions(base=str(base), variant=str(variant), texts=[base / "heldout.txt"],
                                            tokens=tokens, seq_len=seq_len, numerics=numerics, draft_anchors=anchors,
-                                           progress=False)))
+                                           device=device, progress=False)))
     d = result["dspark"]
     return {"seconds": round(time.perf_counter() - t0, 1), "kld_backbone": result["output"]["kld"]["mean"],
             "dspark": d}
@@ -62,6 +63,7 @@ def main() -> int:
     parser.add_argument("--draft-anchors", type=int, default=2048)
     parser.add_argument("--cases", default="fp8,nvfp4," + ",".join(FAULTS),
                         help="which variants (default: both conversions and every fault)")
+    parser.add_argument("--device", default="cpu", help="as compare's --device (default cpu)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/compare-dspark-organism-cpu"))
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -80,15 +82,15 @@ def main() -> int:
         cases[recipe] = dst
     for name, (fault, _) in ((n, f) for n, f in FAULTS.items() if n in wanted):
         cases[f"{name} ({fault.describe()})"] = inject(base, args.work / name, fault, overwrite=True)
-    results = {name: measure(base, path, args.numerics, args.tokens, args.seq_len, args.draft_anchors)
+    results = {name: measure(base, path, args.numerics, args.tokens, args.seq_len, args.draft_anchors, args.device)
                for name, path in cases.items()}
     first = next(iter(results.values()))["dspark"]
     gamma = first["block_size"]
     command = (f"python bench/compare_dspark.py --work {args.work}" + (f" --base {args.base}" if args.base else "")
                + f" --numerics {args.numerics} --tokens {args.tokens} --seq-len {args.seq_len} "
-               f"--draft-anchors {args.draft_anchors} --cases {args.cases}")
+               f"--draft-anchors {args.draft_anchors} --cases {args.cases} --device {args.device}")
     lines = ["# compare on the organism's DSpark drafter: conversions and injected faults", "",
-             f"Command: `{command}`; commit {commit}; machine: {json.dumps(_machine('cpu'))}.", "",
+             f"Command: `{command}`; commit {commit}; machine: {json.dumps(_machine('cuda' if args.device.startswith('cuda') else 'cpu'))}.", "",
              f"Base: {base}; {args.tokens} tokens of its held-out text in sequences of {args.seq_len}, "
              f"{first['anchors']['blocks']} draft blocks of {gamma} (an anchor every {first['anchors']['stride']} "
              f"position(s)), numerics {args.numerics}. Per draft position 1..{gamma}, separated by /. The draft "
