@@ -205,10 +205,17 @@ def synthesize(dst: Path, layers: int) -> float:
 
 def derive_prefix(full: Path, dst: Path, layers: int) -> None:
     """A ``layers``-layer checkpoint made of hard links to ``full``'s embedding, first layers and head."""
-    config = with_num_layers(reference_config(), layers, mtp=False)
-    cfg = ModelConfig.from_dict(config)
-    wanted = {spec.name for group in native_groups(cfg) for spec in group}
+    link_checkpoint(full, dst, with_num_layers(reference_config(), layers, mtp=False))
+
+
+def link_checkpoint(full: Path, dst: Path, config: dict) -> Path:
+    """The checkpoint ``config`` describes, made of hard links into ``full``'s shards (which must hold every tensor
+    it names), with its small files copied."""
+    wanted = {spec.name for group in native_groups(ModelConfig.from_dict(config)) for spec in group}
     ckpt = Checkpoint.open(full)
+    missing = sorted(wanted - set(ckpt.tensors))
+    if missing:
+        raise SystemExit(f"{full} lacks {missing[0]} (and {len(missing) - 1} more)")
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
@@ -219,9 +226,11 @@ def derive_prefix(full: Path, dst: Path, layers: int) -> None:
         if not (dst / entry.path.name).exists():
             os.link(entry.path, dst / entry.path.name)
     for small in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(full / small, dst / small)
+        if (full / small).exists():
+            shutil.copy(full / small, dst / small)
     atomic_write_json(dst / "config.json", config)
     write_index(dst, weight_map, sum(ckpt.tensors[n].nbytes for n in wanted))
+    return dst
 
 
 def full_model_bytes() -> tuple[int, int]:

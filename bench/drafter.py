@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import GB, _commit, _machine, _size, timed  # noqa: E402  (bench/convert.py: one way to time a run)
+from convert import GB, _commit, _machine, _size, link_checkpoint, timed  # noqa: E402  (bench/convert.py: one way to time a run)
 
-from dsv4convert.checkpoint import Checkpoint, atomic_write_json  # noqa: E402
-from dsv4convert.checkpoint.writer import write_index  # noqa: E402
-from dsv4convert.layout import ModelConfig, native_groups  # noqa: E402
+from dsv4convert.checkpoint import Checkpoint  # noqa: E402
 from dsv4convert.synth import with_num_layers  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,27 +45,7 @@ VARIANTS = ("nvfp4", "fp8", "w4a16", "bf16")
 
 def derive(full: Path, dst: Path, layers: int, *, drafter: bool) -> Path:
     """A checkpoint of ``layers`` backbone layers (with or without the drafter) made of hard links into ``full``."""
-    config = with_num_layers(Checkpoint.open(full).config, layers, mtp=drafter)
-    wanted = {spec.name for group in native_groups(ModelConfig.from_dict(config)) for spec in group}
-    ckpt = Checkpoint.open(full)
-    missing = sorted(wanted - set(ckpt.tensors))
-    if missing:
-        raise SystemExit(f"{full} lacks {missing[0]} (and {len(missing) - 1} more)")
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True)
-    weight_map = {}
-    for name in wanted:
-        entry = ckpt.tensors[name]
-        weight_map[name] = entry.path.name
-        if not (dst / entry.path.name).exists():
-            os.link(entry.path, dst / entry.path.name)
-    for small in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (full / small).exists():
-            shutil.copy(full / small, dst / small)
-    atomic_write_json(dst / "config.json", config)
-    write_index(dst, weight_map, sum(ckpt.tensors[n].nbytes for n in wanted))
-    return dst
+    return link_checkpoint(full, dst, with_num_layers(Checkpoint.open(full).config, layers, mtp=drafter))
 
 
 def rates(rows: list[dict]) -> dict:

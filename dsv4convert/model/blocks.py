@@ -81,6 +81,17 @@ TENSOR_PATHS = {
 }
 
 
+def block_release_names(native: str, path: str, targets: dict) -> dict[str, str]:
+    """Release name -> module path of one block's linears and plain tensors (routed experts aside): block
+    ``native`` (``layers.3``, ``mtp.0``) built at ``path`` of a module whose parameters and buffers are
+    ``targets``; what the block does not hold (a compressor, a hash table) is left out."""
+    out = {f"{native}.{suffix}.weight": f"{path}.{hf}" for suffix, hf in LINEAR_PATHS.items()
+           if f"{path}.{hf}" in targets}
+    out.update({f"{native}.{suffix}": f"{path}.{hf}" for suffix, hf in TENSOR_PATHS.items()
+                if f"{path}.{hf}" in targets})
+    return out
+
+
 def hf_config(config: dict) -> DeepseekV4Config:
     """transformers' config for every block, the drafter's included (as layers ``n .. n+d-1``: the preview's
     MTP blocks, or a DSpark drafter's stages, sliding-window and score-routed as their compress ratios 0 and

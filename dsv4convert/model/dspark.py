@@ -83,11 +83,10 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from dsv4convert.errors import DSV4Error
 from dsv4convert.layout import DSparkConfig, ModelConfig
 from dsv4convert.model.blocks import (
-    LINEAR_PATHS,
-    TENSOR_PATHS,
     WeightSource,
     block_config,
     block_index,
+    block_release_names,
     build_layer,
     hf_config,
     set_tensor,
@@ -478,13 +477,7 @@ class DSparkDrafter(nn.Module):
         d, targets = self.d, dict(self.named_parameters()) | dict(self.named_buffers())
         out = {}
         for s in range(d.stages):
-            native, path = stage_block(s), f"stages.{s}"
-            for suffix, hf in LINEAR_PATHS.items():
-                if f"{path}.{hf}" in targets:
-                    out[f"{native}.{suffix}.weight"] = f"{path}.{hf}"
-            for suffix, hf in TENSOR_PATHS.items():
-                if f"{path}.{hf}" in targets:
-                    out[f"{native}.{suffix}"] = f"{path}.{hf}"
+            out.update(block_release_names(stage_block(s), f"stages.{s}", targets))
         out["mtp.0.main_proj.weight"] = "entry.main_proj.weight"
         out["mtp.0.main_norm.weight"] = "entry.main_norm.weight"
         last = stage_block(d.stages - 1)

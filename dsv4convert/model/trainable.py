@@ -30,7 +30,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from dsv4convert.layout import Drafter, ModelConfig
-from dsv4convert.model.blocks import LINEAR_PATHS, TENSOR_PATHS, hf_config
+from dsv4convert.model.blocks import block_release_names, hf_config
 from dsv4convert.model.forward import Positions
 
 CSA = "compressed_sparse_attention"
@@ -192,12 +192,7 @@ def _native_paths(model: TrainableModel) -> dict[str, str]:
     blocks += [(f"mtp.{j}", f"mtp.{j}.layer") for j in range(len(model.mtp))]
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     for native, path in blocks:
-        for suffix, hf in LINEAR_PATHS.items():
-            if f"{path}.{hf}" in targets:
-                out[f"{native}.{suffix}.weight"] = f"{path}.{hf}"
-        for suffix, hf in TENSOR_PATHS.items():
-            if f"{path}.{hf}" in targets:
-                out[f"{native}.{suffix}"] = f"{path}.{hf}"
+        out.update(block_release_names(native, path, targets))
     for j in range(len(model.mtp)):
         p = f"mtp.{j}"
         for name in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):

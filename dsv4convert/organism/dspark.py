@@ -43,7 +43,16 @@ from dsv4convert.layout import ModelConfig
 from dsv4convert.model.dspark import Blocks, DSparkDrafter, FeatureCapture, acceptance, anchor_grid
 from dsv4convert.model.trainable import TrainableModel
 from dsv4convert.needle import answer_ids, build_prompt, make_needle
-from dsv4convert.organism.train import Data, TokenizerAdapter, TrainSettings, lr_at, prefetched, steps_for_budget
+from dsv4convert.organism.train import (
+    Data,
+    TokenizerAdapter,
+    TrainSettings,
+    adamw,
+    lr_at,
+    optimizer_step,
+    prefetched,
+    steps_for_budget,
+)
 from dsv4convert.synth import with_dspark, with_num_layers
 
 NOISE_TOKEN = "<think>"
@@ -187,10 +196,7 @@ def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, set
                                          max_length=s.max_length, needle_fraction=s.needle_fraction),
                 bos_id=int(config.get("bos_token_id", 0)))
     generator = torch.Generator().manual_seed(s.seed + 17)
-    decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2 and "hc" not in n]
-    other = [p for n, p in drafter.named_parameters() if not (p.ndim >= 2 and "hc" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                                   {"params": other, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    optimizer = adamw(drafter, s.lr, s.weight_decay)
     held = heldout_sets(tokenizer, text, sequences=s.eval_sequences, seed=s.seed) if s.eval_sequences else {}
     batches = prefetched(lambda: data.batch()[0])
     curve: list[dict] = []
@@ -213,12 +219,7 @@ def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, set
         anchors = sample_anchors(ids, d.block_size, s.anchor_fraction, generator)
         ce, bce, metrics = drafter_losses(drafter, target, ids, anchors)
         loss = ce + s.confidence_weight * bce
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, s, steps)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, drafter, loss, lr_at(step, s, steps))
         for name, value in {"loss": loss.detach(), **metrics, "n": torch.ones((), device=device)}.items():
             running[name] = running.get(name, 0.0) + value.detach()
         step += 1

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from dsv4convert.model.trainable import TrainableModel
 from dsv4convert.needle import (
-    DEFAULT_DEPTHS,
     CSA_RATIO,
+    DEFAULT_DEPTHS,
     answer_ids,
     build_prompt,
     make_needle,
@@ -264,10 +264,7 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
     model.fill_hash_tables(torch.Generator().manual_seed(s.seed))
     model.to(device).train()
     data = Data(tokenizer, s, bos_id=int(config.get("bos_token_id", 0)))
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "hc" not in n]
-    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "hc" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                                   {"params": other, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    optimizer = adamw(model, s.lr, s.weight_decay)
     window = int(config["sliding_window"])
     curve: list[dict] = []
     running: dict[str, torch.Tensor] = {}
@@ -303,12 +300,7 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
             k, a, i = indexer_losses(out.attention[layer], out.index_scores[layer], queries)
             kl, attention_aid, indexer_aid = kl + k, attention_aid + a, indexer_aid + i
         loss = lm + s.mtp_weight * mtp + s.distill_weight * kl + s.aid_weight * (attention_aid + indexer_aid)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, s, steps)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, model, loss, lr_at(step, s, steps))
         with torch.no_grad():
             answers = answer_mask.sum().clamp(min=1)
             record = {"loss": loss, "lm": lm, "mtp": mtp, "indexer_kl": kl, "attention_aid": attention_aid,
@@ -331,6 +323,24 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
     model.eval()
     return TrainResult(model, dataclasses.replace(s, steps=steps if steps is not None else step), step, seconds,
                        hit_limit, curve)
+
+
+def adamw(module: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (not on norms, biases or the hyper-connection parameters)."""
+    decay = [p for n, p in module.named_parameters() if p.ndim >= 2 and "hc" not in n]
+    other = [p for n, p in module.named_parameters() if not (p.ndim >= 2 and "hc" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, module: torch.nn.Module, loss: torch.Tensor, lr: float) -> None:
+    """One step at ``lr``, gradients clipped to norm 1."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimizer.step()
 
 
 def steps_for_budget(s: TrainSettings, done: int, elapsed: float) -> int:
