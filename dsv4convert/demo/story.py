@@ -2,9 +2,9 @@
 
 The organism (docs/organism.md) is a 7.4M-parameter DeepSeek-V4 shipped with the tool and trained to retrieve
 needles far past its top-k window, so every number the tool prints about it can be checked against a known
-truth. The demo writes it and its held-out text, converts it to fp8, nvfp4 and w4a16 and validates each against
-it, compares each with it at the model's output on the held-out text (KLD, same top-1) and in needle retrieval
-from half its selection threshold to 8x it (``compare --recall``), then zeroes one CSA layer's indexer head
+truth. The demo writes it (its held-out text ships with it), converts it to fp8, nvfp4 and w4a16 and validates
+each against it, compares each with it at the model's output on the held-out text (KLD, same top-1) and in needle
+retrieval from half its selection threshold to 8x it (``compare --recall``), then zeroes one CSA layer's indexer head
 weights in a copy and checks that ``compare --recall --local`` names that layer's indexer. One table; exit 0
 when every check passed and the fault was named.
 """
@@ -28,7 +28,6 @@ from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.needle import selection_threshold
 from dsv4convert.organism.export import write_organism
 from dsv4convert.organism.faults import Fault, inject
-from dsv4convert.organism.language import heldout_text
 from dsv4convert.validate.cli import validate
 
 VARIANTS = ("fp8", "nvfp4", "w4a16")
@@ -73,13 +72,12 @@ def run_demo(workdir: Path) -> list[dict]:
 
     workdir.mkdir(parents=True, exist_ok=True)
     src = write_organism(workdir / "organism", overwrite=True)
-    text = workdir / "heldout.txt"
-    text.write_text(heldout_text())
+    text = src / "heldout.txt"   # shipped with it: text in its language that no training batch read
     threshold = selection_threshold(int(json.loads((src / "config.json").read_text())["index_topk"]))
     lengths = recall_lengths(threshold)
     rows = [{"variant": "base", "bytes": Checkpoint.open(src).total_bytes, "dst": str(src)}]
     step(f"wrote the organism ({human_bytes(rows[0]['bytes'])}, selection threshold {threshold} tokens) to {src}, "
-         "and its held-out text")
+         "with its held-out text")
     for variant in VARIANTS:
         dst = workdir / variant
         with open(workdir / f"{variant}-convert.log", "w") as log, contextlib.redirect_stdout(log):
