@@ -37,6 +37,7 @@ from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
 from dsv4convert.layout import ModelConfig, try_classify
+from dsv4convert.model.precision import at_layer_precision
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -247,7 +248,7 @@ def build_layer(source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig
     if left:
         raise CheckpointError(f"block '{block}': the checkpoint does not provide {', '.join(left)}",
                               file=source.ckpt.root)
-    return layer.eval()
+    return at_layer_precision(layer.eval())
 
 
 @dataclass
@@ -302,6 +303,7 @@ class OutputHead(nn.Module):
             set_tensor(self.hc_head, f"hc_{leaf}", source.tensor(f"{prefix}hc_head_{leaf}"))
         set_tensor(self.norm, "weight", source.tensor(f"{prefix}norm.weight"))
         self.head = vocab_projection(source)
+        at_layer_precision(self)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(self.norm(self.hc_head(streams)), self.head)

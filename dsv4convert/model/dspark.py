@@ -91,6 +91,7 @@ from dsv4convert.model.blocks import (
     hf_config,
     set_tensor,
 )
+from dsv4convert.model.precision import at_layer_precision
 
 ROPE = "main"       # sliding-window layers' rope type in transformers (plain rope_theta, no YaRN)
 
@@ -426,6 +427,7 @@ class DSparkDrafter(nn.Module):
         self.stages = nn.ModuleList(stages)
         self.head = head if head is not None else DSparkHead(full, d)
         self.rotary = DeepseekV4RotaryEmbedding(full)
+        at_layer_precision(self)
 
     @classmethod
     def from_source(cls, source: WeightSource, config: dict) -> "DSparkDrafter":

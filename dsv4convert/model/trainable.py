@@ -32,6 +32,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from dsv4convert.layout import Drafter, ModelConfig
 from dsv4convert.model.blocks import block_release_names, hf_config
 from dsv4convert.model.forward import Positions
+from dsv4convert.model.precision import at_layer_precision
 
 CSA = "compressed_sparse_attention"
 DENSE_TOPK = 1 << 30        # an index_topk no sequence reaches: the indexer selects every causal entry
@@ -85,6 +86,7 @@ class TrainableModel(nn.Module):
         for module in self.mtp.modules():
             self.backbone._init_weights(module)
         self.csa_layers = [i for i, t in enumerate(full.layer_types[: self.cfg.num_hidden_layers]) if t == CSA]
+        at_layer_precision(self)
 
     # -- configuration ------------------------------------------------------------------------
 
