@@ -286,38 +286,78 @@ def run(args: argparse.Namespace) -> dict:
         if layers != top:
             shutil.rmtree(src)
     result["summary"] = summarize(result["runs"])
-    result["extrapolation"] = extrapolate(result["runs"])
+    result["extrapolation"] = extrapolate(result["runs"], os.cpu_count())
     if args.source is None and not args.keep_source:
         shutil.rmtree(full_src)
     return result
 
 
-def extrapolate(runs: list[dict]) -> dict:
-    """Full-model seconds per (variant, workers) from the per-layer difference between layer counts."""
+def extrapolate(runs: list[dict], cores: int | None = None) -> dict:
+    """Full-model seconds per (variant, workers), from what the worker count cannot hide.
+
+    The converter runs one shard per worker: with as many workers as layer shards, the wall time of one more
+    layer is about 0 (its shard runs beside the others), and the difference between layer counts, multiplied by
+    the 44 layers to go, says nothing. What no worker count hides is the work: the CPU seconds (user + system,
+    the process tree) each added layer costs. So for every command the per-layer cost is the difference between
+    layer counts of the median CPU seconds (and, with one worker, of the wall seconds too), and the full model is
+    ``t(L_lo) + layers to go (by bytes) x per-layer wall``, the per-layer wall being the one-worker wall difference where
+    one worker ran, else the CPU difference shared by ``min(workers, cores)`` busy processes (a bound its disk
+    may not meet: the figure says which it used). Each estimate prints the per-layer cost it rests on."""
     full_bytes, shards = full_model_bytes()
-    out: dict = {"full_model_bytes": full_bytes, "full_model_shards": shards, "method": None, "seconds": {}}
-    times: dict[tuple[str, int], dict[int, list[float]]] = {}
+    cores = cores or os.cpu_count() or 1
+    out: dict = {"full_model_bytes": full_bytes, "full_model_shards": shards, "method": None, "seconds": {},
+                 "per_layer": {}}
+    wall: dict[tuple[str, int], dict[int, list[float]]] = {}
+    cpu: dict[tuple[str, int], dict[int, list[float]]] = {}
     source_bytes: dict[int, int] = {}
     for row in runs:
-        times.setdefault((row["variant"], row["workers"]), {}).setdefault(row["layers"], []).append(row["seconds"])
+        key = (row["variant"], row["workers"])
+        wall.setdefault(key, {}).setdefault(row["layers"], []).append(row["seconds"])
+        cpu.setdefault(key, {}).setdefault(row["layers"], []).append(
+            row.get("cpu_user_seconds", 0.0) + row.get("cpu_system_seconds", 0.0))
         source_bytes[row["layers"]] = row["source_bytes"]
-    by_key = {key: {layers: (statistics.median(seconds), source_bytes[layers]) for layers, seconds in per.items()}
-              for key, per in times.items()}
-    counts = sorted({row["layers"] for row in runs})
-    if len(counts) >= 2:
-        out["method"] = (f"t(L={counts[0]}) + (full bytes - bytes(L={counts[0]})) x per-byte time of the "
-                         f"layers between L={counts[0]} and L={counts[-1]}")
-    else:
-        out["method"] = f"full bytes / measured source rate at L={counts[0]}"
-    for (variant, workers), per_layers in by_key.items():
-        lo, hi = per_layers[counts[0]], per_layers[counts[-1]]
-        if len(counts) >= 2 and hi[1] > lo[1]:
-            per_byte = (hi[0] - lo[0]) / (hi[1] - lo[1])
-            estimate = lo[0] + (full_bytes - lo[1]) * per_byte
+    counts = sorted(source_bytes)
+    if len(counts) < 2:
+        out["method"] = (f"none: one layer count (L={counts[0]}) cannot separate the per-layer cost from the "
+                         f"once-per-run cost; run --layers with two counts")
+        return out
+    lo, hi = counts[0], counts[-1]
+    # the layers still to convert, counted in bytes (the drafter and the last layers weigh what they weigh)
+    layers_to_go = (full_bytes - source_bytes[lo]) / ((source_bytes[hi] - source_bytes[lo]) / (hi - lo))
+    out["method"] = (f"t(L={lo}) + {layers_to_go:.1f} layer-equivalents of bytes x per-layer wall; per-layer wall = "
+                     f"the one-worker wall "
+                     f"difference between L={lo} and L={hi}, or, for more workers, the CPU-seconds difference / "
+                     f"min(workers, {cores} cores)")
+    for key in wall:
+        variant, workers = key
+        median = {layers: statistics.median(values) for layers, values in wall[key].items()}
+        median_cpu = {layers: statistics.median(values) for layers, values in cpu[key].items()}
+        if lo not in median or hi not in median:
+            continue
+        cpu_per_layer = (median_cpu[hi] - median_cpu[lo]) / (hi - lo)
+        wall_per_layer = (median[hi] - median[lo]) / (hi - lo)
+        if workers == 1 or variant == "cp":
+            per_layer, basis = wall_per_layer, "one-worker wall difference"
         else:
-            estimate = full_bytes * lo[0] / lo[1]
-        out["seconds"][f"{variant}/w{workers}"] = round(estimate, 1)
+            per_layer, basis = cpu_per_layer / min(workers, cores), f"CPU difference / {min(workers, cores)}"
+        name = f"{variant}/w{workers}"
+        out["per_layer"][name] = {"wall_seconds_difference": round(wall_per_layer, 2),
+                                  "cpu_seconds_difference": round(cpu_per_layer, 2),
+                                  "used_seconds": round(per_layer, 2), "basis": basis}
+        out["seconds"][name] = round(median[lo] + layers_to_go * per_layer, 1)
     return out
+
+
+def extrapolation_lines(ex: dict) -> list[str]:
+    """The full-model table, each figure beside the per-layer cost it rests on."""
+    lines = ["", f"Full model ({ex['full_model_shards']} shards, {ex['full_model_bytes'] / GB:.1f} GB), "
+             f"{ex['method']}:", "", "| command | minutes | per-layer wall s (used) | basis | "
+             "wall s difference per layer | CPU s difference per layer |", "|---|---|---|---|---|---|"]
+    for key, seconds in ex["seconds"].items():
+        cost = ex["per_layer"][key]
+        lines.append(f"| {key} | {seconds / 60:.1f} | {cost['used_seconds']} | {cost['basis']} | "
+                     f"{cost['wall_seconds_difference']} | {cost['cpu_seconds_difference']} |")
+    return lines
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -369,11 +409,7 @@ def markdown(result: dict) -> str:
                      f"{r['cpu_user_seconds']} | {r['cpu_system_seconds']} | {_gb(r['disk_read_bytes'])} | "
                      f"{_gb(r['disk_written_bytes'])} | {r['peak_rss_total'] / GB:.3f} | "
                      f"{r['peak_rss_single'] / GB:.3f} | {r['output_bytes'] / GB:.2f} | {r['load_avg_1m_before']} |")
-    ex = result["extrapolation"]
-    lines += ["", f"Full model ({ex['full_model_shards']} shards, {ex['full_model_bytes'] / GB:.1f} GB), "
-              f"{ex['method']}:", "", "| command | minutes |", "|---|---|"]
-    for key, seconds in ex["seconds"].items():
-        lines.append(f"| {key} | {seconds / 60:.1f} |")
+    lines += extrapolation_lines(result["extrapolation"])
     return "\n".join(lines) + "\n"
 
 
