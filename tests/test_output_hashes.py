@@ -1,8 +1,10 @@
 """Every output byte the converters write, pinned.
 
-A fixed tiny source (``synth --preset tiny``, seed 0) is converted to each shipped variant — fp8, nvfp4 for
-both engines and for SGLang alone, nvfp4-mtp-mxfp4, w4a16, bf16 — and to a mixed recipe in the form automix
-writes (``tests/data/mixed-automix.yaml``); the SHA-256 of every safetensors file and the quantization config
+Two fixed tiny sources, seed 0 — the preview's layout with its MTP block (``synth --preset tiny``) and
+V4-Flash-0731's with a DSpark drafter under ``mtp.*`` (``synth --preset tiny --drafter dspark``, names
+``0731/...``) — are converted to each shipped variant — fp8, nvfp4 for both engines and for SGLang alone,
+nvfp4-mtp-mxfp4, w4a16, bf16; for 0731 also fp8 and w4a16 for SGLang alone, whose drafter layouts differ — and
+the preview's to a mixed recipe in the form automix writes (``tests/data/mixed-automix.yaml``); the SHA-256 of every safetensors file and the quantization config
 (``config.json``'s ``quantization_config`` and ``expert_dtype``/``topk_group``, ``hf_quant_config.json``) must
 equal ``tests/data/output_hashes.json``. Refactors move code, never bytes: a change here is a change in what
 users get, made on purpose and recorded in its own commit (``DSV4_UPDATE_HASHES=1`` rewrites the file).
@@ -31,6 +33,15 @@ OUTPUTS = {
     "w4a16": ("w4a16", "both"),
     "bf16": ("bf16", "both"),
     "mixed-automix": (str(DATA / "mixed-automix.yaml"), "both"),
+    # V4-Flash-0731's layout: the DSpark drafter carried by each engine's rules
+    "0731/fp8": ("fp8", "both"),
+    "0731/fp8@sglang": ("fp8", "sglang"),
+    "0731/nvfp4": ("nvfp4", "both"),
+    "0731/nvfp4@sglang": ("nvfp4", "sglang"),
+    "0731/nvfp4-mtp-mxfp4": ("nvfp4-mtp-mxfp4", "both"),
+    "0731/w4a16": ("w4a16", "both"),
+    "0731/w4a16@sglang": ("w4a16", "sglang"),
+    "0731/bf16": ("bf16", "both"),
 }
 
 _CHILD = """
@@ -38,13 +49,18 @@ import hashlib, json, sys
 from pathlib import Path
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.recipe import load_recipe
-from dsv4convert.synth import preset_config, synthesize
+from dsv4convert.layout import ModelConfig
+from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers
 
 root, outputs = Path(sys.argv[1]), json.loads(sys.argv[2])
-src = synthesize(root / "src", preset_config("tiny"), seed=0)
+preview = preset_config("tiny")
+layers = ModelConfig.from_dict(preview).num_hidden_layers
+sources = {"": synthesize(root / "src", preview, seed=0),
+           "0731/": synthesize(root / "src-0731", with_dspark(with_num_layers(preview, layers, mtp=False)), seed=0)}
 digests = {}
 for name, (recipe, engine) in outputs.items():
-    dst = root / name
+    src = sources["0731/" if name.startswith("0731/") else ""]
+    dst = root / name.replace("/", "-")
     convert(ConvertOptions(src=str(src), dst=dst, recipe=load_recipe(recipe), max_shard_bytes=1_000_000,
                            progress=False, engine=engine))
     config = json.loads((dst / "config.json").read_text())
