@@ -26,6 +26,8 @@ from dsv4convert.layout import (
     native_inventory,
     try_classify,
 )
+from dsv4convert.models.deepseek_v41 import config as v41_config
+from dsv4convert.models.deepseek_v41 import inventory as v41_inventory
 
 # Parameters that belong to a linear's weight storage in some format; others (router
 # `bias`/`tid2eid`, `ape`, bare tensors) are compared with the native spec as they are.
@@ -203,6 +205,8 @@ def role_table(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[dic
 
 
 def expected_report(config: dict, source: str) -> dict:
+    if v41_config.is_v41(config):
+        return v41_inventory.expected_report(v41_config.read_config(config, source))
     cfg = ModelConfig.from_dict(config, source=source)
     groups = native_groups(cfg)
     specs = [s for g in groups for s in g]
