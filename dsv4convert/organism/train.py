@@ -387,7 +387,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, module: torch.nn.Module, lo
     optimizer.step()
 
 
-def steps_for_budget(s: TrainSettings, done: int, elapsed: float) -> int:
+def steps_for_budget(s: BudgetedSettings, done: int, elapsed: float) -> int:
     """Steps that fill ``s.time_budget`` at the speed of the first ``done`` (evaluations take ~5 % more)."""
     per_step = elapsed / done
     return done + max(1, int((s.time_budget - elapsed) / (per_step * 1.08)))
