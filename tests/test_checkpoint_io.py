@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from conftest import write_plain_checkpoint
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, SourceBytes, partial_path
-from dsv4convert.checkpoint import safetensors_io
+from dsv4convert.checkpoint import writer as shard_writer
 from dsv4convert.cli import main
 from dsv4convert.errors import CheckpointError
 
@@ -111,18 +111,18 @@ def test_source_bytes_are_copied_as_written(tmp_path, monkeypatch, writer):
     entry = Checkpoint.open(root).entry("w")
     calls = []
     if writer != "direct":
-        monkeypatch.setattr(safetensors_io, "DIRECT_IO", False)
+        monkeypatch.setattr(shard_writer, "DIRECT_IO", False)
     if writer == "page cache, buffered copy":
         def unsupported(*args):
             calls.append(args)
             raise OSError(errno.EXDEV, "cross-device")
         monkeypatch.setattr(os, "copy_file_range", unsupported)
-    monkeypatch.setattr(safetensors_io, "_WRITEBACK_EVERY", 4096)  # several pieces per tensor
-    monkeypatch.setattr(safetensors_io, "_DIRECT_CHUNK", 8192)  # several chunks per tensor
+    monkeypatch.setattr(shard_writer, "_WRITEBACK_EVERY", 4096)  # several pieces per tensor
+    monkeypatch.setattr(shard_writer, "_DIRECT_CHUNK", 8192)  # several chunks per tensor
     path = tmp_path / "out.safetensors"
     with ShardWriter(path, [PlannedTensor("n", "F32", (77,)), PlannedTensor("w", "U8", (300, 77))]) as w:
         direct = writer == "direct" and _takes_direct_writes(tmp_path)
-        assert isinstance(w._out, safetensors_io._DirectOutput) == direct
+        assert isinstance(w._out, shard_writer._DirectOutput) == direct
         w.write("n", norm)
         w.write("w", SourceBytes(entry, "U8", (300, 77)))
     with safe_open(path, "pt") as f:
@@ -147,7 +147,7 @@ def test_the_direct_writer_falls_back_where_direct_writes_are_refused(tmp_path, 
     monkeypatch.setattr(os, "pwritev", refuse_direct)
     path = tmp_path / "out.safetensors"
     with ShardWriter(path, [PlannedTensor("a", "F32", (3,))]) as w:
-        assert isinstance(w._out, safetensors_io._PageCacheOutput)
+        assert isinstance(w._out, shard_writer._PageCacheOutput)
         w.write("a", torch.tensor([1.0, 2.0, 3.0]))
     with safe_open(path, "pt") as f:
         assert torch.equal(f.get_tensor("a"), torch.tensor([1.0, 2.0, 3.0]))
@@ -170,7 +170,7 @@ def test_a_direct_chunk_write_that_fails_later_stops_the_shard_and_leaves_nothin
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "pwritev", full_disk)
-    monkeypatch.setattr(safetensors_io, "_DIRECT_CHUNK", 8192)
+    monkeypatch.setattr(shard_writer, "_DIRECT_CHUNK", 8192)
     path = tmp_path / "s.safetensors"
     big = (40000,) if fail_at == "put" else (1000,)  # several chunks, or one: then only commit writes
     with pytest.raises(CheckpointError, match=r"s\.safetensors: .*cannot write \(ENOSPC"):

@@ -24,7 +24,7 @@ from test_dspark_loading import STATIC_DROPPED, _outside_its_stage, check_draft,
 from tokenizers import Tokenizer
 
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.checkpoint.safetensors_io import read_header, read_tensor
+from dsv4convert.checkpoint.reader import read_header, read_tensor
 from dsv4convert.cli import main
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint

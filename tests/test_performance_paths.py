@@ -22,9 +22,10 @@ from dsv4convert.checkpoint import (
     ShardWriter,
     SourceBytes,
     prefetch,
+    read_pieces,
     read_tensor,
-    safetensors_io,
 )
+from dsv4convert.checkpoint import writer as shard_writer
 from dsv4convert.cli import main
 from dsv4convert.convert import execute, pipeline
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, convert_module, partner_params, read_module
@@ -92,7 +93,7 @@ def test_without_kernel_copies_the_shard_is_the_same(plans, tmp_path, monkeypatc
     shard = max(plan.shards, key=lambda s: len(s.modules))
     (tmp_path / "seq").mkdir()
     reference = _sequential(tmp_path / "seq", plan, shard, scales)
-    monkeypatch.setattr(safetensors_io, "DIRECT_IO", False)
+    monkeypatch.setattr(shard_writer, "DIRECT_IO", False)
     (tmp_path / "page-cache").mkdir()
     run_shard_job(str(tmp_path / "page-cache"), shard, _partners(plan, shard), scales)
     assert (tmp_path / "page-cache" / shard.name).read_bytes() == reference
@@ -249,7 +250,7 @@ def test_nvfp4_reads_only_the_codes_of_blocks_outside_the_window(plans, monkeypa
 
     def counting_pieces(entry, offsets, size):
         pieces.append((entry.name, len(offsets)))
-        return safetensors_io.read_pieces(entry, offsets, size)
+        return read_pieces(entry, offsets, size)
 
     monkeypatch.setattr(modules, "read_pieces", counting_pieces)
     ctx = ModuleContext(read=counting_read, partner_sources=plan.modules[job.partner].sources,
@@ -411,17 +412,17 @@ def test_prefetch_is_only_a_hint(plans, tmp_path):
 
 
 def test_page_cache_writer_hands_written_bytes_to_writeback_as_it_goes(tmp_path, monkeypatch):
-    monkeypatch.setattr(safetensors_io, "DIRECT_IO", False)
+    monkeypatch.setattr(shard_writer, "DIRECT_IO", False)
     calls = []
-    monkeypatch.setattr(safetensors_io, "_WRITEBACK_EVERY", 1000)
-    monkeypatch.setattr(safetensors_io, "_WRITE_CHUNK", 300)
-    monkeypatch.setattr(safetensors_io.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    monkeypatch.setattr(shard_writer, "_WRITEBACK_EVERY", 1000)
+    monkeypatch.setattr(shard_writer, "_WRITE_CHUNK", 300)
+    monkeypatch.setattr(shard_writer.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
     tensors = [(f"t{i}", torch.arange(i * 100, i * 100 + 400, dtype=torch.int32)) for i in range(4)]  # 1600 B each
     planned = [PlannedTensor(name, "I32", (400,)) for name, _ in tensors]
     with ShardWriter(tmp_path / "s.safetensors", planned) as writer:
         for name, t in tensors:
             writer.write(name, t)
-    assert calls and all(advice == safetensors_io.os.POSIX_FADV_DONTNEED for _, _, advice in calls)
+    assert calls and all(advice == shard_writer.os.POSIX_FADV_DONTNEED for _, _, advice in calls)
     assert [off for off, _, _ in calls] == [0] + [off + n for off, n, _ in calls[:-1]]  # contiguous from 0
     assert all(n >= 1000 for _, n, _ in calls)
     loaded = safetensors.torch.load_file(tmp_path / "s.safetensors")

@@ -304,14 +304,15 @@ def test_worker_killed_by_the_system_is_one_line_and_resumable(launchers, nvfp4,
 def test_interrupt_while_a_shard_is_being_opened_leaves_no_partial(tmp_path, monkeypatch):
     """SIGTERM right after the .partial is created, before any ``with`` holds the writer (the
     bench caught one left behind by a SIGTERM that landed there)."""
-    from dsv4convert.checkpoint import PlannedTensor, ShardWriter, partial_path, safetensors_io
+    from dsv4convert.checkpoint import PlannedTensor, ShardWriter, partial_path
+    from dsv4convert.checkpoint import writer as shard_writer
 
     class InterruptedPack:
         @staticmethod
         def pack(*args):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors_io, "struct", InterruptedPack)
+    monkeypatch.setattr(shard_writer, "struct", InterruptedPack)
     path = tmp_path / "s.safetensors"
     with pytest.raises(KeyboardInterrupt):
         ShardWriter(path, [PlannedTensor("a", "F32", (1,))])

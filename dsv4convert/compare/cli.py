@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dsv4convert.compare import DEFAULT_ANCHORS
+from dsv4convert.engines import GPU_FAMILIES
 from dsv4convert.errors import DSV4Error
 from dsv4convert.sizes import human_bytes
 
@@ -67,7 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="the base side's numerics, when they should differ from --numerics (e.g. weights: "
                           "the base as an ideal reference)")
     num.add_argument("--engine", choices=("sglang",), default="sglang")
-    num.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"), default="sm120",
+    num.add_argument("--gpu-family", choices=GPU_FAMILIES, default="sm120",
                      help="the GPUs the variant is served on (default: sm120, RTX PRO 6000 Blackwell)")
     num.add_argument("--moe-runner-backend", metavar="B",
                      help="SGLang's --moe-runner-backend, where you serve with another than `serve` picks")

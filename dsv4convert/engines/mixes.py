@@ -27,20 +27,6 @@ CANDIDATES: dict[str, tuple[Format, ...]] = {
 
 
 @dataclass(frozen=True)
-class _Rule:
-    """One engine's verdict on one config family on one GPU family."""
-
-    experts: tuple[Format, ...]
-    refused: dict[Format, str]
-    linears: tuple[Format, ...]
-    linears_per_layer: bool
-    mtp: tuple[Format | None, ...]     # draft storages this engine loads and runs, preferred first
-    env_note: str
-    model_wide: tuple[str, ...] = ()   # linears one format for the whole model even when the others are per layer
-
-
-
-@dataclass(frozen=True)
 class MixRule:
     """One engine's verdict on one config family on one GPU family."""
 

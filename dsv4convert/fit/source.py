@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dsv4convert import variants
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.checkpoint.safetensors_io import TensorEntry
+from dsv4convert.checkpoint.reader import TensorEntry
 from dsv4convert.convert.plan import build_plan
 from dsv4convert.convert.recipe import load_recipe
 from dsv4convert.dtypes import nbytes

@@ -32,7 +32,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.checkpoint.safetensors_io import read_tensor
+from dsv4convert.checkpoint.reader import read_tensor
 from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection

@@ -28,9 +28,7 @@ H200 the shipped drafter was trained on).
 
 from __future__ import annotations
 
-import dataclasses
 import random
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,7 +49,7 @@ from dsv4convert.organism.train import (
     lr_at,
     optimizer_step,
     prefetched,
-    steps_for_budget,
+    run_for_budget,
 )
 from dsv4convert.synth import with_dspark, with_num_layers
 
@@ -199,19 +197,8 @@ def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, set
     optimizer = adamw(drafter, s.lr, s.weight_decay)
     held = heldout_sets(tokenizer, text, sequences=s.eval_sequences, seed=s.seed) if s.eval_sequences else {}
     batches = prefetched(lambda: data.batch()[0])
-    curve: list[dict] = []
-    running: dict[str, torch.Tensor] = {}
-    started = time.perf_counter()
-    hit_limit, step, steps = False, 0, s.steps
-    while steps is None or step < steps:
-        if s.time_limit is not None and time.perf_counter() - started > s.time_limit:
-            hit_limit = True
-            break
-        if steps is None and step == PROBE_STEPS:
-            steps = steps_for_budget(s, step, time.perf_counter() - started)
-            s = dataclasses.replace(s, steps=steps)
-            log(f"step {step}: {(time.perf_counter() - started) / step:.3f} s a step, {steps} steps fill the "
-                f"{s.time_budget:.0f} s budget")
+
+    def one_step(s: DraftSettings, step: int, steps: int | None) -> dict[str, torch.Tensor]:
         ids = next(batches)
         if bool((ids == d.noise_token_id).any()):
             raise DSV4Error(f"the training data contain the noise token {d.noise_token_id}")
@@ -220,21 +207,12 @@ def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, set
         ce, bce, metrics = drafter_losses(drafter, target, ids, anchors)
         loss = ce + s.confidence_weight * bce
         optimizer_step(optimizer, drafter, loss, lr_at(step, s, steps))
-        for name, value in {"loss": loss.detach(), **metrics, "n": torch.ones((), device=device)}.items():
-            running[name] = running.get(name, 0.0) + value.detach()
-        step += 1
-        if step % s.eval_every == 0 or step == steps:
-            curve.append(_point(drafter, target, held, step, time.perf_counter() - started, running))
-            running = {}
-            log(_describe(curve[-1]))
-            drafter.train()
-    seconds = time.perf_counter() - started
-    if hit_limit and (not curve or curve[-1]["step"] != step):
-        curve.append(_point(drafter, target, held, step, seconds, running))
-        log(_describe(curve[-1]))
+        return {"loss": loss, **metrics}
+
+    run = run_for_budget(settings, PROBE_STEPS, one_step, drafter, log,
+                         lambda step, seconds, running: _point(drafter, target, held, step, seconds, running), _describe)
     drafter.eval()
-    return DraftResult(drafter, dataclasses.replace(s, steps=steps if steps is not None else step), step, seconds,
-                       hit_limit, curve)
+    return DraftResult(drafter, run.settings, run.steps_run, run.seconds, run.hit_time_limit, run.curve)
 
 
 # -- held-out acceptance --------------------------------------------------------------------------

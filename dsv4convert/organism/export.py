@@ -29,7 +29,7 @@ import torch
 
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, atomic_write_json, write_index
 from dsv4convert.checkpoint.reader import INDEX_NAME, read_small_json
-from dsv4convert.checkpoint.safetensors_io import TensorEntry, read_header, read_tensor
+from dsv4convert.checkpoint.reader import TensorEntry, read_header, read_tensor
 from dsv4convert.checkpoint.writer import copy_small_files, shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block

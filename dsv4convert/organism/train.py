@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -266,25 +266,15 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
     data = Data(tokenizer, s, bos_id=int(config.get("bos_token_id", 0)))
     optimizer = adamw(model, s.lr, s.weight_decay)
     window = int(config["sliding_window"])
-    curve: list[dict] = []
-    running: dict[str, torch.Tensor] = {}
-    started = time.perf_counter()
-    hit_limit, step, steps = False, 0, s.steps
+
     def build():
         ids, rows = data.batch()
         queries = RetrievalQueries.of(rows, ids, window, device)
         return ids.to(device, non_blocking=True), rows, queries, _answer_mask(rows, ids.shape[1], device)
 
     batches = prefetched(build)
-    while steps is None or step < steps:
-        if s.time_limit is not None and time.perf_counter() - started > s.time_limit:
-            hit_limit = True
-            break
-        if steps is None and step == PROBE_STEPS:
-            steps = steps_for_budget(s, step, time.perf_counter() - started)
-            s = dataclasses.replace(s, steps=steps)
-            log(f"step {step}: {(time.perf_counter() - started) / step:.3f} s a step, {steps} steps fill "
-                f"the {s.time_budget:.0f} s budget")
+
+    def one_step(s: TrainSettings, step: int, steps: int | None) -> dict[str, torch.Tensor]:
         model.set_dense(step < s.dense_steps or step % s.dense_every == 0)
         ids, rows, queries, answer_mask = next(batches)
         out = model(ids, capture=True)
@@ -303,26 +293,80 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
         optimizer_step(optimizer, model, loss, lr_at(step, s, steps))
         with torch.no_grad():
             answers = answer_mask.sum().clamp(min=1)
-            record = {"loss": loss, "lm": lm, "mtp": mtp, "indexer_kl": kl, "attention_aid": attention_aid,
-                      "indexer_aid": indexer_aid, "answer_ce": (token_loss * answer_mask).sum() / answers,
-                      "answer_token_accuracy": ((logits.argmax(-1) == targets) & answer_mask).sum() / answers,
-                      "n": torch.ones((), device=device)}
-            for name, value in record.items():
-                running[name] = running.get(name, 0.0) + value.detach()
-        step += 1
-        if step % s.eval_every == 0 or step == steps:
-            curve.append(_evaluate(model, tokenizer, s, device, step, time.perf_counter() - started, running))
-            running = {}
-            log(_describe(curve[-1]))
-            model.train()
-    seconds = time.perf_counter() - started
-    if hit_limit and (not curve or curve[-1]["step"] != step):
-        curve.append(_evaluate(model, tokenizer, s, device, step, seconds, running))
-        log(_describe(curve[-1]))
+            return {"loss": loss, "lm": lm, "mtp": mtp, "indexer_kl": kl, "attention_aid": attention_aid,
+                    "indexer_aid": indexer_aid, "answer_ce": (token_loss * answer_mask).sum() / answers,
+                    "answer_token_accuracy": ((logits.argmax(-1) == targets) & answer_mask).sum() / answers}
+
+    run = run_for_budget(settings, PROBE_STEPS, one_step, model, log,
+                         lambda step, seconds, running: _evaluate(model, tokenizer, s, device, step, seconds, running),
+                         _describe)
     model.set_dense(False)
     model.eval()
-    return TrainResult(model, dataclasses.replace(s, steps=steps if steps is not None else step), step, seconds,
-                       hit_limit, curve)
+    return TrainResult(model, run.settings, run.steps_run, run.seconds, run.hit_time_limit, run.curve)
+
+
+S = TypeVar("S", bound="BudgetedSettings")
+
+
+class BudgetedSettings(Protocol):
+    """What :func:`run_for_budget` reads of a trainer's settings."""
+
+    steps: int | None
+    time_budget: float
+    time_limit: float | None
+    eval_every: int
+
+
+@dataclass
+class BudgetedRun(Generic[S]):
+    """How a :func:`run_for_budget` ended: its settings with the step count it chose, and its curve."""
+
+    settings: S
+    steps_run: int
+    seconds: float
+    hit_time_limit: bool
+    curve: list[dict]
+
+
+def run_for_budget(settings: S, probe_steps: int, one_step: Callable[[S, int, int | None], dict[str, torch.Tensor]],
+                   module: torch.nn.Module, log: Callable[[str], None],
+                   evaluate: Callable[[int, float, dict[str, torch.Tensor | int]], dict],
+                   describe: Callable[[dict], str]) -> BudgetedRun[S]:
+    """The loop both trainers run: ``one_step(settings, step, steps)`` (it returns the metrics to average)
+    until ``settings.steps``, or, with it None, as many as fill ``settings.time_budget`` at the speed of the
+    first ``probe_steps`` (chosen once and recorded in the result's settings, so ``steps=N`` replays the run:
+    nothing before the choice depends on it); a point of the curve every ``eval_every`` steps, at the end and
+    where ``time_limit`` stops the run. ``evaluate`` may leave ``module`` in eval mode; it goes back to train."""
+    s = settings
+    curve: list[dict] = []
+    running: dict[str, torch.Tensor | int] = {}     # each metric's sum since the last point, and their count n
+    started = time.perf_counter()
+    hit_limit, step, steps = False, 0, s.steps
+    while steps is None or step < steps:
+        if s.time_limit is not None and time.perf_counter() - started > s.time_limit:
+            hit_limit = True
+            break
+        if steps is None and step == probe_steps:
+            steps = steps_for_budget(s, step, time.perf_counter() - started)
+            s = dataclasses.replace(s, steps=steps)
+            log(f"step {step}: {(time.perf_counter() - started) / step:.3f} s a step, {steps} steps fill "
+                f"the {s.time_budget:.0f} s budget")
+        record = one_step(s, step, steps)
+        for name, value in record.items():
+            running[name] = running.get(name, 0.0) + value.detach()
+        running["n"] = running.get("n", 0) + 1
+        step += 1
+        if step % s.eval_every == 0 or step == steps:
+            curve.append(evaluate(step, time.perf_counter() - started, running))
+            running = {}
+            log(describe(curve[-1]))
+            module.train()
+    seconds = time.perf_counter() - started
+    if hit_limit and (not curve or curve[-1]["step"] != step):
+        curve.append(evaluate(step, seconds, running))
+        log(describe(curve[-1]))
+    return BudgetedRun(dataclasses.replace(s, steps=steps if steps is not None else step), step, seconds, hit_limit,
+                       curve)
 
 
 def adamw(module: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -343,7 +387,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, module: torch.nn.Module, lo
     optimizer.step()
 
 
-def steps_for_budget(s: TrainSettings, done: int, elapsed: float) -> int:
+def steps_for_budget(s: BudgetedSettings, done: int, elapsed: float) -> int:
     """Steps that fill ``s.time_budget`` at the speed of the first ``done`` (evaluations take ~5 % more)."""
     per_step = elapsed / done
     return done + max(1, int((s.time_budget - elapsed) / (per_step * 1.08)))
@@ -361,7 +405,7 @@ def prefetched(build: Callable[[], T]) -> Iterator[T]:
 
 
 def _evaluate(model: TrainableModel, tokenizer, s: TrainSettings, device: torch.device, step: int, seconds: float,
-              running: dict[str, torch.Tensor]) -> dict:
+              running: dict[str, torch.Tensor | int]) -> dict:
     """Mean losses since the last point and teacher-forced recall on held-out needles."""
     model.eval()
     n = max(1.0, float(running.get("n", 1.0)))
