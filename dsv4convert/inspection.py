@@ -23,6 +23,7 @@ from dsv4convert.layout import (
     Role,
     TensorInfo,
     TensorSpec,
+    check_top_k,
     linear_shapes,
     native_groups,
     native_inventory,
@@ -167,6 +168,13 @@ def check_stored_experts(cfg: ModelConfig, infos: dict[str, TensorInfo | None], 
             key = "dspark_n_routed_experts" if draft and cfg.dspark is not None else "n_routed_experts"
             raise CheckpointError(f"'{key}' is {wanted}, but no {'draft block' if draft else 'layer'} stores more "
                                   f"than {counts[block]} routed experts ({block}.ffn.experts.*)", file=source)
+
+
+def check_routing(ckpt: Checkpoint) -> None:
+    """:func:`check_top_k` for a checkpoint read from disk, called by the commands that read one; not part of
+    :func:`inspect_checkpoint`, which also plans fit's compact copy (one expert per layer, the full top-k)."""
+    source = str(ckpt.root / "config.json")
+    check_top_k(ModelConfig.from_dict(ckpt.config, source=source), source)
 
 
 def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:

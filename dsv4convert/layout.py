@@ -217,12 +217,23 @@ def _check_consistency(values: dict, source: str) -> None:
     if values["num_attention_heads"] % values["o_groups"]:
         raise CheckpointError(f"'o_groups' ({values['o_groups']}) must divide 'num_attention_heads' "
                               f"({values['num_attention_heads']})", file=source)
-    if values["num_experts_per_tok"] > values["n_routed_experts"]:
-        raise CheckpointError(f"'num_experts_per_tok' ({values['num_experts_per_tok']}) must not exceed "
-                              f"'n_routed_experts' ({values['n_routed_experts']})", file=source)
     if values["num_hash_layers"] > values["num_hidden_layers"]:
         raise CheckpointError(f"'num_hash_layers' ({values['num_hash_layers']}) must not exceed "
                               f"'num_hidden_layers' ({values['num_hidden_layers']})", file=source)
+
+
+def check_top_k(cfg: ModelConfig, source: str) -> None:
+    """Each token's routed experts are among its block's: checked where a checkpoint is read (inspect, the
+    converters, validate), not in ``from_dict``, since ``fit`` sizes a compact copy of the model that keeps the
+    full top-k over one expert per layer (fit/source.py::_compact)."""
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise CheckpointError(f"'num_experts_per_tok' ({cfg.num_experts_per_tok}) must not exceed "
+                              f"'n_routed_experts' ({cfg.n_routed_experts})", file=source)
+    d = cfg.dspark
+    if d is not None and d.num_experts_per_tok > d.n_routed_experts:
+        raise CheckpointError(f"'dspark_num_experts_per_tok' ({d.num_experts_per_tok}) must not exceed the stages' "
+                              f"routed experts ({d.n_routed_experts}, 'dspark_n_routed_experts' else "
+                              "'n_routed_experts')", file=source)
 
 
 def _dspark(config: dict, values: dict, source: str) -> DSparkConfig | None:
@@ -246,9 +257,6 @@ def _dspark(config: dict, values: dict, source: str) -> DSparkConfig | None:
     experts, topk = (values[base] if config.get(key) is None else checked_int(key, config[key], 1, MAX_EXPERTS, source)
                      for key, base in (("dspark_n_routed_experts", "n_routed_experts"),
                                        ("dspark_num_experts_per_tok", "num_experts_per_tok")))
-    if topk > experts:
-        raise CheckpointError(f"'dspark_num_experts_per_tok' ({topk}) must not exceed the stages' routed experts "
-                              f"({experts}, 'dspark_n_routed_experts' else 'n_routed_experts')", file=source)
     with_markov = config.get("confidence_head_with_markov")
     if with_markov is not None and not isinstance(with_markov, bool):
         raise CheckpointError(f"'confidence_head_with_markov' must be true or false, got {with_markov!r}", file=source)

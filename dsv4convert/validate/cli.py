@@ -26,7 +26,7 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
     from tqdm import tqdm
 
     from dsv4convert.checkpoint import Checkpoint
-    from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.inspection import check_routing, inspect_checkpoint
     from dsv4convert.layout import linear_shapes
     from dsv4convert.validate.integrity import check_all_finite, check_integrity
     from dsv4convert.validate.layer_error import layer_errors
@@ -37,8 +37,11 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
     if device == "cuda" and not torch.cuda.is_available():
         raise DSV4Error("--device cuda asked for, but torch sees no CUDA GPU")
     ckpt = Checkpoint.open(dst)
+    check_routing(ckpt)
     info = inspect_checkpoint(ckpt)
     src = Checkpoint.open(against) if against is not None else None
+    if src is not None:
+        check_routing(src)
     src_info = inspect_checkpoint(src) if src is not None else None
     if src_info is not None and src_info.config != info.config:
         raise DSV4Error("the two checkpoints have different model configs", file=Path(against) / "config.json")
