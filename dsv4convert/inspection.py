@@ -16,11 +16,14 @@ from pathlib import Path
 
 from dsv4convert import variants
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, detect_format
 from dsv4convert.layout import (
     ModelConfig,
     Role,
+    TensorInfo,
     TensorSpec,
+    check_top_k,
     linear_shapes,
     native_groups,
     native_inventory,
@@ -107,11 +110,22 @@ def _drafter_surprise(cfg: ModelConfig, info) -> str:
     if dspark_names and cfg.dspark is None:
         return ("a DSpark drafter's tensor, but config.json announces " + describe_drafter(cfg)
                 + " (no dspark_* keys): it would be dropped silently by every engine")
-    if int(info.block.split(".")[1]) >= cfg.num_draft_blocks:
+    stage = int(info.block.split(".")[1])
+    if stage >= cfg.num_draft_blocks:
         return f"beyond {describe_drafter(cfg)} config.json announces"
-    if cfg.dspark is not None:
-        return "not part of a DSpark stage (e_proj/h_proj/enorm/hnorm belong to the preview's MTP block)"
-    return f"not part of {describe_drafter(cfg)}"
+    if info.expert is not None and info.expert >= cfg.experts_in(info.block):
+        key = "dspark_n_routed_experts" if cfg.dspark is not None else "n_routed_experts"
+        n = cfg.experts_in(info.block)
+        return f"routed expert {info.expert} is out of range for {key} = {n} (experts 0-{n - 1})"
+    if cfg.dspark is None:
+        return f"not part of {describe_drafter(cfg)}"
+    last = cfg.dspark.stages - 1
+    local = info.module[len(info.block) + 1:]
+    if info.role is Role.DRAFT_HEAD or local in ("norm", "hc_head"):
+        return f"a DSpark drafter holds its Markov and confidence heads in its last stage, mtp.{last}, not {info.block}"
+    if local in ("main_proj", "main_norm"):
+        return f"a DSpark drafter projects the target's hidden states in its first stage, mtp.0, not {info.block}"
+    return "not part of a DSpark stage (e_proj/h_proj/enorm/hnorm belong to the preview's MTP block)"
 
 
 def _native_modules(specs: list[TensorSpec]) -> dict[str, dict[str, TensorSpec]]:
@@ -122,15 +136,61 @@ def _native_modules(specs: list[TensorSpec]) -> dict[str, dict[str, TensorSpec]]
     return modules
 
 
+def stored_modules(ckpt: Checkpoint) -> dict[str, TensorInfo | None]:
+    """Each stored tensor's meaning (None: not a layout name), refusing two names that map to one module's
+    parameter (the release's and an engine's alias): a loader keeps whichever comes later and drops the other."""
+    infos: dict[str, TensorInfo | None] = {}
+    owner: dict[tuple[str, str], str] = {}
+    for name, entry in ckpt.tensors.items():
+        info = infos[name] = try_classify(name)
+        if info is None:
+            continue
+        first = owner.setdefault((info.module, info.param), name)
+        if first != name:
+            raise CheckpointError(f"stored as '{first}' (in {ckpt.tensors[first].path.name}) and as '{name}' (in "
+                                  f"{entry.path.name}): two names for {info.module}.{info.param}, of which a loader "
+                                  "keeps one and drops the other", file=entry.path, tensor=name)
+    return infos
+
+
+def check_stored_experts(cfg: ModelConfig, infos: dict[str, TensorInfo | None], source: str) -> None:
+    """The routed-expert counts config.json gives, against the experts the checkpoint stores (before the
+    inventory is sized by them): a count beyond every block's stored experts is a config that lies."""
+    stored: dict[str, set[int]] = defaultdict(set)
+    for info in infos.values():
+        if info is not None and info.expert is not None:
+            stored[info.block].add(info.expert)
+    for draft in (False, True):
+        counts = {block: len(ids) for block, ids in stored.items() if block.startswith("mtp.") == draft}
+        if not counts:
+            continue
+        block = max(counts, key=counts.__getitem__)
+        wanted = cfg.experts_in(block)
+        if wanted > counts[block]:
+            key = "dspark_n_routed_experts" if draft and cfg.dspark is not None else "n_routed_experts"
+            raise CheckpointError(f"'{key}' is {wanted}, but no {'draft block' if draft else 'layer'} stores more "
+                                  f"than {counts[block]} routed experts ({block}.ffn.experts.*)", file=source)
+
+
+def check_routing(ckpt: Checkpoint) -> None:
+    """:func:`check_top_k` for a checkpoint read from disk, called by the commands that read one; not part of
+    :func:`inspect_checkpoint`, which also plans fit's compact copy (one expert per layer, the full top-k)."""
+    source = str(ckpt.root / "config.json")
+    check_top_k(ModelConfig.from_dict(ckpt.config, source=source), source)
+
+
 def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
     """Match a checkpoint against the layout its config.json describes."""
-    cfg = ModelConfig.from_dict(ckpt.config, source=str(ckpt.root / "config.json"))
+    source = str(ckpt.root / "config.json")
+    cfg = ModelConfig.from_dict(ckpt.config, source=source)
+    infos = stored_modules(ckpt)
+    check_stored_experts(cfg, infos, source)
     native = _native_modules(native_inventory(cfg))
     shapes = linear_shapes(cfg)
     actual: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = defaultdict(dict)
     unexpected: list[str] = []
     for name, entry in ckpt.tensors.items():
-        info = try_classify(name)
+        info = infos[name]
         if info is None or info.module not in native:
             unexpected.append(name)
         else:

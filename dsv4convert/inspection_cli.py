@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from dsv4convert.checkpoint import Checkpoint, read_small_json
-    from dsv4convert.inspection import describe_drafter, expected_report, inspect_checkpoint, role_table
+    from dsv4convert.inspection import check_routing, describe_drafter, expected_report, inspect_checkpoint, role_table
 
     if args.expected:
         if not args.config:
@@ -47,6 +47,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.src:
         raise CheckpointError("inspect needs a checkpoint (or --config CONFIG --expected)")
     ckpt = Checkpoint.open(args.src)
+    check_routing(ckpt)
     result = inspect_checkpoint(ckpt)
     entries = [(n, e.dtype, e.shape, e.nbytes) for n, e in ckpt.tensors.items()]
     if args.json:

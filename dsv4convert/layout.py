@@ -23,6 +23,21 @@ from dsv4convert.errors import CheckpointError
 
 FP8_BLOCK = 128
 MXFP4_GROUP = 32
+MAX_EXPERTS = 4096
+MAX_DRAFT_BLOCKS = 64
+# The most tensors a config may describe: the inventory is built in memory, so a config's counts must not size
+# it unbounded (DeepSeek-V4-Flash-0731 holds 72,317 tensors).
+MAX_INVENTORY = 1 << 20
+# Each integer ModelConfig reads: its lowest and highest value. The highs are far beyond any DeepSeek-V4 release
+# (43 layers, 256 experts, 4096 hidden, a 129,280-token vocabulary) and keep every shape a config describes sane.
+LIMITS = {
+    "vocab_size": (1, 1 << 24), "hidden_size": (MXFP4_GROUP, 1 << 17), "moe_intermediate_size": (MXFP4_GROUP, 1 << 17),
+    "num_hidden_layers": (1, 1 << 10), "num_nextn_predict_layers": (0, MAX_DRAFT_BLOCKS),
+    "num_hash_layers": (0, 1 << 10), "num_attention_heads": (1, 1 << 12), "head_dim": (MXFP4_GROUP, 1 << 14),
+    "q_lora_rank": (MXFP4_GROUP, 1 << 17), "o_lora_rank": (1, 1 << 17), "o_groups": (1, 1 << 12),
+    "n_routed_experts": (1, MAX_EXPERTS), "n_shared_experts": (0, 64), "num_experts_per_tok": (1, MAX_EXPERTS),
+    "index_n_heads": (1, 1 << 12), "index_head_dim": (1, 1 << 14), "hc_mult": (1, 64),
+}
 
 
 class Role(str, Enum):
@@ -128,6 +143,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, config: dict, *, source: str = "config.json") -> "ModelConfig":
+        """Every value the layout reads, checked for type, range and consistency before anything is sized by it:
+        a hostile config is one error naming its key, never a traceback or an inventory that fills memory."""
         if not isinstance(config, dict):
             raise CheckpointError("config is not a JSON object", file=source)
         archs = config.get("architectures") or []
@@ -137,21 +154,19 @@ class ModelConfig:
                 file=source,
             )
         values = {}
-        for name in cls.__dataclass_fields__:
-            if name in ("compress_ratios", "dspark"):
-                continue
+        for name, (low, high) in LIMITS.items():
             value = config.get(name)
             if name == "num_nextn_predict_layers" and value is None:
                 value = 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CheckpointError(f"field '{name}' must be a non-negative integer, got {value!r}", file=source)
-            values[name] = value
+            values[name] = checked_int(name, value, low, high, source)
+        _check_consistency(values, source)
         dspark = _dspark(config, values, source)
         draft_blocks = dspark.stages if dspark else values["num_nextn_predict_layers"]
         ratios = config.get("compress_ratios")
         n_blocks = values["num_hidden_layers"] + draft_blocks
         what = "DSpark stages" if dspark else "MTP blocks"
-        if not isinstance(ratios, list) or len(ratios) < n_blocks or any(r not in (0, 4, 128) for r in ratios):
+        if not isinstance(ratios, list) or len(ratios) < n_blocks or any(
+                type(r) is not int or r not in (0, 4, 128) for r in ratios):
             raise CheckpointError(
                 f"'compress_ratios' must list 0/4/128 for each of the {n_blocks} layers and {what}, got {ratios!r}",
                 file=source,
@@ -159,11 +174,11 @@ class ModelConfig:
         if dspark and any(ratios[values["num_hidden_layers"]:n_blocks]):
             raise CheckpointError("'compress_ratios' of the DSpark stages must be 0: they attend in the sliding "
                                   "window only (no compressor, no indexer)", file=source)
-        for name in ("hidden_size", "moe_intermediate_size", "q_lora_rank", "head_dim"):
-            if values[name] % MXFP4_GROUP:
-                raise CheckpointError(f"field '{name}' must be a multiple of {MXFP4_GROUP}", file=source)
-        if (values["num_attention_heads"] * values["head_dim"]) % values["o_groups"]:
-            raise CheckpointError("num_attention_heads * head_dim must divide by o_groups", file=source)
+        experts = max(values["n_routed_experts"], dspark.n_routed_experts if dspark else 0)
+        if n_blocks * (6 * experts + 64) > MAX_INVENTORY:
+            key = "dspark_n_routed_experts" if dspark and dspark.n_routed_experts == experts else "n_routed_experts"
+            raise CheckpointError(f"'{key}' = {experts} over {n_blocks} blocks describes more than {MAX_INVENTORY:,} "
+                                  "tensors, far beyond any DeepSeek-V4 release", file=source)
         return cls(**values, compress_ratios=tuple(ratios[:n_blocks]), dspark=dspark)
 
     def block_prefixes(self) -> list[str]:
@@ -187,8 +202,43 @@ class ModelConfig:
         return kind == "layers" and int(idx) < self.num_hash_layers
 
 
+def checked_int(key: str, value: object, low: int, high: int, source: str) -> int:
+    """``value`` if it is an integer (not a bool, not 8.0) in [low, high]; else one error naming ``key``."""
+    if type(value) is not int or not low <= value <= high:
+        raise CheckpointError(f"'{key}' must be an integer in [{low}, {high}], got {value!r}", file=source)
+    return value
+
+
+def _check_consistency(values: dict, source: str) -> None:
+    """What one key says about another: the layout's shapes are only whole where these hold."""
+    for name in ("hidden_size", "moe_intermediate_size", "q_lora_rank", "head_dim"):
+        if values[name] % MXFP4_GROUP:
+            raise CheckpointError(f"'{name}' must be a multiple of {MXFP4_GROUP}, got {values[name]}", file=source)
+    if values["num_attention_heads"] % values["o_groups"]:
+        raise CheckpointError(f"'o_groups' ({values['o_groups']}) must divide 'num_attention_heads' "
+                              f"({values['num_attention_heads']})", file=source)
+    if values["num_hash_layers"] > values["num_hidden_layers"]:
+        raise CheckpointError(f"'num_hash_layers' ({values['num_hash_layers']}) must not exceed "
+                              f"'num_hidden_layers' ({values['num_hidden_layers']})", file=source)
+
+
+def check_top_k(cfg: ModelConfig, source: str) -> None:
+    """Each token's routed experts are among its block's: checked where a checkpoint is read (inspect, the
+    converters, validate), not in ``from_dict``, since ``fit`` sizes a compact copy of the model that keeps the
+    full top-k over one expert per layer (fit/source.py::_compact)."""
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise CheckpointError(f"'num_experts_per_tok' ({cfg.num_experts_per_tok}) must not exceed "
+                              f"'n_routed_experts' ({cfg.n_routed_experts})", file=source)
+    d = cfg.dspark
+    if d is not None and d.num_experts_per_tok > d.n_routed_experts:
+        raise CheckpointError(f"'dspark_num_experts_per_tok' ({d.num_experts_per_tok}) must not exceed the stages' "
+                              f"routed experts ({d.n_routed_experts}, 'dspark_n_routed_experts' else "
+                              "'n_routed_experts')", file=source)
+
+
 def _dspark(config: dict, values: dict, source: str) -> DSparkConfig | None:
-    """The DSpark drafter config.json announces, checked (None: no DSpark key set)."""
+    """The DSpark drafter config.json announces, checked (None: no DSpark key set). A per-stage expert count
+    falls back to the backbone's only where its key is absent (or null): 0 is a value, and refused."""
     if not any(config.get(key) is not None for key in DSPARK_KEYS):
         return None
     missing = [key for key in DSPARK_KEYS if config.get(key) is None]
@@ -196,25 +246,22 @@ def _dspark(config: dict, values: dict, source: str) -> DSparkConfig | None:
         raise CheckpointError(f"a DSpark drafter needs every dspark_* key; {', '.join(missing)} missing", file=source)
     ids = config["dspark_target_layer_ids"]
     layers = values["num_hidden_layers"]
-    if not isinstance(ids, list) or not ids or any(not isinstance(i, int) or isinstance(i, bool)
-                                                   or not 0 <= i < layers for i in ids):
-        raise CheckpointError(f"'dspark_target_layer_ids' must list backbone layers (0..{layers - 1}), got {ids!r}",
-                              file=source)
+    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_DRAFT_BLOCKS or any(
+            type(i) is not int or not 0 <= i < layers for i in ids):
+        raise CheckpointError(f"'dspark_target_layer_ids' must list 1 to {MAX_DRAFT_BLOCKS} backbone layers "
+                              f"(0..{layers - 1}), got {ids!r}", file=source)
     numbers = {}
-    for key, low in (("dspark_markov_rank", 1), ("dspark_block_size", 1), ("dspark_noise_token_id", 0)):
-        value = config[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise CheckpointError(f"'{key}' must be an integer >= {low}, got {value!r}", file=source)
-        numbers[key] = value
-    if numbers["dspark_noise_token_id"] >= values["vocab_size"]:
-        raise CheckpointError(f"'dspark_noise_token_id' {numbers['dspark_noise_token_id']} is outside the vocabulary "
-                              f"({values['vocab_size']})", file=source)
-    experts, topk = (config.get(key) or values[base] for key, base in (
-        ("dspark_n_routed_experts", "n_routed_experts"), ("dspark_num_experts_per_tok", "num_experts_per_tok")))
+    for key, low, high in (("dspark_markov_rank", 1, values["hidden_size"]), ("dspark_block_size", 1, 1 << 12),
+                           ("dspark_noise_token_id", 0, values["vocab_size"] - 1)):
+        numbers[key] = checked_int(key, config[key], low, high, source)
+    experts, topk = (values[base] if config.get(key) is None else checked_int(key, config[key], 1, MAX_EXPERTS, source)
+                     for key, base in (("dspark_n_routed_experts", "n_routed_experts"),
+                                       ("dspark_num_experts_per_tok", "num_experts_per_tok")))
     with_markov = config.get("confidence_head_with_markov")
+    if with_markov is not None and not isinstance(with_markov, bool):
+        raise CheckpointError(f"'confidence_head_with_markov' must be true or false, got {with_markov!r}", file=source)
     return DSparkConfig(tuple(ids), numbers["dspark_markov_rank"], numbers["dspark_block_size"],
-                        numbers["dspark_noise_token_id"], int(experts), int(topk),
-                        True if with_markov is None else bool(with_markov))
+                        numbers["dspark_noise_token_id"], experts, topk, with_markov is not False)
 
 
 @dataclass(frozen=True)

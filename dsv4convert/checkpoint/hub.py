@@ -23,6 +23,11 @@ from dsv4convert.errors import CheckpointError
 SMALL_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.md", "*.jinja", "tokenizer*", "*.tiktoken"]
 
 
+def one_line(exc: BaseException) -> str:
+    """The Hub client's error as one line: its messages run over several, and an error is one ``error:`` line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class Remote(Protocol):
     """The Hub operations streaming needs (an interface so tests can stand in for the Hub)."""
 
@@ -95,7 +100,8 @@ class ShardFetcher:
         try:
             got = self.remote.download(filename)
         except Exception as exc:  # network and Hub errors come in many types; name the shard
-            raise CheckpointError(f"download from {self.remote.repo_id} failed: {exc}", file=filename) from None
+            raise CheckpointError(f"download from {self.remote.repo_id} failed: {one_line(exc)}",
+                                  file=filename) from None
         if got.resolve() != target.resolve():
             raise CheckpointError(f"downloaded to {got}, expected {target}", file=filename)
         return target

@@ -25,7 +25,7 @@ from typing import BinaryIO, Iterable, Iterator
 import torch
 
 from dsv4convert import dtypes
-from dsv4convert.checkpoint.hub import HubRemote, Remote
+from dsv4convert.checkpoint.hub import HubRemote, Remote, one_line
 from dsv4convert.errors import CheckpointError
 from dsv4convert.stop_points import reach
 
@@ -373,7 +373,8 @@ class Checkpoint:
             if path.exists():
                 raise CheckpointError("source is a file, not a checkpoint directory", file=path)
             if not _REPO_ID.match(str(src)) or ".." in str(src):
-                raise CheckpointError("no such directory (and not a Hugging Face repo id 'org/name')", file=path)
+                raise CheckpointError("no such local directory (and not a Hugging Face repo id 'org/name')",
+                                      file=str(src))
             remote = HubRemote(str(src), revision)
         if remote is not None:
             try:
@@ -381,7 +382,8 @@ class Checkpoint:
             except CheckpointError:
                 raise
             except Exception as exc:  # the Hub client raises many types; say which repo failed
-                raise CheckpointError(f"cannot resolve Hugging Face repo: {exc}", file=str(src)) from None
+                raise CheckpointError(f"no such local directory, and cannot resolve Hugging Face repo: {one_line(exc)}",
+                                      file=str(src)) from None
         else:
             root = path
             refuse_unfinished(root)
@@ -523,4 +525,4 @@ def _header(path: Path, remote: Remote | None) -> ShardHeader:
     except CheckpointError:
         raise
     except Exception as exc:  # the Hub client raises many types; name the shard
-        raise CheckpointError(f"cannot read the shard header from the Hub: {exc}", file=label) from None
+        raise CheckpointError(f"cannot read the shard header from the Hub: {one_line(exc)}", file=label) from None

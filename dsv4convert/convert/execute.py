@@ -58,7 +58,7 @@ from dsv4convert.devices import resolve_device
 from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Calibration, calibrated_by
-from dsv4convert.inspection import inspect_checkpoint
+from dsv4convert.inspection import check_routing, inspect_checkpoint
 from dsv4convert.layout import Drafter, Role, without_drafter
 from dsv4convert.stop_points import reach
 
@@ -193,6 +193,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     t0 = time.monotonic()
     ckpt = Checkpoint.open(opts.src, revision=opts.revision, remote=opts.remote)
     _check_paths(ckpt.root, opts.dst)
+    check_routing(ckpt)
     asked = opts.engine or opts.recipe.engine
     plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes, engine=asked or eng.DEFAULT_CHOICE,
                       drop_draft=opts.no_mtp)

@@ -26,9 +26,9 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
     from tqdm import tqdm
 
     from dsv4convert.checkpoint import Checkpoint
-    from dsv4convert.inspection import inspect_checkpoint
+    from dsv4convert.inspection import check_routing, inspect_checkpoint
     from dsv4convert.layout import linear_shapes
-    from dsv4convert.validate.integrity import check_integrity
+    from dsv4convert.validate.integrity import check_all_finite, check_integrity
     from dsv4convert.validate.layer_error import layer_errors
     from dsv4convert.validate.report import write_reports
 
@@ -37,16 +37,25 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
     if device == "cuda" and not torch.cuda.is_available():
         raise DSV4Error("--device cuda asked for, but torch sees no CUDA GPU")
     ckpt = Checkpoint.open(dst)
+    check_routing(ckpt)
     info = inspect_checkpoint(ckpt)
+    src = Checkpoint.open(against) if against is not None else None
+    if src is not None:
+        check_routing(src)
+    src_info = inspect_checkpoint(src) if src is not None else None
+    if src_info is not None and src_info.config != info.config:
+        raise DSV4Error("the two checkpoints have different model configs", file=Path(against) / "config.json")
+    for which, checked in (("the validated checkpoint", ckpt), ("the --against source", src)):
+        if checked is not None:
+            scan = tqdm(total=checked.total_bytes, unit="B", unit_scale=True, desc="finite", disable=not progress,
+                        file=sys.stderr)
+            check_all_finite(checked, which, scan.update)
+            scan.close()
     integrity = check_integrity(ckpt, info)
     problems = integrity.problems
     setting = integrity.fp4_experts
     errors = []
-    if against is not None:
-        src = Checkpoint.open(against)
-        src_info = inspect_checkpoint(src)
-        if src_info.config != info.config:
-            raise DSV4Error("the two checkpoints have different model configs", file=Path(against) / "config.json")
+    if src is not None:
         shapes = linear_shapes(info.config)
         total = sum(1 for m in info.modules if m in src_info.modules)
         bar = tqdm(total=total, unit="module", desc="validate", disable=not progress, file=sys.stderr)
@@ -69,6 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "validate",
         help="check a converted checkpoint's integrity and per-layer error against its source",
         description=(
+            "Every tensor is read and must be finite (a NaN or Inf stops it, naming the file and tensor). "
             "Integrity: every tensor the layout and variant require, index and shards agreeing, what "
             f"{SGLANG_LABEL}'s loader would do silently (expert tensors dropped, cast or missing, scales without weights, "
             "mixed wq_a/wkv pairs, w1/w3 scales that differ), the quantization_config the stored formats need, "

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from dsv4convert import engines as eng
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.convert.modules import check_source_finite
 from dsv4convert.engines.config import build_quant_config, servable_engines
-from dsv4convert.errors import DSV4Error
+from dsv4convert.errors import CheckpointError, DSV4Error, FormatError
 from dsv4convert.inspection import Inspection
 from dsv4convert.layout import try_classify
 from dsv4convert.validate.sglang_load import (
@@ -96,6 +97,20 @@ def check_integrity(ckpt: Checkpoint, inspection: Inspection) -> Integrity:
     if setting is not None:
         problems += model_card_problems(ckpt, setting)
     return Integrity(problems, setting, engines, checks)
+
+
+def check_all_finite(ckpt: Checkpoint, which: str, progress=None) -> None:
+    """Every tensor of ``ckpt`` is finite, read one at a time in bounded pieces (the layout check reads headers
+    only): a NaN or Inf stops validation naming ``which`` checkpoint, its file and the tensor."""
+    for shard in ckpt.shards:
+        for entry in ckpt.tensors_in(shard):
+            try:
+                check_source_finite(entry)
+            except FormatError:
+                raise CheckpointError(f"holds NaN or Inf, in {which} {ckpt.root}", file=entry.path,
+                                      tensor=entry.name) from None
+            if progress is not None:
+                progress(entry.nbytes)
 
 
 def integrity_problems(ckpt: Checkpoint, inspection: Inspection) -> list[str]:
