@@ -236,14 +236,14 @@ def draft_choice(args: argparse.Namespace, config: ModelConfig | None, family: s
     drafter = config.drafter if config is not None else None
     if any(a.startswith("--speculative-") for a in extra):
         return DraftChoice(False, "as your --speculative-* arguments after -- set it")
-    if drafter is None and not (args.mtp or args.check == "mtp"):
+    label = f"the checkpoint's {DRAFT_LABELS[drafter or Drafter.MTP]} drafter"
+    if args.mtp or args.check == "mtp":   # asked for: refused by the engine's rules where it cannot run
+        return DraftChoice(True, f"{label} is served ({'--check mtp' if args.check == 'mtp' else '--mtp'})")
+    if drafter is None:
         return DraftChoice(False, "none served: no config.json here to say whether the checkpoint carries a drafter "
                                   "(--mtp serves the one it has)", carried=False)
     if drafter is Drafter.NONE:
         return DraftChoice(False, f"none served: {NO_DRAFT}", carried=False)
-    label = f"the checkpoint's {DRAFT_LABELS[drafter or Drafter.MTP]} drafter"
-    if args.mtp or args.check == "mtp":
-        return DraftChoice(True, f"{label} is served ({'--check mtp' if args.check == 'mtp' else '--mtp'})")
     if args.mtp is False:
         return DraftChoice(False, f"{label} is not served (--no-mtp; drop it to serve the drafter)")
     rules = variant_rules(args.variant, family, drafter)
