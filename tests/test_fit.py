@@ -291,7 +291,9 @@ def test_json_has_every_figure(small, capsys, monkeypatch) -> None:
     (["fit", "--gpu", "h200", "--tp", "3"], "--tp 3"),
     (["fit", "--ep"], "--ep: fit sizes the launch serve makes"),
     (["fit", "--engine", "vllm", "--pd"], "--pd: serve starts vLLM as one server"),
-    (["fit", "--gpu", "1024"], "--gpu 1024: a 1024 MiB GPU holds nothing"),
+    (["fit", "--gpu", "1024", "--gpu-family", "sm90"], "--gpu 1024: a 1024 MiB GPU holds nothing"),
+    (["fit", "--gpu", "98304"], "--gpu 98304: a size needs its family"),
+    (["fit", "--gpu", "h200", "--gpu-family", "sm120"], "--gpu h200 is H200-class Hopper"),
 ])
 def test_bad_input_is_one_error_line(argv: list[str], needle: str, capsys) -> None:
     assert main(argv) == 2
@@ -318,13 +320,46 @@ def test_serve_refuses_what_cannot_fit(small) -> None:
     assert verdict.refusal(src, b200, verdict.launched(src, b200, "decode", 4, mtp=False)) is None
 
 
+def test_a_gpu_given_as_a_size_is_sized_by_its_family(small, capsys, monkeypatch) -> None:
+    """A size with --gpu-family sm120 is the RTX PRO 6000 (same KV tokens for its MiB); the same size under sm90
+    rules is not (H200 rules would silently give it more KV), and the first line names the family."""
+    src, directory = small["nvfp4"]
+    monkeypatch.setattr(source, "from_checkpoint", lambda _model: src)
+
+    def kv(*gpu: str) -> list[int]:
+        assert main(["fit", "--model", str(directory), *gpu, "--tp", "4", "--json"]) == 0
+        return [row["kv_tokens"] for row in json.loads(capsys.readouterr().out)["variants"]]
+
+    card = verdict.GPUS["rtx-pro-6000"]
+    assert kv("--gpu", str(card.mib), "--gpu-family", "sm120") == kv("--gpu", "rtx-pro-6000")
+    assert kv("--gpu", str(card.mib), "--gpu-family", "sm90") != kv("--gpu", "rtx-pro-6000")
+    assert main(["fit", "--model", str(directory), "--gpu", "98304", "--gpu-family", "sm120", "--tp", "4"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "98304 MiB sm_120 GPU (RTX PRO 6000-class" in first
+
+
 def test_the_table_says_what_it_shows_and_advises_only_what_fits_the_host(capsys) -> None:
-    """Column names and the fraction explained; a TP that fits one server but not PD on --count GPUs is not
-    offered as the fix."""
-    assert main(["fit", "--gpu", "rtx-pro-6000", "--count", "8", "--tp", "4", "--pd"]) == 0   # some variants fit
+    """Column names, and the fraction explained under the table (serve's 0.70 on sm_120 named); a TP that fits
+    one server but not PD on --count GPUs is not offered as the fix; ``next:`` ranks exactly the variants whose
+    servers all fit by KV tokens, with requests of --context and what each keeps, the release as no conversion."""
+    argv = ["fit", "--gpu", "rtx-pro-6000", "--count", "8", "--tp", "4", "--pd", "--context", "65536"]
+    assert main(argv) == 0   # some variants fit
     out = capsys.readouterr().out.splitlines()
-    assert out[1].startswith("fraction: SGLang's --mem-fraction-static") and out[2].split()[:3] == \
-        ["variant", "server", "weights/GPU"]
+    assert out[0].startswith("SGLang 0.5.23 on RTX PRO 6000 (97887 MiB, sm_120)")
+    assert out[1].split()[:3] == ["variant", "server", "weights/GPU"]
+    rows = [line.split() for line in out[2:] if line.split()[1:2] in (["prefill"], ["decode"])]
+    legend = out[2 + len(rows)]
+    assert legend.startswith("fraction: --mem-fraction-static") and "serve sets 0.700" in legend
+    assert all(row[4] == "0.700" for row in rows)
     fp8 = next(line for line in out if line.startswith("fp8 ") and "prefill" in line)
     assert "TP 8 would, but 2 servers of TP 8 need 16 GPUs and --count is 8" in fp8
     assert "--tp 8 fits" not in "\n".join(out)
+    fitting = {row[0] for row in rows} - {row[0] for row in rows if "DOES" in row}
+    ranked = out[out.index(next(line for line in out if line.startswith("next: "))) + 1:-1]
+    assert {line.split()[1] for line in ranked} == fitting and {"fp8", "bf16"}.isdisjoint(fitting)
+    kv = [int(line.split()[2].replace(",", "")) for line in ranked]
+    assert kv == sorted(kv, reverse=True) and kv[0] == max(int(r[8].replace(",", "")) for r in rows if r[0] in fitting)
+    assert all("requests of 65,536 tokens" in line for line in ranked)
+    native = next(line for line in ranked if line.split()[1] == "native")
+    assert "no conversion" in native and "to-native" not in "\n".join(out)
+    assert "4-bit" in next(line for line in ranked if line.split()[1] == "w4a16")

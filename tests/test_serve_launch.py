@@ -12,6 +12,7 @@ import sglang_oracle as sgl
 
 from dsv4convert.engines import EngineError
 from dsv4convert.engines.sglang.rules import variant_rules
+from dsv4convert.layout import Drafter
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve.launch import (
     MOONCAKE_TCP_COST,
@@ -258,3 +259,73 @@ def test_registered_in_dsv4convert_cli(capsys, model_dirs):
     assert main(["serve", "--model", model, "--variant", "w4a16", "--gpu-family", "sm90", "--dry-run",
                  "--pd", "--prefill-gpus", "0", "--decode-gpus", "0"]) == 2
     assert "overlap" in capsys.readouterr().err
+
+
+DATA = Path(__file__).resolve().parents[1] / "dsv4convert" / "data"
+
+
+def _config_only(directory: Path, config: str) -> Path:
+    """A checkpoint directory holding only a released config.json (what serve --variant reads for the draft)."""
+    directory.mkdir()
+    (directory / "config.json").write_text((DATA / config).read_text())
+    return directory
+
+
+def _dry_run(capsys, model: str, variant: str, family: str, *argv: str) -> tuple[str, str]:
+    """The server command and the plan's draft line of ``serve --dry-run``."""
+    assert serve_cli.run(cli_args("--model", model, "--variant", variant, "--gpu-family", family, "--gpus", "0,1",
+                                  "--dry-run", *argv)) == 0
+    out = capsys.readouterr().out.splitlines()
+    return next(line for line in out if "sglang.launch_server" in line), \
+        next(line for line in out if line.startswith("# draft: "))
+
+
+def test_the_plan_serves_the_released_drafter_by_default_and_says_so(capsys, tmp_path):
+    """0731's DSpark drafter and the preview's MTP block are served without --mtp where SGLang runs them; the plan
+    says so and why, and says why not under --no-mtp, where the draft cannot run, and without a drafter."""
+    dspark = str(_config_only(tmp_path / "dspark", "deepseek-v4-flash-0731-config.json"))
+    command, draft = _dry_run(capsys, dspark, "fp8", "sm90")
+    assert "--speculative-algorithm DSPARK" in command and "served by --speculative-algorithm DSPARK" in draft
+    assert "the default" in draft and "--no-mtp" in draft
+    command, draft = _dry_run(capsys, dspark, "fp8", "sm90", "--no-mtp")
+    assert "--speculative" not in command and "not served (--no-mtp" in draft
+    assert not variant_rules("nvfp4", "sm120", Drafter.DSPARK).serves_draft
+    command, draft = _dry_run(capsys, dspark, "nvfp4", "sm120")
+    assert "--speculative" not in command
+    assert draft.endswith(f"not served: {variant_rules('nvfp4', 'sm120', Drafter.DSPARK).mtp_note}")
+    preview = str(_config_only(tmp_path / "preview", "deepseek-v4-flash-config.json"))
+    assert "--speculative-algorithm EAGLE" in _dry_run(capsys, preview, "fp8", "sm90")[0]
+    with pytest.raises(LaunchError, match="--no-mtp: --check mtp measures the drafter"):
+        serve_cli.run(cli_args("--model", dspark, "--variant", "fp8", "--check", "mtp", "--no-mtp", "--dry-run"))
+
+
+def test_the_draft_line_gives_compares_expected_acceptance(capsys, tmp_path):
+    model = _config_only(tmp_path / "v", "deepseek-v4-flash-0731-config.json")
+    report = tmp_path / "v-compare" / "compare.json"
+    report.parent.mkdir()
+    report.write_text(json.dumps({"dspark": {"expected_accept_length": {"variant": 2.375},
+                                             "positions": [{"accepted": {"variant": 0.9}}]}}))
+    for flag in ((), ("--no-mtp",)):
+        draft = _dry_run(capsys, str(model), "fp8", "sm90", *flag)[1]
+        assert draft.endswith(f"compare expects 2.38 tokens accepted per verify step ({report})")
+
+
+def test_the_printed_model_path_is_absolute(capsys, tmp_path, monkeypatch):
+    _config_only(tmp_path / "rel", "deepseek-v4-flash-config.json")
+    monkeypatch.chdir(tmp_path)
+    command = _dry_run(capsys, "rel", "fp8", "sm90")[0]
+    assert f"--model-path {tmp_path / 'rel'} " in command and "--model-path rel " not in command
+
+
+def test_help_is_grouped_and_under_100_lines(capsys):
+    with pytest.raises(SystemExit):
+        cli_args("--help")
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert len(lines) <= 100, len(lines)
+    headings = [line for line in lines if line and not line.startswith(" ") and line.endswith(":")]
+    assert [h.split(" (")[0].rstrip(":") for h in headings][:5] == \
+        ["options", "what to launch", "topology", "checks", "--check accuracy"]
+    assert "engine passthrough:" in headings
+    what = text.split("what to launch:")[1].split("topology")[0]
+    assert "--mtp, --no-mtp" in what and "--model DIR" in what

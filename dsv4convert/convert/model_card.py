@@ -11,6 +11,7 @@ Hugging Face Hub reads for a quantized derivative (``base_model``, ``base_model_
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -101,18 +102,21 @@ def default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Checkpo
     family also gets ``mtp``, the command with the MTP draft, where SGLang's MoE method for the draft's
     experts runs there, else ``mtp_note`` saying why not; ``draft_moe_method`` names that method.
     ``opened``: the checkpoint and its inspection where the caller has them already (the converter).
+    The commands name the checkpoint by its absolute path: they run from any directory.
     """
+    path = os.path.abspath(model_dir)
+
     def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, drafter: Drafter) -> dict:
         env = serving_env(config, formats)
         draft = drafter_of(ModelConfig.from_dict(config)) if drafter is not Drafter.NONE else {}
-        settings = server(str(model_dir), like, family, tp=tp, **draft)
+        settings = server(path, like, family, tp=tp, **draft)
         rules = settings.rules
         spec: dict = {"argv": settings.command("python"), "env": {**settings.env, **_gpus(tp), **env},
                       "draft_moe_method": rules.draft_moe_method}
         if not draft or not rules.serves_draft:
             spec["mtp_note"] = rules.mtp_note if draft else eng.NO_DRAFT
         else:
-            drafting = server(str(model_dir), like, family, tp=tp, mtp=True, **draft)
+            drafting = server(path, like, family, tp=tp, mtp=True, **draft)
             spec["mtp"] = {"argv": drafting.command("python"), "env": {**drafting.env, **_gpus(tp), **env},
                            "what": _draft_what(drafter, drafting.speculative_algorithm, drafting.draft_tokens)}
         return spec
@@ -130,10 +134,13 @@ def vllm_default_launch(model_dir: str | Path, variant: str, *, opened: tuple[Ch
 
     Each family's spec has ``argv``, ``env``, ``moe_method``/``draft_moe_method``, ``limits``, and
     ``mtp`` (the command with the MTP draft) or ``mtp_note``; from :mod:`dsv4convert.engines.vllm.server`.
+    The commands name the checkpoint by its absolute path.
     """
+    path = os.path.abspath(model_dir)
+
     def spec_for(family: str, tp: int, like: str, formats: dict, config: dict, drafter: Drafter) -> dict:
         dspark = ModelConfig.from_dict(config).dspark
-        plan = vllm_launch(str(model_dir), like, family, tp, drafter=drafter,
+        plan = vllm_launch(path, like, family, tp, drafter=drafter,
                            dspark_block_size=dspark.block_size if dspark else None)
         spec: dict = {"argv": list(plan.argv), "env": dict(plan.env), "moe_method": plan.moe_method,
                       "draft_moe_method": plan.draft_moe_method, "limits": list(plan.limits)}

@@ -52,6 +52,8 @@ def choice_of(engines: tuple[str, ...] | list[str]) -> str:
 # ---------------------------------------------------------------------------------- GPU families and cards
 
 GPU_FAMILIES = ("sm90", "sm100", "sm120")
+# The architecture each family names (what a user knows their card by).
+ARCHITECTURES = {"sm90": "Hopper", "sm100": "Blackwell datacenter", "sm120": "Blackwell workstation"}
 
 
 @dataclass(frozen=True)
@@ -86,3 +88,8 @@ def gpu_of_family(gpu_family: str) -> Gpu:
     """The card the tool serves a family on."""
     gpu_family_major(gpu_family)
     return next(gpu for gpu in GPUS.values() if gpu.family == gpu_family)
+
+
+def family_label(gpu_family: str) -> str:
+    """A family in a user's terms: ``H200-class Hopper``."""
+    return f"{gpu_of_family(gpu_family).name}-class {ARCHITECTURES[gpu_family]}"

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv4convert.engines import GPUS, LABELS, SGLANG, SGLANG_LABEL, VLLM, EngineError
+from dsv4convert.engines import ENGINES, GPU_FAMILIES, GPUS, SGLANG, SGLANG_LABEL, EngineError, family_label
 
 if TYPE_CHECKING:
     from dsv4convert.engines.served import ServedModel
@@ -51,8 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                    help="without --model: the native config.json to plan the variants from (default: the official "
                         "V4-Flash-0731's, with its DSpark drafter; the preview's is data/deepseek-v4-flash-config.json)")
-    p.add_argument("--gpu", default="h200", help=f"{', '.join(GPUS)} or a memory size in MiB (default h200)")
-    p.add_argument("--gpu-family", choices=("sm90", "sm100", "sm120"), help="with --gpu MiB: the launch rules to use")
+    p.add_argument("--gpu", default="h200",
+                   help=f"{', '.join(GPUS)}, or a memory size in MiB with --gpu-family (default h200)")
+    p.add_argument("--gpu-family", choices=GPU_FAMILIES,
+                   help="required with --gpu MiB: the launch rules and reserve to size by: "
+                        + ", ".join(f"{f} ({family_label(f)})" for f in GPU_FAMILIES))
     p.add_argument("--count", type=int, default=8, help="GPUs on the host (default 8)")
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel size of each server (default 4)")
     p.add_argument("--ep", action="store_true",
@@ -63,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "0731's DSpark drafter under DSPARK")
     p.add_argument("--max-running", type=int, help="--max-running-requests (SGLang's V4 default: 256)")
     p.add_argument("--context", type=int, help="tokens per request: report how many such requests fit")
-    p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+    p.add_argument("--engine", choices=ENGINES, default=SGLANG,
                    help="sglang (computed), or vllm (one server; the profiled activation peak is not known without "
                         "a GPU: its KV tokens are an upper bound, see 'estimated')")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -86,12 +89,25 @@ _COLUMNS = f"{'variant':18s} {'server':8s} {'weights/GPU':>11s}  {'fraction (def
            f"{'KV B/token':>10s}  {'KV tokens':>11s}  verdict"
 
 
-def _header(engine: str) -> list[str]:
-    """The table's column names, and what its fraction is (the one word a reader cannot guess)."""
-    fraction = ("fraction: vLLM's --gpu-memory-utilization, the share of GPU memory it may use" if engine == "vllm"
-                else "fraction: SGLang's --mem-fraction-static, the share of GPU memory it gives weights and KV cache "
-                     "(the rest: activations, CUDA graphs); min: the smallest it loads with")
-    return [fraction, _COLUMNS]
+def _title(label: str, gpu: verdict.Gpu, args: argparse.Namespace) -> str:
+    """The first line: the engine, the GPU and its family in a user's terms, the launch."""
+    from dsv4convert.engines import GPUS, family_label
+
+    card = (f"{gpu.name} ({gpu.mib} MiB, sm_{gpu.family[2:]})" if args.gpu in GPUS
+            else f"a {gpu.mib} MiB sm_{gpu.family[2:]} GPU ({family_label(gpu.family)} rules)")
+    return (f"{label} on {card}, TP {args.tp}{' PD' if args.pd else ''}{' + draft' if args.mtp else ''}, "
+            f"{args.count} GPUs")
+
+
+def _legend(sizing: verdict.SglangSizing, fits: list[verdict.ServerFit]) -> str:
+    """What the fraction column shows, under the table: which fraction the launch uses and why, and what the two
+    bracketed figures are (the one column a reader cannot guess)."""
+    set_by_serve = sorted({fit.mem_fraction_static for fit in fits if fit.mem_fraction_static
+                           != fit.default_mem_fraction_static})
+    source = (f"serve sets {', '.join(f'{f:.3f}' for f in set_by_serve)} on this family (the engine's cookbook), "
+              "not the default" if set_by_serve else "serve keeps the engine's default")
+    return (f"fraction: {sizing.fraction}; {source}; in brackets the engine's default and the smallest that holds "
+            "the weights: a server whose fraction is below that DOES NOT FIT")
 
 
 def _line(label: str, fit: verdict.ServerFit, best: int | None, servers: int, count: int) -> str:
@@ -132,7 +148,7 @@ def _draft_line(fit: verdict.ServerFit) -> str:
     return line
 
 
-def _refuse(args: argparse.Namespace) -> None:
+def _refuse(args: argparse.Namespace, sizing: verdict.SglangSizing) -> None:
     """Flags fit would otherwise accept and not act on (one error line each)."""
     from dsv4convert.fit import verdict
 
@@ -140,74 +156,75 @@ def _refuse(args: argparse.Namespace) -> None:
         raise verdict.FitError("--ep: fit sizes the launch serve makes, and serve starts SGLang with tensor parallelism "
                                "only and vLLM with --enable-expert-parallel already (whole experts per rank: the same "
                                "routed-expert bytes per GPU, 256 experts / TP)")
-    if args.engine == "vllm" and (args.pd or args.max_running):
-        flag = "--pd" if args.pd else "--max-running"
-        raise verdict.FitError(f"{flag}: serve starts vLLM as one server with its own scheduler limits; "
-                               "fit sizes that (drop the flag or use --engine sglang)")
+    sizing.refuse(pd=args.pd, max_running=args.max_running)
 
 
-def _size(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> verdict.ServerFit:
-    from dsv4convert.fit import verdict
+def _next(rows: list[tuple[ServedModel, verdict.ServerFit, int | None]], context: int | None) -> list[str]:
+    """What fits, ranked by what the user gets: KV tokens per server (and requests of --context), with what each
+    keeps of the release; the release itself is named as such, never as a conversion."""
+    from dsv4convert.fit import source
 
-    if args.engine == "vllm":
-        return verdict.vllm_server(src, gpu, args.tp, mtp=args.mtp, context=args.context)
-    return verdict.sglang_server(src, gpu, role, args.tp, mtp=args.mtp, context=args.context,
-                                 max_running=args.max_running)
-
-
-def _smallest_tp(src: ServedModel, gpu: verdict.Gpu, role: str, args: argparse.Namespace) -> int | None:
-    from dsv4convert.fit import verdict
-
-    if args.engine == "vllm":
-        return next((tp for tp in verdict.TP_SIZES
-                     if verdict.vllm_server(src, gpu, tp, mtp=args.mtp, context=args.context).fits), None)
-    return verdict.smallest_tp(src, gpu, role, mtp=args.mtp, context=args.context, max_running=args.max_running)
+    fitting: dict[str, list[verdict.ServerFit]] = {}
+    for src, fit, _ in rows:
+        fitting.setdefault(src.label, []).append(fit)
+    ranked = sorted(((min(f.kv_tokens for f in fits), label, fits) for label, fits in fitting.items()
+                     if all(f.fits for f in fits)), key=lambda item: (-item[0], item[1]))
+    if not ranked:
+        return ["nothing fits: more GPUs per server (--tp), another --gpu, or a shorter --context"]
+    lines = ["next: what fits, most KV tokens per server first (concurrent requests x context <= KV tokens):"]
+    for place, (kv, label, fits) in enumerate(ranked, start=1):
+        requests = (f", {min(f.requests_at_context or 0 for f in fits):,} requests of {context:,} tokens"
+                    if context else "")
+        how = "serve it as released" if source.SHIPPED.get(label) is None else f"dsv4convert to-{label}"
+        lines.append(f"  {place}. {label:16s} {kv:>11,} KV tokens{requests}; "
+                     f"{source.QUALITY.get(label, 'as planned')}: {how}")
+    lines.append("then: dsv4convert fit --model DIR (the checkpoint itself, headers only)")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4convert.engines import memory as sizing
-    from dsv4convert.engines.vllm.memory import ESTIMATES as VLLM_ESTIMATED
     from dsv4convert.fit import verdict
 
-    gpu = verdict.gpu_from(args.gpu, args.gpu_family)
+    gpu = verdict.gpu_of(args.gpu, args.gpu_family)
     verdict.check_gpu(gpu)
     verdict.check_launch(gpu, args.count, args.tp, args.pd)
-    _refuse(args)
+    sizing = verdict.SIZINGS[args.engine]
+    _refuse(args, sizing)
+    options = {"mtp": args.mtp, "context": args.context, "max_running": args.max_running}
     rows, skipped = [], []
     for src in _sources(args):
         for role in verdict.roles(args.pd):
             try:
-                fit = _size(src, gpu, role, args)
+                fit = sizing.size(src, gpu, role, args.tp, **options)
             except (verdict.FitError, EngineError) as exc:
                 if args.model:
                     raise
                 skipped.append((src.label, exc.detail))   # a variant serve refuses here (its MTP draft, its layout)
                 break
-            rows.append((src, fit, None if fit.fits else _smallest_tp(src, gpu, role, args)))
-    engine = LABELS[VLLM if args.engine == "vllm" else SGLANG]
-    estimated = VLLM_ESTIMATED if args.engine == "vllm" else sizing.ESTIMATED
+            rows.append((src, fit, None if fit.fits else verdict.smallest_tp(src, gpu, role, sizing=sizing,
+                                                                             **options)))
     if args.json:
-        print(json.dumps({"engine": engine.lower(), "gpu": gpu.name, "gpu_mib": gpu.mib, "count": args.count,
+        print(json.dumps({"engine": sizing.label.lower(), "gpu": gpu.name, "gpu_mib": gpu.mib,
+                          "gpu_family": gpu.family, "count": args.count,
                           "tp": args.tp, "pd": args.pd, "mtp": args.mtp, "context": args.context,
-                          "estimated": list(estimated),
+                          "estimated": list(sizing.estimated),
                           "variants": [{"variant": src.label, "serves_as": src.variant, **fit.as_dict(),
                                         "smallest_tp": best if not fit.fits else args.tp}
                                        for src, fit, best in rows],
                           "not_served": [{"variant": label, "why": why} for label, why in skipped]}))
     else:
-        print(f"{engine} on {gpu.name} ({gpu.mib} MiB, {gpu.family}), TP {args.tp}"
-              f"{' PD' if args.pd else ''}{' + draft' if args.mtp else ''}, {args.count} GPUs")
-        for line in _header(args.engine):
-            print(line)
+        print(_title(sizing.label, gpu, args))
+        print(_COLUMNS)
         for src, fit, best in rows:
             print(_line(src.label, fit, best, len(verdict.roles(args.pd)), args.count))
         for label, why in skipped:
             print(f"{label:18s} not served: {why}")
-        for line in estimated:
+        if rows:
+            print(_legend(sizing, [fit for _, fit, _ in rows]))
+        for line in sizing.estimated:
             print(f"estimated: {line}")
-    fitting = sorted({src.label for src, _, _ in rows} - {src.label for src, fit, _ in rows if not fit.fits})
-    if not args.json and not args.model:
-        print(f"next: convert to one that fits ({', '.join(fitting)}), then dsv4convert fit --model DIR"
-              if fitting else "nothing fits: more GPUs per server (--tp), another --gpu, or a shorter --context")
+        if not args.model:
+            print("\n".join(_next(rows, args.context)))
+    fitting = {src.label for src, _, _ in rows} - {src.label for src, fit, _ in rows if not fit.fits}
     # With --model, whether it fits; without, whether any variant does (the question the table answers).
     return 0 if (all(fit.fits for _, fit, _ in rows) if args.model else fitting) else 1

@@ -25,6 +25,11 @@ from dsv4convert.layout import ModelConfig, Role, TensorInfo, native_inventory
 # Shipped variants and the recipe that makes each (None: the native checkpoint as released), as
 # ``convert`` makes them by default (for both engines).
 SHIPPED = variants.PLANNED
+# What each keeps of the release's weights, for ranking what fits (``fit``'s ``next:``); native is the release.
+QUALITY = {"native": "the release itself, no conversion", "fp8": "lossless (experts cast exactly to FP8)",
+           "bf16": "lossless (dequantized)", "nvfp4": "near-lossless (exact where NVFP4's scales fit)",
+           "nvfp4-mtp-mxfp4": "near-lossless (exact where NVFP4's scales fit)",
+           "w4a16": "4-bit (experts requantized to INT4: lossy)"}
 PLANNED_ROOT = Path("<planned>")
 
 

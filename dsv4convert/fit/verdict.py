@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dsv4convert.engines import GPUS, EngineError, Gpu, gpu_of_family
-from dsv4convert.engines.memory import RUNTIME_OVERHEAD_MIB, ServerFit, gib
+from dsv4convert.engines import (GPU_FAMILIES, GPUS, LABELS, SGLANG, VLLM, EngineError, Gpu, family_label,
+                                 gpu_of_family)
+from dsv4convert.engines.memory import ESTIMATED, RUNTIME_OVERHEAD_MIB, ServerFit, gib
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.sglang import memory as sglang_memory
 from dsv4convert.engines.sglang.server import Server, drafter_of, server
@@ -35,6 +36,20 @@ def gpu_from(text: str, family: str | None = None) -> Gpu:
     raise FitError(f"--gpu {text!r}: expected one of {', '.join(GPUS)} or a memory size in MiB (e.g. 97887)")
 
 
+def gpu_of(text: str, family: str | None) -> Gpu:
+    """``fit``'s GPU: a card by name (``family``, if given, must be its own), or a size in MiB with its family
+    (required: the family picks the launch rules, e.g. serve's 0.70 memory fraction on sm_120, and a 96 GB card
+    sized by H200 rules gets nearly twice the KV tokens it would get as the RTX PRO 6000 it likely is)."""
+    if text in GPUS and family and family != GPUS[text].family:
+        raise FitError(f"--gpu-family {family}: --gpu {text} is {family_label(GPUS[text].family)}; "
+                       "drop --gpu-family, or give --gpu as a size in MiB")
+    if text.isdigit() and not family:
+        cards = ", ".join(f"{f} ({family_label(f)})" for f in GPU_FAMILIES)
+        raise FitError(f"--gpu {text}: a size needs its family, which picks the launch rules and memory reserve: "
+                       f"add --gpu-family, one of {cards}")
+    return gpu_from(text, family)
+
+
 def launched(model: ServedModel, gpu: Gpu, role: str, tp: int, *, mtp: bool,
              max_running: int | None = None) -> Server:
     """The SGLang server ``serve`` starts for ``model`` as ``role`` on ``tp`` GPUs of ``gpu``."""
@@ -55,6 +70,41 @@ def sglang_server(model: ServedModel, gpu: Gpu, role: str, tp: int, *, mtp: bool
 def vllm_server(model: ServedModel, gpu: Gpu, tp: int, *, mtp: bool, context: int | None = None) -> ServerFit:
     """One vLLM server as its launch starts it (see :func:`dsv4convert.engines.vllm.memory.size_server`)."""
     return vllm_memory.size_server(model, gpu, tp, mtp=mtp, context=context)
+
+
+class SglangSizing:
+    """``fit``'s questions about SGLang's launch (each engine answers the same ones: :data:`SIZINGS`)."""
+
+    name, label, estimated = SGLANG, LABELS[SGLANG], ESTIMATED
+    fraction = ("--mem-fraction-static, the share of GPU memory SGLang gives weights and KV cache (the rest: "
+                "activations, CUDA graphs)")
+
+    def refuse(self, *, pd: bool, max_running: int | None) -> None:
+        """Every launch ``serve`` makes with SGLang can be sized."""
+
+    def size(self, model: ServedModel, gpu: Gpu, role: str, tp: int, *, mtp: bool, context: int | None,
+             max_running: int | None) -> ServerFit:
+        return sglang_server(model, gpu, role, tp, mtp=mtp, context=context, max_running=max_running)
+
+
+class VllmSizing(SglangSizing):
+    """vLLM: one server (no PD, its own scheduler limits), sized by :func:`vllm_server`."""
+
+    name, label, estimated = VLLM, LABELS[VLLM], vllm_memory.ESTIMATES
+    fraction = "--gpu-memory-utilization, the share of GPU memory vLLM may use"
+
+    def refuse(self, *, pd: bool, max_running: int | None) -> None:
+        if pd or max_running:
+            flag = "--pd" if pd else "--max-running"
+            raise FitError(f"{flag}: serve starts vLLM as one server with its own scheduler limits; "
+                           "fit sizes that (drop the flag or use --engine sglang)")
+
+    def size(self, model: ServedModel, gpu: Gpu, role: str, tp: int, *, mtp: bool, context: int | None,
+             max_running: int | None) -> ServerFit:
+        return vllm_server(model, gpu, tp, mtp=mtp, context=context)
+
+
+SIZINGS: dict[str, SglangSizing] = {SGLANG: SglangSizing(), VLLM: VllmSizing()}
 
 
 def check_gpu(gpu: Gpu) -> None:
@@ -81,10 +131,10 @@ def check_launch(gpu: Gpu, count: int, tp: int, pd: bool) -> None:
 
 
 def smallest_tp(model: ServedModel, gpu: Gpu, role: str, *, mtp: bool, context: int | None,
-                max_running: int | None) -> int | None:
+                max_running: int | None, sizing: SglangSizing = SIZINGS[SGLANG]) -> int | None:
     """The smallest TP (power of two up to 8) at which this server fits on ``gpu``, or None."""
     for tp in TP_SIZES:
-        if sglang_server(model, gpu, role, tp, mtp=mtp, context=context, max_running=max_running).fits:
+        if sizing.size(model, gpu, role, tp, mtp=mtp, context=context, max_running=max_running).fits:
             return tp
     return None
 

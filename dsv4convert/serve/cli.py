@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4convert import variants
-from dsv4convert.engines import SGLANG_LABEL
+from dsv4convert.engines import GPU_FAMILIES, SGLANG_LABEL, family_label
 from dsv4convert.engines.sglang import TRANSFER_BACKENDS
 from dsv4convert.errors import CheckpointError
 from dsv4convert.serve import defaults
@@ -65,6 +67,8 @@ def _limit(text: str) -> int | float:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
+        usage="dsv4convert serve --model DIR [--pd] [--mtp|--no-mtp] [--check CHECK] [--dry-run] [options] "
+              "[-- SGLANG_ARGS]",
         help=f"serve a checkpoint with {SGLANG_LABEL} (PD-disaggregated or single), optionally check recall, speed, "
              "task accuracy (lm-eval) or MTP draft acceptance",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -73,83 +77,91 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "wait until every server is healthy, send one real request, then check or keep serving.\n\n"
             "With --pd: a prefill server on one NUMA node's GPUs, a decode server on another's (each bound\n"
             "to its node with numactl when present), and sglang_router in front. Ctrl-C stops everything.\n"
-            "Arguments after `--` go to every sglang.launch_server command unchanged."
+            "Arguments after `--` go to every sglang.launch_server command unchanged. The checkpoint's\n"
+            "drafter is served when it carries one and SGLang runs it there (--no-mtp: without it)."
         ),
         epilog=(
             "examples:\n"
             "  dsv4convert serve --model out/nvfp4 --pd --dry-run   (on the GPU host; elsewhere add --gpu-family sm120 \\\n      --prefill-gpus 0,1,2,3 --decode-gpus 4,5,6,7)\n"
             "  dsv4convert serve --model out/nvfp4 --gpus 0,1,2,3 --check recall --indexer-topk\n"
-            "  dsv4convert serve --model out/nvfp4 --pd --check speed --compare runs/base/speed.json\n"
             "  dsv4convert serve --model out/nvfp4 --pd --check accuracy --tasks gsm8k --out runs/nvfp4 \\\n"
             "      --compare runs/base/accuracy.json --min-recovery 0.97\n"
             "  dsv4convert serve --model out/fp8 --pd --check mtp --compare runs/base/mtp.json\n"
-            "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 --mtp   (the draft: EAGLE or DSPARK, by checkpoint)\n"
+            "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 --no-mtp   (without the checkpoint's drafter)\n"
             "  dsv4convert serve --model M --pd --role prefill --host 0.0.0.0 -- --dist-init-addr h1:5000 \\\n"
             "      --nnodes 2 --node-rank 0   (multi-node: one role per host; see docs/serve.md)"
         ),
     )
-    p.add_argument("--model", required=True, type=Path, help="checkpoint directory (also the tokenizer)")
-    p.add_argument("--variant", choices=variants.SERVED, help="override the variant `inspect` detects")
-    p.add_argument("--tuned-configs", type=Path, metavar="DIR",
-                   help="`dsv4convert tune --out DIR`: sets SGLANG_MOE_CONFIG_DIR=DIR for every server")
-    p.add_argument("--gpu-family", help="sm90, sm100 or sm120; read from nvidia-smi when omitted")
-    p.add_argument("--pd", action="store_true", help="prefill/decode disaggregation behind sglang_router")
-    p.add_argument("--prefill-gpus", type=_gpu_list, help="GPUs of the prefill server (default: first NUMA node's)")
-    p.add_argument("--decode-gpus", type=_gpu_list, help="GPUs of the decode server (default: second NUMA node's)")
-    p.add_argument("--gpus", type=_gpu_list, help="GPUs of the single server (default: all)")
-    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS,
-                   help="KV transfer for --pd (default mooncake with RDMA NICs, else mooncake_tcp)")
-    p.add_argument("--role", choices=("prefill", "decode", "router"),
-                   help="multi-node --pd: start only this host's part")
-    p.add_argument("--prefill-url", help="--role router: the prefill server, e.g. http://host1:30000")
-    p.add_argument("--decode-url", help="--role router: the decode server, e.g. http://host2:30001")
-    p.add_argument("--host", default="127.0.0.1", help="address servers listen on (0.0.0.0 across hosts)")
-    p.add_argument("--port", type=int, default=8000, help="client port: the router's with --pd, else the server's")
-    p.add_argument("--prefill-port", type=int, default=30000)
-    p.add_argument("--decode-port", type=int, default=30001)
-    p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill bootstrap port both sides use")
-    p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for each /health")
-    p.add_argument("--out", type=Path, default=Path("serve-runs"), help="logs and reports go here")
-    p.add_argument("--dry-run", action="store_true", help="print commands and environment, start nothing")
-    p.add_argument("--check", choices=("recall", "speed", "accuracy", "mtp"), help="run a check once serving, then stop")
-    p.add_argument("--hold", action="store_true", help="keep serving after --check until Ctrl-C")
-    p.add_argument("--mtp", action="store_true",
-                   help="serve the checkpoint's draft: the preview's MTP block by EAGLE (1 step, 2 draft tokens), "
-                        "0731's DSpark drafter by DSPARK (its block of dspark_block_size drafts); refused on a GPU "
-                        "where SGLang's MoE method for the draft's experts cannot run, and on a checkpoint without "
-                        "a draft")
-    p.add_argument("--indexer-topk", action="store_true",
-                   help="recall: capture the indexer's top-k (sets --enable-return-indexer-topk and attention DP)")
-    p.add_argument("--lengths", type=_int_list, default=list(defaults.DEFAULT_LENGTHS), help="recall context lengths")
-    p.add_argument("--depths", type=_float_list, default=list(defaults.DEFAULT_DEPTHS), help="recall needle depths 0..1")
-    p.add_argument("--trials", type=int, default=3, help="recall needles per (length, depth) cell")
-    p.add_argument("--concurrency", type=_int_list, default=list(defaults.DEFAULT_CONCURRENCIES), help="speed concurrencies")
-    p.add_argument("--compare", type=Path, metavar="REPORT", help="print deltas of this run's report against REPORT")
-    p.add_argument("--metrics", action="store_true",
-                   help="SGLang's --enable-metrics: Prometheus metrics at /metrics on every server (docs/serve.md)")
+    what = p.add_argument_group("what to launch")
+    what.add_argument("--model", metavar="DIR", required=True, type=Path, help="checkpoint directory (also the tokenizer)")
+    what.add_argument("--variant", metavar="VARIANT", choices=variants.SERVED, help=f"override the variant `inspect` detects: {', '.join(variants.SERVED)}")
+    what.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                      help="the checkpoint's draft (EAGLE: the preview's MTP block; DSPARK: 0731's drafter); default: "
+                           "served where the checkpoint carries one and SGLang runs it (the plan says why)")
+    what.add_argument("--tuned-configs", type=Path, metavar="DIR",
+                      help="`dsv4convert tune --out DIR`: sets SGLANG_MOE_CONFIG_DIR=DIR for every server")
+    what.add_argument("--metrics", action="store_true",
+                      help="SGLang's --enable-metrics: Prometheus metrics at /metrics on every server (docs/serve.md)")
+    what.add_argument("--dry-run", action="store_true", help="print the plan (commands, environment), start nothing")
+    where = p.add_argument_group("topology (GPUs, PD, hosts, ports)")
+    where.add_argument("--gpu-family", metavar="FAMILY", choices=GPU_FAMILIES,
+                       help="read from nvidia-smi when omitted: "
+                            + ", ".join(f"{f} {family_label(f)}" for f in GPU_FAMILIES))
+    where.add_argument("--pd", action="store_true", help="prefill/decode disaggregation behind sglang_router")
+    where.add_argument("--gpus", metavar="LIST", type=_gpu_list, help="GPUs of the single server (default: all)")
+    where.add_argument("--prefill-gpus", metavar="LIST", type=_gpu_list, help="--pd: prefill GPUs (default: first NUMA node's)")
+    where.add_argument("--decode-gpus", metavar="LIST", type=_gpu_list, help="--pd: decode GPUs (default: second NUMA node's)")
+    where.add_argument("--transfer-backend", metavar="BACKEND", choices=TRANSFER_BACKENDS,
+                       help=f"--pd KV transfer: {', '.join(TRANSFER_BACKENDS)} (default mooncake with RDMA NICs, "
+                            "else mooncake_tcp)")
+    where.add_argument("--role", metavar="ROLE", choices=("prefill", "decode", "router"),
+                       help="multi-node --pd: start only this host's part: prefill, decode or router")
+    where.add_argument("--prefill-url", metavar="URL", help="--role router: the prefill server, e.g. http://host1:30000")
+    where.add_argument("--decode-url", metavar="URL", help="--role router: the decode server, e.g. http://host2:30001")
+    where.add_argument("--host", metavar="ADDR", default="127.0.0.1", help="address servers listen on (0.0.0.0 across hosts)")
+    where.add_argument("--port", metavar="N", type=int, default=8000, help="client port: the router's with --pd, else the server's")
+    where.add_argument("--prefill-port", metavar="N", type=int, default=30000, help="(default 30000)")
+    where.add_argument("--decode-port", metavar="N", type=int, default=30001, help="(default 30001)")
+    where.add_argument("--bootstrap-port", metavar="N", type=int, default=8998, help="prefill bootstrap port (default 8998)")
+    where.add_argument("--startup-timeout", metavar="S", type=float, default=1800.0, help="seconds to wait for each /health")
+    check = p.add_argument_group("checks (once serving; then stop, unless --hold)")
+    check.add_argument("--check", metavar="CHECK", choices=("recall", "speed", "accuracy", "mtp"), help="recall, speed, accuracy or mtp")
+    check.add_argument("--hold", action="store_true", help="keep serving after --check until Ctrl-C")
+    check.add_argument("--out", metavar="DIR", type=Path, default=Path("serve-runs"), help="logs and reports (default serve-runs)")
+    check.add_argument("--compare", type=Path, metavar="REPORT", help="deltas of this run's report against REPORT")
+    check.add_argument("--indexer-topk", action="store_true",
+                       help="recall: capture the indexer's top-k (sets --enable-return-indexer-topk, attention DP)")
+    check.add_argument("--lengths", metavar="LIST", type=_int_list, default=list(defaults.DEFAULT_LENGTHS),
+                       help="recall context lengths")
+    check.add_argument("--depths", metavar="LIST", type=_float_list, default=list(defaults.DEFAULT_DEPTHS),
+                       help="recall needle depths 0..1")
+    check.add_argument("--trials", metavar="N", type=int, default=3, help="recall needles per (length, depth) cell")
+    check.add_argument("--concurrency", metavar="LIST", type=_int_list, default=list(defaults.DEFAULT_CONCURRENCIES),
+                       help="speed concurrencies")
     acc = p.add_argument_group("--check accuracy (lm-evaluation-harness; pip install 'dsv4convert[eval]')")
-    acc.add_argument("--tasks", type=_str_list, help=f"lm-eval tasks or groups, comma-separated (default {','.join(defaults.DEFAULT_TASKS)})")
-    acc.add_argument("--limit", type=_limit, help="examples per task: a count, or a fraction below 1 (default: all)")
-    acc.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
-    acc.add_argument("--eval-api", choices=tuple(defaults.EVAL_APIS),
-                     help="chat (default): /v1/chat/completions, the server applies the model's chat format; "
-                          "completions: /v1/completions with token ids from the model's tokenizer (log-likelihood tasks)")
-    acc.add_argument("--eval-concurrency", type=int, help=f"requests in flight (default {defaults.DEFAULT_CONCURRENCY})")
-    acc.add_argument("--include-path", type=Path, help="a directory of your own lm-eval task YAMLs")
-    acc.add_argument("--lm-eval-args", help="more lm-eval arguments, one shell-quoted string, e.g. \"--system_instruction '...'\"")
-    acc.add_argument("--min-recovery", type=float,
+    acc.add_argument("--tasks", metavar="LIST", type=_str_list,
+                     help=f"lm-eval tasks or groups, comma-separated (default {','.join(defaults.DEFAULT_TASKS)})")
+    acc.add_argument("--limit", metavar="N", type=_limit, help="examples per task: a count, or a fraction below 1 (default: all)")
+    acc.add_argument("--num-fewshot", metavar="N", type=int, help="few-shot examples (default: each task's own)")
+    acc.add_argument("--eval-api", metavar="API", choices=tuple(defaults.EVAL_APIS),
+                     help="chat (default): /v1/chat/completions; completions: /v1/completions with token ids "
+                          "(log-likelihood tasks)")
+    acc.add_argument("--eval-concurrency", metavar="N", type=int, help=f"requests in flight (default {defaults.DEFAULT_CONCURRENCY})")
+    acc.add_argument("--include-path", metavar="DIR", type=Path, help="a directory of your own lm-eval task YAMLs")
+    acc.add_argument("--lm-eval-args", metavar="STR", help="more lm-eval arguments, one shell-quoted string")
+    acc.add_argument("--min-recovery", metavar="F", type=float,
                      help=f"with --compare: fail when a task keeps less than this of the base's score "
                           f"(default {defaults.DEFAULT_MIN_RECOVERY})")
-    draft = p.add_argument_group("--check mtp (the checkpoint's draft: EAGLE for the preview's MTP block, "
-                                 "DSPARK for 0731's DSpark drafter)")
-    draft.add_argument("--min-accept", type=float,
+    draft = p.add_argument_group("--check mtp (the draft's acceptance)")
+    draft.add_argument("--min-accept", metavar="F", type=float,
                        help=f"fail when the mean accepted length per verify step is below this "
-                            f"(default {defaults.DEFAULT_MIN_ACCEPT}; 1.0 means no draft token was accepted)")
+                            f"(default {defaults.DEFAULT_MIN_ACCEPT}; 1.0: no draft token accepted)")
     draft.add_argument("--expected-from", type=Path, metavar="REPORT",
-                       help="compare's report of this variant (its directory or compare.json): the server's measured "
-                            "DSpark acceptance against the expected, per draft position (default: "
-                            "MODEL-compare/compare.json when it is there)")
-    p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="after --: extra sglang.launch_server arguments")
+                       help="compare's report of this variant (directory or compare.json): measured DSpark acceptance "
+                            "against it, per draft position (default: MODEL-compare/compare.json when there)")
+    passthrough = p.add_argument_group("engine passthrough")
+    passthrough.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                             help="after --: extra sglang.launch_server arguments, for every server")
     p.set_defaults(func=run)
 
 
@@ -202,6 +214,62 @@ def _inspect(args: argparse.Namespace) -> tuple[str, ModelConfig | None]:
     return inspection.variant, inspection.config
 
 
+@dataclass(frozen=True)
+class DraftChoice:
+    """Whether the plan serves the checkpoint's drafter, and why, in the plan's words."""
+
+    used: bool
+    why: str
+    carried: bool = True   # the checkpoint carries a drafter (what compare measured it to bring is worth saying)
+
+
+def draft_choice(args: argparse.Namespace, config: ModelConfig | None, family: str,
+                 extra: tuple[str, ...]) -> DraftChoice:
+    """Serve the drafter an official release ships by default, where SGLang runs it on ``family``; ``--mtp``
+    insists (refused where it cannot run), ``--no-mtp`` declines, ``--check mtp`` needs it, and the user's own
+    ``--speculative-*`` arguments decide for themselves."""
+    from dsv4convert.engines import NO_DRAFT
+    from dsv4convert.engines.sglang.rules import SPECULATIVE_ALGORITHM, variant_rules
+    from dsv4convert.engines.sglang.server import DRAFT_LABELS
+    from dsv4convert.layout import Drafter
+
+    drafter = config.drafter if config is not None else None
+    if any(a.startswith("--speculative-") for a in extra):
+        return DraftChoice(False, "as your --speculative-* arguments after -- set it")
+    label = f"the checkpoint's {DRAFT_LABELS[drafter or Drafter.MTP]} drafter"
+    if args.mtp or args.check == "mtp":   # asked for: refused by the engine's rules where it cannot run
+        return DraftChoice(True, f"{label} is served ({'--check mtp' if args.check == 'mtp' else '--mtp'})")
+    if drafter is None:
+        return DraftChoice(False, "none served: no config.json here to say whether the checkpoint carries a drafter "
+                                  "(--mtp serves the one it has)", carried=False)
+    if drafter is Drafter.NONE:
+        return DraftChoice(False, f"none served: {NO_DRAFT}", carried=False)
+    if args.mtp is False:
+        return DraftChoice(False, f"{label} is not served (--no-mtp; drop it to serve the drafter)")
+    rules = variant_rules(args.variant, family, drafter)
+    if not rules.serves_draft:
+        return DraftChoice(False, f"{label} is not served: {rules.mtp_note}")
+    return DraftChoice(True, f"{label} is served by --speculative-algorithm {SPECULATIVE_ALGORITHM[drafter]}: "
+                             "the default where the checkpoint carries one and SGLang runs it on "
+                             f"{family}; --no-mtp serves without it")
+
+
+def draft_statement(args: argparse.Namespace, choice: DraftChoice) -> str:
+    """The plan's draft line, with what ``compare`` measured the drafter to bring when its report is there."""
+    from dsv4convert.errors import FormatError
+    from dsv4convert.serve import mtp
+
+    report = args.expected_from or mtp.default_compare_report(args.model)
+    line = f"# draft: {choice.why}"
+    if choice.carried and report.exists():
+        try:
+            found = mtp.read_expected(report)
+        except FormatError:   # a report without a DSpark section: nothing measured to say
+            return line
+        line += f"; compare expects {found['accept_length']:.2f} tokens accepted per verify step ({found['report']})"
+    return line
+
+
 def plan(args: argparse.Namespace, topology: Topology | None,
          config: ModelConfig | None = None) -> tuple[list[launch.Command], list[str]]:
     """The commands to run, in start order, and warnings for the user (``args.variant`` must be set;
@@ -214,12 +282,13 @@ def plan(args: argparse.Namespace, topology: Topology | None,
     backend, warning = launch.choose_transfer_backend(args.transfer_backend, topology.ib_devices if topology else ())
     if args.pd and warning:
         warnings.append(warning)
+    family = _gpu_family(args, topology)
     options = launch.LaunchOptions(
-        model=str(args.model), variant=args.variant, gpu_family=_gpu_family(args, topology), host=args.host,
+        model=os.path.abspath(args.model), variant=args.variant, gpu_family=family, host=args.host,
         router_port=args.port, server_port=args.port, prefill_port=args.prefill_port, decode_port=args.decode_port,
         bootstrap_port=args.bootstrap_port, transfer_backend=backend,
         ib_devices=topology.ib_devices if topology else (), indexer_topk=args.indexer_topk,
-        mtp=(args.mtp or args.check == "mtp") and not any(a.startswith("--speculative-") for a in extra),
+        mtp=family != "" and draft_choice(args, config, family, extra).used,
         enable_metrics=args.metrics, extra_args=extra, **drafter_of(config),
     )
     if not args.pd:
@@ -306,6 +375,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise launch.LaunchError(f"{', '.join(given)} belong(s) to --check accuracy")
     if args.min_recovery is not None and not args.compare:
         raise launch.LaunchError("--min-recovery needs --compare BASE/accuracy.json (recovery is against a base)")
+    if args.mtp is False and args.check == "mtp":
+        raise launch.LaunchError("--no-mtp: --check mtp measures the drafter, which --no-mtp leaves out")
     if args.expected_from is not None and args.check != "mtp":
         raise launch.LaunchError("--expected-from belongs to --check mtp")
     if args.min_accept is not None and args.check != "mtp":
@@ -337,14 +408,21 @@ def run(args: argparse.Namespace) -> int:
         warnings += tuned_warnings
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    _refuse_what_cannot_fit(args, commands, "" if args.role == "router" else _gpu_family(args, topology))
+    family = "" if args.role == "router" else _gpu_family(args, topology)
+    _refuse_what_cannot_fit(args, commands, family)
+    extra = tuple(args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args)
+    statement = draft_statement(args, draft_choice(args, config, family, extra)) if family else ""
     if args.dry_run:
         _print_plan(commands)
+        if statement:
+            print(statement)
         if args.check == "accuracy" and checks_here:
             for line in accuracy.dry_run_lines(checks.eval_settings(args), url=commands[-1].url, model=args.model,
                                                out=args.out, max_length=checks.model_max_length(args.model)):
                 print(line)
         return 0
+    if statement:
+        print(statement)
     client_url = commands[-1].url
     failed = False
     with ProcessGroup(args.out / "logs") as group:
