@@ -70,3 +70,70 @@ def test_ctrl_c_closes_the_progress_bar_before_the_error_line(tiny_ckpt, tmp_pat
     assert "convert:" in err, err                                   # the bar was drawn
     last = [line for line in err.replace("\r", "\n").splitlines() if line.strip()][-1]
     assert last.startswith("error: ") and "interrupted" in last and "--resume" in last, err
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("name: x\nrules:\n  - match: {role: norm}\n    format: keep\n    reasn: tiny\n",
+     "at rules[0]: unknown key 'reasn' (did you mean 'reason'?)"),
+    ("name: x\nrules:\n  - match: {rol: norm, modul: x}\n    format: keep\n    reason: tiny\n",
+     "at rules[0].match: unknown keys 'modul' (did you mean 'module'?), 'rol' (did you mean 'role'?)"),
+    ("name: x\ncolour: red\nrules:\n  - match: {role: norm}\n    format: keep\n    reason: tiny\n",
+     "unknown key 'colour' (known: description, engine, name, rules)"),
+])
+def test_a_misspelt_recipe_key_is_named_with_the_closest_known_one(tiny_ckpt, tmp_path, capsys, recipe, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    code = main(["convert", "--recipe", str(path), "--src", str(tiny_ckpt), "--dst", str(tmp_path / "o"), "--dry-run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and str(path) in err and message in err, err
+    assert "required property" not in err
+
+
+def test_a_mistyped_command_gets_one_error_line_with_the_closest_command(capsys):
+    assert main(["vaildate", "some/dir"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("error: unknown command 'vaildate': did you mean 'validate'? "
+                                    "(dsv4convert --help says what each does)") and captured.out == ""
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'frobnicate'" in err and "did you mean" not in err and "validate, compare" in err
+
+
+def test_help_explains_each_term_once_and_the_glossary_page_explains_it_too(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    glossary = (ROOT / "docs" / "glossary.md").read_text(encoding="utf-8")
+    for term, text in GLOSSARY:
+        assert out.count(f"{term}: ") == 1 and " ".join(text.split()) in out, term
+        assert f"**{term}**" in glossary, term
+    assert "(docs/glossary.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_shard_size_default_is_stated_as_the_code_has_it(capsys):
+    with pytest.raises(SystemExit):
+        main(["to-fp8", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    stated = f"default {DEFAULT_MAX_SHARD_BYTES / 1024**3:g} GiB = {human_bytes(DEFAULT_MAX_SHARD_BYTES)}"
+    assert stated in help_text, help_text
+    assert f"`--max-shard-size SIZE` ({stated}" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_validate_without_a_reference_says_no_error_was_measured(finished, tmp_path, capsys):
+    assert main(["validate", str(finished), "--report", str(tmp_path / "r"), "--no-progress"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "per-layer error not measured: no reference given" in first and "--against SRC" in first, first
+    assert "0/0" not in first and "bit-exact" not in first
+    assert "per-layer error not measured" in (tmp_path / "r" / "validate.md").read_text()
+
+
+def test_the_dspark_verdict_lists_each_measure_once_with_its_positions():
+    from dsv4convert.compare.dspark import moved_in_words, name_component
+
+    moved = [*(f"draft distribution at position {j}" for j in (1, 2, 3, 5)), "agreement at position 2",
+             "expected accepted length"]
+    assert moved_in_words(moved) == ("the draft's token distribution (KLD) at positions 1-3, 5, agreement with the "
+                                     "target's greedy token at position 2 and the expected accepted length")
+    verdict = name_component(moved, [{"component": "mtp.0", "local": {"relative_error": 0.5}}])
+    assert verdict["component"] == "mtp.0" and "more moved" not in verdict["sentence"], verdict
+    assert verdict["sentence"].startswith(moved_in_words(moved) + " moved beyond the noise floor")
