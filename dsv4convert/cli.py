@@ -1,8 +1,9 @@
 """The ``dsv4convert`` command line.
 
 Each command lives beside the code it drives and registers itself through an
-``add_parser(subparsers)`` function that sets ``func``; this module only dispatches and
-turns :class:`DSV4Error` into one ``error:`` line and exit status 2.
+``add_parser(subparsers)`` function that sets ``func``; this module only dispatches, turns
+:class:`DSV4Error` and a mistyped command into one ``error:`` line and exit status 2, and holds the glossary
+``--help`` ends with.
 
 The modules below are light: they import what their arguments show (names, defaults, choices) and nothing
 that loads torch, numpy or transformers; ``func`` imports the implementation when the command runs. So
