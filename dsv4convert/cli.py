@@ -1,8 +1,9 @@
 """The ``dsv4convert`` command line.
 
 Each command lives beside the code it drives and registers itself through an
-``add_parser(subparsers)`` function that sets ``func``; this module only dispatches and
-turns :class:`DSV4Error` into one ``error:`` line and exit status 2.
+``add_parser(subparsers)`` function that sets ``func``; this module only dispatches, turns
+:class:`DSV4Error` and a mistyped command into one ``error:`` line and exit status 2, and holds the glossary
+``--help`` ends with.
 
 The modules below are light: they import what their arguments show (names, defaults, choices) and nothing
 that loads torch, numpy or transformers; ``func`` imports the implementation when the command runs. So
@@ -12,9 +13,11 @@ that loads torch, numpy or transformers; ``func`` imports the implementation whe
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
+import textwrap
 
 from dsv4convert import __version__
 from dsv4convert.errors import DSV4Error
@@ -36,6 +39,38 @@ COMMAND_MODULES = [
 ]
 
 
+# The terms the commands' help uses, explained once (`dsv4convert --help`; docs/glossary.md says more).
+GLOSSARY = (
+    ("model organism", "a 7.4M-parameter DeepSeek-V4 shipped with the package, trained to retrieve needles and "
+                       "stored in the release format: every command runs on it in seconds on a CPU "
+                       "(synth --preset organism)"),
+    ("DSpark", "DeepSeek-V4-Flash-0731's speculative-decoding drafter under mtp.*: three stages that draft a block "
+               "of tokens from the target's hidden states, with a Markov head and a confidence head; the preview "
+               "had a single MTP block instead"),
+    ("MTP", "multi-token prediction: the drafter a checkpoint ships (DSpark or the preview's MTP block); --mtp "
+            "serves with it, --no-mtp leaves it out"),
+    ("CSA / HCA", "V4's two compressed attentions: CSA compresses every 4 tokens into one entry and its lightning "
+                  "indexer picks the top-k entries each query reads; HCA compresses 128 into one and reads them "
+                  "all"),
+    ("selection threshold", "the shortest prompt at which CSA's indexer must leave entries out (4 x index_topk + "
+                            "4 tokens: 2,052 for V4-Flash, 260 for the organism); below it every entry is read, so "
+                            "a faulty indexer shows only past it"),
+    ("E8M0", "an 8-bit scale that is a power of two (exponent only): MXFP4's block scale, and to-fp8's expert "
+             "block scales for SGLang alone (float32 where vLLM reads the output)"),
+    ("ModelOpt layout", "NVIDIA ModelOpt's NVFP4 checkpoint layout (4-bit E2M1 weights, an FP8 scale per 16, "
+                        "weight_scale_2 and input_scale), which SGLang and vLLM load with their ModelOpt methods"),
+    ("sm90 / sm100 / sm120", "GPU families by CUDA compute capability: sm90 Hopper (H100, H200), sm100 "
+                             "Blackwell data-center (B200, GB200), sm120 Blackwell workstation (RTX PRO 6000)"),
+)
+
+
+def _glossary() -> str:
+    """The epilog of ``dsv4convert --help``: one wrapped paragraph per term."""
+    return "terms (docs/glossary.md says more):\n" + "\n".join(
+        textwrap.fill(f"{term}: {text}", width=100, initial_indent="  ", subsequent_indent="    ")
+        for term, text in GLOSSARY)
+
+
 def _quiet_openmp() -> None:
     """OpenMP threads that spin while waiting starve the converter's reader and writer threads
     (docs/performance.md: 2.4x on a busy 2-core machine); it must be set before torch loads."""
@@ -50,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
             "quantized variants SGLang and vLLM serve, prove each one's error, size it, and serve it. "
             "Start with `dsv4convert demo` (about a minute on a CPU)."
         ),
+        epilog=_glossary(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dsv4convert {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -61,8 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _quiet_openmp()
     parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    unknown = _unknown_command(parser, given)
+    if unknown:
+        print(f"error: {unknown}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)   # as given: --gpus restarts it once per rank
+    args.argv = given   # as given: --gpus restarts it once per rank
     try:
         return int(args.func(args) or 0)
     except DSV4Error as exc:
@@ -71,3 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+
+
+def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The one line for a first word that is no command, with the closest command (argparse lists them all)."""
+    if not argv or argv[0].startswith("-"):
+        return None
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv[0] in commands:
+        return None
+    close = difflib.get_close_matches(argv[0], list(commands), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"the commands are {', '.join(commands)}"
+    return f"unknown command '{argv[0]}': {hint} (dsv4convert --help says what each does)"

@@ -105,7 +105,7 @@ def test_a_rewired_drafter_in_the_plan_and_the_report(organism, tmp_path, capsys
     assert "DSpark target layers differ" in plan
     assert main([*argv, "--no-mtp", "--dry-run"]) == 0 and "not compared (--no-mtp)" in capsys.readouterr().out
     assert main(argv) == 0
-    assert "DSpark: draft distribution at position 1" in capsys.readouterr().out
+    assert "DSpark: the draft's token distribution (KLD) at position" in capsys.readouterr().out
     section = json.loads((report / "compare.json").read_text())["dspark"]
     assert section["verdict"]["component"] == TARGET_FEATURES
     assert section["target_layer_ids"]["variant"][0] == 0 != section["target_layer_ids"]["base"][0]

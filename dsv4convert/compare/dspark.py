@@ -379,6 +379,37 @@ def draft_components(stages: int) -> list[str]:
     return [TARGET_FEATURES, *(stage_block(s) for s in range(stages)), DRAFT_HEAD, MARKOV_HEAD, CONFIDENCE_HEAD]
 
 
+# What each entry of ``moved`` measures, in the reader's terms.
+MOVED_WORDS = {"draft distribution": "the draft's token distribution (KLD)",
+               "agreement": "agreement with the target's greedy token",
+               "accepted": "the share of drafts accepted",
+               "confidence calibration": "the confidence head's calibration",
+               "expected accepted length": "the expected accepted length"}
+
+
+def moved_in_words(moved: list[str]) -> str:
+    """``moved`` ("agreement at position 2", ...) as one phrase, each measure once with every draft position it
+    moved at: "the draft's token distribution (KLD) at positions 1-5 and agreement ... at positions 2, 4"."""
+    positions: dict[str, list[int]] = {}
+    for entry in moved:
+        what, at, position = entry.rpartition(" at position ")
+        positions.setdefault(what if at else entry, []).extend([int(position)] if at else [])
+    parts = [MOVED_WORDS.get(what, what) + (f" at position{'s' if len(p) > 1 else ''} {_positions(p)}" if p else "")
+             for what, p in positions.items()]
+    return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+
+
+def _positions(numbers: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
 def name_component(moved: list[str], components: list[dict]) -> dict:
     """The component to blame: none when nothing moved beyond the noise floor; else the largest local error
     among those that make the drafts (every stage, the target features, the draft and Markov heads) when the
@@ -390,13 +421,12 @@ def name_component(moved: list[str], components: list[dict]) -> dict:
     pool = [c for c in components if c["local"] is not None
             and (not drafts_moved or c["component"] in DRAFTING or c["component"].startswith("mtp."))]
     worst = max(pool, key=lambda c: c["local"]["relative_error"], default=None)
-    what = ", ".join(moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+    what = f"{moved_in_words(moved)} moved beyond the noise floor (more than float rounding and sampling move them)"
     if worst is None or worst["local"]["relative_error"] == 0.0:
-        return {"component": "backbone", "sentence": f"{what} moved beyond the noise floor; no drafter component "
-                "differs on the base's inputs: the target features it reads (the backbone) do"}
+        return {"component": "backbone", "sentence": f"{what}; no drafter component differs on the base's inputs: "
+                "the target features it reads (the backbone) do"}
     costs = any(m.startswith(("agreement", "accepted", "expected")) for m in moved)
     return {"component": worst["component"],
-            "sentence": f"{what} moved beyond the noise floor"
-                        + ("" if costs or not drafts_moved else " (agreement and acceptance within theirs)")
+            "sentence": what + ("" if costs or not drafts_moved else "; agreement and acceptance stayed within theirs")
                         + f"; the largest local error is the {worst['component']}'s "
                         f"({worst['local']['relative_error']:.3g} on the base's inputs)"}

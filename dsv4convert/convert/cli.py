@@ -13,7 +13,7 @@ from pathlib import Path
 from dsv4convert.convert import DEFAULT_MAX_SHARD_BYTES
 from dsv4convert.engines import CHOICES, SGLANG_LABEL, VLLM_LABEL
 from dsv4convert.format_names import SCALE_RULES
-from dsv4convert.sizes import parse_size
+from dsv4convert.sizes import human_bytes, parse_size
 from dsv4convert.variants import SUMMARIES
 
 # The shipped recipes a `to-*` command of its own makes (`convert --recipe` makes any).
@@ -33,7 +33,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-memory", type=parse_size, metavar="SIZE",
                    help="memory budget for all workers together, e.g. 16G (default: 80%% of available)")
     p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, metavar="SIZE",
-                   help="largest output shard (default 5.4G; a source layer shard is kept whole when it fits)")
+                   help=f"largest output shard (default {DEFAULT_MAX_SHARD_BYTES / 1024**3:g} GiB = "
+                        f"{human_bytes(DEFAULT_MAX_SHARD_BYTES)}; a source layer shard is kept whole when it fits)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue an interrupted run into DST")
     mode.add_argument("--overwrite", action="store_true", help="delete DST's contents and start over")

@@ -12,6 +12,7 @@ Within a job, reading, converting and writing overlap (:mod:`dsv4convert.convert
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -153,6 +154,10 @@ def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
     elif nonempty and not opts.resume:
         raise DSV4Error("destination is not empty; pass --resume to continue an interrupted conversion or "
                         "--overwrite to start over", file=dst)
+    elif opts.resume and state is not None and state.signature != sig and state.complete:
+        raise DSV4Error(f"--resume refused: this directory holds a finished conversion{_made_with(dst)} from another "
+                        f"source, recipe or options than this command's (recipe '{opts.recipe.name}'), so there is "
+                        "nothing to resume: give another --dst, or --overwrite to replace it", file=dst)
     elif opts.resume and state is not None and state.signature != sig:
         raise DSV4Error("--resume refused: the source, recipe or options differ from the interrupted run "
                         "(use the same command, or --overwrite to start over)", file=dst)
@@ -163,6 +168,14 @@ def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
     if state is None:
         state = RunState(dst / CONVERSION_STATE, sig, datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return state
+
+
+def _made_with(dst: Path) -> str:
+    """' (recipe NAME)' of a finished conversion, from its provenance.json; '' where that cannot be read."""
+    try:
+        return f" (recipe '{json.loads((dst / 'provenance.json').read_text())['recipe']['name']}')"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _check_disk(dst: Path, needed: int) -> None:
@@ -230,13 +243,20 @@ def convert(opts: ConvertOptions) -> ConvertResult:
         for stale in opts.dst.glob(".*.partial"):
             stale.unlink()
         todo = _remaining(plan, state, opts.dst)
+        if state.complete and not todo and (opts.dst / INDEX_NAME).is_file():   # --resume of a finished run
+            print(f"{opts.dst}: already complete (recipe '{plan.recipe.name}', {len(plan.shards)} shards): "
+                  "nothing to do")
+            return ConvertResult(plan, opts.dst, engines=engines)
         _check_disk(opts.dst, sum(s.bytes_out for s in todo) + _download_bytes(ckpt, todo, opts, input_scales) + 64 * 1024**2)
         state.complete = False
         state.save()
         try:
             sources = SourceShards(ckpt, todo, input_scales, delete_after_use=opts.delete_source_shards)
             try:
-                _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources, hessians)
+                # closed on the way out, so an interrupted run's error line comes after the bar, not above a redraw
+                with tqdm(total=sum(s.bytes_in for s in todo), unit="B", unit_scale=True, desc="convert",
+                          disable=not opts.progress, file=sys.stderr) as bar:
+                    _run_jobs(plan, todo, opts, state, input_scales, max_memory, sources, hessians, bar)
             finally:
                 sources.close()
             stats = _finish(plan, ckpt, opts, state, config, extra_files, engines)
@@ -255,9 +275,7 @@ def convert(opts: ConvertOptions) -> ConvertResult:
 
 def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: RunState,
               input_scales: InputScales | None, max_memory: int, sources: "SourceShards",
-              hessians: CalibrationHessians | None) -> None:
-    bar = tqdm(total=sum(s.bytes_in for s in todo), unit="B", unit_scale=True, desc="convert",
-               disable=not opts.progress, file=sys.stderr)
+              hessians: CalibrationHessians | None, bar: tqdm) -> None:
 
     def finished(shard: ShardJob, shard_stats: dict) -> None:
         state.shards[shard.name] = shard_stats
@@ -275,7 +293,6 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
                 sources.done(shard)
         finally:
             torch.set_num_threads(previous_threads)
-        bar.close()
         return
 
     ctx = get_context("spawn")
@@ -309,7 +326,6 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
             pool.shutdown(wait=True, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
-    bar.close()
 
 
 def intra_op_threads(workers: int) -> int:

@@ -11,6 +11,7 @@ both).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -259,11 +260,24 @@ def _validate(data: object, source: str) -> None:
     except RecursionError:
         raise RecipeError("YAML is nested too deeply", file=source) from None
     if errors:
-        err = errors[-1] if errors[-1].validator != "oneOf" else errors[0]
-        message = err.message
-        if err.validator == "additionalProperties":
-            message = f"unknown key: {message}"
+        # A misspelt key is the cause of the "required" error beside it: name the key, not the symptom.
+        unknown = [e for e in errors if e.validator == "additionalProperties"]
+        err = unknown[-1] if unknown else errors[-1] if errors[-1].validator != "oneOf" else errors[0]
+        message = _unknown_keys(err) if unknown else err.message
         raise RecipeError(f"at {_format_path(err.absolute_path)}: {message}", file=source)
+
+
+def _unknown_keys(err: jsonschema.ValidationError) -> str:
+    """'unknown key 'reasn' (did you mean 'reason'?)': each key the schema does not know, with the closest one
+    it does (difflib), or the keys it knows when none is close."""
+    known = sorted(err.schema.get("properties", {}))
+    parts = []
+    for key in sorted(map(str, set(err.instance) - set(known))):
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else \
+            f"known: {', '.join(known)}" if known else "this takes no keys"
+        parts.append(f"'{key}' ({hint})")
+    return f"unknown key{'s' if len(parts) > 1 else ''} " + ", ".join(parts)
 
 
 def parse_recipe(text: str, source: str) -> Recipe:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -101,15 +100,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dsv4convert.validate.report import engine_line
+    from dsv4convert.validate.report import engine_line, layer_error_line
 
     result = validate(args.dst, against=args.against, device=args.device, report_dir=args.report,
                       fail_below_snr=args.fail_below_snr, progress=not args.no_progress)
     s = result.summary
-    worst = s["worst_snr_db"]
     print(f"{args.dst}: variant {s['variant']}, integrity {'OK' if s['integrity_ok'] else 'FAILED'}, "
-          f"{s['exact_modules']}/{s['modules']} modules bit-exact, worst SNR "
-          f"{'exact' if math.isinf(worst) else f'{worst:.2f} dB'}")
+          f"{layer_error_line(s)}")
     for problem in s["integrity_problems"][:10]:
         print(f"  integrity: {problem}")
     if len(s["integrity_problems"]) > 10:

@@ -80,6 +80,16 @@ def write_reports(out_dir: Path, *, dst: str, src: str | None, variant: str, int
     return summary
 
 
+def layer_error_line(summary: dict) -> str:
+    """The per-layer error in words; without a source there is none, and "0/0 bit-exact" would read as a pass."""
+    if summary["against"] is None:
+        return ("per-layer error not measured: no reference given (--against SRC compares every module with the "
+                "checkpoint it was made from)")
+    worst = summary["worst_snr_db"]
+    return (f"{summary['exact_modules']}/{summary['modules']} modules bit-exact against the source, worst weight SNR "
+            + ("exact" if math.isinf(worst) else f"{worst:.2f} dB"))
+
+
 def engine_line(summary: dict) -> str:
     """Which engines the output is for and checked for, and why another engine would not load it."""
 
@@ -108,8 +118,7 @@ def _markdown(summary: dict, aggregates: list[dict], errors: list[ModuleError]) 
                  f"{summary['seconds']:.1f} s")
     verdict = "PASSED" if summary["passed"] else "FAILED"
     lines.append(f"- result: **{verdict}**; integrity {'OK' if summary['integrity_ok'] else 'FAILED'}; "
-                 f"{summary['exact_modules']}/{summary['modules']} modules bit-exact; worst weight SNR "
-                 f"{_fmt_db(summary['worst_snr_db'])} dB")
+                 f"{layer_error_line(summary)}")
     for problem in summary["integrity_problems"][:20]:
         lines.append(f"  - integrity: {problem}")
     lines.append(f"- engines: {engine_line(summary)}")
