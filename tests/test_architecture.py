@@ -30,7 +30,7 @@ from dsv4convert.formats import registry
 from dsv4convert.inspection import inspect_checkpoint
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsv4convert"
-LAYERS = {"": 0, "errors": 0, "dtypes": 0, "stop_points": 0, "format_names": 0, "sizes": 0, "layout": 1, "formats": 1,
+LAYERS = {"": 0, "errors": 0, "dtypes": 0, "stop_points": 0, "format_names": 0, "sizes": 0, "layout": 1, "models": 1, "formats": 1,
           "checkpoint": 1, "devices": 1, "variants": 2, "inspection": 2, "calibration": 2, "engines": 3, "kernels": 4, "model": 4,
           "needle": 4, "distributed": 4}
 FEATURE = 5
@@ -38,11 +38,8 @@ FEATURE = 5
 # the command lines (kernels/ loads Triton's launchers when a kernel first runs), the same inside the command
 # lines (what a command loads when it runs), and comparisons with a Format member outside formats/ and engines/.
 HIDDEN_IMPORTS = 2
-COMMAND_IMPORTS = 76
+COMMAND_IMPORTS = 80
 FORMAT_COMPARISONS = 15
-# Modules still writing the GPU families as choices (fit/cli.py's --gpu-family, moving to engines.GPU_FAMILIES).
-GPU_FAMILY_LISTS_LEFT = ("fit/cli.py:",)
-
 
 def _module(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -205,7 +202,7 @@ def test_gpu_families_are_listed_only_in_engines():
     found = [f"{p.relative_to(PACKAGE).as_posix()}:{line}" for p in sorted(PACKAGE.rglob("*.py"))
              if p.relative_to(PACKAGE).parts[0] != "engines"
              for line in _gpu_family_lists(ast.parse(p.read_text(encoding="utf-8")))]
-    assert [f for f in found if not f.startswith(GPU_FAMILY_LISTS_LEFT)] == [], found
+    assert found == []
     assert _gpu_family_lists(ast.parse('choices=("sm90", "sm100", "sm120")')) != []
 
 
