@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``dsv4convert inspect ... | head``): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:

@@ -18,7 +18,8 @@ from dsv4convert import variants
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, detect_format
-from dsv4convert.layout import (
+from dsv4convert.models.deepseek_v4.layout import (
+    DSparkNames,
     ModelConfig,
     Role,
     TensorInfo,
@@ -29,8 +30,8 @@ from dsv4convert.layout import (
     native_inventory,
     try_classify,
 )
-from dsv4convert.models.deepseek_v41 import config as v41_config
-from dsv4convert.models.deepseek_v41 import inventory as v41_inventory
+from dsv4convert.models.deepseek_v4.release import describe_drafter, role_table
+from dsv4convert.models.registry import release_of
 
 # Parameters that belong to a linear's weight storage in some format; others (router
 # `bias`/`tid2eid`, `ape`, bare tensors) are compared with the native spec as they are.
@@ -92,21 +93,10 @@ class Inspection:
         return {k: dict(v) for k, v in sorted(out.items())}
 
 
-def describe_drafter(cfg: ModelConfig) -> str:
-    """What drafts for speculative decoding, in a few words."""
-    blocks = cfg.num_draft_blocks
-    if cfg.dspark is not None:
-        d = cfg.dspark
-        return (f"a DSpark drafter: {d.stages} stages (mtp.0-mtp.{d.stages - 1}) drafting blocks of {d.block_size} from "
-                f"layers {', '.join(map(str, d.target_layer_ids))}, a rank-{d.markov_rank} Markov head")
-    if blocks:
-        return f"the MTP draft block{'s' if blocks > 1 else ''} mtp.0{f'-mtp.{blocks - 1}' if blocks > 1 else ''}"
-    return "no drafter"
-
-
 def _drafter_surprise(cfg: ModelConfig, info) -> str:
     """Why an ``mtp.*`` tensor is not part of the layout config.json announces."""
-    dspark_names = info.role is Role.DRAFT_HEAD or info.module.endswith((".main_proj", ".main_norm"))
+    dspark_names = info.role is Role.DRAFT_HEAD or info.module.endswith(
+        tuple(f".{local}" for local in DSparkNames.ENTRY_LOCAL))
     if dspark_names and cfg.dspark is None:
         return ("a DSpark drafter's tensor, but config.json announces " + describe_drafter(cfg)
                 + " (no dspark_* keys): it would be dropped silently by every engine")
@@ -123,7 +113,7 @@ def _drafter_surprise(cfg: ModelConfig, info) -> str:
     local = info.module[len(info.block) + 1:]
     if info.role is Role.DRAFT_HEAD or local in ("norm", "hc_head"):
         return f"a DSpark drafter holds its Markov and confidence heads in its last stage, mtp.{last}, not {info.block}"
-    if local in ("main_proj", "main_norm"):
+    if local in DSparkNames.ENTRY_LOCAL:
         return f"a DSpark drafter projects the target's hidden states in its first stage, mtp.0, not {info.block}"
     return "not part of a DSpark stage (e_proj/h_proj/enorm/hnorm belong to the preview's MTP block)"
 
@@ -176,13 +166,21 @@ def check_routing(ckpt: Checkpoint) -> None:
     """:func:`check_top_k` for a checkpoint read from disk, called by the commands that read one; not part of
     :func:`inspect_checkpoint`, which also plans fit's compact copy (one expert per layer, the full top-k)."""
     source = str(ckpt.root / "config.json")
-    check_top_k(ModelConfig.from_dict(ckpt.config, source=source), source)
+    check_top_k(_v4_config(ckpt.config, source), source)
+
+
+def _v4_config(config: dict, source: str) -> ModelConfig:
+    """A checkpoint's config, once its release is one the commands handle (a V4.1 checkpoint is refused by name)."""
+    release = release_of(config, source)
+    if release.NOT_YET:
+        raise CheckpointError(release.NOT_YET, file=source)
+    return ModelConfig.from_dict(config, source=source)
 
 
 def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
     """Match a checkpoint against the layout its config.json describes."""
     source = str(ckpt.root / "config.json")
-    cfg = ModelConfig.from_dict(ckpt.config, source=source)
+    cfg = _v4_config(ckpt.config, source)
     infos = stored_modules(ckpt)
     check_stored_experts(cfg, infos, source)
     native = _native_modules(native_inventory(cfg))
@@ -251,32 +249,6 @@ def detect_variant(path: str | Path) -> str:
     return inspect_checkpoint(Checkpoint.open(path)).variant
 
 
-def role_table(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[dict]:
-    rows: dict[str, dict] = {}
-    for name, dtype, _shape, nbytes in entries:
-        info = try_classify(name)
-        role = "unknown" if info is None else (
-            f"{info.role.value} (mtp)" if info.is_mtp and info.role is Role.ROUTED_EXPERT else info.role.value)
-        row = rows.setdefault(role, {"role": role, "tensors": 0, "bytes": 0, "dtypes": Counter()})
-        row["tensors"] += 1
-        row["bytes"] += nbytes
-        row["dtypes"][dtype] += 1
-    return [{**r, "dtypes": dict(r["dtypes"])} for r in sorted(rows.values(), key=lambda r: -r["bytes"])]
-
-
 def expected_report(config: dict, source: str) -> dict:
-    if v41_config.is_v41(config):
-        return v41_inventory.expected_report(v41_config.read_config(config, source))
-    cfg = ModelConfig.from_dict(config, source=source)
-    groups = native_groups(cfg)
-    specs = [s for g in groups for s in g]
-    return {
-        "variant": "native",
-        "drafter": cfg.drafter.value,
-        "drafter_description": describe_drafter(cfg),
-        "tensor_count": len(specs),
-        "total_bytes": sum(s.nbytes for s in specs),
-        "shard_bytes": [sum(s.nbytes for s in g) for g in groups],
-        "roles": role_table([(s.name, s.dtype, s.shape, s.nbytes) for s in specs]),
-        "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
-    }
+    """``inspect --expected``: the native checkpoint the config implies, from the release it names."""
+    return release_of(config, source).expected_report(config, source)

@@ -32,8 +32,8 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
 from dsv4convert.formats.numerics import E8M0_BIAS, exponent_to_e8m0
-from dsv4convert.layout import ModelConfig, Role, TensorSpec, native_groups, without_drafter
-from dsv4convert.synth_presets import PRESETS
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, TensorSpec, native_groups, without_drafter
+from dsv4convert.models.deepseek_v4.presets import PRESETS
 
 DATA_DIR = Path(__file__).parent / "data"
 # Exact copies of the released config.json and generation_config.json (HF revision 60d8d70).

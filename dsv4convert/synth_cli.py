@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from dsv4convert.errors import DSV4Error
-from dsv4convert.synth_presets import PRESETS
+from dsv4convert.models.deepseek_v4.presets import PRESETS
 
 ORGANISM = "organism"
 DRAFTERS = ("mtp", "dspark", "none")
@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from dsv4convert.checkpoint import read_small_json
-    from dsv4convert.layout import ModelConfig
+    from dsv4convert.models.deepseek_v4.layout import ModelConfig
     from dsv4convert.organism.export import write_organism
     from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers
 

@@ -1,7 +1,7 @@
 """The house, read by its imports (docs/architecture.md): layers bottom up, no circle, engine and format
 knowledge in one home each, and the two paths the architecture promises, each walked once.
 
-Layers: 0 the leaves (errors, dtypes, stop points, the formats' names, byte sizes); 1 ``layout``, ``formats/``,
+Layers: 0 the leaves (errors, dtypes, stop points, the formats' names, byte sizes); 1 ``models/`` (each release), ``formats/``,
 ``checkpoint/``; 2 what a checkpoint is (``variants``, ``inspection``, ``calibration``); 3 ``engines/``; 4 what
 features share (``kernels/``, ``model/``, ``needle``, ``distributed``); 5 the features. An import may go down or
 across, never up; features form no circle. A command line (a feature's ``cli.py``, ``synth_cli``,
@@ -30,7 +30,7 @@ from dsv4convert.formats import registry
 from dsv4convert.inspection import inspect_checkpoint
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsv4convert"
-LAYERS = {"": 0, "errors": 0, "dtypes": 0, "stop_points": 0, "format_names": 0, "sizes": 0, "layout": 1, "models": 1, "formats": 1,
+LAYERS = {"": 0, "errors": 0, "dtypes": 0, "stop_points": 0, "format_names": 0, "sizes": 0, "models": 1, "formats": 1,
           "checkpoint": 1, "devices": 1, "variants": 2, "inspection": 2, "calibration": 2, "engines": 3, "kernels": 4, "model": 4,
           "needle": 4, "distributed": 4}
 FEATURE = 5

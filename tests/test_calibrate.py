@@ -36,7 +36,7 @@ from dsv4convert.formats import (
 )
 from dsv4convert.formats.gptq import gptq_quantize_int4
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource, build_layer, hf_config
 from dsv4convert.model.text import read_documents, token_windows
 

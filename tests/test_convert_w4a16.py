@@ -18,7 +18,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.cli import main
 from dsv4convert.convert.modules import dequantize_source
 from dsv4convert.formats import Format
-from dsv4convert.layout import Role, classify
+from dsv4convert.models.deepseek_v4.layout import Role, classify
 
 
 def _scheme(group_size: int) -> QuantizationScheme:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
-from dsv4convert.layout import ModelConfig, native_inventory
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, native_inventory
 from dsv4convert.model.dspark import (
     Blocks,
     ContextKV,

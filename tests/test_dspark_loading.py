@@ -68,7 +68,7 @@ from dsv4convert.engines.sglang.rules import variant_rules
 from dsv4convert.engines.vllm.server import VLLM_MOE_METHODS
 from dsv4convert.formats import Format, dequantize_fp8_block, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, detect_variant, inspect_checkpoint
-from dsv4convert.layout import Drafter, Role, classify
+from dsv4convert.models.deepseek_v4.layout import Drafter, Role, classify
 from dsv4convert.synth import preset_config, synthesize, with_dspark
 
 RECIPES = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4convert.errors import CheckpointError
-from dsv4convert.layout import ModelConfig, Role, classify, native_groups, native_inventory
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, classify, native_groups, native_inventory
 
 
 def test_real_config_inventory_matches_released_index(real_config):

@@ -51,7 +51,7 @@ from dsv4convert.engines.mixes import CANDIDATES
 from dsv4convert.engines.sglang.rules import variant_rules
 from dsv4convert.formats import Format
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import Role, classify
+from dsv4convert.models.deepseek_v4.layout import Role, classify
 from dsv4convert.variants import served_like
 
 LAYERS = 5  # the tiny preset's backbone

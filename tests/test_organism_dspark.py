@@ -28,7 +28,7 @@ from dsv4convert.checkpoint.reader import read_header, read_tensor
 from dsv4convert.cli import main
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import Drafter, ModelConfig, native_inventory
+from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig, native_inventory
 from dsv4convert.organism.dspark import DraftSettings, Target, draft_acceptance, heldout_rows, train_drafter
 from dsv4convert.organism.export import (
     DSPARK_PROVENANCE_NAME,

@@ -49,7 +49,7 @@ import hashlib, json, sys
 from pathlib import Path
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.recipe import load_recipe
-from dsv4convert.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers
 
 root, outputs = Path(sys.argv[1]), json.loads(sys.argv[2])

@@ -22,7 +22,7 @@ from dsv4convert.engines.config import build_quant_config
 from dsv4convert.engines.sglang.quant_config import HF_QUANT_CONFIG, serving_env
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import Format
-from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, classify, linear_shapes
 from dsv4convert.synth import preset_config
 
 # What SGLang's quant-method dispatch calls each stored format (see sglang_oracle).

@@ -12,7 +12,7 @@ import sglang_oracle as sgl
 
 from dsv4convert.engines import EngineError
 from dsv4convert.engines.sglang.rules import variant_rules
-from dsv4convert.layout import Drafter
+from dsv4convert.models.deepseek_v4.layout import Drafter
 from dsv4convert.serve import cli as serve_cli
 from dsv4convert.serve.launch import (
     MOONCAKE_TCP_COST,

@@ -66,7 +66,7 @@ from dsv4convert.engines import GPU_FAMILIES, gpu_of_family
 from dsv4convert.engines.sglang.rules import variant_rules
 from dsv4convert.formats import dequantize_fp8_block, e8m0_scale_to_float32
 from dsv4convert.inspection import detect_variant
-from dsv4convert.layout import Role, classify
+from dsv4convert.models.deepseek_v4.layout import Role, classify
 
 FAMILIES = {family: gpu_of_family(family).label for family in GPU_FAMILIES}
 # conftest's outputs: the shipped recipes for both engines, and "<recipe>@sglang" where SGLang's own layout differs.

@@ -18,7 +18,7 @@ from dsv4convert.engines.config import build_quant_config
 from dsv4convert.engines.sglang.quant_config import serving_env
 from dsv4convert.engines.sglang.rules import variant_rules as variant_defaults
 from dsv4convert.formats import Format
-from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, classify, linear_shapes
 
 WNA16_MARLIN = "CompressedTensorsWNA16MoE"        # compressed_tensors_wNa16_moe.py, the Marlin MoE kernel
 WNA16_TRITON = "CompressedTensorsWNA16TritonMoE"  # the Triton WNA16 kernel: SGLang's auto choice on sm_100

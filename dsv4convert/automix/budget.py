@@ -21,7 +21,7 @@ from dsv4convert.engines.sglang.memory import V4_PAGE_SIZE, load_rules
 from dsv4convert.engines.vllm.server import BLOCK_SIZE as VLLM_BLOCK
 from dsv4convert.fit.verdict import launched, sglang_server, vllm_server
 from dsv4convert.formats import Format, linear_storage
-from dsv4convert.layout import classify
+from dsv4convert.models.deepseek_v4.layout import classify
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dsv4convert.convert.recipe import Recipe, rule
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import Inspection
-from dsv4convert.layout import Role, classify
+from dsv4convert.models.deepseek_v4.layout import Role, classify
 from dsv4convert.model.blocks import LINEAR_PATHS, WeightSource, set_tensor
 
 # Decision groups: the role each covers within one backbone block. ``wo_a`` is its own group because SGLang

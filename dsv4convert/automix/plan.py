@@ -53,7 +53,7 @@ from dsv4convert.fit.source import from_plan
 from dsv4convert.fit.verdict import Gpu, gpu_from, sglang_server, vllm_server
 from dsv4convert.formats import Format
 from dsv4convert.inspection import Inspection, inspect_checkpoint
-from dsv4convert.layout import linear_shapes
+from dsv4convert.models.deepseek_v4.layout import linear_shapes
 from dsv4convert.model.blocks import COMPUTE_DTYPES
 from dsv4convert.model.text import read_documents, tokenize
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from dsv4convert.automix.candidates import GROUPS, Decision
 from dsv4convert.convert.recipe import Recipe, Rule, rule
 from dsv4convert.formats import Format
-from dsv4convert.layout import Role
+from dsv4convert.models.deepseek_v4.layout import Role
 
 # What no format choice touches: kept as in the source.
 _FIXED = (

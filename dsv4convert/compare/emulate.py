@@ -29,6 +29,7 @@ from dsv4convert.formats import Format
 from dsv4convert.formats.activations import fp8_token_groups, mxfp8_activations, nvfp4_activations
 from dsv4convert.formats.kv_cache import indexer_fp4, indexer_fp8, kv_cache_fp8
 from dsv4convert.model.blocks import LINEAR_PATHS, MtpEntry, WeightSource
+from dsv4convert.models.deepseek_v4.layout import DSparkNames
 
 # Dense linears SGLang builds with quant_config=None (docs/served-numerics.md): never W8A8.
 UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",
@@ -112,9 +113,10 @@ def install(layer: nn.Module, block: str, numerics: Numerics, source: WeightSour
 def install_dspark_entry(entry: nn.Module, numerics: Numerics, source: WeightSource, installed: Installed) -> None:
     """A DSpark drafter's ``main_proj`` stored FP8 runs as a W8A8 block GEMM like every quantized dense linear
     (SGLang 0.5.23 ``models/deepseek_v4_dspark.py``: a ``ReplicatedLinear`` built with the ``quant_config``)."""
-    if numerics.serving is None or not numerics.activations or source.format_of("mtp.0.main_proj") is not Format.FP8:
+    name = DSparkNames.entry_proj
+    if numerics.serving is None or not numerics.activations or source.format_of(name) is not Format.FP8:
         return
-    quantize = _token_groups(numerics.serving.dense_scale_format(), "mtp.0.main_proj")
+    quantize = _token_groups(numerics.serving.dense_scale_format(), name)
     installed.hook(entry.main_proj.register_forward_pre_hook(_on_input(quantize)))
 
 

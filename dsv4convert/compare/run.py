@@ -39,7 +39,7 @@ from dsv4convert.distributed import World
 from dsv4convert.engines.sglang.quant_config import sglang_topk_group
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
-from dsv4convert.layout import ModelConfig, linear_shapes, native_inventory, try_classify
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, linear_shapes, native_inventory, try_classify
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 

@@ -60,7 +60,7 @@ from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Calibration, calibrated_by
 from dsv4convert.inspection import check_routing, inspect_checkpoint
-from dsv4convert.layout import Drafter, Role, without_drafter
+from dsv4convert.models.deepseek_v4.layout import Drafter, Role, without_drafter
 from dsv4convert.stop_points import reach
 
 # Files the converter writes itself rather than copying from the source.

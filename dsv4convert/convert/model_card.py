@@ -27,7 +27,7 @@ from dsv4convert.engines.sglang.server import drafter_of, server
 from dsv4convert.engines.vllm import memory as vllm_memory
 from dsv4convert.engines.vllm.server import COMMON_LIMITS, vllm_launch
 from dsv4convert.inspection import Inspection, inspect_checkpoint
-from dsv4convert.layout import Drafter, ModelConfig
+from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig
 from dsv4convert.tune.problem import model_card_lines
 
 # Weights may take this share of the GPUs' memory; the rest is KV cache, activations and

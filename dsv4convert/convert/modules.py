@@ -19,7 +19,7 @@ from dsv4convert.checkpoint import SourceBytes, TensorEntry, read_chunks, read_p
 from dsv4convert.convert.plan import ModuleJob
 from dsv4convert.errors import FormatError
 from dsv4convert.formats import Calibration, EncodeInput, ExactnessReport, Format, Passthrough, spec
-from dsv4convert.layout import Role
+from dsv4convert.models.deepseek_v4.layout import Role
 
 Reader = Callable[[TensorEntry], torch.Tensor]
 

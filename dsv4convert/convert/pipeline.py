@@ -26,7 +26,7 @@ from dsv4convert.checkpoint import WRITER_MEMORY, ShardWriter, SourceBytes, pref
 from dsv4convert.convert.modules import ModuleContext, ModuleInputs, ModuleResult, convert_module, read_module
 from dsv4convert.convert.plan import ModuleJob, ShardJob
 from dsv4convert.devices import resolve_device
-from dsv4convert.layout import Role
+from dsv4convert.models.deepseek_v4.layout import Role
 from dsv4convert.stop_points import reach
 
 

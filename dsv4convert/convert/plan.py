@@ -24,7 +24,7 @@ from dsv4convert.engines.stored import NEVER_QUANTIZED
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import Format, detect_format, linear_storage, spec, stored_params
 from dsv4convert.inspection import WEIGHT_PARAMS, inspect_checkpoint
-from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, classify, linear_shapes
 from dsv4convert.sizes import human_bytes, parse_size  # noqa: F401 - imported from here by the features
 
 # What a module's conversion holds at once, per element of its logical weight: the

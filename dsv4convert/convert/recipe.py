@@ -25,7 +25,7 @@ from dsv4convert import variants
 from dsv4convert.engines import CHOICES, VLLM, engines_for
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import REGISTRY, Format, recipe_targets
-from dsv4convert.layout import Role, TensorInfo
+from dsv4convert.models.deepseek_v4.layout import Role, TensorInfo
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = variants.SHIPPED_RECIPES

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from dsv4convert.engines import SGLANG_LABEL
-from dsv4convert.layout import Role, TensorInfo, classify
+from dsv4convert.models.deepseek_v4.layout import Role, TensorInfo, classify
 
 MIB = 1 << 20
 GIB = 1 << 30

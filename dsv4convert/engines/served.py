@@ -11,7 +11,7 @@ from dsv4convert import variants
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.engines.memory import KvGeometry, Tensor, classified
 from dsv4convert.inspection import Inspection
-from dsv4convert.layout import ModelConfig, TensorInfo
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorInfo
 
 
 @dataclass(frozen=True)

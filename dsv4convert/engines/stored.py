@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import Format
-from dsv4convert.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, classify, linear_shapes
 
 # Modules SGLang builds with quant_config=None (models/deepseek_v4.py, layers/attention/dsv4/compressor.py,
 # indexer.py) or never quantizes for V4; a quantized tensor there would not load.

@@ -76,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _sources(args: argparse.Namespace) -> list[ServedModel]:
     from dsv4convert.checkpoint import read_small_json
     from dsv4convert.fit import source
-    from dsv4convert.layout import ModelConfig
+    from dsv4convert.models.deepseek_v4.layout import ModelConfig
 
     if args.model:
         return [source.from_checkpoint(args.model)]

@@ -20,7 +20,7 @@ from dsv4convert.dtypes import nbytes
 from dsv4convert.engines.config import build_quant_config
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import ModelConfig, Role, TensorInfo, native_inventory
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, TensorInfo, native_inventory
 
 # Shipped variants and the recipe that makes each (None: the native checkpoint as released), as
 # ``convert`` makes them by default (for both engines).

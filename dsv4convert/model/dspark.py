@@ -81,7 +81,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from dsv4convert.errors import DSV4Error
-from dsv4convert.layout import DSparkConfig, ModelConfig
+from dsv4convert.models.deepseek_v4.layout import DSparkConfig, ModelConfig
 from dsv4convert.model.blocks import (
     WeightSource,
     block_config,
@@ -310,8 +310,9 @@ class DSparkEntry(nn.Module):
     def load(cls, source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig) -> "DSparkEntry":
         with torch.device("meta"):
             entry = cls(cfg.hidden_size, dspark_of(cfg).stages, config.rms_norm_eps)
-        set_tensor(entry, "main_proj.weight", source.linear("mtp.0.main_proj"))
-        set_tensor(entry, "main_norm.weight", source.tensor("mtp.0.main_norm.weight"))
+        names = dspark_of(cfg).names
+        set_tensor(entry, "main_proj.weight", source.linear(names.entry_proj))
+        set_tensor(entry, "main_norm.weight", source.tensor(f"{names.entry_norm}.weight"))
         return entry
 
 
@@ -332,16 +333,15 @@ class DSparkHead(nn.Module):
     @classmethod
     def load(cls, source: WeightSource, config: DeepseekV4Config, cfg: ModelConfig) -> "DSparkHead":
         d = dspark_of(cfg)
-        p = f"{stage_block(d.stages - 1)}."
         with torch.device("meta"):
             head = cls(config, d)
         for leaf in ("fn", "base", "scale"):
-            set_tensor(head.hc_head, f"hc_{leaf}", source.tensor(f"{p}hc_head_{leaf}"))
-        set_tensor(head, "norm.weight", source.tensor(f"{p}norm.weight"))
-        set_tensor(head, "markov_w1.weight", source.linear(f"{p}markov_head.embed"))
+            set_tensor(head.hc_head, f"hc_{leaf}", source.tensor(f"{d.names.last}.hc_head_{leaf}"))
+        set_tensor(head, "norm.weight", source.tensor(f"{d.names.norm}.weight"))
+        set_tensor(head, "markov_w1.weight", source.linear(d.names.markov_embed))
         # SGLang keeps markov_w2 in float32 (DSparkV4MarkovHead: SGLANG_DSPARK_OPT_MARKOV_W2_BF16 off).
-        set_tensor(head, "markov_w2.weight", source.linear(f"{p}markov_head.head").float())
-        set_tensor(head, "confidence.weight", source.linear(f"{p}confidence_head.proj").float())
+        set_tensor(head, "markov_w2.weight", source.linear(d.names.markov_head).float())
+        set_tensor(head, "confidence.weight", source.linear(d.names.confidence).float())
         return head
 
     def base(self, streams: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,14 +480,14 @@ class DSparkDrafter(nn.Module):
         out = {}
         for s in range(d.stages):
             out.update(block_release_names(stage_block(s), f"stages.{s}", targets))
-        out["mtp.0.main_proj.weight"] = "entry.main_proj.weight"
-        out["mtp.0.main_norm.weight"] = "entry.main_norm.weight"
-        last = stage_block(d.stages - 1)
-        out[f"{last}.norm.weight"] = "head.norm.weight"
-        out.update({f"{last}.hc_head_{leaf}": f"head.hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")})
-        out[f"{last}.markov_head.embed.weight"] = "head.markov_w1.weight"
-        out[f"{last}.markov_head.head.weight"] = "head.markov_w2.weight"
-        out[f"{last}.confidence_head.proj.weight"] = "head.confidence.weight"
+        names = d.names
+        out[f"{names.entry_proj}.weight"] = "entry.main_proj.weight"
+        out[f"{names.entry_norm}.weight"] = "entry.main_norm.weight"
+        out[f"{names.norm}.weight"] = "head.norm.weight"
+        out.update({f"{names.last}.hc_head_{leaf}": f"head.hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")})
+        out[f"{names.markov_embed}.weight"] = "head.markov_w1.weight"
+        out[f"{names.markov_head}.weight"] = "head.markov_w2.weight"
+        out[f"{names.confidence}.weight"] = "head.confidence.weight"
         return out
 
     def expert_views(self):

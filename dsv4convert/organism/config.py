@@ -14,34 +14,14 @@ from __future__ import annotations
 
 import copy
 
+from dsv4convert.models.deepseek_v4.presets import ORGANISM
 from dsv4convert.synth import reference_config
-
-ARCHITECTURE = {
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_hash_layers": 2,
-    "num_nextn_predict_layers": 1,
-    "num_attention_heads": 4,
-    "head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 128,
-    "o_lora_rank": 128,
-    "o_groups": 2,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "index_n_heads": 4,
-    "index_head_dim": 128,
-    "index_topk": 64,
-    "sliding_window": 32,
-    "compress_ratios": [0, 4, 128, 4, 0],
-}
 
 
 def organism_config(**overrides) -> dict:
-    """The organism's ``config.json``: the released config with :data:`ARCHITECTURE` (and ``overrides``)."""
+    """The organism's ``config.json``: the released config with the architecture above (``presets.ORGANISM``) and
+    ``overrides``."""
     config = reference_config()
-    config.update(copy.deepcopy(ARCHITECTURE))
+    config.update(copy.deepcopy(ORGANISM))
     config.update(overrides)
     return config

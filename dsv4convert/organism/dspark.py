@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4convert.errors import DSV4Error
-from dsv4convert.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.model.dspark import Blocks, DSparkDrafter, FeatureCapture, acceptance, anchor_grid
 from dsv4convert.model.trainable import TrainableModel
 from dsv4convert.needle import answer_ids, build_prompt, make_needle

@@ -1,6 +1,6 @@
 """The trained organism in the release format, as the real checkpoint is stored.
 
-Every tensor of the native layout (:func:`dsv4convert.layout.native_groups`: real names, dtypes and
+Every tensor of the native layout (:func:`dsv4convert.models.deepseek_v4.layout.native_groups`: real names, dtypes and
 shapes) from the trained float32 weights, rounded with no quantization-aware training: FP8 e4m3 with
 power-of-two (UE8M0) 128x128-block scales for the attention, shared-expert, indexer and MTP-projection
 linears, MXFP4 (E2M1, UE8M0 per 32) for the routed experts, BF16 for the embedding, head, norms,
@@ -35,7 +35,7 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
 from dsv4convert.model.blocks import WeightSource
 from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state

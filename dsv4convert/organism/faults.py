@@ -43,7 +43,7 @@ from dsv4convert.checkpoint import Checkpoint, atomic_write_json
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from dsv4convert.formats.numerics import e8m0_to_exponent, exponent_to_e8m0
-from dsv4convert.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
 
 KINDS = ("indexer-randomized", "indexer-crushed", "attention", "experts", "draft-experts", "markov-zeroed",
          "confidence-flipped", "target-layer")
@@ -123,12 +123,12 @@ def _drafter_edits(ckpt: Checkpoint, fault: Fault) -> tuple[dict[str, torch.Tens
             raise DSV4Error(f"draft-experts: the drafter has stages 0..{d.stages - 1}, not {fault.layer}",
                             file=ckpt.root)
         return _scaled_experts(ckpt, f"mtp.{fault.layer}.", fault.shift), None
-    last = f"mtp.{d.stages - 1}."
-    leaf = {"markov-zeroed": ("markov_head.head.weight", "markov_w2.weight"),
-            "confidence-flipped": ("confidence_head.proj.weight",)}[fault.kind]
-    name = next((f"{last}{x}" for x in leaf if f"{last}{x}" in ckpt.tensors), None)
+    names = d.names
+    candidates = {"markov-zeroed": (f"{names.markov_head}.weight", f"{names.markov_head_alias}.weight"),
+                  "confidence-flipped": (f"{names.confidence}.weight",)}[fault.kind]
+    name = next((x for x in candidates if x in ckpt.tensors), None)
     if name is None:
-        raise DSV4Error(f"the drafter has no {' or '.join(last + x for x in leaf)}", file=ckpt.root)
+        raise DSV4Error(f"the drafter has no {' or '.join(candidates)}", file=ckpt.root)
     weight = ckpt.read(name)
     return {name: torch.zeros_like(weight) if fault.kind == "markov-zeroed" else -weight}, None
 

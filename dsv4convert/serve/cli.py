@@ -24,7 +24,7 @@ from dsv4convert.errors import CheckpointError
 from dsv4convert.serve import defaults
 
 if TYPE_CHECKING:
-    from dsv4convert.layout import ModelConfig
+    from dsv4convert.models.deepseek_v4.layout import ModelConfig
     from dsv4convert.serve import launch
     from dsv4convert.serve.process import ProcessGroup
     from dsv4convert.serve.topology import Topology
@@ -201,7 +201,7 @@ def _inspect(args: argparse.Namespace) -> tuple[str, ModelConfig | None]:
     config.json is read, where there is one (a router host may hold nothing but the tokenizer)."""
     from dsv4convert.checkpoint import Checkpoint, read_small_json
     from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.layout import ModelConfig
+    from dsv4convert.models.deepseek_v4.layout import ModelConfig
     from dsv4convert.serve import launch
 
     if args.variant:
@@ -231,7 +231,7 @@ def draft_choice(args: argparse.Namespace, config: ModelConfig | None, family: s
     from dsv4convert.engines import NO_DRAFT
     from dsv4convert.engines.sglang.rules import SPECULATIVE_ALGORITHM, variant_rules
     from dsv4convert.engines.sglang.server import DRAFT_LABELS
-    from dsv4convert.layout import Drafter
+    from dsv4convert.models.deepseek_v4.layout import Drafter
 
     drafter = config.drafter if config is not None else None
     if any(a.startswith("--speculative-") for a in extra):

@@ -17,7 +17,7 @@ from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.engines.sglang import TRANSFER_BACKENDS
 from dsv4convert.engines.sglang.server import Disaggregation, Server, server
 from dsv4convert.errors import DSV4Error
-from dsv4convert.layout import Drafter
+from dsv4convert.models.deepseek_v4.layout import Drafter
 from dsv4convert.serve.topology import Topology
 
 SERVED_VARIANTS = variants.SERVED

@@ -17,7 +17,7 @@ from dsv4convert.engines.sglang.rules import NO_TRITON_PATH, TritonMoE, triton_m
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.layout import FP8_BLOCK, ModelConfig, Role
+from dsv4convert.models.deepseek_v4.layout import FP8_BLOCK, ModelConfig, Role
 
 
 class TuneError(DSV4Error):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4convert.layout import FP8_BLOCK
+from dsv4convert.models.deepseek_v4.layout import FP8_BLOCK
 from dsv4convert.tune import sglang_moe
 from dsv4convert.tune.device import Device
 from dsv4convert.tune.problem import MoEProblem

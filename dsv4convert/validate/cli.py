@@ -26,7 +26,7 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
 
     from dsv4convert.checkpoint import Checkpoint
     from dsv4convert.inspection import check_routing, inspect_checkpoint
-    from dsv4convert.layout import linear_shapes
+    from dsv4convert.models.deepseek_v4.layout import linear_shapes
     from dsv4convert.validate.integrity import check_all_finite, check_integrity
     from dsv4convert.validate.layer_error import layer_errors
     from dsv4convert.validate.report import write_reports

@@ -28,7 +28,7 @@ from dsv4convert.convert.modules import check_source_finite
 from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import CheckpointError, DSV4Error, FormatError
 from dsv4convert.inspection import Inspection
-from dsv4convert.layout import try_classify
+from dsv4convert.models.deepseek_v4.layout import try_classify
 from dsv4convert.validate.sglang_load import (
     Fp4ExpertsSetting,
     fp4_experts_setting,

@@ -21,7 +21,7 @@ from dsv4convert import kernels
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.formats import Format, error_metrics, linear_storage, spec
 from dsv4convert.inspection import Inspection
-from dsv4convert.layout import Role, classify, try_classify
+from dsv4convert.models.deepseek_v4.layout import Role, classify, try_classify
 
 
 @dataclass

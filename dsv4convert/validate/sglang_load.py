@@ -34,7 +34,7 @@ from dsv4convert.engines.sglang.rules import EXPERT_METHOD
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Format, detect_format, linear_storage
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
-from dsv4convert.layout import linear_shapes
+from dsv4convert.models.deepseek_v4.layout import linear_shapes
 
 _EXPERT = re.compile(r"^(?P<module>(?P<block>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123]))"
                      r"\.(?P<suffix>[^.]+)$")

@@ -26,7 +26,7 @@ from dsv4convert.engines.memory import (
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.sglang.numerics import Serving
 from dsv4convert.engines.sglang.server import Server
-from dsv4convert.layout import Drafter
+from dsv4convert.models.deepseek_v4.layout import Drafter
 
 # srt/arg_groups/deepseek_v4_hook.py apply_deepseek_v4_defaults; model_overrides/deepseek_v4.py.
 V4_MAX_RUNNING_REQUESTS = 256

@@ -53,7 +53,7 @@ from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.engines.stored import FUSED_PAIRS, StoredFormats, analyse
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import NVFP4_BLOCK, Format
-from dsv4convert.layout import FP8_BLOCK, Role, classify
+from dsv4convert.models.deepseek_v4.layout import FP8_BLOCK, Role, classify
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 

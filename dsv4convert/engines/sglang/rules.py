@@ -13,7 +13,7 @@ from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL, EngineError, gpu_family_major
 from dsv4convert.formats import Format
 from dsv4convert.formats.fp8_block import FP8_BLOCK
-from dsv4convert.layout import Drafter
+from dsv4convert.models.deepseek_v4.layout import Drafter
 
 # SGLang's EAGLE draft from the checkpoint's MTP block, the cookbook's "balanced" preset (sglang-contract.md
 # section 4: V4 accepts EAGLE with top-k 1, or DSPARK): one draft step, one candidate, two tokens verified

@@ -25,7 +25,7 @@ from dsv4convert.engines.sglang.rules import (
     VariantRules,
     variant_rules,
 )
-from dsv4convert.layout import Drafter, ModelConfig
+from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig
 
 ROLES = ("prefill", "decode", "server")
 DRAFT_LABELS = {Drafter.MTP: "MTP", Drafter.DSPARK: "DSpark", Drafter.NONE: "no"}

@@ -25,7 +25,7 @@ from dsv4convert.engines.memory import (
 )
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.engines.vllm.server import vllm_launch
-from dsv4convert.layout import Drafter
+from dsv4convert.models.deepseek_v4.layout import Drafter
 
 # config/cache.py CacheConfig.gpu_memory_utilization; the vLLM launch (engines/vllm/server.py) sets none.
 GPU_MEMORY_UTILIZATION = 0.92

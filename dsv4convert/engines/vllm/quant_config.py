@@ -30,7 +30,7 @@ from dsv4convert.engines import VLLM_LABEL
 from dsv4convert.engines.sglang.quant_config import HF_QUANT_CONFIG
 from dsv4convert.engines.stored import StoredFormats
 from dsv4convert.formats import Format
-from dsv4convert.layout import Role, classify
+from dsv4convert.models.deepseek_v4.layout import Role, classify
 
 _V = VLLM_LABEL
 # models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4Model.__init__ builds ``n_mtp_layers or 3`` stages, whatever

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
-from dsv4convert.layout import Drafter
+from dsv4convert.models.deepseek_v4.layout import Drafter
 
 KV_CACHE_DTYPE = "fp8"
 BLOCK_SIZE = 256        # tokens per KV block (--block-size); vLLM's memory sizing counts whole blocks

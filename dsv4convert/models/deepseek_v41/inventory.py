@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from dsv4convert.layout import MXFP4_GROUP, TensorSpec
+from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config
 
 

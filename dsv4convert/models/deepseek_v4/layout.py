@@ -105,6 +105,53 @@ class DSparkConfig:
     def stages(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def names(self) -> "DSparkNames":
+        return DSparkNames(self.stages)
+
+
+@dataclass(frozen=True)
+class DSparkNames:
+    """The release names of a DSpark drafter's own modules, beyond its stages' decoder blocks (the one place they
+    are written): stage 0's projection of the target's hidden states, the last stage's norm, hyper-connection
+    head, Markov head (SGLang's ``markov_w1``/``markov_w2``, vLLM's alias names) and confidence head."""
+
+    stages: int
+
+    entry_proj = "mtp.0.main_proj"
+    entry_norm = "mtp.0.main_norm"
+    ENTRY_LOCAL = ("main_proj", "main_norm")          # the modules' names within stage 0
+
+    @property
+    def last(self) -> str:
+        return f"mtp.{self.stages - 1}"
+
+    @property
+    def norm(self) -> str:
+        return f"{self.last}.norm"
+
+    @property
+    def markov_embed(self) -> str:
+        return f"{self.last}.markov_head.embed"
+
+    @property
+    def markov_head(self) -> str:
+        return f"{self.last}.markov_head.head"
+
+    @property
+    def markov_head_alias(self) -> str:
+        """vLLM's name for :attr:`markov_head` (``markov_w2``), which a checkpoint may store instead."""
+        return f"{self.last}.markov_head.markov_w2"
+
+    @property
+    def confidence(self) -> str:
+        return f"{self.last}.confidence_head.proj"
+
+
+def is_v4_config(config: dict) -> bool:
+    """The preview's and 0731's config.json: ``model_type`` deepseek_v4, or the architecture."""
+    return config.get("model_type") == "deepseek_v4" or "DeepseekV4ForCausalLM" in (config.get("architectures") or [])
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -147,12 +194,9 @@ class ModelConfig:
         a hostile config is one error naming its key, never a traceback or an inventory that fills memory."""
         if not isinstance(config, dict):
             raise CheckpointError("config is not a JSON object", file=source)
-        archs = config.get("architectures") or []
-        if config.get("model_type") != "deepseek_v4" and "DeepseekV4ForCausalLM" not in archs:
-            raise CheckpointError(
-                f"not a DeepSeek-V4 config (model_type={config.get('model_type')!r}, architectures={archs!r})",
-                file=source,
-            )
+        if not is_v4_config(config):
+            raise CheckpointError(f"not a DeepSeek-V4 config (model_type={config.get('model_type')!r}, "
+                                  f"architectures={config.get('architectures')!r})", file=source)
         values = {}
         for name, (low, high) in LIMITS.items():
             value = config.get(name)
@@ -453,17 +497,17 @@ def _dspark_extras(cfg: ModelConfig, stage: int) -> list[TensorSpec]:
     SGLang's ``models/deepseek_v4_dspark.py::_remap_dspark_weight_name`` and vLLM's
     ``models/deepseek_v4/nvidia/dspark.py::_remap_dspark_name`` read them; the counts and bytes reproduce the
     0731 release's (4,705 tensors, 10,862,838,300 bytes under ``mtp.*``: tests/test_layout.py)."""
-    d, h, p = cfg.dspark, cfg.hidden_size, f"mtp.{stage}"
+    d, h, names = cfg.dspark, cfg.hidden_size, cfg.dspark.names
     specs = []
     if stage == 0:
-        specs += _fp8_linear(f"{p}.main_proj", h, h * len(d.target_layer_ids))
-        specs.append(TensorSpec(f"{p}.main_norm.weight", "BF16", (h,)))
+        specs += _fp8_linear(names.entry_proj, h, h * len(d.target_layer_ids))
+        specs.append(TensorSpec(f"{names.entry_norm}.weight", "BF16", (h,)))
     if stage == d.stages - 1:
-        specs.append(TensorSpec(f"{p}.norm.weight", "BF16", (h,)))
-        specs += _hyper_connection(f"{p}.", cfg, "head")
-        specs += [TensorSpec(f"{p}.markov_head.embed.weight", "BF16", (cfg.vocab_size, d.markov_rank)),
-                  TensorSpec(f"{p}.markov_head.head.weight", "BF16", (cfg.vocab_size, d.markov_rank)),
-                  TensorSpec(f"{p}.confidence_head.proj.weight", "BF16",
+        specs.append(TensorSpec(f"{names.norm}.weight", "BF16", (h,)))
+        specs += _hyper_connection(f"{names.last}.", cfg, "head")
+        specs += [TensorSpec(f"{names.markov_embed}.weight", "BF16", (cfg.vocab_size, d.markov_rank)),
+                  TensorSpec(f"{names.markov_head}.weight", "BF16", (cfg.vocab_size, d.markov_rank)),
+                  TensorSpec(f"{names.confidence}.weight", "BF16",
                              (1, h + (d.markov_rank if d.confidence_with_markov else 0)))]
     return specs
 
