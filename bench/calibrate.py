@@ -43,7 +43,7 @@ from dsv4convert.calibrate.stream import CalibrateOptions, Calibrator, work_dir
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
 from dsv4convert.checkpoint.writer import shard_name
 from dsv4convert.formats import quantize_fp8_block, quantize_mxfp4
-from dsv4convert.layout import ModelConfig, native_groups
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, native_groups
 from dsv4convert.synth import TOKENIZER_CONFIG, byte_level_tokenizer, reference_config, synth_tensors
 
 RATIOS = (4, 128, 0)    # the measured layers: CSA, HCA, sliding window

@@ -111,7 +111,7 @@ def _served_experts(result: dict) -> str:
     from dsv4convert.checkpoint import Checkpoint as Ckpt
     from dsv4convert.compare.numerics import Serving
     from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.layout import Role
+    from dsv4convert.models.deepseek_v4.layout import Role
 
     side = result["variant"]
     serving = side["numerics"]["serving"]

@@ -65,7 +65,7 @@ from dsv4convert.formats import (  # noqa: E402
     quantize_int4_weight,
 )
 from dsv4convert.formats.gptq import gptq_quantize_int4  # noqa: E402
-from dsv4convert.layout import Role, classify  # noqa: E402
+from dsv4convert.models.deepseek_v4.layout import Role, classify  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMES = [(128, "amax"), (128, "mse"), (32, "amax"), (32, "mse")]
