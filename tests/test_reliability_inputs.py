@@ -260,8 +260,8 @@ def test_nan_or_inf_in_a_source_tensor(capsys, src, tensor, offset, data, recipe
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "not a DeepSeek-V4 config"),
-    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "not a DeepSeek-V4 config"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "not a release dsv4convert knows (model_type='llama'"),
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "not a release dsv4convert knows (model_type='deepseek_v3'"),
     ("[1, 2", "not valid JSON"),
     ("[1, 2]", "not a JSON object"),
     ('{"model_type": "deepseek_v4", "model_type": "llama"}', "key 'model_type' appears twice"),
