@@ -214,6 +214,16 @@ def test_dry_run_prints_the_menu_and_the_gpu_budget(organism, capsys):
     uniforms = int(verification.split(" and the ")[1].split(" uniform")[0])
     assert f"up to {3 + uniforms} tracks" in verification and f"({(3 + uniforms) * 4} layer passes" in verification
     assert "8 x 512 selection tokens" in verification
+    # a GPU given as a size needs its family, as fit's (#54): refused in one line, or read as given
+    sized = [a for a in args if a != "rtx-pro-6000"]
+    sized.insert(sized.index("--gpu") + 1, "98304")
+    assert main(sized) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --gpu 98304: a size needs its family") and not captured.out
+    assert main([*sized, "--gpu-family", "sm100"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith("--engine sglang, sm100")
 
 
 def test_a_gpu_budget_binds_exactly_as_fit_counts(measured, organism):

@@ -50,7 +50,7 @@ from dsv4convert.engines.sglang.numerics import Serving
 from dsv4convert.engines.vllm.memory import LOAD_RULES as VLLM_RULES
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.fit.source import from_plan
-from dsv4convert.fit.verdict import Gpu, gpu_from, sglang_server, vllm_server
+from dsv4convert.fit.verdict import Gpu, gpu_of, sglang_server, vllm_server
 from dsv4convert.formats import Format
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.layout import linear_shapes
@@ -299,7 +299,7 @@ def build(opts: AutomixOptions) -> AutomixPlan:
                             "that many tokens of KV")
         if opts.tp < 1 or opts.kv_tokens < 1:
             raise DSV4Error(f"--tp and --kv-tokens must be positive, got {opts.tp} and {opts.kv_tokens}")
-        gpu = gpu_from(opts.gpu, opts.gpu_family)
+        gpu = gpu_of(opts.gpu, opts.gpu_family)     # as fit: a size in MiB needs its family
     gpu_family = opts.gpu_family or (gpu.family if gpu else "sm120")
     families, excluded = menu(opts.engine, gpu_family)
     if not families:
