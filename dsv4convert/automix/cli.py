@@ -128,9 +128,12 @@ def _run(args: argparse.Namespace) -> int:
     plan = automix.build(opts)
     automix.print_plan(plan)
     windows = automix.windows(plan)
+    eta, what = automix.expected(plan, windows)
     if args.dry_run:
+        print(f"  {eta.line(what)}")
         return 0
-    measured = automix.run_sensitivity(plan, windows.sensitivity)
+    eta.announce(what)       # before any work: on a CPU the real model's pass takes hours, and says so here
+    measured = automix.run_sensitivity(plan, windows.sensitivity, eta)
     best = plan.solve(measured)
     if best is None:
         raise DSV4Error("no mix fits the budget")

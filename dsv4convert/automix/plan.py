@@ -40,6 +40,7 @@ from dsv4convert.automix.sensitivity import (
 from dsv4convert.automix.solve import Option, solve
 from dsv4convert.calibration import InputScales, build_input_scales
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare.eta import Eta, Work
 from dsv4convert.compare.numerics import Numerics, serving_from_formats
 from dsv4convert.convert.plan import build_plan, human_bytes
 from dsv4convert.convert.recipe import Recipe
@@ -490,10 +491,32 @@ def input_scales(plan: AutomixPlan) -> InputScales | None:
     return build_input_scales(plan.ckpt, calibration=plan.options.calibration) if needs_scales else None
 
 
-def run_sensitivity(plan: AutomixPlan, ids: torch.Tensor) -> Measured:
+def run_sensitivity(plan: AutomixPlan, ids: torch.Tensor, eta: Eta | None = None) -> Measured:
     return measure(plan.ckpt, plan.inspection, ids, plan.probes, plan.floors, plan.calibrations, device=plan.device,
                    dtype=plan.dtype, chunk=plan.options.chunk, input_scales=input_scales(plan), mixes=plan.uniforms,
-                   progress=plan.options.progress)
+                   progress=plan.options.progress, first_block=eta.refine if eta else None)
+
+
+def expected(plan: AutomixPlan, windows: Windows) -> tuple[Eta, str]:
+    """The expected-time line's model of the run, from the plan's own counts: the sensitivity pass (the reference,
+    every candidate's extra layer passes, every whole-model track), the verification pass (its tracks and the
+    reference on the selection windows) and compare of the written mix (base, mix, the mix on the base's input);
+    conversions are not counted. Returns the model and what it covers, in words."""
+    cfg, opts = plan.inspection.config, plan.options
+    layers = cfg.num_hidden_layers
+    sens = windows.sensitivity.numel()
+    tracks = len(plan.floors) + len(plan.calibrations) + len(plan.layouts)
+    sensitivity = sens * (layers * (1 + tracks) + plan.memory["layer_passes"])
+    heads = sens * (1 + len(plan.probes) + tracks)
+    verify = opts.verify_top + len(plan.layouts) if opts.verify_top else 0
+    selection = windows.selection.numel() * (verify + 1) if verify else 0
+    held = windows.heldout.numel() if opts.dst or opts.report else 0
+    work = Work(sensitivity + layers * (selection + 3 * held), heads + selection + 2 * held, opts.seq_len // 2,
+                sens * (1 + tracks))
+    what = ("the sensitivity pass" + (", the verification pass" if verify else "")
+            + (", compare of the written mix" if held else "")
+            + (" (the report's conversions and compares come on top)" if opts.report else ""))
+    return Eta("automix", cfg, work, plan.device, plan.dtype), what
 
 
 def print_plan(plan: AutomixPlan, out=None) -> None:
