@@ -201,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, world) -> int:
     from dsv4convert.compare.report import write_recall_reports, write_reports
-    from dsv4convert.compare.run import build_plan, expected, run
+    from dsv4convert.compare.run import build_plan, expected, recall_time, run
 
     plan = build_plan(_options(args), world)
     eta = expected(plan) if world.is_main else None
@@ -249,39 +249,5 @@ def _compare(args: argparse.Namespace, world) -> int:
         print(f"compare: mean KLD {o['kld']['mean']:.6g} is above --fail-above-kld {args.fail_above_kld}")
         return 1
     print(f"next: dsv4convert compare --base {args.base} --variant {args.variant} --recall (long-context recall"
-          f"{_recall_time(plan, eta, result)}), then dsv4convert serve --model {args.variant}")
+          f"{recall_time(plan, eta, result)}), then dsv4convert serve --model {args.variant}")
     return 0
-
-
-# A recall run longer than this gets the options that keep it short beside the hint.
-LONG_SECONDS = 600.0
-
-
-def _recall_time(plan, eta, result: dict) -> str:
-    """How long the hinted ``--recall`` would take here, at the rate this run measured; past LONG_SECONDS,
-    the lengths and depth that keep it short (the two lengths straddling the selection threshold, one depth)."""
-    from dataclasses import replace
-
-    from dsv4convert.compare.eta import Eta, duration
-    from dsv4convert.compare.recall import RecallOptions
-    from dsv4convert.compare.run import build_plan, work_of
-
-    rate = eta.flops / max(result["seconds"]["wall"], 1e-9)
-
-    def seconds(recall: RecallOptions) -> tuple[float, object]:
-        recall_plan = build_plan(replace(plan.options, texts=[], random_tokens=False, recall=recall, progress=False))
-        cfg = recall_plan.base.side.inspection.config
-        return Eta("compare", cfg, work_of(recall_plan), recall_plan.device, recall_plan.dtype, rate).seconds, \
-            recall_plan.grid
-
-    try:
-        full, grid = seconds(RecallOptions())
-    except DSV4Error as exc:
-        return f"; its time could not be estimated: {exc}"
-    said = f": expected {duration(full)} on this device at this run's rate"
-    if full <= LONG_SECONDS:
-        return said
-    lengths = sorted(sorted({p.length for p in grid.prompts}, key=lambda n: abs(n - grid.threshold))[:2])
-    quick, _ = seconds(RecallOptions(lengths=lengths, depths=(0.5,)))
-    return (f"{said}; --lengths {','.join(map(str, lengths))} --depths 0.5, the two lengths nearest the selection "
-            f"threshold at one depth, takes {duration(quick)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare import DEFAULT_ANCHORS
 from dsv4convert.compare.dspark import anchor_stride, draft_components
-from dsv4convert.compare.eta import Eta, Work
+from dsv4convert.compare.eta import Eta, Work, duration
 from dsv4convert.compare.dspark import summarize as summarize_drafts
 from dsv4convert.compare.lockstep import HEAD_POSITIONS, Batch, LockstepEngine, Side, Track
 from dsv4convert.compare.numerics import Numerics, served, serving_for, weights_only
@@ -418,3 +418,31 @@ def run_recall(plan: Plan, eta: Eta | None = None) -> dict | None:
             "recall": summary, "blocks": [{"block": b.block, "seconds": b.seconds} for b in result.blocks],
             "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
             "peak_device_bytes": result.peak_device_bytes, "estimate": plan.estimate}
+
+
+# A recall run longer than this gets the options that keep it short beside the hint.
+LONG_SECONDS = 600.0
+
+
+def recall_time(plan: Plan, eta: Eta, result: dict) -> str:
+    """How long the hinted ``--recall`` would take here, at the rate this run measured; past LONG_SECONDS,
+    the lengths and depth that keep it short (the two lengths straddling the selection threshold, one depth)."""
+    rate = eta.flops / max(result["seconds"]["wall"], 1e-9)
+
+    def seconds(recall: RecallOptions) -> tuple[float, object]:
+        recall_plan = build_plan(replace(plan.options, texts=[], random_tokens=False, recall=recall, progress=False))
+        cfg = recall_plan.base.side.inspection.config
+        return Eta("compare", cfg, work_of(recall_plan), recall_plan.device, recall_plan.dtype, rate).seconds, \
+            recall_plan.grid
+
+    try:
+        full, grid = seconds(RecallOptions())
+    except DSV4Error as exc:
+        return f"; its time could not be estimated: {exc}"
+    said = f": expected {duration(full)} on this device at this run's rate"
+    if full <= LONG_SECONDS:
+        return said
+    lengths = sorted(sorted({p.length for p in grid.prompts}, key=lambda n: abs(n - grid.threshold))[:2])
+    quick, _ = seconds(RecallOptions(lengths=lengths, depths=(0.5,)))
+    return (f"{said}; --lengths {','.join(map(str, lengths))} --depths 0.5, the two lengths nearest the selection "
+            f"threshold at one depth, takes {duration(quick)}")
