@@ -70,6 +70,7 @@ from dsv4convert.automix.sensitivity import Measured  # noqa: E402
 from dsv4convert.cli import main  # noqa: E402
 from dsv4convert.convert.plan import build_plan  # noqa: E402
 from dsv4convert.convert.recipe import parse_recipe  # noqa: E402
+from dsv4convert.errors import DSV4Error  # noqa: E402
 from dsv4convert.organism.export import write_organism  # noqa: E402
 from dsv4convert.synth import ORGANISM_DIR  # noqa: E402
 
@@ -214,6 +215,36 @@ def test_dry_run_prints_the_menu_and_the_gpu_budget(organism, capsys):
     uniforms = int(verification.split(" and the ")[1].split(" uniform")[0])
     assert f"up to {3 + uniforms} tracks" in verification and f"({(3 + uniforms) * 4} layer passes" in verification
     assert "8 x 512 selection tokens" in verification
+    # the dry run states the expected time of the run (#54), from its counts at this device's measured rate
+    expected = [line for line in out.splitlines() if line.startswith("  automix: expected ~")]
+    assert len(expected) == 1 and "for the sensitivity pass, the verification pass:" in expected[0]
+    assert float(expected[0].split(" GFLOP at")[0].rsplit(" ", 1)[1]) > 0
+    # a GPU given as a size needs its family, as fit's (#54): refused in one line, or read as given
+    sized = [a for a in args if a != "rtx-pro-6000"]
+    sized.insert(sized.index("--gpu") + 1, "98304")
+    assert main(sized) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --gpu 98304: a size needs its family") and not captured.out
+    assert main([*sized, "--gpu-family", "sm100"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith("--engine sglang, sm100")
+
+
+def test_the_expected_time_is_said_before_the_work(organism, capsys, monkeypatch):
+    """A real run prints its expected time before the sensitivity pass starts (#54)."""
+    seen = []
+
+    def first_work(plan, ids, eta=None):
+        seen.append(capsys.readouterr().err)
+        raise DSV4Error("stopped where the work starts")
+
+    monkeypatch.setattr(automix, "run_sensitivity", first_work)
+    assert main(["automix", "--src", str(organism), "--size", "9M", "--text", str(TEXT), "--tokens", "4K",
+                 "--select-tokens", "4K", "--verify-tokens", "4K", "--seq-len", "512", "--gpu-family", "sm100"]) == 2
+    lines = seen[0].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("automix: expected ~") and "on this device (" in lines[0]
+    assert "the sensitivity pass, the verification pass:" in lines[0]
 
 
 def test_a_gpu_budget_binds_exactly_as_fit_counts(measured, organism):

@@ -386,8 +386,14 @@ def test_cli_writes_the_file_and_prints_the_report(tiny_ckpt, data_file, tmp_pat
     output = tmp_path / "c.json"
     assert main(["calibrate", "--src", str(tiny_ckpt), "--output", str(output), "--calibration-data", str(data_file),
                  "--device", "cpu", "--dtype", "float32", "--num-sequences", "1", "--seq-len", "32", "--no-mtp",
-                 "--report", "--holdout", "1", "--report-experts", "2", "--no-progress"]) == 0
-    printed = capsys.readouterr().out
+                 "--report", "--holdout", "1", "--report-experts", "2"]) == 0
+    captured = capsys.readouterr()
+    printed = captured.out
+    # the expected time (#54) comes before the first block's progress line, from the plan's counts (5 blocks)
+    err = captured.err.splitlines()
+    assert err[0].startswith("calibrate: expected ~") and " for 5 block(s) x 2 x 32 tokens: " in err[0]
+    assert float(err[0].split(" GFLOP at")[0].rsplit(" ", 1)[1]) > 0
+    assert err[1].startswith("calibrate: the first block took ") and err[2].startswith("calibrate: layers.0 done")
     content = json.loads(output.read_text())
     assert f"{len(content['experts'])} experts calibrated" in printed
     assert [r["block"] for r in content["report"]] == [f"layers.{i}" for i in range(5)]

@@ -16,6 +16,8 @@ run in tests/test_compare.py. One compare run per case (the CI machine has two c
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -104,8 +106,19 @@ def test_a_rewired_drafter_in_the_plan_and_the_report(organism, tmp_path, capsys
     assert "DSpark drafter: 123 blocks of 5 drafts (anchored at every position)" in plan
     assert "DSpark target layers differ" in plan
     assert main([*argv, "--no-mtp", "--dry-run"]) == 0 and "not compared (--no-mtp)" in capsys.readouterr().out
-    assert main(argv) == 0
-    assert "DSpark: the draft's token distribution (KLD) at position" in capsys.readouterr().out
+    assert main([a for a in argv if a != "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "DSpark: the draft's token distribution (KLD) at position" in captured.out
+    # the expected time comes first (#54); every phase after the last block has a bar of its own
+    err = captured.err.replace("\r", "\n").splitlines()
+    first_bar = next(i for i, line in enumerate(err) if re.match(r"compare: +\d+%\|", line))
+    assert expected_seconds(err[:first_bar], "compare") > 0
+    last_block = max(i for i, line in enumerate(err) if re.match(r"compare: +100%\|.* 4/4 \[", line))
+    for phase in ("compare: output heads", "compare: DSpark drafter"):
+        moved = [line for line in err[last_block:] if line.startswith(phase)]
+        assert moved and "100%" in moved[-1], phase
+    hint = captured.out.strip().splitlines()[-1]
+    assert hint.startswith("next: ") and "--recall (long-context recall: expected ~" in hint
     section = json.loads((report / "compare.json").read_text())["dspark"]
     assert section["verdict"]["component"] == TARGET_FEATURES
     assert section["target_layer_ids"]["variant"][0] == 0 != section["target_layer_ids"]["base"][0]
@@ -113,3 +126,13 @@ def test_a_rewired_drafter_in_the_plan_and_the_report(organism, tmp_path, capsys
     assert errors[TARGET_FEATURES] > 0 and all(e == 0.0 for c, e in errors.items() if c != TARGET_FEATURES)
     markdown = (report / "compare.md").read_text()
     assert "## DSpark draft" in markdown and section["verdict"]["sentence"] in markdown
+
+
+def expected_seconds(lines: list[str], command: str) -> float:
+    """The seconds an expected-time line says (it must be there, and once); finite."""
+    said = [m for line in lines if (m := re.match(rf"{command}: expected ~([0-9.]+) (s|min|h) on this device "
+                                                  r"\((cpu, \d+ threads|cuda[^)]*)\) for .+: ([0-9.e+]+) GFLOP", line))]
+    assert len(said) == 1, lines
+    seconds = float(said[0][1]) * {"s": 1, "min": 60, "h": 3600}[said[0][2]]
+    assert math.isfinite(seconds) and float(said[0][4]) > 0
+    return seconds

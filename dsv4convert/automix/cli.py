@@ -47,7 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--src", required=True, help="the base checkpoint (a local DeepSeek-V4 directory)")
     p.add_argument("--dst", help="where to write the chosen mix (omit to only choose and write the recipe)")
     p.add_argument("--size", type=parse_size, help="budget: the checkpoint's bytes (e.g. 120G)")
-    p.add_argument("--gpu", help="budget per GPU: GPU name as fit knows it (rtx-pro-6000, h200, b200, ...)")
+    p.add_argument("--gpu", help="budget per GPU: GPU name as fit knows it (rtx-pro-6000, h200, b200, ...), or a "
+                                  "size in MiB with --gpu-family")
     p.add_argument("--tp", type=int, help="tensor-parallel GPUs per server (with --gpu)")
     p.add_argument("--kv-tokens", type=_tokens, help="tokens of KV cache the server must still hold (e.g. 1M, 262144)")
     p.add_argument("--mtp", action="store_true", help="count the MTP draft's weights and KV in the budget (fit --mtp)")
@@ -127,9 +128,12 @@ def _run(args: argparse.Namespace) -> int:
     plan = automix.build(opts)
     automix.print_plan(plan)
     windows = automix.windows(plan)
+    eta, what = automix.expected(plan, windows)
     if args.dry_run:
+        print(f"  {eta.line(what)}")
         return 0
-    measured = automix.run_sensitivity(plan, windows.sensitivity)
+    eta.announce(what)       # before any work: on a CPU the real model's pass takes hours, and says so here
+    measured = automix.run_sensitivity(plan, windows.sensitivity, eta)
     best = plan.solve(measured)
     if best is None:
         raise DSV4Error("no mix fits the budget")

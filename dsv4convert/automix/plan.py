@@ -40,6 +40,7 @@ from dsv4convert.automix.sensitivity import (
 from dsv4convert.automix.solve import Option, solve
 from dsv4convert.calibration import InputScales, build_input_scales
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare.eta import Eta, Work
 from dsv4convert.compare.numerics import Numerics, serving_from_formats
 from dsv4convert.convert.plan import build_plan, human_bytes
 from dsv4convert.convert.recipe import Recipe
@@ -50,7 +51,7 @@ from dsv4convert.engines.sglang.numerics import Serving
 from dsv4convert.engines.vllm.memory import LOAD_RULES as VLLM_RULES
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.fit.source import from_plan
-from dsv4convert.fit.verdict import Gpu, gpu_from, sglang_server, vllm_server
+from dsv4convert.fit.verdict import Gpu, gpu_of, sglang_server, vllm_server
 from dsv4convert.formats import Format
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.models.deepseek_v4.layout import linear_shapes
@@ -299,7 +300,7 @@ def build(opts: AutomixOptions) -> AutomixPlan:
                             "that many tokens of KV")
         if opts.tp < 1 or opts.kv_tokens < 1:
             raise DSV4Error(f"--tp and --kv-tokens must be positive, got {opts.tp} and {opts.kv_tokens}")
-        gpu = gpu_from(opts.gpu, opts.gpu_family)
+        gpu = gpu_of(opts.gpu, opts.gpu_family)     # as fit: a size in MiB needs its family
     gpu_family = opts.gpu_family or (gpu.family if gpu else "sm120")
     families, excluded = menu(opts.engine, gpu_family)
     if not families:
@@ -490,10 +491,32 @@ def input_scales(plan: AutomixPlan) -> InputScales | None:
     return build_input_scales(plan.ckpt, calibration=plan.options.calibration) if needs_scales else None
 
 
-def run_sensitivity(plan: AutomixPlan, ids: torch.Tensor) -> Measured:
+def run_sensitivity(plan: AutomixPlan, ids: torch.Tensor, eta: Eta | None = None) -> Measured:
     return measure(plan.ckpt, plan.inspection, ids, plan.probes, plan.floors, plan.calibrations, device=plan.device,
                    dtype=plan.dtype, chunk=plan.options.chunk, input_scales=input_scales(plan), mixes=plan.uniforms,
-                   progress=plan.options.progress)
+                   progress=plan.options.progress, first_block=eta.refine if eta else None)
+
+
+def expected(plan: AutomixPlan, windows: Windows) -> tuple[Eta, str]:
+    """The expected-time line's model of the run, from the plan's own counts: the sensitivity pass (the reference,
+    every candidate's extra layer passes, every whole-model track), the verification pass (its tracks and the
+    reference on the selection windows) and compare of the written mix (base, mix, the mix on the base's input);
+    conversions are not counted. Returns the model and what it covers, in words."""
+    cfg, opts = plan.inspection.config, plan.options
+    layers = cfg.num_hidden_layers
+    sens = windows.sensitivity.numel()
+    tracks = len(plan.floors) + len(plan.calibrations) + len(plan.layouts)
+    sensitivity = sens * (layers * (1 + tracks) + plan.memory["layer_passes"])
+    heads = sens * (1 + len(plan.probes) + tracks)
+    verify = opts.verify_top + len(plan.layouts) if opts.verify_top else 0
+    selection = windows.selection.numel() * (verify + 1) if verify else 0
+    held = windows.heldout.numel() if opts.dst or opts.report else 0
+    work = Work(sensitivity + layers * (selection + 3 * held), heads + selection + 2 * held, opts.seq_len // 2,
+                sens * (1 + tracks))
+    what = ("the sensitivity pass" + (", the verification pass" if verify else "")
+            + (", compare of the written mix" if held else "")
+            + (" (the report's conversions and compares come on top)" if opts.report else ""))
+    return Eta("automix", cfg, work, plan.device, plan.dtype), what
 
 
 def print_plan(plan: AutomixPlan, out=None) -> None:

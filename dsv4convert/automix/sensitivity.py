@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -187,10 +187,11 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
             floors: dict[str, Numerics], calibrations: list[Calibration], *, device: torch.device,
             dtype: torch.dtype, chunk: int | None, input_scales: InputScales | None, mixes: list[MixTrack] = (),
             batch_tokens: int = 16384, bank_place: str = "auto", progress: bool = True,
-            desc: str = "automix sensitivity") -> Measured:
+            desc: str = "automix sensitivity", first_block: Callable[[float], None] | None = None) -> Measured:
     """Run the pass over ``ids`` ``[sequences, seq_len]``; see the module docstring. ``mixes``: whole mixes
     measured on tracks of their own (each block's candidates made once for every track and fork that uses
-    them). ``bank_place``: where the forks' streams live (auto, device, host; :class:`ForkBank`)."""
+    them). ``bank_place``: where the forks' streams live (auto, device, host; :class:`ForkBank`). ``first_block`` is
+    told the first block's seconds (the expected-time line's refinement)."""
     t0 = time.perf_counter()
     cfg = inspection.config
     config = hf_config(ckpt.config)
@@ -276,7 +277,11 @@ def measure(ckpt: Checkpoint, inspection: Inspection, ids: torch.Tensor, probes:
                 per_block.append({"block": block, "fork_passes": forks_before, "n_candidates": len(by_block.get(block, [])),
                                   "n_tracks": len(labels), **{k: round(seconds[k] - before[k], 4) for k in seconds}})
                 del layer, staged
+                if len(per_block) == 1 and first_block is not None:
+                    first_block(time.perf_counter() - t0)
             bar.close()
+            if progress:      # the heads' pass is one step: say what the finished bar is waiting for
+                tqdm.write(f"{desc}: the output head on {len(bank.index) + len(track_rows)} streams")
             t = time.perf_counter()
             streams = {**{key: bank.slot(key) for key in list(bank.index)}, **track_rows}
             stats = _score(source, config, reference, streams, ids, device)

@@ -36,6 +36,7 @@ from dsv4convert.calibrate.report import block_errors
 from dsv4convert.calibrate.stats import ExpertRecorder, ExpertStats
 from dsv4convert.calibration import InputScales, build_input_scales
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json, read_small_json
+from dsv4convert.compare.eta import Eta, Work
 from dsv4convert.devices import resolve_device
 from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
@@ -327,18 +328,31 @@ class Calibrator:
         expert = f"{block}.ffn.experts.0"
         return (self.input_scales.data_free_amax(f"{expert}.w1"), self.input_scales.data_free_amax(f"{expert}.w2"))
 
+    def expected(self, ids: torch.Tensor, blocks: int) -> Eta:
+        """Announces the expected time of the ``blocks`` still to calibrate (every sequence, held-out ones
+        included, through each; a resumed run counts only what is left) before the first one starts."""
+        eta = Eta("calibrate", self.cfg, Work(blocks * ids.numel(), 0, ids.shape[1] // 2, ids.numel()), self.device,
+                  self.dtype)
+        eta.announce(f"{blocks} block(s) x {ids.shape[0]} x {ids.shape[1]} tokens")
+        return eta
+
     def run(self) -> dict:
         """Calibrate every block not yet done, then write the calibration file; returns its contents."""
         ids = self._prepare()
+        # what rank 0 sees decides: its files are the record
+        todo = [not self.world.broadcast(self.stats_path(b).exists() and self.result_path(b).exists())
+                for b in self.blocks]
+        eta = self.expected(ids, sum(todo)) if self.world.is_main and any(todo) else None
         done = 0
         for index, block in enumerate(self.blocks):
-            finished = self.stats_path(block).exists() and self.result_path(block).exists()
-            if self.world.broadcast(finished):   # what rank 0 sees decides: its files are the record
+            if not todo[index]:
                 continue
             if self.opts.max_blocks is not None and done >= self.opts.max_blocks:
                 return {}
             result = self.run_block(index, ids)
             done += 1
+            if eta is not None and done == 1:
+                eta.refine(result.seconds)
             if self.opts.progress and self.world.is_main:
                 peak = f", peak {result.peak_device_bytes / 2**30:.1f} GiB" if result.peak_device_bytes else ""
                 print(f"calibrate: {block} done in {result.seconds:.1f} s{peak}", file=sys.stderr)

@@ -140,7 +140,7 @@ def _options(args: argparse.Namespace):
         recall=recall)
 
 
-def print_plan(plan) -> None:
+def print_plan(plan, eta=None) -> None:
     e = plan.estimate
     blocks = plan.base.side.inspection.config.block_prefixes()
     if not plan.options.mtp or plan.grid is not None:
@@ -180,7 +180,17 @@ def print_plan(plan) -> None:
                   "drafts from its own; the report measures what it costs)")
     elif plan.base.side.inspection.config.dspark is not None:
         print("  DSpark drafter: not compared (--no-mtp)")
+    if eta is not None:
+        print(f"  {eta.line(what_runs(plan))}")
     print("dry run: nothing run")
+
+
+def what_runs(plan) -> str:
+    """The work the expected-time line is about, in a user's terms."""
+    tracks = len(plan.tracks)
+    if plan.grid is not None:
+        return f"{plan.data['prompts']} needle prompts x {tracks} tracks"
+    return f"{plan.data['sequences']} x {plan.data['seq_len']} tokens x {tracks} tracks"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -191,13 +201,16 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, world) -> int:
     from dsv4convert.compare.report import write_recall_reports, write_reports
-    from dsv4convert.compare.run import build_plan, run
+    from dsv4convert.compare.run import build_plan, expected, recall_time, run
 
     plan = build_plan(_options(args), world)
+    eta = expected(plan) if world.is_main else None
     if args.dry_run:
-        print_plan(plan)
+        print_plan(plan, eta)
         return 0
-    result = run(plan)
+    if eta is not None:      # before any work: a CPU run of the real model takes hours, and says so here
+        eta.announce(what_runs(plan))
+    result = run(plan, eta)
     if result is None:       # not rank 0: rank 0 writes and prints everything
         return 0
     root = plan.variant.side.ckpt.root
@@ -235,6 +248,6 @@ def _compare(args: argparse.Namespace, world) -> int:
     if args.fail_above_kld is not None and o["kld"]["mean"] > args.fail_above_kld:
         print(f"compare: mean KLD {o['kld']['mean']:.6g} is above --fail-above-kld {args.fail_above_kld}")
         return 1
-    print(f"next: dsv4convert compare --base {args.base} --variant {args.variant} --recall (long-context recall), "
-          f"then dsv4convert serve --model {args.variant}")
+    print(f"next: dsv4convert compare --base {args.base} --variant {args.variant} --recall (long-context recall"
+          f"{recall_time(plan, eta, result)}), then dsv4convert serve --model {args.variant}")
     return 0

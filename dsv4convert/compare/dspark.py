@@ -175,6 +175,7 @@ class DraftPass:
                                                                               self.ids[track.label]))
         streams: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
         rounding: dict[int, torch.Tensor] = {}
+        bar = e.phase("DSpark drafter", self.d.stages * sum(len(e.units_of[t.label]) for t in e.tracks) + 1)
         main_x: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
         for s in range(self.d.stages):
             block = stage_block(s)
@@ -205,6 +206,7 @@ class DraftPass:
                                 given = streams[ref][u.index] if s == 0 else rounding[u.index]
                                 rounding_next[u.index] = run_stage(layer, given, kv, b, rotary,
                                                                    chunk=max(1, (len(b) + 1) // 2)).cpu()
+                                bar.update()
                                 continue
                             result[u.index].free[track.label][block] = _error(nxt[ref][u.index], out)
                             if track.local:
@@ -215,11 +217,15 @@ class DraftPass:
                                 mine = run_stage(layer, streams[ref][u.index], kv, b, rotary,
                                                  chunk=chunk).cpu()
                                 result[u.index].local[track.label][block] = _error(nxt[ref][u.index], mine)
+                            bar.update()
                     finally:
                         installed.remove()
                 del layer, entry, embed
             streams, rounding = nxt, rounding_next
+        bar.set_postfix_str("draft heads")
         self._heads(streams, rounding, blocks, top1, result)
+        bar.update()
+        bar.close()
         self.seconds += time.perf_counter() - t0
         return result
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -153,7 +153,8 @@ class LockstepEngine:
 
     def __init__(self, tracks: list[Track], batches: list[Batch], *, device: torch.device, dtype: torch.dtype,
                  chunk: int | None, batch_size: int = 1, mtp: bool = True, progress: bool = True,
-                 observers: list[BlockObserver] = (), world: World = World(), draft_anchors: int = DEFAULT_ANCHORS):
+                 observers: list[BlockObserver] = (), world: World = World(), draft_anchors: int = DEFAULT_ANCHORS,
+                 first_block: Callable[[float], None] | None = None):
         if len({t.label for t in tracks}) != len(tracks):
             raise ValueError("track labels must differ")
         if tracks[0].rows is not None:
@@ -161,6 +162,7 @@ class LockstepEngine:
         self.tracks, self.reference, self.batches = tracks, tracks[0], batches
         self.device, self.dtype, self.batch_size, self.progress = device, dtype, batch_size, progress
         self.observers, self.world = list(observers), world
+        self.first_block = first_block    # told the first block's seconds (the expected-time line's refinement)
         self.cfg: ModelConfig = tracks[0].side.inspection.config
         self.config = hf_config(tracks[0].side.ckpt.config)
         self.runners = {t.label: BlockRunner(self.config, device, dtype, chunk=t.chunk or chunk) for t in tracks}
@@ -182,6 +184,12 @@ class LockstepEngine:
         self.draft = DraftPass(self, draft_anchors) if mtp and dspark else None
 
     # -- the pieces -------------------------------------------------------------------------
+
+    def phase(self, desc: str, total: int) -> tqdm:
+        """A progress bar of its own for work after the blocks (output heads, the DSpark pass), so the block
+        bar never sits full while minutes of work remain."""
+        return tqdm(total=total, desc=f"compare: {desc}", unit="unit",
+                    disable=not (self.progress and self.world.is_main))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -326,6 +334,9 @@ class LockstepEngine:
                 self.seconds["other"] += time.perf_counter() - block_started - counted
                 spent = {k: round(self.seconds[k] - before[k], 4) for k in self.seconds}
                 results.append(self._block_result(block, free, local, spent))
+                if len(results) == 1 and self.first_block is not None and self.world.is_main:
+                    self.first_block(time.perf_counter() - started)
+            bar.close()           # the phases after the blocks have bars of their own
             if not scored:
                 self._score_outputs(streams, output, retrieval, top1)
             if self.draft is not None:
@@ -397,6 +408,7 @@ class LockstepEngine:
         t0 = time.perf_counter()
         ref = self.reference.label
         heads = {side.label: OutputHead(side.source, self.config) for side in self.sides}
+        bar = self.phase("output heads", len(self.mine))
         # the drafts need every top-1
         need_all = any(block.startswith("mtp.") for block in self.blocks) or self.draft is not None
         for track in self.tracks:
@@ -438,6 +450,8 @@ class LockstepEngine:
                     if parts:
                         hits = torch.cat([p[0] for p in parts])
                         retrieval[label][(unit.batch, row)] = (bool(hits.all()), float(sum(p[1] for p in parts)))
+            bar.update()
+        bar.close()
         del heads
         self.seconds["metrics"] += time.perf_counter() - t0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.compare import DEFAULT_ANCHORS
 from dsv4convert.compare.dspark import anchor_stride, draft_components
+from dsv4convert.compare.eta import Eta, Work, duration
 from dsv4convert.compare.dspark import summarize as summarize_drafts
 from dsv4convert.compare.lockstep import HEAD_POSITIONS, Batch, LockstepEngine, Side, Track
 from dsv4convert.compare.numerics import Numerics, served, serving_for, weights_only
@@ -311,15 +312,39 @@ def _largest_block(ckpt: Checkpoint) -> int:
     return max(sizes.values(), default=0)
 
 
-def run(plan: Plan) -> dict | None:
-    """Run the plan; returns ``compare.json``'s content on rank 0 (None on the other ranks)."""
+def work_of(plan: Plan) -> Work:
+    """The plan's work as the expected-time line counts it: every track's tokens through every block (twice for a
+    track also run on the reference's input), every track's output head, and a DSpark pass's stages."""
+    cfg = plan.base.side.inspection.config
+    mtp = plan.options.mtp and plan.grid is None
+    blocks = [b for b in cfg.block_prefixes() if b.startswith("layers.") or (mtp and cfg.dspark is None)]
+    tokens = sum(b.ids.numel() for b in plan.batches)
+    per_track = [(tokens if t.rows is None else sum(plan.batches[b].ids.shape[1] for b, _ in t.rows),
+                  2 if t.local else 1) for t in plan.tracks]
+    block_tokens = sum(n * passes for n, passes in per_track)
+    layer_tokens = len(blocks) * block_tokens
+    draft = plan.estimate.get("dspark")
+    if draft:     # each track's stages, the base's rounding floor, the local tracks' again on the base's input
+        layer_tokens += draft["draft_rows"] * draft["stages"] * (sum(passes for _, passes in per_track) + 1)
+    longest = max(b.ids.shape[1] for b in plan.batches)
+    return Work(layer_tokens, sum(n for n, _ in per_track), longest // 2, block_tokens)
+
+
+def expected(plan: Plan) -> Eta:
+    """The expected-time line's model of this plan, at this device's measured GEMM rate."""
+    return Eta("compare", plan.base.side.inspection.config, work_of(plan), plan.device, plan.dtype)
+
+
+def run(plan: Plan, eta: Eta | None = None) -> dict | None:
+    """Run the plan; returns ``compare.json``'s content on rank 0 (None on the other ranks). ``eta``, announced
+    by the caller, is refined once the first block has run."""
     t0 = time.perf_counter()
     o = plan.options
     if plan.grid is not None:
-        return run_recall(plan)
+        return run_recall(plan, eta)
     engine = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype,
                             chunk=o.chunk, batch_size=o.batch_size, mtp=o.mtp, progress=o.progress, world=plan.world,
-                            draft_anchors=o.draft_anchors)
+                            draft_anchors=o.draft_anchors, first_block=eta.refine if eta else None)
     result = engine.run()
     if result is None:
         return None
@@ -359,14 +384,14 @@ def side_record(track: Track) -> dict:
             "numerics": track.numerics.describe()}
 
 
-def run_recall(plan: Plan) -> dict | None:
+def run_recall(plan: Plan, eta: Eta | None = None) -> dict | None:
     """A recall run; returns ``recall.json``'s content (the report writes compare.md from it too)."""
     t0 = time.perf_counter()
     o = plan.options
     observer = TopkObserver(plan.grid, plan.base.label)
     engine = LockstepEngine(plan.tracks, plan.batches, device=plan.device, dtype=plan.dtype, chunk=o.chunk,
                             batch_size=o.batch_size, mtp=False, progress=o.progress, observers=[observer],
-                            world=plan.world)
+                            world=plan.world, first_block=eta.refine if eta else None)
     result = engine.run()
     if result is None:
         return None
@@ -393,3 +418,31 @@ def run_recall(plan: Plan) -> dict | None:
             "recall": summary, "blocks": [{"block": b.block, "seconds": b.seconds} for b in result.blocks],
             "seconds": {**result.seconds, "wall": round(time.perf_counter() - t0, 3)},
             "peak_device_bytes": result.peak_device_bytes, "estimate": plan.estimate}
+
+
+# A recall run longer than this gets the options that keep it short beside the hint.
+LONG_SECONDS = 600.0
+
+
+def recall_time(plan: Plan, eta: Eta, result: dict) -> str:
+    """How long the hinted ``--recall`` would take here, at the rate this run measured; past LONG_SECONDS,
+    the lengths and depth that keep it short (the two lengths straddling the selection threshold, one depth)."""
+    rate = eta.flops / max(result["seconds"]["wall"], 1e-9)
+
+    def seconds(recall: RecallOptions) -> tuple[float, object]:
+        recall_plan = build_plan(replace(plan.options, texts=[], random_tokens=False, recall=recall, progress=False))
+        cfg = recall_plan.base.side.inspection.config
+        return Eta("compare", cfg, work_of(recall_plan), recall_plan.device, recall_plan.dtype, rate).seconds, \
+            recall_plan.grid
+
+    try:
+        full, grid = seconds(RecallOptions())
+    except DSV4Error as exc:
+        return f"; its time could not be estimated: {exc}"
+    said = f": expected {duration(full)} on this device at this run's rate"
+    if full <= LONG_SECONDS:
+        return said
+    lengths = sorted(sorted({p.length for p in grid.prompts}, key=lambda n: abs(n - grid.threshold))[:2])
+    quick, _ = seconds(RecallOptions(lengths=lengths, depths=(0.5,)))
+    return (f"{said}; --lengths {','.join(map(str, lengths))} --depths 0.5, the two lengths nearest the selection "
+            f"threshold at one depth, takes {duration(quick)}")

@@ -56,11 +56,19 @@ class Fp4ExpertsSetting:
     probe_fp4: bool             # what SGLang concludes when the variable is unset (True when it cannot tell)
 
     def describe(self) -> str:
-        read = (f"reads {self.probe_tensor} ({self.probe_dtype})" if self.probe_tensor
-                else "finds no routed-expert '.weight' tensor")
-        wrong = (self.probe_fp4 != (self.needed == "1"))
-        return (f"serve with {_ENV}={self.needed}: unset, SGLang's expert-layout probe {read} and takes "
-                f"is_fp4_experts={self.probe_fp4}" + (", which is wrong for this checkpoint" if wrong else ""))
+        """In the user's terms: what the variable tells SGLang, the value this checkpoint needs and why, and what
+        SGLang would do with it unset (the note validate prints and the model-card check quotes)."""
+        fp4 = self.needed == "1"
+        layout = ("MXFP4 (SGLang's FP4 expert path)" if fp4
+                  else "not MXFP4 (FP8, NVFP4, INT4 or BF16: SGLang's other expert paths)")
+        read = (f"from the dtype of {self.probe_tensor} ({self.probe_dtype})" if self.probe_tensor
+                else "with no routed-expert '.weight' tensor to read, so it assumes FP4")
+        guess = "FP4" if self.probe_fp4 else "not FP4"
+        outcome = ("the wrong expert path for these weights" if self.probe_fp4 != fp4 else
+                   "right here, but `serve` and the model card set it anyway so the launch does not rest on a guess")
+        return (f"{_ENV} tells SGLang whether the routed experts are stored as MXFP4; this checkpoint's are "
+                f"{layout}, so serve with {_ENV}={self.needed}. Left unset, SGLang guesses {read}: {guess}, "
+                f"{outcome}")
 
 
 def fp4_experts_setting(ckpt: Checkpoint, formats: dict[str, tuple[Format, dict]]) -> Fp4ExpertsSetting | None:
