@@ -19,7 +19,7 @@ from typing import TextIO
 import torch
 from tqdm import tqdm
 
-from dsv4convert.layout import ModelConfig, linear_shapes
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, linear_shapes
 
 
 @dataclass(frozen=True)
