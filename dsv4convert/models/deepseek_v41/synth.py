@@ -59,7 +59,7 @@ _WORDS = ("the river mill painter ladder fisherman owl square evening plums supp
 
 def engram_code_chunk(rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
     """E4M3 codes of ``rows`` embedding rows: heavy-tailed values, each 1 x 32 block scaled so its largest
-    element lands in (224, 448] as DeepSeek's ceil(log2(amax / 448)) rule leaves it."""
+    element lands in [224, 448] (224 where it rounds down) as DeepSeek's ceil(log2(amax / 448)) rule leaves it."""
     w = torch.randn(rows, dim, generator=gen) * torch.exp(0.5 * torch.randn(rows, dim, generator=gen))
     blocks = w.reshape(rows, dim // ENGRAM_BLOCK, ENGRAM_BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-30)
