@@ -8,6 +8,8 @@ from pathlib import Path
 
 from dsv4convert.errors import DSV4Error
 from dsv4convert.models.deepseek_v4.presets import PRESETS
+from dsv4convert.models.deepseek_v41.config import is_v41
+from dsv4convert.models.deepseek_v41.presets import PRESETS as V41_PRESETS
 
 ORGANISM = "organism"
 DRAFTERS = ("mtp", "dspark", "none")
@@ -29,8 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory")
-    p.add_argument("--preset", choices=sorted([*PRESETS, ORGANISM]), default="tiny",
-                   help="model size (default: tiny); organism: the shipped trained organism (7.6 MB on disk; "
+    p.add_argument("--preset", choices=sorted([*PRESETS, *V41_PRESETS, ORGANISM]), default="tiny",
+                   help="model size (default: tiny); tiny-v41: a tiny DeepSeek-V4.1-Flash (every tensor kind, its "
+                        "tokenizer); organism: the shipped trained organism (7.6 MB on disk; "
                         "10.1 MB with --drafter dspark)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers")
@@ -48,6 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     from dsv4convert.checkpoint import read_small_json
     from dsv4convert.models.deepseek_v4.layout import ModelConfig
     from dsv4convert.organism.export import write_organism
+    from dsv4convert.models.deepseek_v41.synth import synthesize as synthesize_v41
     from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers
 
     if args.no_mtp and args.drafter not in (None, "none"):
@@ -63,7 +67,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {dst} (the trained organism with {what[drafter or 'mtp']}, {size / 1e6:.1f} MB; "
               "docs/organism.md)")
         return 0
+    if args.preset in V41_PRESETS:
+        if args.config or args.num_layers is not None or drafter not in (None, "dspark"):
+            raise DSV4Error(f"--preset {args.preset} is V4.1's release layout with its DSpark drafter: --config, "
+                            "--num-layers and other drafters do not apply")
+        print(f"wrote {synthesize_v41(args.dst, V41_PRESETS[args.preset], seed=args.seed, overwrite=args.overwrite)}")
+        return 0
     config = read_small_json(args.config) if args.config else preset_config(args.preset)
+    if is_v41(config):
+        raise DSV4Error("a DeepSeek-V4.1 config is synthesized from --preset tiny-v41 for now (real-size layers "
+                        "need the release's tokenizer beside them)", file=args.config)
     cfg = ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
     if drafter == "dspark" and cfg.dspark is None:
         config = with_dspark(with_num_layers(config, cfg.num_hidden_layers, mtp=False))

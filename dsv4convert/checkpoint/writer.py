@@ -163,6 +163,32 @@ class ShardWriter:
             raise
         self._next += 1
 
+    def write_rows(self, name: str, chunks: Iterable[torch.Tensor]) -> None:
+        """Append the next planned tensor from consecutive row chunks, so that a tensor larger than memory (an
+        Engram table: 98 GB in DeepSeek-V4.1) is never whole in it; the chunks must add up to the plan exactly."""
+        if self._next >= len(self.planned):
+            raise CheckpointError("more tensors written than planned", file=self.path, tensor=name)
+        want = self.planned[self._next]
+        if name != want.name:
+            raise CheckpointError(f"written out of order (expected '{want.name}')", file=self.path, tensor=name)
+        rows = 0
+        for chunk in chunks:
+            got_dtype, got_shape = dtypes.of_tensor(chunk).name, dtypes.safetensors_shape(chunk)
+            if got_dtype != want.dtype or got_shape[1:] != want.shape[1:] or rows + got_shape[0] > want.shape[0]:
+                self.abort()
+                raise CheckpointError(f"planned {want.dtype} {list(want.shape)} but got a chunk of {got_dtype} "
+                                      f"{list(got_shape)} after {rows} rows", file=self.path, tensor=name)
+            try:
+                self._out.put(memoryview(chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+            except OSError as exc:
+                self.abort()
+                raise write_error(exc, self.path, name) from None
+            rows += got_shape[0]
+        if rows != want.shape[0]:
+            self.abort()
+            raise CheckpointError(f"planned {want.shape[0]} rows but got {rows}", file=self.path, tensor=name)
+        self._next += 1
+
     def commit(self) -> None:
         if self._next != len(self.planned):
             missing = self.planned[self._next].name

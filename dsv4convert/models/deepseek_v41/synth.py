@@ -1,0 +1,197 @@
+"""Synthetic DeepSeek-V4.1-Flash checkpoints in the release's exact native format, with its tokenizer's stand-in.
+
+Every tensor :func:`~dsv4convert.models.deepseek_v41.inventory.native_groups` plans is written, one shard per group
+(each Engram table a shard of its own, as the release stores them), with realistic values derived from (seed,
+name) alone (:mod:`dsv4convert.models.synth_values`): FP8 E4M3 linears quantized in the config's 32 x 32 blocks
+with E8M0 scales, MXFP4 experts drawn in stored form, BF16/F32 elsewhere. One tensor is in memory at a time; an
+Engram table is written in chunks of :data:`ENGRAM_CHUNK_ROWS` rows, its E4M3 codes and its 1 x 32 E8M0 row
+scales drawn apart (each chunk from (seed, name, chunk)), so that a real-size table (384M rows) never is.
+
+Both engines build the Engram hasher when they build the model and refuse it unless the tokenizer beside the
+weights normalises to ``engram_compressed_vocab_size`` ids (SGLang ``layers/engram.py::EngramHasher``, vLLM
+``models/deepseek_v41/common/engram.py::NgramHashState``), so a fast ``tokenizer.json`` of exactly
+``vocab_size`` tokens ships with the weights: a byte-level BPE trained deterministically on a fixed text
+(mixed case, accents, CJK and emoji, so that the normalisation merges ids and keeps partial-byte tokens apart),
+its last :data:`~dsv4convert.models.deepseek_v41.presets.ADDED_TOKENS` ids added special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
+from dsv4convert.checkpoint.writer import shard_name
+from dsv4convert.errors import DSV4Error
+from dsv4convert.formats.fp8_block import quantize_fp8_block
+from dsv4convert.formats.numerics import E4M3_MAX, ceil_log2, exp2_float32, exponent_to_e8m0
+from dsv4convert.models.deepseek_v4.layout import TensorSpec
+from dsv4convert.models.deepseek_v41.config import V41Config, read_config
+from dsv4convert.models.deepseek_v41.inventory import native_groups, role_of
+from dsv4convert.models.deepseek_v41.presets import ADDED_TOKENS
+from dsv4convert.models.synth_values import generator_for, realistic_matrix, realistic_mxfp4
+
+# Rows per Engram chunk: 16 MiB of codes at the release's 256-wide rows. Part of the values' definition (each
+# chunk has its own generator), so fixed.
+ENGRAM_CHUNK_ROWS = 1 << 16
+ENGRAM_BLOCK = 32  # one E8M0 scale per 32 elements of a row (SGLang layers/engram.py::FP8_BLOCK_SIZE)
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+TOKENIZER_CONFIG = {
+    "add_bos_token": False,
+    "add_eos_token": False,
+    "bos_token": BOS,
+    "eos_token": EOS,
+    "pad_token": PAD,
+    "clean_up_tokenization_spaces": False,
+    "model_max_length": 1048576,
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
+_WORDS = ("the river mill painter ladder fisherman owl square evening plums supper dusk snow roof village fox "
+          "carpenter miller rain light night morning bread water stone bridge garden window lantern harbour "
+          "café naïve résumé façade über straße fjord ångström 北京 東京 数学 🙂").split()
+
+
+def engram_code_chunk(rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """E4M3 codes of ``rows`` embedding rows: heavy-tailed values, each 1 x 32 block scaled so its largest
+    element lands in [224, 448] (224 where it rounds down) as DeepSeek's ceil(log2(amax / 448)) rule leaves it."""
+    w = torch.randn(rows, dim, generator=gen) * torch.exp(0.5 * torch.randn(rows, dim, generator=gen))
+    blocks = w.reshape(rows, dim // ENGRAM_BLOCK, ENGRAM_BLOCK)
+    amax = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-30)
+    scaled = blocks / exp2_float32(ceil_log2(amax / E4M3_MAX))
+    return scaled.reshape(rows, dim).to(torch.float8_e4m3fn)
+
+
+def engram_scale_chunk(rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """E8M0 row-block scales: a row's values around 0.05 (its exponent shifted over five binades per row and by
+    up to one per block)."""
+    base = -13                                              # 448 * 2**-13 ~ 0.055
+    row = torch.randint(-2, 3, (rows, 1), generator=gen, dtype=torch.int32)
+    block = (0.5 * torch.randn(rows, dim // ENGRAM_BLOCK, generator=gen)).round().clamp(-1, 1).to(torch.int32)
+    return exponent_to_e8m0(base + row + block)
+
+
+def _engram_chunks(spec: TensorSpec, seed: int) -> Iterator[torch.Tensor]:
+    rows, width = spec.shape
+    draw = engram_scale_chunk if spec.dtype == "F8_E8M0" else engram_code_chunk
+    dim = width * ENGRAM_BLOCK if spec.dtype == "F8_E8M0" else width
+    for i, start in enumerate(range(0, rows, ENGRAM_CHUNK_ROWS)):
+        yield draw(min(ENGRAM_CHUNK_ROWS, rows - start), dim, generator_for(seed, f"{spec.name}#{i}"))
+
+
+def _plain(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
+    """A BF16/F32 tensor with values of its kind: norms near 1, mHC as V4's, small biases, realistic matrices."""
+    name, shape, role = spec.name, spec.shape, role_of(spec.name)
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
+        t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    elif role == "hyper_connection":
+        scale = 0.02 if name.endswith("_fn") else 0.1 if name.endswith("_base") else None
+        t = scale * torch.randn(shape, generator=gen) if scale else 1.0 + 0.05 * torch.randn(shape, generator=gen)
+    elif role == "attn_sink":
+        t = 0.5 * torch.randn(shape, generator=gen)
+    elif name.endswith((".bias", ".bias_vl")):
+        t = 0.02 * torch.randn(shape, generator=gen)
+    elif role == "embed" or len(shape) != 2:
+        t = torch.randn(shape, generator=gen)
+    else:
+        t = realistic_matrix(shape[0], shape[1], gen)
+    return t.to(torch.float32 if spec.dtype == "F32" else torch.bfloat16)
+
+
+def write_group(writer: ShardWriter, group: list[TensorSpec], cfg: V41Config, seed: int) -> int:
+    """Write one planned group's tensors in order (a quantized weight's scale right after it); their bytes."""
+    pending: dict[str, torch.Tensor] = {}
+    written = 0
+    for spec in group:
+        if role_of(spec.name) == "engram_table":
+            writer.write_rows(spec.name, _engram_chunks(spec, seed))
+            written += spec.nbytes
+            continue
+        if spec.name in pending:
+            tensor = pending.pop(spec.name)
+        elif spec.dtype == "F8_E4M3":
+            module = spec.name.removesuffix(".weight")
+            weight, pending[f"{module}.scale"] = quantize_fp8_block(
+                realistic_matrix(*spec.shape, generator_for(seed, spec.name), zero_block=cfg.fp8_block[0]),
+                block=cfg.fp8_block[0], name=spec.name)
+            tensor = weight
+        elif spec.dtype == "I8":
+            module = spec.name.removesuffix(".weight")
+            tensor, pending[f"{module}.scale"] = realistic_mxfp4(spec.shape[0], spec.shape[1] * 2,
+                                                                 generator_for(seed, spec.name))
+        else:
+            tensor = _plain(spec, generator_for(seed, spec.name))
+        writer.write(spec.name, tensor)
+        written += spec.nbytes
+    if pending:
+        raise DSV4Error(f"scales planned without their weights: {sorted(pending)}")
+    return written
+
+
+def training_text(seed: int) -> list[str]:
+    """The tokenizer's training text: sentences of a fixed word list, capitalised, sometimes upper-cased."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(400):
+        line = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12)))
+        line = line[0].upper() + line[1:]
+        lines.append((line.upper() if rng.random() < 0.1 else line) + rng.choice([".", "!", "?", ",\n", ":\t"]))
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """A fast tokenizer of exactly ``vocab_size`` ids: BOS, EOS, PAD (ids 0-2, as the release's config gives
+    them), a byte-level BPE, then :data:`ADDED_TOKENS` added special tokens. Deterministic (the BPE trainer breaks
+    ties by pair order)."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise DSV4Error("a V4.1 checkpoint ships a tokenizer, built with the 'tokenizers' package: "
+                        "pip install -e '.[compare]'") from None
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - ADDED_TOKENS, special_tokens=[BOS, EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(training_text(seed), trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size - ADDED_TOKENS:
+        raise DSV4Error(f"the tokenizer's text yields {tokenizer.get_vocab_size()} tokens, not the "
+                        f"{vocab_size - ADDED_TOKENS} vocab_size {vocab_size} needs before its added tokens")
+    tokenizer.add_special_tokens([AddedToken(f"<｜place▁holder▁no▁{i}｜>", special=True, normalized=False)
+                                  for i in range(ADDED_TOKENS)])
+    return tokenizer
+
+
+def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = False, progress: bool = False) -> Path:
+    """Write ``config``'s native V4.1 checkpoint into ``dst``: one shard per inventory group, the index, the
+    config as given, the tokenizer (seeded like the weights)."""
+    dst = Path(dst)
+    cfg = read_config(config, "synth config")
+    if cfg.fp8_block[0] != cfg.fp8_block[1]:
+        raise DSV4Error(f"synth writes square FP8 blocks; weight_block_size is {list(cfg.fp8_block)}")
+    tokenizer = build_tokenizer(cfg.vocab_size, seed)       # before anything is written: it may refuse
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    groups = native_groups(cfg)
+    total = sum(spec.nbytes for group in groups for spec in group)
+    weight_map: dict[str, str] = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
+        for i, group in enumerate(groups):
+            name = shard_name(i + 1, len(groups))
+            with ShardWriter(dst / name, [PlannedTensor(s.name, s.dtype, s.shape) for s in group],
+                             metadata={"format": "pt"}) as writer:
+                bar.update(write_group(writer, group, cfg, seed))
+            weight_map.update({s.name: name for s in group})
+    atomic_write_json(dst / "config.json", config)
+    atomic_write_json(dst / "tokenizer_config.json", TOKENIZER_CONFIG)
+    atomic_write_json(dst / "tokenizer.json", json.loads(tokenizer.to_str()))
+    write_index(dst, weight_map, total)
+    return dst
