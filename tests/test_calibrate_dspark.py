@@ -37,8 +37,10 @@ def organism(tmp_path_factory) -> Path:
 
 
 def _opts(src: Path, output: Path, **kw) -> CalibrateOptions:
-    base = dict(num_sequences=N_SEQ, seq_len=SEQ_LEN, batch_size=1, dtype="float32", hessians=True, progress=False)
-    return CalibrateOptions(source=src, output=output, data=src / "heldout.txt", **{**base, **kw})
+    """The organism's own held-out text unless ``data`` says otherwise."""
+    base = dict(data=src / "heldout.txt", num_sequences=N_SEQ, seq_len=SEQ_LEN, batch_size=1, dtype="float32",
+                hessians=True, progress=False)
+    return CalibrateOptions(source=src, output=output, **{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +189,32 @@ def test_recipes_convert_the_drafter_with_the_file(streamed, organism, tmp_path)
     for name in ("mtp.0.ffn.experts.3", "mtp.2.ffn.experts.7"):
         value, origin = scales(f"{name}.w2")
         assert origin == "calibration" and torch.equal(value, input_scale_from_amax(content["experts"][name]["w2_input_amax"]))
+
+
+def test_stages_with_their_own_expert_count_and_the_report(tmp_path):
+    """A drafter whose stages have fewer routed experts than the backbone (``dspark_n_routed_experts``, as V4.1
+    ships): each stage's statistics are per stage expert, and ``--report`` evaluates the stages too."""
+    base = tmp_path / "base"
+    assert main(["synth", "--preset", "tiny", "--drafter", "dspark", "--dst", str(base)]) == 0
+    config = json.loads((base / "config.json").read_text())
+    config.update(dspark_n_routed_experts=config["n_routed_experts"] // 2, dspark_num_experts_per_tok=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    src = tmp_path / "fewer"
+    assert main(["synth", "--config", str(tmp_path / "config.json"), "--dst", str(src)]) == 0
+    data = tmp_path / "text.txt"
+    data.write_text(" ".join(f"token {i % 97} layer expert {i % 13} stage." for i in range(400)))
+    content = Calibrator(_opts(src, tmp_path / "calib.json", data=data,
+                              seq_len=32, holdout=1, batch_size=2, hessians=False, report=True,
+                              report_experts=2)).run()
+    cfg = ModelConfig.from_dict(config)
+    stages = [f"mtp.{s}" for s in range(cfg.dspark.stages)]
+    for block in stages:
+        got = ExpertStats.load_scalars(work_dir(tmp_path / "calib.json") / f"{block}.safetensors")
+        assert got.tokens.numel() == cfg.experts_in(block) == config["n_routed_experts"] // 2
+        assert int(got.tokens.sum()) == N_SEQ * 31 * cfg.dspark.block_size * 2
+        listed = [n for n in [*content["experts"], *content["uncalibrated_experts"]["experts"]]
+                  if n.startswith(f"{block}.")]
+        assert sorted(listed) == [f"{block}.ffn.experts.{e}" for e in range(cfg.experts_in(block))]
+    rows = {r["block"]: r for r in content["report"]}
+    for block in stages:
+        assert rows[block]["heldout_rows"] > 0 and 0 < rows[block]["int4_gptq"] < 1, rows[block]
