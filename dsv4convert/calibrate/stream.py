@@ -410,12 +410,13 @@ class Calibrator:
         expert = f"{block}.ffn.experts.0"
         return (self.input_scales.data_free_amax(f"{expert}.w1"), self.input_scales.data_free_amax(f"{expert}.w2"))
 
-    def expected(self, ids: torch.Tensor, blocks: int) -> Eta:
+    def expected(self, ids: torch.Tensor, blocks: list[str]) -> Eta:
         """Announces the expected time of the ``blocks`` still to calibrate (every sequence, held-out ones
-        included, through each; a resumed run counts only what is left) before the first one starts."""
-        eta = Eta("calibrate", self.cfg, Work(blocks * ids.numel(), 0, ids.shape[1] // 2, ids.numel()), self.device,
-                  self.dtype)
-        eta.announce(f"{blocks} block(s) x {ids.shape[0]} x {ids.shape[1]} tokens")
+        included, through each; a DSpark stage routes its draft blocks' rows; a resumed run counts only what is
+        left) before the first one starts."""
+        tokens = [math.prod(self._out_shape(b, ids.shape[0], ids.shape[1])) for b in blocks]
+        eta = Eta("calibrate", self.cfg, Work(sum(tokens), 0, ids.shape[1] // 2, tokens[0]), self.device, self.dtype)
+        eta.announce(f"{len(blocks)} block(s) x {ids.shape[0]} x {ids.shape[1]} tokens")
         return eta
 
     def run(self) -> dict:
@@ -424,7 +425,8 @@ class Calibrator:
         # what rank 0 sees decides: its files are the record
         todo = [not self.world.broadcast(self.stats_path(b).exists() and self.result_path(b).exists())
                 for b in self.blocks]
-        eta = self.expected(ids, sum(todo)) if self.world.is_main and any(todo) else None
+        left = [b for b, wanted in zip(self.blocks, todo) if wanted]
+        eta = self.expected(ids, left) if self.world.is_main and left else None
         done = 0
         for index, block in enumerate(self.blocks):
             if not todo[index]:
