@@ -119,19 +119,20 @@ def test_stage_statistics_equal_one_unstreamed_drafting_forward(streamed, organi
             torch.testing.assert_close(hessians(f"{name}.w2").double(), want["h2"][e], rtol=1e-4, atol=1e-3)
 
 
-def test_a_run_killed_inside_a_stage_resumes_to_the_same_file(streamed, organism, tmp_path, monkeypatch):
+def test_a_run_interrupted_inside_a_stage_resumes_to_the_same_file(streamed, organism, tmp_path, monkeypatch):
     reference, reference_output = streamed
     output = tmp_path / "calib.json"
 
-    class Killed(Exception):
+    class Interrupted(Exception):
         pass
 
-    def kill_at(point: str) -> None:
-        if point == "calibrate: mtp.1: micro-batch 0 done":   # stage 2's input of micro-batch 0 already written
-            raise Killed(point)
+    def stop_at(point: str) -> None:
+        """The run dies here: mtp.0 done, mtp.1 half done (stage 2's input of micro-batch 0 already written)."""
+        if point == "calibrate: mtp.1: micro-batch 0 done":
+            raise Interrupted(point)
 
-    monkeypatch.setattr(stream, "reach", kill_at)
-    with pytest.raises(Killed):
+    monkeypatch.setattr(stream, "reach", stop_at)
+    with pytest.raises(Interrupted):
         Calibrator(_opts(organism, output)).run()
     monkeypatch.undo()
     work = work_dir(output)
@@ -188,7 +189,8 @@ def test_recipes_convert_the_drafter_with_the_file(streamed, organism, tmp_path)
     scales = build_input_scales(src, calibration=calib)
     for name in ("mtp.0.ffn.experts.3", "mtp.2.ffn.experts.7"):
         value, origin = scales(f"{name}.w2")
-        assert origin == "calibration" and torch.equal(value, input_scale_from_amax(content["experts"][name]["w2_input_amax"]))
+        assert origin == "calibration"
+        assert torch.equal(value, input_scale_from_amax(content["experts"][name]["w2_input_amax"]))
 
 
 def test_stages_with_their_own_expert_count_and_the_report(tmp_path):
