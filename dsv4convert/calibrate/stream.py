@@ -15,12 +15,17 @@ MTP: transformers does not instantiate the MTP block, but its body is an ordinar
 layer. Block ``mtp.j`` reads, at position ``t``, the token ``t + j + 1`` and the streams of
 the previous block at ``t`` (see :class:`dsv4convert.model.blocks.MtpEntry`), so its
 sequences are ``j + 1`` tokens shorter; it is calibrated like any layer.
+
+DSpark (V4-Flash-0731): ``mtp.s`` is the drafter's stage ``s``, calibrated under SGLang's drafting forward
+from the target features the backbone's layers left in the work directory (:mod:`.dspark`); its inputs are
+``[blocks, block_size, hc_mult, hidden]`` state files instead of sequences.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sys
 import time
@@ -29,9 +34,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 from dsv4convert import __version__
 from dsv4convert.calibrate.calibfile import write_calibration
+from dsv4convert.calibrate.dspark import (
+    FIRST_ANCHOR,
+    blocks_per_sequence,
+    draft_blocks,
+    feature_slice,
+    run_draft_stage,
+    stage_chunk,
+)
 from dsv4convert.calibrate.report import block_errors
 from dsv4convert.calibrate.stats import ExpertRecorder, ExpertStats
 from dsv4convert.calibration import InputScales, build_input_scales
@@ -42,6 +57,7 @@ from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.model.blocks import COMPUTE_DTYPES, MtpEntry, WeightSource, build_layer, hf_config
+from dsv4convert.model.dspark import DSparkEntry
 from dsv4convert.model.forward import BlockRunner
 from dsv4convert.model.text import token_windows
 from dsv4convert.stop_points import reach
@@ -173,9 +189,13 @@ class Calibrator:
         self.blocks = [b for b in self.cfg.block_prefixes() if o.mtp or b.startswith("layers.")]
         self.work = work_dir(Path(o.output))
         self.states = StateFiles(self.work / "states", (self.cfg.hc_mult, self.cfg.hidden_size), self.dtype)
+        # A DSpark drafter's target features, one file per (target layer, micro-batch): [rows, seq, 1, hidden].
+        self.dspark = self.cfg.dspark if any(b.startswith("mtp.") for b in self.blocks) else None
+        self.features = StateFiles(self.states.root / "features", (1, self.cfg.hidden_size), self.dtype)
         self.input_scales: InputScales = build_input_scales(self.ckpt)
         self._embed_weight: torch.Tensor | None = None
         self._runner = BlockRunner(self.config, self.device, self.dtype)
+        self._rotary = DeepseekV4RotaryEmbedding(self.config, device=self.device)   # the DSpark stages' RoPE
 
     # -- setup and resume -------------------------------------------------------------------
 
@@ -183,11 +203,14 @@ class Calibrator:
         o = self.opts
         tensors = hashlib.sha256(json.dumps(
             [[n, e.dtype, list(e.shape)] for n, e in self.ckpt.tensors.items()]).encode()).hexdigest()
-        return {"producer": f"dsv4convert {__version__}", "config": self.ckpt.config, "tensors": tensors,
+        signature = {"producer": f"dsv4convert {__version__}", "config": self.ckpt.config, "tensors": tensors,
                 "tokens": _token_digest(ids), "num_sequences": o.num_sequences, "holdout": o.holdout,
                 "seq_len": o.seq_len, "batch_size": o.batch_size, "device": self.device.type, "dtype": o.dtype,
                 "hessians": o.hessians, "report": o.report, "report_experts": o.report_experts,
                 "gptq_damp": o.gptq_damp, "report_group_size": o.report_group_size, "blocks": self.blocks}
+        if self.dspark is not None:
+            signature["dspark_anchors"] = f"every position from {FIRST_ANCHOR}"
+        return signature
 
     def _prepare(self) -> torch.Tensor:
         """Token ids of all sequences (calibration then held-out), resuming or starting the work dir."""
@@ -228,15 +251,59 @@ class Calibrator:
 
     # -- the forward ------------------------------------------------------------------------
 
+    def _is_stage(self, block: str) -> bool:
+        """``block`` is a DSpark drafter's stage (else a backbone layer or the preview's MTP block)."""
+        return self.dspark is not None and block.startswith("mtp.")
+
     def _shift(self, block: str) -> int:
         """How many tokens shorter this block's sequences are than the calibration windows."""
         kind, idx = block.split(".")
         return 0 if kind == "layers" else int(idx) + 1
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _out_shape(self, block: str, rows: int, seq_len: int) -> tuple[int, int]:
+        """(rows, length) of a micro-batch's output streams of ``block`` (the tokens its experts calibrate on): its
+        sequences, or a stage's draft blocks."""
+        if self._is_stage(block):
+            return rows * blocks_per_sequence(seq_len), self.dspark.block_size
+        return rows, seq_len - self._shift(block)
+
+    def _keep_features(self, block: str, unit: int, streams: torch.Tensor) -> None:
+        """After a target layer: its part of the micro-batch's target features, committed with the block."""
+        if self.dspark is None or block.startswith("mtp."):
+            return
+        if int(block.split(".")[1]) not in self.dspark.target_layer_ids:
+            return
+        part = feature_slice(streams)
+        out, partial = self.features.create(block, unit, part.shape[0], part.shape[1])
+        out.copy_(part)
+        del out
+        self.features.commit(partial, block, unit)
+
+    def _target_features(self, unit: int, rows: int, seq_len: int) -> torch.Tensor:
+        """A micro-batch's target features ``[rows, seq, hidden * T]``, the target layers in ascending order."""
+        return torch.cat([self.features.open(f"layers.{i}", unit, rows, seq_len).to(self.device).squeeze(2)
+                          for i in sorted(self.dspark.target_layer_ids)], dim=-1)
+
+    def _draft(self, block: str, layer: nn.Module, entry: DSparkEntry, previous: torch.Tensor | None,
+               ids: torch.Tensor, unit: int, rows: slice) -> torch.Tensor:
+        """A micro-batch through DSpark stage ``block``: its output streams ``[blocks, block_size, hc, hidden]``."""
+        n, seq_len = rows.stop - rows.start, ids.shape[1]
+        features = self._target_features(unit, n, seq_len)
+        blocks = draft_blocks(ids[rows].to(self.device), self.dspark, int(self.config.sliding_window))
+        if previous is None:
+            streams, embed = None, self._embedding()
+        else:
+            streams, embed = previous.to(self.device), None
+        return run_draft_stage(layer, entry, features, blocks, streams, embed, self.cfg.hc_mult, self._rotary,
+                               stage_chunk(n, seq_len, self.dspark.block_size))
+
+    def _embedding(self) -> torch.Tensor:
         if self._embed_weight is None:
             self._embed_weight = self.source.tensor("embed.weight")
-        return F.embedding(ids.to(self.device), self._embed_weight)
+        return self._embed_weight
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.to(self.device), self._embedding())
 
     def _inputs(self, block: str, previous: torch.Tensor | None, entry: MtpEntry | None,
                 ids: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -262,28 +329,41 @@ class Calibrator:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        rows_total, seq = ids.shape[0], ids.shape[1] - self._shift(block)
-        previous_seq = ids.shape[1] - self._shift(self.blocks[index - 1]) if index > 0 else None
+        rows_total, seq_len = ids.shape
+        stage = self._is_stage(block)
+        # A stage's first input is its anchor blocks' embedding, not the states of the block before.
+        reads_states = index > 0 and not (stage and block == "mtp.0")
         layer = build_layer(self.source, self.config, self.cfg, block)
-        entry = MtpEntry.load(self.source, self.config, block) if block.startswith("mtp.") else None
+        entry: MtpEntry | DSparkEntry | None = None
+        if stage:
+            entry = DSparkEntry.load(self.source, self.config, self.cfg)
+        elif block.startswith("mtp."):
+            entry = MtpEntry.load(self.source, self.config, block)
         loaded = time.perf_counter()
-        stats = ExpertStats.zeros(self.cfg.n_routed_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size,
+        stats = ExpertStats.zeros(self.cfg.experts_in(block), self.cfg.hidden_size, self.cfg.moe_intermediate_size,
                                   hessians=o.hessians or o.report, device=self.device)
         recorder = ExpertRecorder(layer.mlp.experts, stats)
-        has_next = index + 1 < len(self.blocks)
+        following = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
+        has_next = following is not None and not (self._is_stage(following) and following == "mtp.0")
         mine = [(i, rows) for i, rows in enumerate(batches(o.num_sequences, rows_total, o.batch_size))
                 if owner(i, rows, o.num_sequences, self.world) == self.world.rank]
         try:
             for i, rows in mine:
                 recorder.capture = rows.start >= o.num_sequences
-                previous = self.states.open(block, i, rows.stop - rows.start, previous_seq) if index > 0 else None
-                hidden = self._inputs(block, previous, entry, ids, rows)
-                streams = self._runner(layer, hidden, ids[rows, self._shift(block):])
+                n = rows.stop - rows.start
+                previous = (self.states.open(block, i, *self._out_shape(self.blocks[index - 1], n, seq_len))
+                            if reads_states else None)
+                if stage:
+                    streams = self._draft(block, layer, entry, previous, ids, i, rows)
+                else:
+                    hidden = self._inputs(block, previous, entry, ids, rows)
+                    streams = self._runner(layer, hidden, ids[rows, self._shift(block):])
+                    self._keep_features(block, i, streams)
                 if has_next:
-                    out, partial = self.states.create(self.blocks[index + 1], i, rows.stop - rows.start, seq)
+                    out, partial = self.states.create(following, i, *self._out_shape(block, n, seq_len))
                     out.copy_(streams)
                     del out
-                    self.states.commit(partial, self.blocks[index + 1], i)
+                    self.states.commit(partial, following, i)
                 reach(f"calibrate: {block}: micro-batch {i} done")
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -291,7 +371,8 @@ class Calibrator:
             recorder.remove()
         forwarded = time.perf_counter()
         self._combine(stats)
-        calibration_tokens = sum((r.stop - r.start) * seq for _, r in mine if r.start < o.num_sequences)
+        calibration_tokens = sum(math.prod(self._out_shape(block, r.stop - r.start, seq_len)) for _, r in mine
+                                 if r.start < o.num_sequences)
         tokens_per_rank = self.world.gather(calibration_tokens)
         report = None
         if o.report and self.world.is_main:
@@ -300,12 +381,13 @@ class Calibrator:
         if not o.hessians:
             stats.w13_hessian = stats.w2_hessian = None
         del layer, entry, recorder
-        self._embed_weight = None   # only the first layer and the MTP blocks read the embedding
+        self._embed_weight = None   # only the first layer, the MTP blocks and DSpark stage 0 read the embedding
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         result = BlockResult(block, time.perf_counter() - start, loaded - start, forwarded - loaded, peak,
-                             o.num_sequences * seq, report, self.world.describe(tokens_per_rank or []))
+                             math.prod(self._out_shape(block, o.num_sequences, seq_len)), report,
+                             self.world.describe(tokens_per_rank or []))
         if self.world.is_main:
             stats.save(self.stats_path(block))
             atomic_write_json(self.result_path(block), result.as_dict())
@@ -328,12 +410,13 @@ class Calibrator:
         expert = f"{block}.ffn.experts.0"
         return (self.input_scales.data_free_amax(f"{expert}.w1"), self.input_scales.data_free_amax(f"{expert}.w2"))
 
-    def expected(self, ids: torch.Tensor, blocks: int) -> Eta:
+    def expected(self, ids: torch.Tensor, blocks: list[str]) -> Eta:
         """Announces the expected time of the ``blocks`` still to calibrate (every sequence, held-out ones
-        included, through each; a resumed run counts only what is left) before the first one starts."""
-        eta = Eta("calibrate", self.cfg, Work(blocks * ids.numel(), 0, ids.shape[1] // 2, ids.numel()), self.device,
-                  self.dtype)
-        eta.announce(f"{blocks} block(s) x {ids.shape[0]} x {ids.shape[1]} tokens")
+        included, through each; a DSpark stage routes its draft blocks' rows; a resumed run counts only what is
+        left) before the first one starts."""
+        tokens = [math.prod(self._out_shape(b, ids.shape[0], ids.shape[1])) for b in blocks]
+        eta = Eta("calibrate", self.cfg, Work(sum(tokens), 0, ids.shape[1] // 2, tokens[0]), self.device, self.dtype)
+        eta.announce(f"{len(blocks)} block(s) x {ids.shape[0]} x {ids.shape[1]} tokens")
         return eta
 
     def run(self) -> dict:
@@ -342,7 +425,8 @@ class Calibrator:
         # what rank 0 sees decides: its files are the record
         todo = [not self.world.broadcast(self.stats_path(b).exists() and self.result_path(b).exists())
                 for b in self.blocks]
-        eta = self.expected(ids, sum(todo)) if self.world.is_main and any(todo) else None
+        left = [b for b, wanted in zip(self.blocks, todo) if wanted]
+        eta = self.expected(ids, left) if self.world.is_main and left else None
         done = 0
         for index, block in enumerate(self.blocks):
             if not todo[index]:
