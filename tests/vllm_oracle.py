@@ -116,9 +116,12 @@ def _oracle() -> subprocess.Popen:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """End of the session: end of input ends the process."""
+    """End of the session: end of input ends the process (killed if it hangs)."""
     process.stdin.close()
-    process.wait(timeout=60)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def run(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
