@@ -345,7 +345,7 @@ def test_duplicate_tensor_across_shards(capsys, tmp_path):
 
 def test_config_that_is_not_deepseek_v4(capsys, good):
     (good / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    assert_one_line_error(*run_inspect(capsys, good), "config.json", "not a DeepSeek-V4 config")
+    assert_one_line_error(*run_inspect(capsys, good), "config.json", "not a release dsv4convert knows (model_type='llama'")
 
 
 def test_hugging_face_repo_id_resolves_through_the_local_cache(tmp_path, monkeypatch):
