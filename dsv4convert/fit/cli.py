@@ -50,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint directory or Hub repo id (headers only); default: every shipped variant")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                    help="without --model: the native config.json to plan the variants from (default: the official "
-                        "V4-Flash-0731's, with its DSpark drafter; the preview's is data/deepseek-v4-flash-config.json)")
+                        "V4-Flash-0731's, with its DSpark drafter; the preview's is data/deepseek-v4-flash-config.json; "
+                        "a DeepSeek-V4.1-Flash config sizes that release with its Engram tables on GPU or host)")
     p.add_argument("--gpu", default="h200",
                    help=f"{', '.join(GPUS)}, or a memory size in MiB with --gpu-family (default h200)")
     p.add_argument("--gpu-family", choices=GPU_FAMILIES,
@@ -83,6 +84,15 @@ def _sources(args: argparse.Namespace) -> list[ServedModel]:
     config = read_small_json(args.config)
     ModelConfig.from_dict(config, source=str(args.config))   # one error line for a config that is not V4
     return [source.planned(variant, config) for variant in source.SHIPPED]
+
+
+def _v41_plan(path: Path):
+    """The DeepSeek-V4.1 release ``--config`` describes, planned (None for a V4 config)."""
+    from dsv4convert.checkpoint import read_small_json
+    from dsv4convert.fit import source_v41
+
+    config = read_small_json(path)
+    return source_v41.planned(config, str(path)) if source_v41.is_v41_config(config) else None
 
 
 _COLUMNS = f"{'variant':18s} {'server':8s} {'weights/GPU':>11s}  {'fraction (default, min)':25s}  " \
@@ -190,6 +200,11 @@ def run(args: argparse.Namespace) -> int:
     verdict.check_launch(gpu, args.count, args.tp, args.pd)
     sizing = verdict.SIZINGS[args.engine]
     _refuse(args, sizing)
+    v41 = None if args.model else _v41_plan(args.config)
+    if v41 is not None:
+        from dsv4convert.fit import v41 as fit_v41
+
+        return fit_v41.run(args, gpu, v41)
     options = {"mtp": args.mtp, "context": args.context, "max_running": args.max_running}
     rows, skipped = [], []
     for src in _sources(args):
