@@ -77,22 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _sources(args: argparse.Namespace) -> list[ServedModel]:
     from dsv4convert.checkpoint import read_small_json
     from dsv4convert.fit import source
-    from dsv4convert.models.deepseek_v4.layout import ModelConfig
 
     if args.model:
         return [source.from_checkpoint(args.model)]
-    config = read_small_json(args.config)
-    ModelConfig.from_dict(config, source=str(args.config))   # one error line for a config that is not V4
-    return [source.planned(variant, config) for variant in source.SHIPPED]
-
-
-def _v41_plan(path: Path):
-    """The DeepSeek-V4.1 release ``--config`` describes, planned (None for a V4 config)."""
-    from dsv4convert.checkpoint import read_small_json
-    from dsv4convert.fit import source_v41
-
-    config = read_small_json(path)
-    return source_v41.planned(config, str(path)) if source_v41.is_v41_config(config) else None
+    return source.shipped(read_small_json(args.config), str(args.config))
 
 
 _COLUMNS = f"{'variant':18s} {'server':8s} {'weights/GPU':>11s}  {'fraction (default, min)':25s}  " \
@@ -193,18 +181,16 @@ def _next(rows: list[tuple[ServedModel, verdict.ServerFit, int | None]], context
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4convert.fit import verdict
+    from dsv4convert.fit import v41, verdict
 
     gpu = verdict.gpu_of(args.gpu, args.gpu_family)
     verdict.check_gpu(gpu)
     verdict.check_launch(gpu, args.count, args.tp, args.pd)
     sizing = verdict.SIZINGS[args.engine]
     _refuse(args, sizing)
-    v41 = None if args.model else _v41_plan(args.config)
-    if v41 is not None:
-        from dsv4convert.fit import v41 as fit_v41
-
-        return fit_v41.run(args, gpu, v41)
+    plan = None if args.model else v41.plan_of(args.config)
+    if plan is not None:
+        return v41.run(args, gpu, plan)
     options = {"mtp": args.mtp, "context": args.context, "max_running": args.max_running}
     rows, skipped = [], []
     for src in _sources(args):

@@ -10,13 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dsv4convert.checkpoint import read_small_json
 
 from dsv4convert.engines import Gpu
 from dsv4convert.engines.memory import GIB, gib
 from dsv4convert.engines.sglang import memory as v4
 from dsv4convert.engines.sglang import memory_v41 as sizing
 from dsv4convert.engines.sglang.server import Disaggregation, Server
-from dsv4convert.fit.source_v41 import LABEL, PlannedV41
+from dsv4convert.fit.source_v41 import LABEL, PlannedV41, is_v41_config, planned
 from dsv4convert.fit.verdict import FitError, roles
 
 PLACEMENT_ENV = {"gpu": {}, "host-shared": {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
@@ -47,6 +50,12 @@ class ServerFitV41:
     kv_tokens: int
     requests_at_context: int | None
     fits: bool
+
+
+def plan_of(path: Path) -> PlannedV41 | None:
+    """The DeepSeek-V4.1 release ``path`` (a config.json) describes, planned; None for another release's config."""
+    config = read_small_json(path)
+    return planned(config, str(path)) if is_v41_config(config) else None
 
 
 def launch(gpu: Gpu, role: str, tp: int, placement: str, max_running: int | None) -> Server:

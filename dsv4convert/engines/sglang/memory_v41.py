@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from dsv4convert.engines import gpu_family_major
 from dsv4convert.engines.sglang.memory import V4_MAX_RUNNING_REQUESTS, V4_PAGE_SIZE
+from dsv4convert.engines.sglang.memory import request_slots as v4_request_slots
 from dsv4convert.engines.sglang.server import Server
 from dsv4convert.models.deepseek_v4.layout import TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config, engram_primes
@@ -126,9 +127,7 @@ class KvCostV41:
 
 def request_slots(server: Server) -> int:
     """``_get_num_req_slots`` (V4's rule, :func:`dsv4convert.engines.sglang.memory.request_slots`)."""
-    from dsv4convert.engines.sglang.memory import request_slots as v4_slots
-
-    return v4_slots(server)
+    return v4_request_slots(server)
 
 
 def decode_extra_slots(server: Server) -> int:
