@@ -50,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint directory or Hub repo id (headers only); default: every shipped variant")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                    help="without --model: the native config.json to plan the variants from (default: the official "
-                        "V4-Flash-0731's, with its DSpark drafter; the preview's is data/deepseek-v4-flash-config.json)")
+                        "V4-Flash-0731's, with its DSpark drafter; the preview's is data/deepseek-v4-flash-config.json; "
+                        "a DeepSeek-V4.1-Flash config sizes that release with its Engram tables on GPU or host)")
     p.add_argument("--gpu", default="h200",
                    help=f"{', '.join(GPUS)}, or a memory size in MiB with --gpu-family (default h200)")
     p.add_argument("--gpu-family", choices=GPU_FAMILIES,
@@ -76,13 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _sources(args: argparse.Namespace) -> list[ServedModel]:
     from dsv4convert.checkpoint import read_small_json
     from dsv4convert.fit import source
-    from dsv4convert.models.deepseek_v4.layout import ModelConfig
 
     if args.model:
         return [source.from_checkpoint(args.model)]
-    config = read_small_json(args.config)
-    ModelConfig.from_dict(config, source=str(args.config))   # one error line for a config that is not V4
-    return [source.planned(variant, config) for variant in source.SHIPPED]
+    return source.shipped(read_small_json(args.config), str(args.config))
 
 
 _COLUMNS = f"{'variant':18s} {'server':8s} {'weights/GPU':>11s}  {'fraction (default, min)':25s}  " \
@@ -183,13 +181,16 @@ def _next(rows: list[tuple[ServedModel, verdict.ServerFit, int | None]], context
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4convert.fit import verdict
+    from dsv4convert.fit import v41, verdict
 
     gpu = verdict.gpu_of(args.gpu, args.gpu_family)
     verdict.check_gpu(gpu)
     verdict.check_launch(gpu, args.count, args.tp, args.pd)
     sizing = verdict.SIZINGS[args.engine]
     _refuse(args, sizing)
+    plan = None if args.model else v41.plan_of(args.config)
+    if plan is not None:
+        return v41.run(args, gpu, plan)
     options = {"mtp": args.mtp, "context": args.context, "max_running": args.max_running}
     rows, skipped = [], []
     for src in _sources(args):

@@ -90,6 +90,12 @@ def _copies(info: TensorInfo, layers: dict[str, int], experts: dict[str, int]) -
 
 
 
+def shipped(config: dict, path: str) -> list[ServedModel]:
+    """Every shipped variant planned from the V4 ``config`` (one error line for a config that is not V4)."""
+    ModelConfig.from_dict(config, source=path)
+    return [planned(variant, config) for variant in SHIPPED]
+
+
 def planned(variant: str, config: dict, *, compact: bool = True) -> ServedModel:
     """A shipped variant as ``convert`` would write it from the native checkpoint ``config`` describes.
 

@@ -1,0 +1,184 @@
+"""``dsv4convert fit`` for DeepSeek-V4.1-Flash against SGLang 0.5.23's own code, run on the CPU.
+
+* The KV pool: SGLang's ``DSV4PoolConfigurator`` built for the server fit sizes (published as a scheduler
+  publishes it) over SGLang's ``ModelConfig`` of the release's config (flattened by SGLang's own
+  ``normalize_deepseek_v41_config``): bytes per full token, per sliding-window slot, the request-cap SWA pool, the
+  ratio-2 pair state and the tokens ``calculate_pool_sizes`` gives must equal fit's. ``is_sm100_supported`` and the
+  device capability answer the family (a CPU has none), so SGLang picks its own attention backend and KV layout.
+* ``collect_sources_by_ratio``, ``KVLayout.page_bytes``, ``EngramLayout.column_bounds`` and ``shard_range``: SGLang's
+  functions called on the same inputs.
+* The users' question (8x RTX PRO 6000, TP8 or PD 4+4, Engram tables on GPU or host): the verdicts the figures imply.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from dsv4convert.cli import main
+from dsv4convert.engines import memory
+from dsv4convert.engines.sglang import memory as v4
+from dsv4convert.engines.sglang import memory_v41 as sizing
+from dsv4convert.fit import source_v41, v41, verdict
+
+CONFIG_PATH = Path(__file__).resolve().parent / "data" / "deepseek-v4.1-flash-config.json"
+CONFIG = json.loads(CONFIG_PATH.read_text())
+
+
+@pytest.fixture(scope="module")
+def plan() -> source_v41.PlannedV41:
+    return source_v41.planned(CONFIG, str(CONFIG_PATH))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("v41")
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    return directory
+
+
+def _sglang_pool(server, family: str, model_dir: Path):
+    """SGLang's DSV4PoolConfigurator for this server over its ModelConfig of the V4.1 config, and the resolved args."""
+    import sglang_oracle as sgl
+    import torch
+    from sglang.srt.model_executor.pool_configurator import DSV4PoolConfigurator
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    argv = [*server.argv(), "--device", "cuda"]
+    argv[argv.index("--model-path") + 1] = str(model_dir)
+    with sgl._scoped_environ(server.env), sgl._cpu_host_fakes(family), \
+            mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.version, "cuda", "12.9"), \
+            mock.patch("sglang.srt.utils.common.is_sm100_supported", lambda *_a, **_k: family == "sm100"):
+        args = sgl.parse_server_args(argv)
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        model_config = sgl.ModelConfig.from_server_args(args)
+        resolved = args.resolved_dict()
+        kvc = SimpleNamespace(
+            kv_cache_dtype_str=resolved["kv_cache_dtype"], model_config=model_config,
+            layer_info=SimpleNamespace(start_layer=0, end_layer=model_config.num_hidden_layers), pp_size=1,
+            spec_algorithm=SpeculativeAlgorithm.from_string(resolved["speculative_algorithm"]),
+            spec_aux_config=None, sliding_window_size=model_config.window_size, page_size=resolved["page_size"],
+            attn_dp_size=1)
+        pool = DSV4PoolConfigurator(kvc)
+        available = 40 * memory.GIB
+        sizes = pool.calculate_pool_sizes(available, resolved["page_size"])
+        return pool, resolved, available, sizes
+
+
+# (family, role, TP): SM100's mega backend (PD, TP 1) and its V4 fallback (TP > 1 without PD), SM90, SM120.
+LAUNCHES = [("sm100", "decode", 4), ("sm100", "prefill", 4), ("sm100", "server", 1), ("sm100", "server", 8),
+            ("sm90", "server", 8), ("sm120", "prefill", 4), ("sm120", "decode", 4), ("sm120", "server", 8)]
+
+
+@pytest.mark.parametrize("family,role,tp", LAUNCHES)
+def test_kv_pool_is_sglangs(family: str, role: str, tp: int, plan, model_dir: Path) -> None:
+    from sglang.srt.runtime_context import restore_context, snapshot_context
+
+    gpu = next(g for g in verdict.GPUS.values() if g.family == family)
+    server = v41.launch(gpu, role, tp, "gpu", None)
+    state = snapshot_context()
+    try:
+        pool, resolved, available, theirs = _sglang_pool(server, family, model_dir)
+        c2 = pool._get_c2_state_fixed_bytes(resolved["max_running_requests"])
+    finally:
+        restore_context(state)
+    ours = sizing.kv_cost(plan.config, server, resolved["chunked_prefill_size"])
+    assert pool.bytes_per_full_token == ours.bytes_per_full_token
+    assert pool.bytes_per_swa_token == ours.bytes_per_swa_token
+    assert pool.swa_cap_tokens == ours.swa_tokens == theirs.swa_max_total_num_tokens
+    assert c2 == sizing.c2_state_fixed_bytes(server, plan.config.head_dim, 3)
+    assert pool._get_swa_fixed_bytes() + c2 == ours.fixed_bytes
+    assert sizing.kv_tokens(available, ours) == theirs.full_max_total_num_tokens
+    # The reference's figures, from SGLang's own code: 890 B on the V4.1 layouts, 1,632.5 B on V4's.
+    assert pool.bytes_per_full_token == {"v41": 890, "v4": 1632.5}[ours.layout]
+    assert (ours.layout == "v41") == (family == "sm100" and (role != "server" or tp == 1))
+
+
+def test_sources_pages_and_engram_shards_are_sglangs(plan) -> None:
+    from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+    from sglang.srt.layers.engram import EngramLayout, shard_range
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import collect_sources_by_ratio
+
+    cfg = plan.config
+    layers = cfg.num_hidden_layers
+    assert sizing.sources_by_ratio(cfg.compress_ratios, cfg.kv_source_layer_ids, layers) == \
+        collect_sources_by_ratio(cfg.compress_ratios, cfg.kv_source_layer_ids, range(layers))
+    for name in sizing.KV_LAYOUTS:
+        for tokens in (1, 2, 64, 128, 256):
+            assert sizing.page_bytes(name, tokens) == KVLayout(name).page_bytes(tokens), (name, tokens)
+    layout = EngramLayout.from_config(SimpleNamespace(**CONFIG["text_config"]))
+    bounds = sizing.column_bounds(cfg)
+    assert bounds == [layout.column_bounds(i) for i in range(len(cfg.engram_layer_ids))]
+    for tp in (1, 2, 4, 8, 16):
+        for rows, b in zip(cfg.engram_num_embeddings, bounds):
+            assert [sizing.shard_range(rows, b, r, tp) for r in range(tp)] == \
+                [shard_range(rows, b, r, tp) for r in range(tp)]
+    with pytest.raises(ValueError, match="disagrees"):
+        sizing.shard_range(cfg.engram_num_embeddings[0] + 1, bounds[0], 0, 8)
+
+
+def test_weights_follow_sglangs_load_rules(plan) -> None:
+    """wo_a is BF16 at runtime (twice its FP8 bytes, its scale dropped); the tables are counted apart; a split
+    module is divided by TP and a replicated one is not."""
+    gpu = verdict.GPUS["rtx-pro-6000"]
+    one, eight = (sizing.weights_per_rank(plan.tensors, v41.launch(gpu, "server", tp, "gpu", None)) for tp in (1, 8))
+    wo_a = [s for s in plan.tensors if s.name.startswith("layers.") and ".attn.wo_a." in s.name]
+    fp8 = sum(s.nbytes for s in wo_a if s.name.endswith(".weight"))
+    assert one.by_role["attention"] - eight.by_role["attention"] * 8 < 0   # wq_a/wkv are replicated
+    assert sum(sizing.stored_bytes(s, "attention", v41.launch(gpu, "server", 1, "gpu", None)) for s in wo_a) == 2 * fp8
+    assert one.engram_tables == sum(s.nbytes for s in plan.tensors if ".engram.embed." in s.name)
+    assert eight.by_role["routed_expert"] * 8 == pytest.approx(one.by_role["routed_expert"], rel=1e-9)
+    assert eight.by_role["vision"] == one.by_role["vision"] > 0
+
+
+@pytest.fixture(scope="module")
+def users(plan) -> dict:
+    """8x RTX PRO 6000: TP8, or PD 4+4, with each Engram placement."""
+    gpu = verdict.GPUS["rtx-pro-6000"]
+    return {(tp, role, placement): v41.size(plan, gpu, role, tp, placement, context=65536)
+            for tp, launch_roles in ((8, ("server",)), (4, ("prefill", "decode")))
+            for role in launch_roles for placement in sizing.ENGRAM_PLACEMENTS}
+
+
+def test_users_question_engram_placement(users, plan) -> None:
+    gpu = verdict.GPUS["rtx-pro-6000"]
+    table = sizing.engram_placement(plan.config, 8, "gpu").table_bytes
+    assert table == sum(s.nbytes for s in plan.tensors if ".engram.embed." in s.name)
+    for (tp, role, placement), fit in users.items():
+        gpu_row = users[(tp, role, "gpu")]
+        if placement == "gpu":
+            # The tables' shard is on every GPU: at least 1/TP of them, nothing in host memory.
+            assert fit.engram_gpu_bytes_per_rank >= table // tp and not fit.engram_host_bytes_per_server
+        else:
+            assert fit.weights_bytes_per_rank == gpu_row.weights_bytes_per_rank - gpu_row.engram_gpu_bytes_per_rank
+            assert fit.engram_host_bytes_per_server == table
+            assert fit.engram_host_bytes_per_process == (table if placement == "host-shared"
+                                                         else gpu_row.engram_gpu_bytes_per_rank)
+            assert fit.kv_tokens >= gpu_row.kv_tokens
+        # A verdict is what its budget implies: the fixed pools and one request's pages must fit after the weights.
+        budget = v4.budget(gpu.mib, fit.mem_fraction_static, fit.weights_bytes_per_rank).available_bytes
+        assert fit.fits == (budget > fit.fixed_bytes and fit.kv_tokens >= 65536)
+    # PD 4+4 with the tables on the GPUs: a rank's weights exceed its whole card, so neither server loads.
+    for role in ("prefill", "decode"):
+        fit = users[(4, role, "gpu")]
+        assert fit.weights_bytes_per_rank > gpu.mib * memory.MIB and not fit.fits
+
+
+def test_fit_command_for_a_v41_config(capsys) -> None:
+    argv = ["fit", "--config", str(CONFIG_PATH), "--gpu", "rtx-pro-6000", "--count", "8", "--tp", "8",
+            "--context", "65536", "--json"]
+    code = main(argv)
+    out = json.loads(capsys.readouterr().out)
+    servers = out["servers"]
+    assert {s["engram"] for s in servers} == set(sizing.ENGRAM_PLACEMENTS)
+    assert code == (0 if any(s["fits"] for s in servers) else 1)
+    assert out["engram_table_bytes"] == sum(CONFIG["text_config"]["engram_head_dim"] * 33 // 32 * rows
+                                            for rows in CONFIG["text_config"]["engram_num_embeddings"])
+    assert main(["fit", "--config", str(CONFIG_PATH), "--gpu", "rtx-pro-6000", "--tp", "8", "--mtp"]) == 2
+    assert "error:" in capsys.readouterr().err
