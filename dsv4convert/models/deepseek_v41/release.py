@@ -1,6 +1,7 @@
 """DeepSeek-V4.1-Flash as a release: what :mod:`dsv4convert.models.registry` asks of it (:mod:`.config`,
-:mod:`.inventory`). What the tool does with it so far: plan it (``inspect --expected``); the converters,
-``validate``, ``fit`` and ``serve`` refuse its checkpoints, saying so (:data:`NOT_YET`)."""
+:mod:`.inventory`). What the tool does with it so far: plan it (``inspect --expected``), size it from its config
+(``fit --config``); the converters, ``validate``, ``compare`` and ``serve`` refuse its checkpoints, saying so
+(:data:`NOT_YET`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from dsv4convert.models.deepseek_v41.config import V41Config, is_v41
 from dsv4convert.models.deepseek_v41.config import read_config as _read
 
 NAME = "DeepSeek-V4.1-Flash"
-NOT_YET = ("DeepSeek-V4.1-Flash checkpoints are planned (inspect --expected --config config.json) but not yet "
-           "converted, validated, sized or served by this version of dsv4convert")
+NOT_YET = ("DeepSeek-V4.1-Flash checkpoints are planned (inspect --expected --config config.json) and sized from their "
+           "config (fit --config config.json), but not yet converted, validated or served by this version of "
+           "dsv4convert")
 
 
 def matches(config: dict) -> bool:
