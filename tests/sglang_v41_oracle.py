@@ -51,3 +51,15 @@ def load_checkpoint(model_dir: str | os.PathLike[str], *, gpu: str, env: Mapping
     loaded from ``model_dir`` twice (sentinel fills: ``written`` says per element whether loading wrote it)."""
     with v41_host_fakes(gpu):
         return sgl.load_checkpoint(model_dir, ["--model-path", str(model_dir), *(argv or [])], gpu=gpu, env=env)
+
+
+DSPARK_ARGS = ["--speculative-algorithm", "DSPARK"]  # V4.1's only speculative algorithm (validate_deepseek_v41_features)
+
+
+def load_draft(model_dir: str | os.PathLike[str], *, gpu: str, env: Mapping[str, str] | None = None) -> sgl.LoadedModel:
+    """SGLang's V4.1 DSpark draft (``DeepseekV4ForCausalLMDSpark`` on the V4.1 config, as
+    ``--speculative-algorithm DSPARK`` builds it) loaded from ``model_dir``'s ``mtp.*`` tensors, like
+    :func:`load_checkpoint`."""
+    with v41_host_fakes(gpu):
+        return sgl.load_checkpoint(model_dir, ["--model-path", str(model_dir), *DSPARK_ARGS], gpu=gpu, env=env,
+                                   draft=True)

@@ -199,12 +199,13 @@ def _never_loaded(param: str) -> bool:
     return any(p in param for p in (*sgl.DSPARK_NEVER_LOADED, *sgl.NEVER_LOADED))
 
 
-def check_draft(ckpt: Checkpoint, loaded: sgl.LoadedModel) -> Report:
-    """Every ``mtp.*`` tensor's verdict in the DSpark draft, and every parameter element's."""
+def check_draft(ckpt: Checkpoint, loaded: sgl.LoadedModel, where=landings) -> Report:
+    """Every ``mtp.*`` tensor's verdict in the DSpark draft, and every parameter element's (``where``: the
+    places of one tensor, :func:`landings` or a model release's refinement of it)."""
     places = {n: torch.zeros(p.shape, dtype=torch.bool) for n, p in loaded.params.items()}
     verdicts: list[Verdict] = []
     for name in ckpt.tensors:
-        result = landings(name, ckpt, loaded)
+        result = where(name, ckpt, loaded)
         if result is None:
             continue
         if isinstance(result, str):
