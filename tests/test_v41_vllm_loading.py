@@ -21,11 +21,13 @@ scales in ``ParallelEngramEmbedding``. One vLLM process answers the module.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import vllm_oracle as vllm
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from dsv4convert.cli import main
 
@@ -33,6 +35,7 @@ GPUS = ("sm90", "sm100", "sm120")
 ENGRAM_LAYERS = (1, 2)                                   # tiny-v41's engram_layer_ids
 # Parameters the DSpark draft aliases from the target (v1/worker/gpu/spec_decode/dspark/utils.py::load_dspark_model).
 DRAFT_ALIASED = {"model.embed_tokens.weight", "lm_head.weight"}
+MISSING = "vision.blocks.1.mlp.w2.weight"
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +51,40 @@ def _text(tiny: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def answers(tiny) -> dict[tuple[str, str], dict]:
-    """The target and the DSpark draft on every family, from one vLLM process."""
+def broken(tiny, tmp_path_factory) -> Path:
+    """tiny-v41 without one vision tensor."""
+    dst = tmp_path_factory.mktemp("v41vllm-broken") / "missing-vision"
+    shutil.copytree(tiny, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = dst / index["weight_map"].pop(MISSING)
+    with safe_open(shard, "pt") as f:
+        kept = {n: f.get_tensor(n) for n in f.keys() if n != MISSING}
+    save_file(kept, shard, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def answers(tiny, broken) -> dict[tuple[str, str], dict]:
+    """The target and the DSpark draft on every family, and the broken copy's target, from one vLLM process."""
     dspark = json.dumps({"method": "dspark", "num_speculative_tokens": _text(tiny)["dspark_block_size"]})
     asked = {}
     for gpu in GPUS:
         asked[gpu, "target"] = vllm.request_v41(tiny, [], gpu=gpu)
         asked[gpu, "draft"] = vllm.request_v41(tiny, ["--speculative-config", dspark], gpu=gpu, draft=True)
+    asked["sm90", "missing-vision"] = vllm.request_v41(broken, [], gpu="sm90")
     keys = list(asked)
     return dict(zip(keys, vllm.run([asked[k] for k in keys])))
 
 
+def _index(tiny: Path) -> dict[str, str]:
+    return json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"]
+
+
 @pytest.fixture(scope="module")
 def names(tiny) -> set[str]:
-    index = json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"]
-    return set(index)
+    return set(_index(tiny))
 
 
 def _ok(answer: dict) -> dict:
@@ -92,8 +114,7 @@ def test_vllm_v41_block_scales_are_repeated_per_row(answers, tiny, gpu):
     block's 32 rows (the oracle compared the values; here: that this path, not a plain copy, was taken)."""
     target = _ok(answers[gpu, "target"])
     name = "layers.0.attn.wq_b.scale"
-    with safe_open(tiny / json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"][name],
-                   "pt") as f:
+    with safe_open(tiny / _index(tiny)[name], "pt") as f:
         scale = f.get_tensor(name)
     [param] = target["reached"][name]
     dtype, shape = target["params"][param]
@@ -134,3 +155,12 @@ def test_vllm_v41_dspark_draft_loads_every_drafter_tensor(answers, names, tiny, 
     # The stages are the drafter's own MoE: dspark_n_routed_experts, not the target's n_routed_experts.
     experts = {shape[0] for p, (_, shape) in draft["params"].items() if p.endswith("routed_experts.w2_weight")}
     assert experts == {_text(tiny)["dspark_n_routed_experts"]} != {_text(tiny)["n_routed_experts"]}
+
+
+def test_a_missing_vision_tensor_loads_silently_in_vllm_and_is_named_here(answers, tiny):
+    """``DefaultModelLoader`` tracks weights only for unquantized models: vLLM builds and loads the model without
+    the tensor and says nothing; the unwritten parameter names it."""
+    loaded = _ok(answers["sm90", "missing-vision"])
+    vision = json.loads((tiny / "config.json").read_text())["vision_config"]
+    assert loaded["unwritten"] == {MISSING: vision["intermediate_size"] * vision["hidden_size"]}   # the w2 [H, I]
+    assert {n: v for n, v in loaded["tensors"].items() if not n.startswith("mtp.") and v != "landed"} == {}

@@ -49,6 +49,11 @@ What a CPU host lacks, answered as a CUDA host of the requested family would (``
 * the JIT kernel warmup (TileLang mHC kernels registered at construction) is off, as ``--enforce-eager``
   sets it: it compiles GPU kernels and has no parameters.
 
+DeepSeek-V4.1 requests (:func:`request_v41`) go through the same steps and checks, plus what only V4.1 needs:
+:func:`_v41_host_fakes` (Engram's CUDA queries and pinned host table, sm_120's FlashInfer probe),
+:func:`_v41_regrouped` (the VL model loads the vision tensors after the backbone) and :func:`_v41_expected`
+(32x32 block scales repeated per row); the V4 paths are unchanged.
+
 Not run: kernels, ``process_weights_after_loading`` (GPU repacks and shuffles). The MoE *backend*
 (Marlin, FlashInfer, CUTLASS...) is chosen from the kernels installed, which a CPU host lacks, so
 only the quant *method* is an answer about the GPU; sm_120's attention class needs a FlashInfer
