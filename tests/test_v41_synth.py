@@ -101,7 +101,9 @@ def test_values_are_realistic(tiny):
     exponents = read("layers.1.engram.embed.scale").view(torch.uint8).int() - 127
     assert exponents.shape == (codes.shape[0], 2) and len(exponents.unique()) >= 5
     scale = read("layers.0.attn.wq_b.scale")
-    assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == (4 * 128 // 32, 128 // 32)
+    text = TINY["text_config"]
+    assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == (
+        text["num_attention_heads"] * text["head_dim"] // 32, text["q_lora_rank"] // 32)
     experts = read("mtp.0.ffn.experts.3.w2.weight")
     assert experts.dtype == torch.int8 and tuple(experts.shape) == (256, 64)
     assert (read("layers.0.attn_norm.weight").float() - 1).abs().max() < 1

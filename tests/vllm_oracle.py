@@ -49,6 +49,11 @@ What a CPU host lacks, answered as a CUDA host of the requested family would (``
 * the JIT kernel warmup (TileLang mHC kernels registered at construction) is off, as ``--enforce-eager``
   sets it: it compiles GPU kernels and has no parameters.
 
+DeepSeek-V4.1 requests (:func:`request_v41`) go through the same steps and checks, plus what only V4.1 needs:
+:func:`_v41_host_fakes` (Engram's CUDA queries and pinned host table, sm_120's FlashInfer probe),
+:func:`_v41_regrouped` (the VL model loads the vision tensors after the backbone) and :func:`_v41_expected`
+(32x32 block scales repeated per row); the V4 paths are unchanged.
+
 Not run: kernels, ``process_weights_after_loading`` (GPU repacks and shuffles). The MoE *backend*
 (Marlin, FlashInfer, CUTLASS...) is chosen from the kernels installed, which a CPU host lacks, so
 only the quant *method* is an answer about the GPU; sm_120's attention class needs a FlashInfer
@@ -89,6 +94,14 @@ def request(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str = "s
         raise ValueError(f"unknown GPU family {gpu!r}")
     return {"model": str(model_dir), "argv": list(argv), "gpu": gpu, "draft": draft, "resolve_only": resolve_only,
             "env": dict(env or {})}
+
+
+def request_v41(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str = "sm90",
+                draft: bool = False) -> dict[str, Any]:
+    """One DeepSeek-V4.1 question (``DeepseekV41ForCausalLM``, or with ``draft`` and a DSpark
+    ``--speculative-config`` its ``DSparkDeepseekV4ForCausalLM`` draft): answered under :class:`_FakeCuda` and
+    :func:`_v41_host_fakes`, the few more questions V4.1's construction asks a host."""
+    return {**request(model_dir, argv, gpu=gpu, draft=draft), "release": "v41"}
 
 
 _ORACLE: subprocess.Popen | None = None
@@ -266,6 +279,55 @@ class _FakeCuda:
 
     def __exit__(self, *exc) -> None:
         self.stack.close()
+
+
+# Streaming multiprocessors of each family's GPU (H200, B200, RTX PRO 6000 Blackwell), read by V4.1's Engram.
+SM_COUNT = {"sm90": 132, "sm100": 148, "sm120": 188}
+
+
+@contextlib.contextmanager
+def _v41_host_fakes(gpu: str) -> Iterator[None]:
+    """What building vLLM's V4.1 model asks a host beyond V4's questions, answered as on ``gpu``
+    (../shared/reference/v41-flash.md section 9.7); no load path is replaced.
+
+    * ``models/deepseek_v41/common/engram.py::ParallelEngramEmbedding.__init__`` asks CUDA for the current device
+      (``torch.accelerator.current_device_index``) and its SM count (``torch.cuda.get_device_properties``, sizing
+      the lookup kernel's grid); CPU torch has no CUDA device to ask;
+    * with Engram's default ``cpu_offload=True`` the table is allocated ``pin_memory=True`` (page-locked for UVA
+      lookups), which CPU torch cannot do without a CUDA driver: it is allocated in ordinary host memory, the same
+      CPU tensor (dtype, shape, device) the loader then writes;
+    * on sm_120, whether the installed FlashInfer has a DSV4 sparse-MLA decode specialization for the model's
+      (padded) head count and top-k (``vllm.utils.flashinfer.has_flashinfer_sparse_mla_sm120_config``, asked by
+      ``nvidia/flashinfer_sparse.py``'s SM120 attention at construction): answered yes, as on a host with such a
+      build (no FlashInfer here; its kernels are not called while loading).
+    """
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    major, minor = GPU_CAPABILITY[gpu]
+    props = SimpleNamespace(major=major, minor=minor, multi_processor_count=SM_COUNT[gpu], total_memory=80 << 30,
+                            name=_platform_class(GPU_CAPABILITY[gpu]).get_device_name())
+
+    class Unpinned(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            kwargs.pop("pin_memory", None)
+            return func(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.accelerator, "current_device_index", lambda: 0))
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
+        stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda *_a, **_k: props))
+        stack.enter_context(Unpinned())
+        if major == 12:
+            import vllm.utils.flashinfer as flashinfer
+
+            stack.enter_context(mock.patch.object(flashinfer, "has_flashinfer_sparse_mla_sm120_config",
+                                                  lambda *_a: True))
+        yield
 
 
 _GROUPS_READY = False
@@ -450,8 +512,9 @@ def _first_difference(got, want) -> str:
     return f"a {got.dtype} value differs from the checkpoint's{as_float}"
 
 
-def _load(model, model_config, build_config) -> dict[str, Any]:
-    """Load through vLLM's loader into ``model``, attributing every write into a parameter."""
+def _load(model, model_config, build_config, v41: bool = False) -> dict[str, Any]:
+    """Load through vLLM's loader into ``model``, attributing every write into a parameter (``v41``: with
+    :func:`_v41_regrouped` and :func:`_v41_expected`)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from vllm.config import set_current_vllm_config
@@ -507,7 +570,8 @@ def _load(model, model_config, build_config) -> dict[str, Any]:
 
     error, error_tensor = None, None
     try:
-        with set_current_vllm_config(build_config), Writes():
+        with set_current_vllm_config(build_config), Writes(), \
+                (_v41_regrouped(state) if v41 else contextlib.nullcontext()):
             model.load_weights(weights())
     except Exception as exc:  # noqa: BLE001 - reported: the test decides what a raise means
         error, error_tensor = f"{type(exc).__name__}: {exc}", state["tensor"]
@@ -524,7 +588,8 @@ def _load(model, model_config, build_config) -> dict[str, Any]:
                 problems.append(f"{param_name}: only filled with a constant")
                 continue
             got = torch.cat(values)
-            want = _expected(original, params[param_name].dtype)
+            want = (_v41_expected(original, params[param_name].dtype, got.numel()) if v41
+                    else _expected(original, params[param_name].dtype))
             if want is None:
                 problems.append(f"{param_name}: {original.dtype} has no exact {params[param_name].dtype} form")
             elif got.numel() != want.numel() or not torch.equal(torch.sort(_as_keys(got))[0],
@@ -537,13 +602,80 @@ def _load(model, model_config, build_config) -> dict[str, Any]:
             changed[name] = "storage replaced during loading"
     unwritten = {name: int((~mask).sum()) for name, mask in covered.items() if not bool(mask.all())}
     reached = {tensor_name: sorted(landed) for tensor_name, landed in writes.items()}
-    return {"tensors": verdicts, "reached": reached, "unwritten": unwritten, "replaced": changed, "error": error,
-            "error_tensor": error_tensor}
+    report = {"tensors": verdicts, "reached": reached, "unwritten": unwritten, "replaced": changed, "error": error,
+              "error_tensor": error_tensor}
+    if v41:
+        report["identical"] = _identical(originals, reached, params)
+    return report
+
+
+def _identical(originals, reached, params) -> dict[str, str]:
+    """Checkpoint tensors whose one parameter holds their bytes in order, with the same shape (byte for byte)."""
+    import torch
+
+    out = {}
+    for name, landed in reached.items():
+        if len(landed) == 1:
+            original, param = originals[name], params[landed[0]].detach()
+            if original.shape == param.shape and original.element_size() == param.element_size() and \
+                    torch.equal(_as_keys(original), _as_keys(param)):
+                out[name] = landed[0]
+    return out
+
+
+# vLLM's MXFP8 linears repeat each 32x32 block scale over the block's 32 rows (one scale per row and 32 columns):
+# quantization/modelopt.py::KMxfp8Static.get_scale_weight_loader, scale_block_size (32, 32).
+V41_SCALE_BLOCK_ROWS = 32
+
+
+def _v41_expected(original, param_dtype, written: int):
+    """:func:`_expected`, and for a 32x32 block scale read into a per-row E8M0 parameter (``written`` is 32 times
+    its size) the scale's raw bytes with each row repeated 32 times, as vLLM's scale loader writes them."""
+    import torch
+
+    if (param_dtype == torch.uint8 and original.dtype in (torch.uint8, torch.float8_e8m0fnu) and original.dim() == 2
+            and written == original.numel() * V41_SCALE_BLOCK_ROWS):
+        return original.view(torch.uint8).repeat_interleave(V41_SCALE_BLOCK_ROWS, dim=0)
+    return _expected(original, param_dtype)
+
+
+@contextlib.contextmanager
+def _v41_regrouped(state: dict[str, Any]) -> Iterator[None]:
+    """Attribute the writes of the tensors V4.1's VL model defers to the checkpoint tensors they are.
+
+    ``models/deepseek_v41/nvidia/vl_model.py::DeepseekV41ForCausalLM.load_weights`` streams the (renamed) text
+    backbone first and holds every other tensor (vision tower, aligner, image tokens) back, cloned, until the
+    checkpoint is read (``stream_language_model_first``): those are loaded after the loader's iterator ended. vLLM's
+    own function still regroups them; its output is only labelled with the checkpoint name each tensor came from
+    (the renamed stream is lazy and one to one: a renamed tensor arrives while its checkpoint tensor is current).
+    """
+    from unittest import mock
+
+    import vllm.models.deepseek_v41.nvidia.vl_model as vl_model
+
+    regroup = vl_model.stream_language_model_first
+
+    def labelled(weights):
+        origin: dict[str, str] = {}
+
+        def tagged():
+            for mapped, tensor in weights:
+                origin[mapped] = state["tensor"]
+                yield mapped, tensor
+
+        for mapped, tensor in regroup(tagged()):
+            state["tensor"] = origin[mapped]
+            yield mapped, tensor
+        state["tensor"] = None
+
+    with mock.patch.object(vl_model, "stream_language_model_first", labelled):
+        yield
 
 
 def _answer(req: dict[str, Any]) -> dict[str, Any]:
     os.environ.update(req.get("env") or {})
-    with _FakeCuda(req["gpu"]):
+    v41 = _v41_host_fakes(req["gpu"]) if req.get("release") == "v41" else contextlib.nullcontext()
+    with _FakeCuda(req["gpu"]), v41:
         args, config = _engine_config(req["model"], req["argv"])
         report: dict[str, Any] = {"request": req, "resolved": _resolved(args, config)}
         if req["resolve_only"]:
@@ -559,7 +691,7 @@ def _answer(req: dict[str, Any]) -> dict[str, Any]:
         report["methods"] = _method_names(model)
         report["params"] = {n: [str(p.dtype).removeprefix("torch."), list(p.shape)]
                             for n, p in model.named_parameters()}
-        report.update(_load(model, model_config, build_config))
+        report.update(_load(model, model_config, build_config, v41=req.get("release") == "v41"))
     return report
 
 

@@ -6,7 +6,9 @@ layers that reuse them (3, 5), index sources 2, 4, 5 (5 an index source without 
 the candidate source 4 (the ratio-1 KV source, as the release's 20), Engram on a ratio-0 layer and on a KV source
 (1, 2, as the release's 1 and 14), a 3-stage DSpark drafter with 4 experts, a 2-layer vision tower. Sizes keep the
 engines' constraints: hidden and expert sizes multiples of 128 (SGLang's MXFP4 MoE), every FP8 dimension a
-multiple of 32 (vLLM's MXFP8 scale loader), ``engram_head_dim`` a multiple of 32 (1 x 32 row scales).
+multiple of 32 (vLLM's MXFP8 scale loader), ``engram_head_dim`` a multiple of 32 (1 x 32 row scales), the
+release's ``head_dim`` 512 and ``qk_rope_head_dim`` 64 (vLLM's ``models/deepseek_v41/compressor.py::
+DeepseekCompressor`` asserts both).
 ``engram_num_embeddings`` is derived (SGLang's prime layout: about 3,000 rows per table), and
 ``engram_compressed_vocab_size`` is what SGLang's ``layers/engram.py::build_compressed_token_map`` computes for
 the tokenizer ``synth`` writes beside it (``tests/test_v41_synth.py`` checks both with SGLang's own code).
@@ -42,7 +44,7 @@ TINY: dict = {
         "num_hidden_layers": 6,
         "num_attention_heads": 4,
         "num_key_value_heads": 1,
-        "head_dim": 128,
+        "head_dim": 512,
         "qk_rope_head_dim": 64,
         "q_lora_rank": 128,
         "o_lora_rank": 64,
