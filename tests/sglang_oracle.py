@@ -586,6 +586,33 @@ def _cpu_host_fakes(gpu: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def pool_configurator(server_argv: list[str], gpu: str, env: Mapping[str, str] | None
+                      ) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """SGLang's ``DSV4PoolConfigurator`` for a launch (over SGLang's ``ModelConfig`` of the model the argv names),
+    with the resolved arguments, as a scheduler on ``gpu`` builds it; the host fakes stay on while the caller
+    sizes pools with it (tests/test_fit.py for V4, tests/test_fit_v41.py for V4.1)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.pool_configurator import DSV4PoolConfigurator
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    with _scoped_environ(env), _cpu_host_fakes(gpu), mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.version, "cuda", "12.9"):
+        server = parse_server_args([*server_argv, "--device", "cuda"])
+        publish(server, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        model_config = ModelConfig.from_server_args(server)
+        resolved = server.resolved_dict()
+        kvc = SimpleNamespace(
+            kv_cache_dtype_str=resolved["kv_cache_dtype"], model_config=model_config,
+            layer_info=SimpleNamespace(start_layer=0, end_layer=model_config.num_hidden_layers), pp_size=1,
+            spec_algorithm=SpeculativeAlgorithm.from_string(resolved["speculative_algorithm"]),
+            spec_aux_config=None, sliding_window_size=model_config.window_size, page_size=resolved["page_size"],
+            attn_dp_size=1)
+        yield DSV4PoolConfigurator(kvc), resolved
+
+
 def _build_and_load(model_dir: str, argv: list[str], gpu: str, env: Mapping[str, str] | None, draft: bool,
                     sentinel: int) -> LoadedModel:
     """Resolve, publish, build and load once, as a scheduler process on ``gpu`` does."""

@@ -106,25 +106,8 @@ def test_memory_fraction_is_sglangs(gpu_name: str, real_dir: Path) -> None:
 
 def _sglang_pool(server_argv: list[str], gpu: verdict.Gpu, env: dict[str, str], real_dir: Path):
     """SGLang's DSV4PoolConfigurator for this server, over SGLang's ModelConfig of the real config."""
-    import torch
-    from sglang.srt.model_executor.pool_configurator import DSV4PoolConfigurator
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    with sgl._scoped_environ(env), sgl._cpu_host_fakes(gpu.family), \
-            mock.patch.object(torch.cuda, "is_available", lambda: True), \
-            mock.patch.object(torch.version, "cuda", "12.9"):
-        server = sgl.parse_server_args([*server_argv, "--device", "cuda"])
-        publish(server, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-        model_config = sgl.ModelConfig.from_server_args(server)
-        resolved = server.resolved_dict()
-        kvc = SimpleNamespace(
-            kv_cache_dtype_str=resolved["kv_cache_dtype"], model_config=model_config,
-            layer_info=SimpleNamespace(start_layer=0, end_layer=model_config.num_hidden_layers), pp_size=1,
-            spec_algorithm=SpeculativeAlgorithm.from_string(resolved["speculative_algorithm"]),
-            spec_aux_config=None, sliding_window_size=model_config.window_size, page_size=resolved["page_size"],
-            attn_dp_size=1)
-        return DSV4PoolConfigurator(kvc)
+    with sgl.pool_configurator(server_argv, gpu.family, env) as (pool, _resolved):
+        return pool
 
 
 @pytest.mark.parametrize("gpu_name", list(FAMILIES))

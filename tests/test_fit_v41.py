@@ -42,33 +42,16 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _sglang_pool(server, family: str, model_dir: Path):
-    """SGLang's DSV4PoolConfigurator for this server over its ModelConfig of the V4.1 config, and the resolved args."""
+    """SGLang's DSV4PoolConfigurator for this server over its ModelConfig of the V4.1 config, the resolved args, and
+    the pools it sizes in 40 GiB (SM100's probe answered for the family: it picks V4.1's KV layouts)."""
     import sglang_oracle as sgl
-    import torch
-    from sglang.srt.model_executor.pool_configurator import DSV4PoolConfigurator
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    argv = [*server.argv(), "--device", "cuda"]
+    argv = server.argv()
     argv[argv.index("--model-path") + 1] = str(model_dir)
-    with sgl._scoped_environ(server.env), sgl._cpu_host_fakes(family), \
-            mock.patch.object(torch.cuda, "is_available", lambda: True), \
-            mock.patch.object(torch.version, "cuda", "12.9"), \
-            mock.patch("sglang.srt.utils.common.is_sm100_supported", lambda *_a, **_k: family == "sm100"):
-        args = sgl.parse_server_args(argv)
-        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-        model_config = sgl.ModelConfig.from_server_args(args)
-        resolved = args.resolved_dict()
-        kvc = SimpleNamespace(
-            kv_cache_dtype_str=resolved["kv_cache_dtype"], model_config=model_config,
-            layer_info=SimpleNamespace(start_layer=0, end_layer=model_config.num_hidden_layers), pp_size=1,
-            spec_algorithm=SpeculativeAlgorithm.from_string(resolved["speculative_algorithm"]),
-            spec_aux_config=None, sliding_window_size=model_config.window_size, page_size=resolved["page_size"],
-            attn_dp_size=1)
-        pool = DSV4PoolConfigurator(kvc)
+    with mock.patch("sglang.srt.utils.common.is_sm100_supported", lambda *_a, **_k: family == "sm100"), \
+            sgl.pool_configurator(argv, family, server.env) as (pool, resolved):
         available = 40 * memory.GIB
-        sizes = pool.calculate_pool_sizes(available, resolved["page_size"])
-        return pool, resolved, available, sizes
+        return pool, resolved, available, pool.calculate_pool_sizes(available, resolved["page_size"])
 
 
 # (family, role, TP): SM100's mega backend (PD, TP 1) and its V4 fallback (TP > 1 without PD), SM90, SM120.
