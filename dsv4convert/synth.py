@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
-from dsv4convert.checkpoint.writer import shard_name
+from dsv4convert.checkpoint.writer import empty_destination, shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, TensorSpec, native_groups, without_drafter
@@ -200,11 +199,7 @@ def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = Fals
     """Write a native-format checkpoint for ``config`` into ``dst``, one shard per layout group."""
     dst = Path(dst)
     cfg = ModelConfig.from_dict(config, source="synth config")
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True, exist_ok=True)
+    empty_destination(dst, overwrite=overwrite)
     groups = native_groups(cfg)
     total = sum(spec.nbytes for g in groups for spec in g)
     weight_map: dict[str, str] = {}

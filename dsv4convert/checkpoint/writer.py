@@ -28,7 +28,7 @@ import torch
 
 from dsv4convert import dtypes
 from dsv4convert.checkpoint.reader import INDEX_NAME, TensorEntry, open_source, read_chunks, read_into, truncated
-from dsv4convert.errors import CheckpointError
+from dsv4convert.errors import CheckpointError, DSV4Error
 from dsv4convert.stop_points import reach
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -462,6 +462,18 @@ def atomic_write_json(path: Path, obj: object, *, point: str | None = None) -> N
 
 
 # -- a checkpoint --------------------------------------------------------------------------------------------
+
+
+def empty_destination(dst: Path, *, overwrite: bool) -> Path:
+    """``dst`` as an empty directory to write a checkpoint into: a non-empty one is refused, or with ``overwrite``
+    emptied (synth and the organism's writer)."""
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    return dst
 
 
 def shard_name(index: int, count: int) -> str:

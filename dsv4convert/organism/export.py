@@ -30,7 +30,7 @@ import torch
 from dsv4convert.checkpoint import Checkpoint, PlannedTensor, ShardWriter, atomic_write_json, write_index
 from dsv4convert.checkpoint.reader import INDEX_NAME, read_small_json
 from dsv4convert.checkpoint.reader import TensorEntry, read_header, read_tensor
-from dsv4convert.checkpoint.writer import copy_small_files, shard_name
+from dsv4convert.checkpoint.writer import copy_small_files, empty_destination, shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
@@ -228,11 +228,7 @@ def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) 
     if drafter != "mtp":
         return write_with_drafter(dst, ORGANISM_DIR, ORGANISM_DSPARK_DIR if drafter == "dspark" else None,
                                   overwrite=overwrite)
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True, exist_ok=True)
+    empty_destination(dst, overwrite=overwrite)
     for path in sorted(files, key=lambda p: p.name == INDEX_NAME):
         shutil.copyfile(path, dst / path.name)
         (dst / path.name).chmod(0o644)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json, write_index
-from dsv4convert.checkpoint.writer import shard_name
+from dsv4convert.checkpoint.writer import empty_destination, shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.numerics import E4M3_MAX, ceil_log2, exp2_float32, exponent_to_e8m0
@@ -175,11 +174,7 @@ def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = Fals
     if cfg.fp8_block[0] != cfg.fp8_block[1]:
         raise DSV4Error(f"synth writes square FP8 blocks; weight_block_size is {list(cfg.fp8_block)}")
     tokenizer = build_tokenizer(cfg.vocab_size, seed)       # before anything is written: it may refuse
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise DSV4Error("destination is not empty (pass --overwrite to replace it)", file=dst)
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True, exist_ok=True)
+    empty_destination(dst, overwrite=overwrite)
     groups = native_groups(cfg)
     total = sum(spec.nbytes for group in groups for spec in group)
     weight_map: dict[str, str] = {}
