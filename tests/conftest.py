@@ -65,6 +65,41 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return synthesize(tmp_path_factory.mktemp("tiny") / "src", preset_config("tiny"), seed=0)
 
 
+# The vision tensor tiny_v41_missing_vision leaves out: both engines load that checkpoint without complaint.
+V41_DROPPED = "vision.blocks.1.mlp.w2.weight"
+
+
+@pytest.fixture(scope="session")
+def tiny_v41(tmp_path_factory) -> Path:
+    """``dsv4convert synth --preset tiny-v41``, made once per test session; tests must not modify it. No "dspark"
+    in its path: vLLM reads any draft under such a path as a DSpark one."""
+    from dsv4convert.cli import main
+
+    dst = tmp_path_factory.mktemp("v41") / "tiny-v41"
+    assert main(["synth", "--preset", "tiny-v41", "--dst", str(dst)]) == 0
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_missing_vision(tiny_v41, tmp_path_factory) -> Path:
+    """tiny-v41 without :data:`V41_DROPPED` (its shard and index rewritten without it)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst = tmp_path_factory.mktemp("v41-broken") / "missing-vision"
+    shutil.copytree(tiny_v41, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = dst / index["weight_map"].pop(V41_DROPPED)
+    with safe_open(shard, "pt") as f:
+        kept = {n: f.get_tensor(n) for n in f.keys() if n != V41_DROPPED}
+    save_file(kept, shard, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return dst
+
+
 SHARD = 1_000_000  # small output shards, so every variant spans many
 
 

@@ -25,7 +25,6 @@ from test_dspark_loading import _outside_its_stage, check_draft, landings
 from test_sglang_loading import CONSUMED, GOOD, LANDED, Landing
 
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.cli import main
 from dsv4convert.formats import dequantize_fp8_block
 
 STAGES = 3                                            # tiny-v41: dspark_target_layer_ids [3, 4, 5]
@@ -34,10 +33,8 @@ CONFIDENCE = "mtp.2.confidence_head.proj.weight"      # the last stage carries t
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("v41draft") / "tiny-v41"
-    assert main(["synth", "--preset", "tiny-v41", "--dst", str(dst)]) == 0
-    return dst
+def tiny(tiny_v41) -> Path:
+    return tiny_v41
 
 
 def v41_landings(name: str, ckpt: Checkpoint, loaded: sgl.LoadedModel) -> list[Landing] | str | None:

@@ -31,10 +31,8 @@ RELEASE = Path(__file__).parent / "data" / "deepseek-v4.1-flash-config.json"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("v41") / "tiny-v41"
-    assert main(["synth", "--preset", "tiny-v41", "--dst", str(dst)]) == 0
-    return dst
+def tiny(tiny_v41) -> Path:
+    return tiny_v41
 
 
 def _header(path: Path) -> list[tuple[str, str, list[int]]]:

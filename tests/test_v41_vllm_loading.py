@@ -21,29 +21,24 @@ scales in ``ParallelEngramEmbedding``. One vLLM process answers the module.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import vllm_oracle as vllm
+from conftest import V41_DROPPED
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from dsv4convert.cli import main
 
 GPUS = ("sm90", "sm100", "sm120")
 ENGRAM_LAYERS = (1, 2)                                   # tiny-v41's engram_layer_ids
 # Parameters the DSpark draft aliases from the target (v1/worker/gpu/spec_decode/dspark/utils.py::load_dspark_model).
 DRAFT_ALIASED = {"model.embed_tokens.weight", "lm_head.weight"}
-MISSING = "vision.blocks.1.mlp.w2.weight"
+
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """No path here may contain "dspark": vLLM would turn any draft under such a path into a DSpark one."""
-    dst = tmp_path_factory.mktemp("v41vllm") / "tiny-v41"
-    assert main(["synth", "--preset", "tiny-v41", "--dst", str(dst)]) == 0
-    return dst
+def tiny(tiny_v41) -> Path:
+    return tiny_v41
 
 
 def _text(tiny: Path) -> dict:
@@ -51,18 +46,8 @@ def _text(tiny: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def broken(tiny, tmp_path_factory) -> Path:
-    """tiny-v41 without one vision tensor."""
-    dst = tmp_path_factory.mktemp("v41vllm-broken") / "missing-vision"
-    shutil.copytree(tiny, dst)
-    index_path = dst / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    shard = dst / index["weight_map"].pop(MISSING)
-    with safe_open(shard, "pt") as f:
-        kept = {n: f.get_tensor(n) for n in f.keys() if n != MISSING}
-    save_file(kept, shard, metadata={"format": "pt"})
-    index_path.write_text(json.dumps(index))
-    return dst
+def broken(tiny_v41_missing_vision) -> Path:
+    return tiny_v41_missing_vision
 
 
 @pytest.fixture(scope="module")
@@ -162,5 +147,5 @@ def test_a_missing_vision_tensor_loads_silently_in_vllm_and_is_named_here(answer
     the tensor and says nothing; the unwritten parameter names it."""
     loaded = _ok(answers["sm90", "missing-vision"])
     vision = json.loads((tiny / "config.json").read_text())["vision_config"]
-    assert loaded["unwritten"] == {MISSING: vision["intermediate_size"] * vision["hidden_size"]}   # the w2 [H, I]
+    assert loaded["unwritten"] == {V41_DROPPED: vision["intermediate_size"] * vision["hidden_size"]}   # the w2 [H, I]
     assert {n: v for n, v in loaded["tensors"].items() if not n.startswith("mtp.") and v != "landed"} == {}
