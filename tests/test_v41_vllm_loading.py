@@ -35,7 +35,6 @@ ENGRAM_LAYERS = (1, 2)                                   # tiny-v41's engram_lay
 DRAFT_ALIASED = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
-
 @pytest.fixture(scope="module")
 def tiny(tiny_v41) -> Path:
     return tiny_v41
