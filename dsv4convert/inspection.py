@@ -26,11 +26,10 @@ from dsv4convert.models.deepseek_v4.layout import (
     TensorSpec,
     check_top_k,
     linear_shapes,
-    native_groups,
     native_inventory,
     try_classify,
 )
-from dsv4convert.models.deepseek_v4.release import describe_drafter, role_table
+from dsv4convert.models.deepseek_v4.release import describe_drafter, role_table  # noqa: F401 (inspect's table)
 from dsv4convert.models.registry import release_of
 
 # Parameters that belong to a linear's weight storage in some format; others (router

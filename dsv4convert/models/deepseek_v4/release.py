@@ -7,8 +7,7 @@ answers the registry's questions from it: is a config this release's, its checke
 
 from __future__ import annotations
 
-from collections import Counter
-
+from dsv4convert import models
 from dsv4convert.models.deepseek_v4.layout import (
     FP8_BLOCK,
     ModelConfig,
@@ -47,18 +46,18 @@ def describe_drafter(cfg: ModelConfig) -> str:
     return "no drafter"
 
 
+def role_of(name: str) -> str:
+    """A tensor's role as inspect tallies it ("unknown" for a name V4 does not have); a drafter's routed experts
+    apart."""
+    info = try_classify(name)
+    if info is None:
+        return "unknown"
+    return f"{info.role.value} (mtp)" if info.is_mtp and info.role is Role.ROUTED_EXPERT else info.role.value
+
+
 def role_table(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[dict]:
-    """Tensors, bytes and dtypes per role (a drafter's routed experts apart), the heaviest first."""
-    rows: dict[str, dict] = {}
-    for name, dtype, _shape, nbytes in entries:
-        info = try_classify(name)
-        role = "unknown" if info is None else (
-            f"{info.role.value} (mtp)" if info.is_mtp and info.role is Role.ROUTED_EXPERT else info.role.value)
-        row = rows.setdefault(role, {"role": role, "tensors": 0, "bytes": 0, "dtypes": Counter()})
-        row["tensors"] += 1
-        row["bytes"] += nbytes
-        row["dtypes"][dtype] += 1
-    return [{**r, "dtypes": dict(r["dtypes"])} for r in sorted(rows.values(), key=lambda r: -r["bytes"])]
+    """Tensors, bytes and dtypes per role, the heaviest first."""
+    return models.role_table(entries, role_of)
 
 
 def expected_report(config: dict, source: str) -> dict:

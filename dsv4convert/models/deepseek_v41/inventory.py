@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 
+from dsv4convert.models import role_table
 from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config
 
@@ -195,17 +196,12 @@ def expected_report(cfg: V41Config) -> dict:
     """``inspect --expected``'s plan of the native checkpoint: counts, bytes per group and role, every tensor."""
     groups = native_groups(cfg)
     specs = [s for g in groups for s in g]
-    roles: dict[str, dict] = {}
-    for s in specs:
-        row = roles.setdefault(role_of(s.name), {"role": role_of(s.name), "tensors": 0, "bytes": 0, "dtypes": {}})
-        row["tensors"] += 1
-        row["bytes"] += s.nbytes
-        row["dtypes"][s.dtype] = row["dtypes"].get(s.dtype, 0) + 1
+    roles = role_table([(s.name, s.dtype, s.shape, s.nbytes) for s in specs], role_of)
     d = cfg.dspark
     drafter = (f"a DSpark drafter: {d.stages} stages (mtp.0-mtp.{d.stages - 1}) drafting blocks of {d.block_size} "
                f"from layers {', '.join(map(str, d.target_layer_ids))}, {d.n_routed_experts} experts, a "
                f"rank-{d.markov_rank} Markov head") if d else "no drafter"
-    tables = sum(s.nbytes for s in specs if role_of(s.name) == "engram_table")
+    tables = next((r["bytes"] for r in roles if r["role"] == "engram_table"), 0)
     return {
         "release": "DeepSeek-V4.1-Flash",
         "variant": "native",
@@ -216,6 +212,6 @@ def expected_report(cfg: V41Config) -> dict:
         "tensor_count": len(specs),
         "total_bytes": sum(s.nbytes for s in specs),
         "shard_bytes": [sum(s.nbytes for s in g) for g in groups],
-        "roles": sorted(roles.values(), key=lambda r: -r["bytes"]),
+        "roles": roles,
         "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
     }
