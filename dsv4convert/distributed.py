@@ -98,8 +98,22 @@ def join(device: str) -> World:
         torch.cuda.set_device(local_rank)
     backend = "nccl" if cuda else "gloo"
     if not dist.is_initialized():
+        _bind_world_defaults_before_init()
         dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_SECONDS))
     return World(rank, size, local_rank, backend)
+
+
+def _bind_world_defaults_before_init() -> None:
+    """Import ``torch.distributed.nn.functional`` while there is no world group yet.
+
+    Its functions take ``group=group.WORLD`` as a default argument, bound when the module is imported. transformers
+    imports it (through its FSDP integration) when a command first loads a model, after :func:`join`; the module
+    then holds the world group for the life of the interpreter, :func:`leave` cannot free it, and gloo's worker
+    threads outlive ``destroy_process_group``. They release their last work during interpreter shutdown, which
+    takes the GIL from a finalizing interpreter and aborts the rank ("terminate called without an active
+    exception"): a rare crash at the end of a run that succeeded. Imported first, the defaults bind ``None``.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def leave(world: World) -> None:

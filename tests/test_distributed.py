@@ -169,6 +169,31 @@ def test_a_rank_killed_mid_layer_stops_the_run_and_another_world_resumes_it(tiny
     assert_split(out, 3)
 
 
+# A rank that joins the world, then loads transformers' model code (as compare and calibrate do), gathers, and
+# leaves: gloo's worker threads must be gone when it leaves, not left to interpreter shutdown, where their last
+# release of a work's tensors aborts the rank now and then ("terminate called without an active exception").
+LEAVE_PROBE = """
+import os
+from dsv4convert.distributed import join, leave
+world = join("cpu")
+import transformers.models.deepseek_v4.modeling_deepseek_v4  # imports torch.distributed.nn after the join
+world.gather({"rank": world.rank})
+leave(world)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("gloo threads after leave:", sum(n.startswith(("pt_gloo", "gloo")) for n in names))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_leaving_the_world_stops_gloo_threads_before_the_interpreter_ends(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(LEAVE_PROBE)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(probe)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("gloo threads after leave: 0") == 2, done.stdout
+
+
 def test_round_robin_shares_and_the_rank_argument():
     world = World(rank=1, size=3)
     assert [i for i in range(8) if world.owns(i)] == [1, 4, 7]
