@@ -180,7 +180,8 @@ import transformers.models.deepseek_v4.modeling_deepseek_v4  # imports torch.dis
 world.gather({"rank": world.rank})
 leave(world)
 names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("gloo threads after leave:", sum(n.startswith(("pt_gloo", "gloo")) for n in names))
+alive = sum(n.startswith(("pt_gloo", "gloo")) for n in names)
+os.write(1, f"rank {world.rank}: {alive} gloo threads after leave\\n".encode())  # one write: the ranks share stdout
 """
 
 
@@ -191,7 +192,7 @@ def test_leaving_the_world_stops_gloo_threads_before_the_interpreter_ends(tmp_pa
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(probe)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("gloo threads after leave: 0") == 2, done.stdout
+    assert sorted(done.stdout.splitlines()) == [f"rank {r}: 0 gloo threads after leave" for r in (0, 1)], done.stdout
 
 
 def test_round_robin_shares_and_the_rank_argument():
