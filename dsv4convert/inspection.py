@@ -170,9 +170,9 @@ def check_routing(ckpt: Checkpoint) -> None:
 
 def _v4_config(config: dict, source: str) -> ModelConfig:
     """A checkpoint's config, once its release is one the commands handle (a V4.1 checkpoint is refused by name)."""
-    release = release_of(config, source)
-    if release.NOT_YET:
-        raise CheckpointError(release.NOT_YET, file=source)
+    why = release_of(config, source).not_yet("inspect")
+    if why:
+        raise CheckpointError(why, file=source)
     return ModelConfig.from_dict(config, source=source)
 
 

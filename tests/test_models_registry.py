@@ -58,7 +58,7 @@ def test_a_v41_checkpoint_is_refused_by_what_does_not_handle_it_yet(tmp_path, ca
 
 def test_a_new_release_is_one_module_and_one_registry_entry(tmp_path, capsys, monkeypatch):
     toy = types.SimpleNamespace(
-        NAME="Toy-1", NOT_YET=None,
+        NAME="Toy-1", not_yet=lambda command: None,
         matches=lambda config: config.get("model_type") == "toy",
         read_config=lambda config, source: config,
         fp8_block=lambda cfg: (64, 64),

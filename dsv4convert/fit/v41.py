@@ -1,15 +1,17 @@
 """``fit`` for DeepSeek-V4.1-Flash: each server of the launch, the native release, with the Engram tables on the
 GPUs or in host memory, sized as SGLang 0.5.23 sizes it (:mod:`dsv4convert.engines.sglang.memory_v41`).
 
-The launch is SGLang's defaults for V4.1 (``serve`` does not start V4.1 yet): no ``--mem-fraction-static``, the
-default KV layout and attention backend, the ``flashinfer_mxfp4`` MoE runner SGLang picks for FP4 experts.
+The launch is the one ``serve`` starts (:func:`dsv4convert.engines.sglang.server.server_v41`): SGLang's defaults
+for V4.1, no ``--mem-fraction-static``, the default KV layout and attention backend, the ``flashinfer_mxfp4`` MoE
+runner SGLang picks for FP4 experts. :func:`choose_placement` is the Engram placement ``serve`` uses by default.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dsv4convert.checkpoint import read_small_json
@@ -18,14 +20,9 @@ from dsv4convert.engines import Gpu
 from dsv4convert.engines.memory import GIB, gib
 from dsv4convert.engines.sglang import memory as v4
 from dsv4convert.engines.sglang import memory_v41 as sizing
-from dsv4convert.engines.sglang.server import Disaggregation, Server
-from dsv4convert.fit.source_v41 import LABEL, PlannedV41, is_v41_config, planned
+from dsv4convert.engines.sglang.server import Server, server_v41
+from dsv4convert.fit.source_v41 import PlannedV41, is_v41_config, planned
 from dsv4convert.fit.verdict import FitError, roles
-
-PLACEMENT_ENV = {"gpu": {}, "host-shared": {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
-                                            "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "shared"},
-                 "host-per-rank": {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
-                                   "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"}}
 
 
 @dataclass(frozen=True)
@@ -59,15 +56,18 @@ def plan_of(path: Path) -> PlannedV41 | None:
 
 
 def launch(gpu: Gpu, role: str, tp: int, placement: str, max_running: int | None) -> Server:
-    """The server SGLang starts for V4.1 with its defaults, the Engram placement's environment."""
-    return Server(model="MODEL", variant=LABEL, gpu_family=gpu.family, role=role, tp=tp,
-                  max_running_requests=max_running, env=dict(PLACEMENT_ENV[placement]),
-                  disaggregation=Disaggregation() if role in ("prefill", "decode") else None)
+    """The server ``serve`` starts for V4.1 on ``gpu``'s family, with the Engram tables at ``placement``."""
+    return server_v41("MODEL", gpu.family, role=role, tp=tp, engram=placement, max_running_requests=max_running)
 
 
 def size(plan: PlannedV41, gpu: Gpu, role: str, tp: int, placement: str, *, context: int | None = None,
          max_running: int | None = None) -> ServerFitV41:
-    server = launch(gpu, role, tp, placement, max_running)
+    return size_server(plan, gpu, launch(gpu, role, tp, placement, max_running), context=context)
+
+
+def size_server(plan: PlannedV41, gpu: Gpu, server: Server, *, context: int | None = None) -> ServerFitV41:
+    """One V4.1 server as it will run (its role, TP, request cap, Engram placement) on ``gpu``."""
+    role, tp, placement = server.role, server.tp, server.engram or "gpu"
     weights = sizing.weights_per_rank(plan.tensors, server)
     engram = sizing.engram_placement(plan.config, tp, placement)
     on_gpu = weights.target + engram.gpu_bytes_per_rank
@@ -89,6 +89,39 @@ def size(plan: PlannedV41, gpu: Gpu, role: str, tp: int, placement: str, *, cont
         fits=held.available_bytes > cost.fixed_bytes and full >= needed)
 
 
+@dataclass(frozen=True)
+class PlacementChoice:
+    """The Engram placement a launch gets by default, and every placement's servers as sized."""
+
+    placement: str | None                # None: no placement fits every server
+    fits: dict[str, list[ServerFitV41]]  # placement -> its servers, in the launch's order
+
+    def why(self) -> str:
+        """The choice in a sentence, with the numbers that made it."""
+        def tokens(placement: str) -> str:
+            return ", ".join(f"{f.role} {f.kv_tokens:,} KV tokens" if f.fits else f"{f.role} does not fit"
+                             for f in self.fits[placement])
+        if self.placement is None:
+            return "no Engram placement fits every server: " + "; ".join(
+                f"{p}: {tokens(p)}" for p in self.fits)
+        if self.placement == "gpu":
+            return f"the tables fit on the GPUs, SGLang's default ({tokens('gpu')})"
+        return (f"the tables do not fit on the GPUs ({tokens('gpu')}); in host memory, one buffer per TP group "
+                f"(SGLang's default host layout): {tokens(self.placement)}")
+
+
+def choose_placement(plan: PlannedV41, gpu: Gpu, servers: Sequence[Server], *,
+                     context: int | None = None) -> PlacementChoice:
+    """Where ``serve`` puts the Engram tables unless told: on the GPUs (SGLang's default: no host memory, no
+    lookups over PCIe) when every server of the launch fits there, else in host memory shared per TP group
+    (the host table's default layout; per rank holds the same GPU memory, so it never fits where shared does not),
+    else nowhere (the launch is refused with every placement's numbers)."""
+    fits = {p: [size_server(plan, gpu, replace(s, engram=p), context=context) for s in servers]
+            for p in sizing.ENGRAM_PLACEMENTS}
+    chosen = next((p for p in ("gpu", "host-shared") if all(f.fits for f in fits[p])), None)
+    return PlacementChoice(chosen, fits)
+
+
 def _host_line(fits: list[ServerFitV41], pd: bool) -> str:
     """Host memory the tables take, per server and per process, and per NUMA node where that is determined."""
     fit = fits[0]
@@ -103,6 +136,11 @@ def _host_line(fits: list[ServerFitV41], pd: bool) -> str:
     else:
         line += "; one buffer for the host (its pages sit where first written: not computed)"
     return "\n" + line
+
+
+def _choice(plan: PlannedV41, gpu: Gpu, args: argparse.Namespace) -> PlacementChoice:
+    return choose_placement(plan, gpu, [launch(gpu, role, args.tp, "gpu", args.max_running) for role in roles(args.pd)],
+                            context=args.context)
 
 
 def run(args: argparse.Namespace, gpu: Gpu, plan: PlannedV41) -> int:
@@ -142,6 +180,6 @@ def run(args: argparse.Namespace, gpu: Gpu, plan: PlannedV41) -> int:
         print(f"KV layout {', '.join(layouts)} (SGLang's select_dsv4_kv_layout); the sliding-window pool is sized from "
               f"the request cap, not per token ({slots} slots, counted before the KV tokens); fraction: SGLang's "
               "default --mem-fraction-static, in brackets the smallest that holds the weights")
-        print("estimated: free memory before loading = GPU total - 1536 MiB; the launch is SGLang's defaults "
-              "(serve does not start V4.1 yet)")
+        print("estimated: free memory before loading = GPU total - 1536 MiB; the launch is SGLang's defaults, as "
+              f"serve starts it (its default Engram placement: {_choice(plan, gpu, args).placement or 'none fits'})")
     return 0 if any(all(f.fits for f in fits) for fits in rows) else 1

@@ -21,8 +21,7 @@ class Release(Protocol):
     """What every release module provides (a module, read structurally)."""
 
     NAME: str
-    NOT_YET: str | None       # what this version of dsv4convert does not do with it yet (None: nothing)
-
+    def not_yet(self, command: str) -> str | None: ...   # why ``command`` does not handle it yet (None: it does)
     def matches(self, config: dict) -> bool: ...
     def read_config(self, config: dict, source: str) -> Any: ...
     def fp8_block(self, cfg: Any) -> tuple[int, int]: ...

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4convert import variants
 from dsv4convert.engines import GPU_FAMILIES, SGLANG_LABEL, family_label
-from dsv4convert.engines.sglang import TRANSFER_BACKENDS
+from dsv4convert.engines.sglang import ENGRAM_PLACEMENTS, TRANSFER_BACKENDS
 from dsv4convert.errors import CheckpointError
 from dsv4convert.serve import defaults
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from dsv4convert.models.deepseek_v4.layout import ModelConfig
     from dsv4convert.serve import launch
     from dsv4convert.serve.process import ProcessGroup
+    from dsv4convert.serve.served import V41Checkpoint
     from dsv4convert.serve.topology import Topology
 
 SMOKE_PROMPT = "The three primary colours are"
@@ -73,12 +74,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              "task accuracy (lm-eval) or MTP draft acceptance",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Start SGLang on a (converted) DeepSeek-V4-Flash checkpoint with the right per-variant settings,\n"
-            "wait until every server is healthy, send one real request, then check or keep serving.\n\n"
+            "Start SGLang on a (converted) DeepSeek-V4-Flash or V4.1-Flash checkpoint with the right per-variant\n"
+            "settings, wait until every server is healthy, send one real request, then check or keep serving.\n\n"
             "With --pd: a prefill server on one NUMA node's GPUs, a decode server on another's (each bound\n"
             "to its node with numactl when present), and sglang_router in front. Ctrl-C stops everything.\n"
             "Arguments after `--` go to every sglang.launch_server command unchanged. The checkpoint's\n"
-            "drafter is served when it carries one and SGLang runs it there (--no-mtp: without it)."
+            "drafter is served when it carries one and SGLang runs it there (--no-mtp: without it). For V4.1,\n"
+            "what SGLang refuses (--pp-size, two-batch overlap, HiSparse, EAGLE) is refused first (docs/v41.md)."
         ),
         epilog=(
             "examples:\n"
@@ -88,6 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "      --compare runs/base/accuracy.json --min-recovery 0.97\n"
             "  dsv4convert serve --model out/fp8 --pd --check mtp --compare runs/base/mtp.json\n"
             "  dsv4convert serve --model out/fp8 --gpus 0,1,2,3 --no-mtp   (without the checkpoint's drafter)\n"
+
             "  dsv4convert serve --model M --pd --role prefill --host 0.0.0.0 -- --dist-init-addr h1:5000 \\\n"
             "      --nnodes 2 --node-rank 0   (multi-node: one role per host; see docs/serve.md)"
         ),
@@ -96,13 +99,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument("--model", metavar="DIR", required=True, type=Path, help="checkpoint directory (also the tokenizer)")
     what.add_argument("--variant", metavar="VARIANT", choices=variants.SERVED, help=f"override the variant `inspect` detects: {', '.join(variants.SERVED)}")
     what.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
-                      help="the checkpoint's draft (EAGLE: the preview's MTP block; DSPARK: 0731's drafter); default: "
-                           "served where the checkpoint carries one and SGLang runs it (the plan says why)")
+                      help="the checkpoint's draft (EAGLE: MTP block; DSPARK: DSpark drafter); default: where it "
+                           "runs")
     what.add_argument("--tuned-configs", type=Path, metavar="DIR",
-                      help="`dsv4convert tune --out DIR`: sets SGLANG_MOE_CONFIG_DIR=DIR for every server")
+                      help="`dsv4convert tune --out DIR` (SGLANG_MOE_CONFIG_DIR)")
     what.add_argument("--metrics", action="store_true",
                       help="SGLang's --enable-metrics: Prometheus metrics at /metrics on every server (docs/serve.md)")
     what.add_argument("--dry-run", action="store_true", help="print the plan (commands, environment), start nothing")
+    what.add_argument("--engine", metavar="E", choices=("sglang", "vllm"), default="sglang",
+                      help="sglang (default); vllm: print `vllm serve`")
+    what.add_argument("--engram", dest="engram_placement", metavar="WHERE", choices=("auto", *ENGRAM_PLACEMENTS), default="auto",
+                      help="V4.1's Engram tables: gpu, host-shared, host-per-rank, auto (fit's choice)")
     where = p.add_argument_group("topology (GPUs, PD, hosts, ports)")
     where.add_argument("--gpu-family", metavar="FAMILY", choices=GPU_FAMILIES,
                        help="read from nvidia-smi when omitted: "
@@ -116,8 +123,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                             "else mooncake_tcp)")
     where.add_argument("--role", metavar="ROLE", choices=("prefill", "decode", "router"),
                        help="multi-node --pd: start only this host's part: prefill, decode or router")
-    where.add_argument("--prefill-url", metavar="URL", help="--role router: the prefill server, e.g. http://host1:30000")
-    where.add_argument("--decode-url", metavar="URL", help="--role router: the decode server, e.g. http://host2:30001")
+    where.add_argument("--prefill-url", metavar="URL", help="--role router: e.g. http://host1:30000")
+    where.add_argument("--decode-url", metavar="URL", help="--role router: e.g. http://host2:30001")
     where.add_argument("--host", metavar="ADDR", default="127.0.0.1", help="address servers listen on (0.0.0.0 across hosts)")
     where.add_argument("--port", metavar="N", type=int, default=8000, help="client port: the router's with --pd, else the server's")
     where.add_argument("--prefill-port", metavar="N", type=int, default=30000, help="(default 30000)")
@@ -196,22 +203,11 @@ def _gpu_family(args: argparse.Namespace, topology: Topology | None) -> str:
     return families.pop()
 
 
-def _inspect(args: argparse.Namespace) -> tuple[str, ModelConfig | None]:
-    """The variant ``inspect`` detects, and the checkpoint's config (which draft it holds). With ``--variant`` only
-    config.json is read, where there is one (a router host may hold nothing but the tokenizer)."""
-    from dsv4convert.checkpoint import Checkpoint, read_small_json
-    from dsv4convert.inspection import inspect_checkpoint
-    from dsv4convert.models.deepseek_v4.layout import ModelConfig
-    from dsv4convert.serve import launch
+def _inspect(args: argparse.Namespace) -> tuple[str, ModelConfig | V41Checkpoint | None]:
+    """The variant to serve and the checkpoint's config (which draft it holds): :func:`served.inspect`."""
+    from dsv4convert.serve import served
 
-    if args.variant:
-        path = args.model / "config.json"
-        return args.variant, ModelConfig.from_dict(read_small_json(path), source=str(path)) if path.is_file() else None
-    inspection = inspect_checkpoint(Checkpoint.open(args.model))
-    if inspection.variant not in launch.SERVED_VARIANTS:
-        raise launch.LaunchError(f"inspect calls this checkpoint {inspection.variant!r}; pass --variant to serve it "
-                                 "anyway")
-    return inspection.variant, inspection.config
+    return served.inspect(args.model, args.variant)
 
 
 @dataclass(frozen=True)
@@ -223,11 +219,11 @@ class DraftChoice:
     carried: bool = True   # the checkpoint carries a drafter (what compare measured it to bring is worth saying)
 
 
-def draft_choice(args: argparse.Namespace, config: ModelConfig | None, family: str,
+def draft_choice(args: argparse.Namespace, config: ModelConfig | V41Checkpoint | None, family: str,
                  extra: tuple[str, ...]) -> DraftChoice:
-    """Serve the drafter an official release ships by default, where SGLang runs it on ``family``; ``--mtp``
-    insists (refused where it cannot run), ``--no-mtp`` declines, ``--check mtp`` needs it, and the user's own
-    ``--speculative-*`` arguments decide for themselves."""
+    """Serve the drafter an official release ships by default, where SGLang runs it on ``family`` (DeepSeek-V4.1's
+    DSpark drafter: on every family); ``--mtp`` insists (refused where it cannot run), ``--no-mtp`` declines,
+    ``--check mtp`` needs it, and the user's own ``--speculative-*`` arguments decide for themselves."""
     from dsv4convert.engines import NO_DRAFT
     from dsv4convert.engines.sglang.rules import SPECULATIVE_ALGORITHM, variant_rules
     from dsv4convert.engines.sglang.server import DRAFT_LABELS
@@ -246,9 +242,9 @@ def draft_choice(args: argparse.Namespace, config: ModelConfig | None, family: s
         return DraftChoice(False, f"none served: {NO_DRAFT}", carried=False)
     if args.mtp is False:
         return DraftChoice(False, f"{label} is not served (--no-mtp; drop it to serve the drafter)")
-    rules = variant_rules(args.variant, family, drafter)
-    if not rules.serves_draft:
-        return DraftChoice(False, f"{label} is not served: {rules.mtp_note}")
+    note = None if getattr(config, "is_v41", False) else variant_rules(args.variant, family, drafter).mtp_note
+    if note:
+        return DraftChoice(False, f"{label} is not served: {note}")
     return DraftChoice(True, f"{label} is served by --speculative-algorithm {SPECULATIVE_ALGORITHM[drafter]}: "
                              "the default where the checkpoint carries one and SGLang runs it on "
                              f"{family}; --no-mtp serves without it")
@@ -271,9 +267,11 @@ def draft_statement(args: argparse.Namespace, choice: DraftChoice) -> str:
 
 
 def plan(args: argparse.Namespace, topology: Topology | None,
-         config: ModelConfig | None = None) -> tuple[list[launch.Command], list[str]]:
+         config: ModelConfig | V41Checkpoint | None = None) -> tuple[list[launch.Command], list[str]]:
     """The commands to run, in start order, and warnings for the user (``args.variant`` must be set;
-    ``config`` says which draft the checkpoint holds, the preview's MTP block when not given)."""
+    ``config`` says which draft the checkpoint holds, the preview's MTP block when not given; a DeepSeek-V4.1
+    checkpoint's Engram tables go where ``args.engram_placement`` says, the GPUs for ``auto`` until
+    :func:`run` has fit's choice)."""
     from dsv4convert.engines.sglang.server import drafter_of
     from dsv4convert.serve import launch
 
@@ -290,6 +288,8 @@ def plan(args: argparse.Namespace, topology: Topology | None,
         ib_devices=topology.ib_devices if topology else (), indexer_topk=args.indexer_topk,
         mtp=family != "" and draft_choice(args, config, family, extra).used,
         enable_metrics=args.metrics, extra_args=extra, **drafter_of(config),
+        engram=({"auto": "gpu"}.get(args.engram_placement, args.engram_placement)
+                if getattr(config, "is_v41", False) else None),
     )
     if not args.pd:
         if args.role or args.prefill_gpus or args.decode_gpus:
@@ -386,10 +386,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsv4convert.serve import accuracy, checks
+    from dsv4convert.serve import accuracy, checks, served
     from dsv4convert.serve.process import ProcessGroup, ServeError
 
     _check_flags(args)
+    if args.engine == "vllm":
+        return _vllm(args)
     checks_here = args.role in (None, "router")  # a prefill or decode host only serves
     if args.check == "accuracy" and checks_here:
         accuracy.check_tasks(checks.eval_settings(args))
@@ -398,6 +400,13 @@ def run(args: argparse.Namespace) -> int:
     args.variant, config = _inspect(args)
     topology = _topology(args)
     commands, warnings = plan(args, topology, config)
+    engram_line = ""
+    if getattr(config, "is_v41", False) and args.role != "router":
+        family = _gpu_family(args, topology)
+        served.check_v41_family(config, family)
+        args.engram_placement, engram_line = served.engram_placement(
+            config, [c.server for c in commands if c.server is not None], family, args.engram_placement)
+        commands, warnings = plan(args, topology, config)
     if args.tuned_configs:
         from dataclasses import replace
 
@@ -409,20 +418,23 @@ def run(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     family = "" if args.role == "router" else _gpu_family(args, topology)
-    _refuse_what_cannot_fit(args, commands, family)
+    if not getattr(config, "is_v41", False):   # V4.1: sized with its Engram placement above
+        _refuse_what_cannot_fit(args, commands, family)
     extra = tuple(args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args)
     statement = draft_statement(args, draft_choice(args, config, family, extra)) if family else ""
     if args.dry_run:
         _print_plan(commands)
-        if statement:
-            print(statement)
+        for line in (statement, engram_line):
+            if line:
+                print(line)
         if args.check == "accuracy" and checks_here:
             for line in accuracy.dry_run_lines(checks.eval_settings(args), url=commands[-1].url, model=args.model,
                                                out=args.out, max_length=checks.model_max_length(args.model)):
                 print(line)
         return 0
-    if statement:
-        print(statement)
+    for line in (statement, engram_line):
+        if line:
+            print(line)
     client_url = commands[-1].url
     failed = False
     with ProcessGroup(args.out / "logs") as group:
@@ -451,6 +463,25 @@ def run(args: argparse.Namespace) -> int:
             print(f"serving at {client_url}; Ctrl-C stops every process")
             _hold(group)
     return 1 if failed else 0
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: print vLLM's command for the single server (nothing is started)."""
+    from dsv4convert.serve import launch, served
+
+    if not args.dry_run or args.pd or args.role or args.check:
+        raise launch.LaunchError("--engine vllm prints vLLM's command for one server: use it with --dry-run, without "
+                                 "--pd, --role or --check (serve starts and checks SGLang)")
+    args.variant, config = _inspect(args)
+    topology = _topology(args)
+    family = _gpu_family(args, topology)
+    gpus = args.gpus or ([g.index for g in topology.gpus] if topology else None)
+    if not gpus:
+        raise launch.LaunchError("pass --gpus when nvidia-smi cannot list them")
+    for line in served.vllm_lines(os.path.abspath(args.model), args.variant, config, family, len(gpus),
+                                  args.engram_placement):
+        print(line)
+    return 0
 
 
 def _refuse_what_cannot_fit(args: argparse.Namespace, commands: list[launch.Command], family: str) -> None:

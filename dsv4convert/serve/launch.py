@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.engines.sglang import TRANSFER_BACKENDS
-from dsv4convert.engines.sglang.server import Disaggregation, Server, server
+from dsv4convert.engines.sglang.server import Disaggregation, Server, server, server_v41
 from dsv4convert.errors import DSV4Error
 from dsv4convert.models.deepseek_v4.layout import Drafter
 from dsv4convert.serve.topology import Topology
@@ -66,6 +66,7 @@ class LaunchOptions:
     drafter: Drafter = Drafter.MTP  # what the checkpoint's mtp.* holds: EAGLE serves MTP, DSPARK a DSpark drafter
     dspark_block_size: int | None = None
     enable_metrics: bool = False  # Prometheus metrics at /metrics on every server
+    engram: str | None = None  # DeepSeek-V4.1: where its Engram tables live (None: a V4 checkpoint)
     extra_args: tuple[str, ...] = ()   # the user's own launch_server arguments (Server.with_arguments)
     python: str = sys.executable
 
@@ -91,11 +92,13 @@ class Command:
 
 def server_settings(options: LaunchOptions, role: str, tp_size: int, port: int, nccl_port: int) -> Server:
     """The SGLang server ``options`` launch as ``role`` on ``tp_size`` GPUs."""
+    common = dict(role=role, tp=tp_size, mtp=options.mtp, drafter=options.drafter,
+                  dspark_block_size=options.dspark_block_size, host=options.host, port=port, nccl_port=nccl_port,
+                  indexer_topk=options.indexer_topk, enable_metrics=options.enable_metrics)
     try:
-        settings = server(options.model, options.variant, options.gpu_family, role=role, tp=tp_size, mtp=options.mtp,
-                          drafter=options.drafter, dspark_block_size=options.dspark_block_size, host=options.host,
-                          port=port, nccl_port=nccl_port, indexer_topk=options.indexer_topk,
-                          enable_metrics=options.enable_metrics)
+        settings = (server_v41(options.model, options.gpu_family, engram=options.engram, **common)
+                    if options.engram is not None else
+                    server(options.model, options.variant, options.gpu_family, **common))
         if role in ("prefill", "decode"):
             settings = replace(settings, disaggregation=Disaggregation(options.transfer_backend,
                                                                        options.bootstrap_port, options.ib_devices))
@@ -105,7 +108,7 @@ def server_settings(options: LaunchOptions, role: str, tp_size: int, port: int, 
 
 
 def _server_env(options: LaunchOptions, settings: Server, gpus: list[int]) -> dict[str, str]:
-    env = dict(settings.env)
+    env = settings.environment()
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if settings.disaggregation is not None and options.transfer_backend in ("mooncake", "mooncake_tcp"):
         env["MC_TCP_ENABLE_CONNECTION_POOL"] = "true"

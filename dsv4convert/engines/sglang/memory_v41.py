@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from dsv4convert.engines import gpu_family_major
 from dsv4convert.engines.sglang.memory import V4_MAX_RUNNING_REQUESTS, V4_PAGE_SIZE
 from dsv4convert.engines.sglang.memory import request_slots as v4_request_slots
+from dsv4convert.engines.sglang import ENGRAM_PLACEMENTS
 from dsv4convert.engines.sglang.server import Server
 from dsv4convert.models.deepseek_v4.layout import TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config, engram_primes
@@ -42,7 +43,6 @@ SWA_EVICTION_INTERVAL = 128
 DSV41_INDEX_PAGE_SIZE = 64
 # layers/engram.py FP8_BLOCK_SIZE: one E8M0 scale per 32 values of a row.
 ENGRAM_SCALE_BLOCK = 32
-ENGRAM_PLACEMENTS = ("gpu", "host-shared", "host-per-rank")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, replace
 
-from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
+from dsv4convert.engines import NO_DRAFT, SGLANG_LABEL, EngineError, gpu_family_major
 from dsv4convert.engines.sglang.rules import (
     EAGLE_DRAFT_TOKENS,
     EAGLE_STEPS,
@@ -29,6 +29,18 @@ from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig
 
 ROLES = ("prefill", "decode", "server")
 DRAFT_LABELS = {Drafter.MTP: "MTP", Drafter.DSPARK: "DSpark", Drafter.NONE: "no"}
+
+# DeepSeek-V4.1's Engram tables: where a server keeps them, and the environment that puts them there
+# (srt/environ.py; layers/engram.py::EngramEmbedding.__init__ and _init_host_table). ``gpu``: SGLang's default,
+# each TP rank's row shard in GPU memory; ``host-shared``: SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE with the
+# layout's default ``shared``, one memfd buffer of every row per TP group, mapped by each rank (ranks in one PID
+# namespace, no lookup all-reduce); ``host-per-rank``: layout ``per_rank``, each rank's process holds its own rows.
+ENGRAM_ENV: dict[str, dict[str, str]] = {
+    "gpu": {},
+    "host-shared": {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "shared"},
+    "host-per-rank": {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
+                      "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"},
+}
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,10 @@ class Server:
     indexer_topk: bool = False                  # return the indexer's top-k (one attention-DP rank per GPU)
     enable_metrics: bool = False
     disaggregation: Disaggregation | None = None   # set for prefill and decode
+    pp_size: int = 1                            # --pp-size (V4.1 refuses > 1)
+    two_batch_overlap: bool = False             # --enable-two-batch-overlap (V4.1 refuses it)
+    hisparse: bool = False                      # --enable-hisparse (V4.1 refuses it)
+    engram: str | None = None                   # DeepSeek-V4.1: where its Engram tables live (ENGRAM_ENV); None: V4
     env: dict[str, str] = field(default_factory=dict)          # what the variant needs (rules.VariantRules.env)
     passthrough: tuple[str, ...] = ()           # the user's other launch_server arguments, rendered last
 
@@ -91,6 +107,14 @@ class Server:
         if self.drafter is Drafter.DSPARK:
             return self.dspark_block_size + 1
         return self.speculative_num_draft_tokens or EAGLE_DRAFT_TOKENS
+
+    @property
+    def is_v41(self) -> bool:
+        return self.engram is not None
+
+    def environment(self) -> dict[str, str]:
+        """The variables the server starts with: the variant's, and V4.1's Engram placement."""
+        return {**self.env, **ENGRAM_ENV.get(self.engram or "gpu", {})}
 
     @property
     def rules(self) -> VariantRules:
@@ -134,6 +158,12 @@ class Server:
                 args += ["--enable-dp-lm-head"]
         if self.enable_metrics:
             args += ["--enable-metrics"]
+        if self.pp_size != 1:
+            args += ["--pp-size", str(self.pp_size)]
+        if self.two_batch_overlap:
+            args += ["--enable-two-batch-overlap"]
+        if self.hisparse:
+            args += ["--enable-hisparse"]
         if self.disaggregation is not None:
             d = self.disaggregation
             args += ["--disaggregation-mode", self.role, "--disaggregation-transfer-backend", d.transfer_backend,
@@ -157,9 +187,29 @@ class Server:
             changes["mtp"] = True
         chosen = changes.pop("speculative_algorithm", None)
         served = replace(self, **changes, passthrough=self.passthrough + tuple(rest))
+        if served.is_v41:
+            served.check_v41(chosen)
         if served.mtp:
             served._check_draft(chosen)
         return served
+
+    def check_v41(self, chosen: str | None = None) -> None:
+        """What SGLang refuses for DeepSeek-V4.1, named before launch
+        (``arg_groups/deepseek_v4_hook.py::validate_deepseek_v41_features``, run by ``model_hook.py`` for
+        ``DeepseekV4ForCausalLM`` with ``model_type`` deepseek_v41). Its unified KV layout is HIP-only
+        (``layers/attention/dsv4/unified_kv_gate.py::is_unified_kv_triton``), never on these GPU families. Its DSpark
+        draft under PD wants Mooncake or NIXL, which every ``--transfer-backend`` serve offers is
+        (``pd_disaggregation_hook.py::handle_pd_disaggregation`` rewrites mooncake_tcp to mooncake first)."""
+        refused = (("--pp-size", self.pp_size > 1, "pipeline parallelism"),
+                   ("--enable-two-batch-overlap", self.two_batch_overlap, "two-batch overlap"),
+                   ("--enable-hisparse", self.hisparse, "HiSparse"))
+        for flag, given, feature in refused:
+            if given:
+                raise EngineError(f"{flag}: {SGLANG_LABEL} refuses {feature} for DeepSeek-V4.1 "
+                                  "(arg_groups/deepseek_v4_hook.py::validate_deepseek_v41_features)")
+        if chosen is not None and chosen.upper() != "DSPARK":
+            raise EngineError(f"--speculative-algorithm {chosen}: DSPARK is DeepSeek-V4.1's only speculative algorithm "
+                              f"in {SGLANG_LABEL} (arg_groups/deepseek_v4_hook.py::validate_deepseek_v41_features)")
 
     def _check_draft(self, chosen: str | None) -> None:
         """Refuse draft settings SGLang would refuse or, worse, accept and load wrong."""
@@ -215,6 +265,9 @@ for _flag, _type in (("--kv-cache-dtype", str), ("--moe-runner-backend", str), (
                              .replace("speculative_dspark", "dspark"))
 _USER_FLAGS.add_argument("--enable-deepseek-v4-fp4-indexer", dest="fp4_indexer", action="store_const", const=True,
                          default=None)
+_USER_FLAGS.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=None)
+for _flag, _dest in (("--enable-two-batch-overlap", "two_batch_overlap"), ("--enable-hisparse", "hisparse")):
+    _USER_FLAGS.add_argument(_flag, dest=_dest, action="store_const", const=True, default=None)
 
 
 def drafter_of(config: ModelConfig | None) -> dict[str, object]:
@@ -246,6 +299,34 @@ def server(model: str, variant: str, gpu_family: str, *, role: str = "server", t
                   draft_moe_runner_backend=rules.draft_moe_runner_backend if mtp else None, env=dict(rules.env),
                   disaggregation=Disaggregation() if role in ("prefill", "decode") else None)
     served = replace(base, **settings)
+    if mtp:
+        served._check_draft(None)
+    return served
+
+
+def server_v41(model: str, gpu_family: str, *, role: str = "server", tp: int = 1, engram: str = "gpu",
+               mtp: bool = False, drafter: Drafter = Drafter.NONE, **settings) -> Server:
+    """The server ``serve`` launches for DeepSeek-V4.1 and ``fit`` sizes: SGLang's own defaults for it on every
+    family, the Engram tables where ``engram`` says, and the DSpark drafter (its only speculative algorithm) when
+    ``mtp``. Nothing per family is set here: for ``DeepseekV4ForCausalLM`` with ``model_type`` deepseek_v41 SGLang
+    picks the attention backend (``deepseek_v4_hook.py::_default_dsv4_attention_backend``: FlashMLA's mega kernels
+    on sm_100), the MoE runner (``model_overrides/deepseek_v4.py``: ``flashinfer_mxfp4`` for FP4 experts on
+    sm_90/sm_100/sm_120), the MXFP8 dense GEMMs on sm_100 (``flashinfer_cutedsl``, same file), leaves the sliding
+    window pool to the request cap (no ``swa_full_tokens_ratio``), and sets sm_120's environment itself
+    (``model_hook.py``: FP8 wo_a GEMM and top-k v2 off, TileLang MHC-pre off, fused MHC post/pre on, DeepGEMM
+    HC-prenorm off, torch paged-MQA logits and the TileLang indexer on). V4's cookbook settings for sm_120
+    (``--mem-fraction-static 0.70``, Marlin experts) are V4's, not applied."""
+    if role not in ROLES:
+        raise EngineError(f"not a server role: {role!r}")
+    if engram not in ENGRAM_ENV:
+        raise EngineError(f"Engram placement {engram!r}: expected one of {', '.join(ENGRAM_ENV)}")
+    if mtp and drafter is not Drafter.DSPARK:
+        raise EngineError(f"no draft to serve: DeepSeek-V4.1 drafts with a DSpark drafter only, and this checkpoint's "
+                          f"config announces {'none' if drafter is Drafter.NONE else DRAFT_LABELS[drafter]}")
+    served = replace(Server(model=model, variant="native", gpu_family=gpu_family, role=role, tp=tp, mtp=mtp,
+                            drafter=drafter, engram=engram,
+                            disaggregation=Disaggregation() if role in ("prefill", "decode") else None), **settings)
+    served.check_v41()
     if mtp:
         served._check_draft(None)
     return served

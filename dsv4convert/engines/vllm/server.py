@@ -66,7 +66,7 @@ DSPARK_LIMITS = [
     "names, which SGLang reads too",
     "the DSpark stages run the backbone's expert count (vLLM's V4 ignores dspark_n_routed_experts) and keep a "
     "second copy of each stage's wkv (context_wkv_proj), which fit counts",
-    "DSpark runs on Model Runner V2 only; vLLM picks it where Triton is installed",
+    DSPARK_RUNNER := "DSpark runs on Model Runner V2 only; vLLM picks it where Triton is installed",
 ]
 COMMON_LIMITS = [
     "CI builds vLLM 0.33.0's own model and MTP draft on CPU and loads every tensor through its loader; no "
@@ -107,10 +107,19 @@ def speculative_config(gpu_family: str, drafter: Drafter = Drafter.MTP, block_si
     return json.dumps(spec, separators=(",", ":"))
 
 
+# DeepSeek-V4.1's Engram tables in vLLM 0.33.0 (config/engram.py::EngramConfig, models/deepseek_v41/common/engram.py
+# ParallelEngramEmbedding): each TP rank's shard in pinned host memory read by UVA lookups (cpu_offload, the
+# default: what SGLang calls per rank), or in GPU memory with cpu_offload false. vLLM shares host tables only between
+# co-located DP replicas (dp_shared_memory), never across one server's TP ranks: SGLang's shared layout has no twin.
+VLLM_ENGRAM_ARGS = {"host-per-rank": (), "gpu": ("--engram-config", '{"cpu_offload":false}')}
+VLLM_ENGRAM_DEFAULT = "host-per-rank"
+
+
 def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, drafter: Drafter = Drafter.MTP,
-                dspark_block_size: int | None = None) -> VllmLaunch:
+                dspark_block_size: int | None = None, engram: str | None = None) -> VllmLaunch:
     """The vLLM command for a checkpoint vLLM 0.33.0 loads (``engines`` includes vllm), on one GPU family, with
-    its drafter (``Drafter.NONE``: no ``mtp.*``; an NVFP4 one then has no draft format to tell apart)."""
+    its drafter (``Drafter.NONE``: no ``mtp.*``; an NVFP4 one then has no draft format to tell apart). ``engram``:
+    a DeepSeek-V4.1 checkpoint's Engram placement (:data:`VLLM_ENGRAM_ARGS`), None for V4."""
     draft = drafter is not Drafter.NONE
     if not draft and variant == "nvfp4":
         variant = "nvfp4-mtp-bf16"
@@ -118,14 +127,19 @@ def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, drafter: 
         raise EngineError(f"no vLLM command for the {variant!r} layout; expected one of "
                           f"{', '.join(VLLM_MOE_METHODS)}")
     moe, draft_method = VLLM_MOE_METHODS[variant]
+    if engram is not None and engram not in VLLM_ENGRAM_ARGS:
+        raise EngineError(f"Engram placement {engram}: vLLM 0.33.0 shares host tables only between data-parallel "
+                          "replicas (config/engram.py::EngramConfig.dp_shared_memory), not across one server's TP "
+                          f"ranks; use {' or '.join(VLLM_ENGRAM_ARGS)}")
     argv = ("vllm", "serve", model, "--tensor-parallel-size", str(tp), *(("--enable-expert-parallel",) if tp > 1
-                                                                         else ()), *BASE_ARGS)
+                                                                         else ()), *BASE_ARGS,
+            *VLLM_ENGRAM_ARGS.get(engram or "", ()))
     spec = speculative_config(gpu_family, drafter, dspark_block_size)
     mtp_argv = None if spec is None else (*argv, "--speculative-config", spec)
     note = None if spec is not None else NO_DRAFT if not draft else (
         "vLLM's DeepSeek-V4-Flash recipe lists no RTX PRO 6000 (sm_120) and no MTP setting for it, so none is "
         "offered; vLLM 0.33.0's code does not refuse --speculative-config there, but it is unchecked")
     limits = list(_VARIANT_LIMITS.get(variant, []))
-    if drafter is Drafter.DSPARK:
-        limits += DSPARK_LIMITS
+    if drafter is Drafter.DSPARK:   # V4.1's own draft (DSparkV41DraftModel) has none of V4's loader limits
+        limits += DSPARK_LIMITS if engram is None else [DSPARK_RUNNER]
     return VllmLaunch(argv, {}, mtp_argv, note, moe, draft_method, tuple(limits))

@@ -18,7 +18,11 @@ from dsv4convert.models.deepseek_v4.layout import (
 )
 
 NAME = "DeepSeek-V4-Flash"
-NOT_YET = None       # every command supports it
+
+
+def not_yet(command: str) -> str | None:
+    """Every command handles V4."""
+    return None
 
 
 def matches(config: dict) -> bool:

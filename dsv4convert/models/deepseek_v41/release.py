@@ -1,7 +1,7 @@
 """DeepSeek-V4.1-Flash as a release: what :mod:`dsv4convert.models.registry` asks of it (:mod:`.config`,
 :mod:`.inventory`). What the tool does with it so far: plan it (``inspect --expected``), size it from its config
-(``fit --config``); the converters, ``validate``, ``compare`` and ``serve`` refuse its checkpoints, saying so
-(:data:`NOT_YET`)."""
+(``fit --config``), serve it (``serve``); the converters, ``validate``, ``inspect`` and ``compare`` refuse its
+checkpoints, saying so (:func:`not_yet`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ from dsv4convert.models.deepseek_v41.config import V41Config, is_v41
 from dsv4convert.models.deepseek_v41.config import read_config as _read
 
 NAME = "DeepSeek-V4.1-Flash"
-NOT_YET = ("DeepSeek-V4.1-Flash checkpoints are planned (inspect --expected --config config.json) and sized from their "
-           "config (fit --config config.json), but not yet converted, validated or served by this version of "
-           "dsv4convert")
+SERVED = frozenset({"serve"})   # the commands that open a V4.1 checkpoint today
+
+
+def not_yet(command: str) -> str | None:
+    """Why ``command`` refuses a V4.1 checkpoint (None for the commands that take one)."""
+    if command in SERVED:
+        return None
+    return ("DeepSeek-V4.1-Flash checkpoints are planned (inspect --expected --config config.json), sized from their "
+            "config (fit --config config.json) and served (serve), but not yet converted, validated or inspected by "
+            "this version of dsv4convert")
 
 
 def matches(config: dict) -> bool:

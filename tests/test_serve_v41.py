@@ -1,0 +1,146 @@
+"""serve launches DeepSeek-V4.1 (#53): every dry-run command SGLang 0.5.23's own resolution accepts on sm_90/sm_100/
+sm_120 (``model_hook.py`` runs ``validate_deepseek_v41_features``), DSPARK from the checkpoint's drafter, the Engram
+placement fit chooses, and what SGLang refuses named before launch in one line (SGLang refusing it too)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import sglang_oracle as sgl
+
+from dsv4convert.cli import main
+from dsv4convert.engines.sglang import ENGRAM_PLACEMENTS
+from dsv4convert.engines.sglang.memory_v41 import attention_backend
+from dsv4convert.engines.sglang.server import ENGRAM_ENV
+
+V41_CONFIG = Path(__file__).parent / "data" / "deepseek-v4.1-flash-config.json"
+
+
+def dry_run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["serve", "--dry-run", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def servers(out: str) -> list[tuple[dict[str, str], list[str]]]:
+    """(environment, launch_server arguments) of each SGLang server line of a plan."""
+    found = []
+    for line in out.splitlines():
+        if "sglang.launch_server" in line:
+            words = shlex.split(line)
+            start = words.index("sglang.launch_server")
+            env = dict(w.split("=", 1) for w in words[:start - 2] if "=" in w)
+            found.append((env, words[start + 1:]))
+    return found
+
+
+@pytest.mark.parametrize("family", ["sm90", "sm100", "sm120"])
+def test_single_server_resolves_with_dspark_as_sglang_would(capsys, tiny_v41, family):
+    code, out, _ = dry_run(capsys, "--model", str(tiny_v41), "--gpu-family", family, "--gpus", "0,1")
+    assert code == 0
+    ((env, argv),) = servers(out)
+    resolved = sgl.resolve_server_args(argv, gpu=family, env=env).resolved_dict()
+    # DSPARK verifies the block and its anchor; the FP4 experts get SGLang's own runner on every family.
+    assert (resolved["speculative_algorithm"], resolved["speculative_num_draft_tokens"]) == ("DSPARK", 6)
+    assert resolved["moe_runner_backend"] == "flashinfer_mxfp4"
+    assert "--moe-runner-backend" not in argv and "--mem-fraction-static" not in argv   # SGLang's defaults, as fit
+    assert "# engram: gpu, fit's choice" in out and env.get("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE") is None
+
+
+def test_the_attention_backend_fit_assumes_is_sglangs(capsys, tiny_v41, monkeypatch):
+    """One GPU on sm_100: FlashMLA's mega kernels (V4.1's KV layout); TP > 1 without PD: flashmla. (SGLang asks
+    ``utils.common.is_sm100_supported`` apart from the platform facts the oracle fakes: answered as sm_100.)"""
+    import sglang.srt.utils.common as common
+
+    from dsv4convert.engines.sglang.server import server_v41
+
+    monkeypatch.setattr(common, "is_sm100_supported", lambda *a, **k: True)
+
+    for gpus in ("0", "0,1"):
+        _, out, _ = dry_run(capsys, "--model", str(tiny_v41), "--gpu-family", "sm100", "--gpus", gpus, "--no-mtp")
+        ((env, argv),) = servers(out)
+        resolved = sgl.resolve_server_args(argv, gpu="sm100", env=env).resolved_dict()
+        ours = attention_backend(server_v41(str(tiny_v41), "sm100", tp=len(gpus.split(","))))
+        assert resolved["dsv4_attn_backend"] == ours == ("flashmla_mega" if gpus == "0" else "flashmla")
+
+
+def test_pd_with_dspark_resolves_as_sglang_would(capsys, tiny_v41):
+    """SGLang wants Mooncake or NIXL for V4.1's DSpark under PD; mooncake_tcp (no RDMA here) is Mooncake to it."""
+    pd = ("--model", str(tiny_v41), "--gpu-family", "sm100", "--pd", "--prefill-gpus", "0,1", "--decode-gpus", "2,3")
+    for backend in ("mooncake_tcp", "nixl"):
+        code, out, _ = dry_run(capsys, *pd, "--transfer-backend", backend)
+        assert code == 0
+        planned = servers(out)
+        assert len(planned) == 2
+        for (env, argv), role in zip(planned, ("prefill", "decode")):
+            resolved = sgl.resolve_server_args(argv, gpu="sm100", env=env).resolved_dict()
+            assert resolved["disaggregation_mode"] == role and resolved["speculative_algorithm"] == "DSPARK"
+
+
+@pytest.mark.parametrize("extra,feature", [(("--pp-size", "2"), "pipeline parallelism"),
+                                           (("--pipeline-parallel-size", "2"), "pipeline parallelism"),
+                                           (("--enable-two-batch-overlap",), "two-batch overlap"),
+                                           (("--enable-hisparse",), "HiSparse"),
+                                           (("--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
+                                             "--speculative-num-steps", "1", "--speculative-num-draft-tokens", "2"),
+                                            "speculative decoding other than")])
+def test_what_sglang_refuses_is_one_error_line_before_launch(capsys, tiny_v41, extra, feature):
+    code, out, err = dry_run(capsys, "--model", str(tiny_v41), "--gpu-family", "sm90", "--gpus", "0,1", "--", *extra)
+    assert code == 2 and out == "" and err.startswith("error:") and err.count("\n") == 1
+    assert "validate_deepseek_v41_features" in err
+    # SGLang's own validation refuses the same launch.
+    _, plain, _ = dry_run(capsys, "--model", str(tiny_v41), "--gpu-family", "sm90", "--gpus", "0,1", "--no-mtp")
+    ((env, argv),) = servers(plain)
+    with pytest.raises(ValueError, match=f"DeepSeek-V4.1 does not support {feature}"):
+        sgl.resolve_server_args([*argv, *extra], gpu="sm90", env=env)
+
+
+def test_engram_placements_set_sglangs_own_variables(capsys, tiny_v41):
+    from sglang.srt.environ import envs
+
+    assert tuple(ENGRAM_ENV) == ENGRAM_PLACEMENTS
+    for placement in ENGRAM_PLACEMENTS:
+        code, out, _ = dry_run(capsys, "--model", str(tiny_v41), "--gpu-family", "sm120", "--gpus", "0,1",
+                               "--engram", placement)
+        ((env, argv),) = servers(out)
+        assert code == 0 and f"# engram: {placement} (--engram" in out
+        for name, value in ENGRAM_ENV[placement].items():
+            assert env[name] == value and hasattr(envs, name)
+        with sgl._scoped_environ(env):
+            host = envs.SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE.get()
+            layout = envs.SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT.get()
+        assert host == (placement != "gpu") and layout in ("shared", "per_rank")
+        if host:
+            assert layout == placement.removeprefix("host-").replace("-", "_")
+        sgl.resolve_server_args(argv, gpu="sm120", env=env)
+
+
+def test_fits_choice_for_the_release_on_rtx_pro_6000(capsys, tmp_path):
+    """The real config: TP8 keeps the tables on the GPUs; PD 4+4 fits with no placement (fit's table says why)."""
+    (tmp_path / "config.json").write_text(V41_CONFIG.read_text())
+    code, out, _ = dry_run(capsys, "--model", str(tmp_path), "--gpu-family", "sm120", "--gpus", "0,1,2,3,4,5,6,7")
+    assert code == 0 and "# engram: gpu, fit's choice on RTX PRO 6000" in out
+    code, out, err = dry_run(capsys, "--model", str(tmp_path), "--gpu-family", "sm120", "--pd", "--prefill-gpus",
+                             "0,1,2,3", "--decode-gpus", "4,5,6,7")
+    assert code == 2 and out == "" and "no Engram placement fits every server" in err and err.count("\n") == 1
+
+
+def test_vllm_equivalents(capsys, tiny_v41):
+    base = ("--model", str(tiny_v41), "--gpu-family", "sm90", "--gpus", "0,1", "--engine", "vllm")
+    code, out, _ = dry_run(capsys, *base)
+    assert code == 0 and "--engram-config" not in out and "vLLM's default, EngramConfig.cpu_offload" in out
+    assert json.loads(shlex.split(out.splitlines()[1])[-1]) == {"method": "dspark", "num_speculative_tokens": 5}
+    code, out, _ = dry_run(capsys, *base, "--engram", "gpu")
+    assert code == 0 and json.loads(shlex.split(out.splitlines()[0])[-1]) == {"cpu_offload": False}
+    code, _, err = dry_run(capsys, *base, "--engram", "host-shared")
+    assert code == 2 and "dp_shared_memory" in err
+
+
+def test_convert_and_validate_still_refuse_v41(capsys, tiny_v41, tmp_path):
+    for argv in (["to-fp8", "--src", str(tiny_v41), "--dst", str(tmp_path / "out")], ["validate", str(tiny_v41)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "not yet" in err
