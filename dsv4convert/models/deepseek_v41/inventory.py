@@ -27,7 +27,9 @@ per dtype, exactly (../shared/reference/v41-flash.md section 2).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
+from dsv4convert.errors import CheckpointError
 from dsv4convert.models import role_table
 from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config
@@ -215,3 +217,33 @@ def expected_report(cfg: V41Config) -> dict:
         "roles": roles,
         "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
     }
+
+
+def check_headers(cfg: V41Config, entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> None:
+    """Refuse a native checkpoint whose headers disagree with its config, from ``(name, dtype, shape, file)``:
+    one ``CheckpointError`` naming the file and tensor. An Engram table with other rows than
+    ``engram_num_embeddings`` gives (both engines hash into exactly those rows: SGLang
+    ``layers/engram.py::shard_range`` asserts the sum), an FP8 scale in other blocks than ``weight_block_size``
+    (the release's 32 x 32; 128 x 128 is V4's, which both engines would read as 32 x 32 blocks), any other planned
+    tensor of another dtype or shape. Names the plan does not have are left to the caller."""
+    planned = {s.name: s for s in native_inventory(cfg)}
+    for name, dtype, shape, file in entries:
+        spec = planned.get(name)
+        if spec is None or (spec.dtype, tuple(spec.shape)) == (dtype, tuple(shape)):
+            continue
+        role = role_of(name)
+        if role == "engram_table" and len(shape) == 2 and shape[1] == spec.shape[1]:
+            layer = int(name.split(".")[1])
+            raise CheckpointError(f"has {shape[0]:,} rows but the config's text_config.engram_num_embeddings gives "
+                                  f"layer {layer} {spec.shape[0]:,} (the rows SGLang and vLLM hash into)",
+                                  file=file, tensor=name)
+        weight = planned.get(name.removesuffix(".scale") + ".weight")
+        if name.endswith(".scale") and weight is not None and weight.dtype == "F8_E4M3" and len(shape) == 2:
+            n, k = weight.shape
+            blocks = [b for b in (128, 64, 16) if tuple(shape) == (-(-n // b), -(-k // b))]
+            block = f"{blocks[0]}x{blocks[0]} blocks" if blocks else f"shape {list(shape)}"
+            raise CheckpointError(f"FP8 scales in {block}; DeepSeek-V4.1's FP8 linears have "
+                                  f"{cfg.fp8_block[0]}x{cfg.fp8_block[1]} blocks (quantization_config."
+                                  f"weight_block_size), scale shape {list(spec.shape)}", file=file, tensor=name)
+        raise CheckpointError(f"is {dtype} {list(shape)}; the config plans {spec.dtype} {list(spec.shape)}",
+                              file=file, tensor=name)

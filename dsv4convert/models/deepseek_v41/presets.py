@@ -112,3 +112,7 @@ TINY: dict = {
 }
 
 PRESETS: dict[str, dict] = {"tiny-v41": TINY}
+
+# ``synth --config <V4.1 config.json> --num-layers N``'s default rows per Engram table: about 4.2M rows of 264 bytes
+# (1.1 GB) instead of the release's 384M (101 GB). Each real-size layer is 7.3 GB on top (its 384 MXFP4 experts).
+DEFAULT_ENGRAM_ROWS = 1 << 22

@@ -1,11 +1,17 @@
 """DeepSeek-V4.1-Flash as a release: what :mod:`dsv4convert.models.registry` asks of it (:mod:`.config`,
 :mod:`.inventory`). What the tool does with it so far: plan it (``inspect --expected``), size it from its config
 (``fit --config``), serve it (``serve``); the converters, ``validate``, ``inspect`` and ``compare`` refuse its
-checkpoints, saying so (:func:`not_yet`)."""
+checkpoints, saying so (:func:`not_yet`). What a converter and ``validate`` check of a checkpoint before using it:
+its headers against the config (:func:`check_checkpoint`), its tokenizer against the Engram hasher's vocabulary
+(:func:`check_tokenizer`)."""
 
 from __future__ import annotations
 
-from dsv4convert.models.deepseek_v41 import inventory
+from collections.abc import Iterable
+from pathlib import Path
+
+from dsv4convert.checkpoint.reader import TensorEntry
+from dsv4convert.models.deepseek_v41 import inventory, tokenizer
 from dsv4convert.models.deepseek_v41.config import V41Config, is_v41
 from dsv4convert.models.deepseek_v41.config import read_config as _read
 
@@ -37,3 +43,15 @@ def fp8_block(cfg: V41Config) -> tuple[int, int]:
 
 def expected_report(config: dict, source: str) -> dict:
     return inventory.expected_report(read_config(config, source))
+
+
+def check_checkpoint(cfg: V41Config, tensors: Iterable[TensorEntry]) -> None:
+    """A native V4.1 checkpoint's headers against its config (:func:`inventory.check_headers`): Engram rows, 32 x 32
+    FP8 scales, every planned dtype and shape."""
+    inventory.check_headers(cfg, ((t.name, t.dtype, t.shape, str(t.path)) for t in tensors))
+
+
+def check_tokenizer(directory: Path, cfg: V41Config) -> int:
+    """The compressed vocabulary of the tokenizer beside the weights, checked against the config
+    (:func:`tokenizer.check_tokenizer`)."""
+    return tokenizer.check_tokenizer(directory, cfg)

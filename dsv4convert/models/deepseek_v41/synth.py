@@ -17,6 +17,7 @@ its last :data:`~dsv4convert.models.deepseek_v41.presets.ADDED_TOKENS` ids added
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections.abc import Iterator
@@ -31,9 +32,10 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.numerics import E4M3_MAX, ceil_log2, exp2_float32, exponent_to_e8m0
 from dsv4convert.models.deepseek_v4.layout import TensorSpec
-from dsv4convert.models.deepseek_v41.config import V41Config, read_config
+from dsv4convert.models.deepseek_v41.config import V41Config, engram_primes, read_config
 from dsv4convert.models.deepseek_v41.inventory import native_groups, role_of
 from dsv4convert.models.deepseek_v41.presets import ADDED_TOKENS
+from dsv4convert.models.deepseek_v41.tokenizer import compressed_token_map
 from dsv4convert.models.synth_values import generator_for, realistic_matrix, realistic_mxfp4
 
 # Rows per Engram chunk: 16 MiB of codes at the release's 256-wide rows. Part of the values' definition (each
@@ -132,6 +134,60 @@ def write_group(writer: ShardWriter, group: list[TensorSpec], cfg: V41Config, se
     return written
 
 
+def scaled_config(config: dict, num_layers: int | None, engram_rows: int, *, drafter: bool = True) -> dict:
+    """``config`` (a real V4.1 config) cut to ``num_layers`` real-size layers with Engram tables of about
+    ``engram_rows`` rows, for benchmarks (``num_layers`` None: all); every shape but the tables' rows is the
+    release's.
+
+    The layers kept are the first ``num_layers - 1`` and the first layer that is an Engram layer, a KV source and
+    an index source at once (the release's layer 14: its table, compressor with gate, both indexer halves), so
+    that one layer already holds every tensor kind; with ``num_layers`` past it, simply the first
+    ``num_layers``. They are renumbered in order, each keeping its compress ratio and roles; the candidate source
+    is the release's if kept, else the last index source kept; the DSpark drafter (unless ``drafter`` is False)
+    drafts from the last layers kept. The tables' rows are derived, as the engines hash into them (SGLang
+    ``layers/engram.py::EngramLayout``): ``engram_vocab_size`` becomes ``engram_rows`` over the table's
+    (n-gram size, head) segments, and ``engram_num_embeddings`` the primes' sums it gives."""
+    cfg = read_config(config, "synth config")
+    n = cfg.num_hidden_layers
+    num_layers = n if num_layers is None else num_layers
+    if not 1 <= num_layers <= n:
+        raise DSV4Error(f"--num-layers must be between 1 and {n}, got {num_layers}")
+    segments = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    if engram_rows < 2 * segments:
+        raise DSV4Error(f"--engram-rows must be at least {2 * segments} (one prime-sized segment of 2 rows or more "
+                        f"per n-gram size and head), got {engram_rows}")
+    richest = next((layer for layer in cfg.engram_layer_ids
+                    if layer in cfg.kv_source_layer_ids and layer in cfg.index_source_layer_ids), None)
+    kept = list(range(num_layers)) if richest is None or richest < num_layers else \
+        [*range(num_layers - 1), richest]
+    new = {old: i for i, old in enumerate(kept)}
+    config = copy.deepcopy(config)
+    text = config["text_config"]
+    stages = cfg.dspark.stages if cfg.dspark and drafter else 0
+    text["num_hidden_layers"] = num_layers
+    text["compress_ratios"] = [cfg.ratio(layer) for layer in kept] + [0] * stages
+    for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+        text[key] = [new[layer] for layer in getattr(cfg, key) if layer in new]
+    text["candidate_source_layer_id"] = new.get(cfg.candidate_source_layer_id, (text["index_source_layer_ids"]
+                                                                                or [0])[-1])
+    vocab = min(cfg.engram_vocab_size, engram_rows // segments)
+    text["engram_vocab_size"] = vocab
+    text["engram_num_embeddings"] = [sum(p) for p in engram_primes(len(text["engram_layer_ids"]),
+                                                                   cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                                                                   vocab)]
+    if cfg.dspark and not drafter:
+        for key in [k for k in text if k.startswith("dspark_")]:
+            del text[key]
+        text["num_nextn_predict_layers"] = 0
+    elif cfg.dspark:
+        if num_layers < stages:
+            raise DSV4Error(f"the DSpark drafter drafts from {stages} layers: --num-layers {stages} or more, or "
+                            f"--drafter none")
+        text["dspark_target_layer_ids"] = list(range(num_layers - stages, num_layers))
+    read_config(config, "synth config (scaled)")
+    return config
+
+
 def training_text(seed: int) -> list[str]:
     """The tokenizer's training text: sentences of a fixed word list, capitalised, sometimes upper-cased."""
     rng = random.Random(seed)
@@ -166,14 +222,62 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return tokenizer
 
 
+def crafted_tokenizer(vocab_size: int, compressed_size: int):
+    """A fast tokenizer of exactly ``vocab_size`` ids that normalises to exactly ``compressed_size`` (what the
+    Engram hasher counts, :func:`~dsv4convert.models.deepseek_v41.tokenizer.compressed_token_map`), for configs
+    too large to train a BPE for (the release's 129,280 ids): BOS, EOS, PAD, the 256 byte-level tokens (the
+    partial UTF-8 ones keyed raw), a few that normalise alike (case, accents, spaces, full-width forms), then
+    distinct lower-case words ``w0``, ``w1``, ... and their upper-case twins, which add ids but no keys."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise DSV4Error("a V4.1 checkpoint ships a tokenizer, built with the 'tokenizers' package: "
+                        "pip install -e '.[compare]'") from None
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+    def encoded(text: str) -> str:
+        return "".join(_byte_char(b) for b in text.encode("utf-8"))
+
+    fixed = [BOS, EOS, PAD] + [_byte_char(b) for b in range(256)]
+    fixed += [encoded(t) for t in (" the", "The", "THE", " café", "cafe", "ｗｏｒｄ", "word", "\n\n", " \t",
+                                   "北京")]
+    fixed = list(dict.fromkeys(fixed))
+
+    def build(tokens: list[str]):
+        tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+        tokenizer.pre_tokenizer = byte_level
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
+    base = compressed_token_map(build(fixed))[1]
+    words = compressed_size - base
+    twins = vocab_size - len(fixed) - words
+    if words < 0 or twins < 0 or twins > words:
+        raise DSV4Error(f"no crafted tokenizer has {vocab_size:,} ids normalising to {compressed_size:,} (its fixed "
+                        f"{len(fixed)} tokens give {base} keys; vocab_size must be between {len(fixed) + words:,} "
+                        f"and {len(fixed) + 2 * words:,})")
+    tokens = fixed + [f"w{i}" for i in range(words)] + [f"W{i}" for i in range(twins)]
+    return build(tokens)
+
+
+def _byte_char(b: int) -> str:
+    """The byte-level alphabet's character for byte ``b`` (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    return chr(b) if b in printable else chr(256 + sum(1 for c in range(b) if c not in printable))
+
+
 def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = False, progress: bool = False) -> Path:
     """Write ``config``'s native V4.1 checkpoint into ``dst``: one shard per inventory group, the index, the
-    config as given, the tokenizer (seeded like the weights)."""
+    config as given, the tokenizer (seeded like the weights; a crafted one of the config's vocabulary and
+    compressed size where a BPE trained on synth's text cannot reach its vocabulary)."""
     dst = Path(dst)
     cfg = read_config(config, "synth config")
     if cfg.fp8_block[0] != cfg.fp8_block[1]:
         raise DSV4Error(f"synth writes square FP8 blocks; weight_block_size is {list(cfg.fp8_block)}")
-    tokenizer = build_tokenizer(cfg.vocab_size, seed)       # before anything is written: it may refuse
+    try:                                                    # before anything is written: it may refuse
+        tokenizer = build_tokenizer(cfg.vocab_size, seed)
+    except DSV4Error:
+        tokenizer = crafted_tokenizer(cfg.vocab_size, cfg.engram_compressed_vocab_size)
     empty_destination(dst, overwrite=overwrite)
     groups = native_groups(cfg)
     total = sum(spec.nbytes for group in groups for spec in group)
