@@ -167,8 +167,8 @@ def _scaled_mm_baseline(m: int, n: int, k: int, rep_ms: int) -> dict:
 
 
 def _fast_accum_fp8(probe, weights, x, offsets, flops: int, scaled: dict, rep_ms: int) -> dict:
-    """The opt-in rescaled-accumulator FP8 config (configs.FAST_ACCUM_FP8_BLOCK), side by side: faster, less exact."""
-    cfg = configs.FAST_ACCUM_FP8_BLOCK
+    """The opt-in rescaled-accumulator FP8 config (configs.FAST_ACCUM_FP8), side by side: faster, less exact."""
+    cfg = configs.FAST_ACCUM_FP8
     m = x.shape[0]
     if launch.arch_of(x.device) != "sm_90" or not probe.scale_is_e8m0:
         return {}
@@ -293,7 +293,7 @@ def _sweep_fp8(rep_ms: int) -> list[dict]:
         xq_us = median_us(lambda: launch.quantize_activations_fp8(x), rep_ms)
         for cfg in candidates:
             try:
-                ok = launch._config_passes("fp8", 128, cfg, torch.device("cuda"))
+                ok = launch._config_passes("fp8", 128, (128, 128), cfg, torch.device("cuda"))
                 us = median_us(lambda: launch._launch(weight, x, offsets, 4096, cfg), rep_ms)
             except Exception as error:  # record compile failures of a candidate
                 ok, us = False, float("nan")

@@ -249,19 +249,21 @@ def test_every_format_is_one_complete_spec(fmt, tiny_ckpt):
     from dsv4convert.engines.sglang.rules import EXPERT_METHOD
 
     spec = formats.spec(fmt)
-    assert spec.format is fmt and spec.weight_params == tuple(p.suffix for p in spec.storage(256, 512))
-    stored = {p.suffix: (p.dtype, p.shape) for p in spec.storage(256, 512)}
-    found = formats.detect_format(stored, 256, 512)
-    assert found is not None and found[0] is fmt
+    for block in ((128, 128), (32, 32)):   # DeepSeek-V4's FP8 block and V4.1's: detection reads it off the shapes
+        stored = {p.suffix: (p.dtype, p.shape) for p in spec.storage(256, 512, fp8_block=block)}
+        assert spec.weight_params == tuple(stored)
+        found = formats.detect_format(stored, 256, 512)
+        assert found is not None and found[0] is fmt and found[1].get("fp8_block", block) == block
     assert set(spec.kernel_params) <= set(spec.weight_params)
     assert (fmt.value in TARGETS) == spec.recipe_target
     if spec.recipe_target:
         w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
         source = {"weight": w.to(torch.bfloat16)}
-        encoded = spec.encode(registry.EncodeInput(formats.Format.BF16, source, dict(spec.recipe_defaults), "m",
+        params = {**spec.recipe_defaults, "fp8_block": (32, 32)}
+        encoded = spec.encode(registry.EncodeInput(formats.Format.BF16, source, params, "m",
                                                    input_scale=torch.tensor(1.0)))
         assert [suffix for suffix, _ in encoded.tensors] == list(spec.weight_params)
-        decoded = spec.decode(dict(encoded.tensors), "m")
+        decoded = spec.decode(dict(encoded.tensors), "m", params)
         error = (decoded - source["weight"].float()).norm() / source["weight"].float().norm()
         assert error < 0.2, (fmt, float(error))
     assert fmt in EXPERT_METHOD

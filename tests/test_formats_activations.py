@@ -68,9 +68,10 @@ def group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fp8_block_rows(x: torch.Tensor, group: int, scale_fmt: str) -> torch.Tensor:
-    """formats.fp8_block applied to every row as a [1, K] matrix: its blocks are then 1 x group."""
+    """formats.fp8_block applied to every row as a [1, K] matrix in 1 x group blocks."""
     rows = x.float().reshape(-1, x.shape[-1])
-    out = [dequantize_fp8_block(*quantize_fp8_block(r[None], block=group, scale_fmt=scale_fmt), block=group)[0]
+    out = [dequantize_fp8_block(*quantize_fp8_block(r[None], block=(1, group), scale_fmt=scale_fmt),
+                                block=(1, group))[0]
            for r in rows]
     return torch.stack(out).reshape(x.shape)
 
@@ -166,7 +167,7 @@ def test_fp8_ue8m0_equals_the_torch_reference_of_the_triton_kernels():
     x = torch.randn(32, 512, generator=generator) * torch.exp2(torch.randint(-30, 30, (32, 1), generator=generator))
     x[0] = 0.0
     assert torch.equal(fp8_token_groups(x, scale_format="ue8m0"),
-                       dequantize_activations_fp8(*quantize_activations_fp8(x)))
+                       dequantize_activations_fp8(*quantize_activations_fp8(x, group=128), group=128))
 
 
 @SETTINGS
