@@ -70,7 +70,7 @@ def _fast_tensors(group, device: torch.device, seed: int):
     for spec in group:
         if spec.dtype == "F8_E4M3":
             n, k = spec.shape
-            w, s = quantize_fp8_block(torch.randn(n, k, device=device, generator=gen) / math.sqrt(k))
+            w, s = quantize_fp8_block(torch.randn(n, k, device=device, generator=gen) / math.sqrt(k), block=(128, 128))
             yield spec.name, w.cpu()
             yield spec.name.replace(".weight", ".scale"), s.cpu()
         elif spec.dtype == "I8":

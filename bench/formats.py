@@ -97,15 +97,15 @@ def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> list[f
 
 
 def _operations(w: torch.Tensor) -> dict[str, Callable[[], object]]:
-    fp8, fp8_scale = quantize_fp8_block(w)
+    fp8, fp8_scale = quantize_fp8_block(w, block=(128, 128))
     packed, mx_scale = quantize_mxfp4(w)
     nv = quantize_nvfp4(w)
     int4 = quantize_int4_weight(w)
     bf16 = w.to(torch.bfloat16)
     return {
-        "quantize_fp8_block (ue8m0)": lambda: quantize_fp8_block(w),
-        "quantize_fp8_block (float32)": lambda: quantize_fp8_block(w, scale_fmt="float32"),
-        "dequantize_fp8_block -> bf16": lambda: dequantize_fp8_block(fp8, fp8_scale, out_dtype=torch.bfloat16),
+        "quantize_fp8_block (ue8m0)": lambda: quantize_fp8_block(w, block=(128, 128)),
+        "quantize_fp8_block (float32)": lambda: quantize_fp8_block(w, scale_fmt="float32", block=(128, 128)),
+        "dequantize_fp8_block -> bf16": lambda: dequantize_fp8_block(fp8, fp8_scale, out_dtype=torch.bfloat16, block=(128, 128)),
         "quantize_mxfp4": lambda: quantize_mxfp4(w),
         "dequantize_mxfp4 -> bf16": lambda: dequantize_mxfp4(packed, mx_scale, out_dtype=torch.bfloat16),
         "quantize_nvfp4": lambda: quantize_nvfp4(w),
@@ -118,7 +118,7 @@ def _operations(w: torch.Tensor) -> dict[str, Callable[[], object]]:
         "quantize_int4_weight (bf16 in)": lambda: quantize_int4_weight(bf16),
         "dequantize_int4 -> bf16": lambda: dequantize_int4(int4.weight_packed, int4.weight_scale,
                                                            int4.weight_shape, out_dtype=torch.bfloat16),
-        "mxfp4_to_fp8_block": lambda: mxfp4_to_fp8_block(packed, mx_scale),
+        "mxfp4_to_fp8_block": lambda: mxfp4_to_fp8_block(packed, mx_scale, block=(128, 128)),
         "mxfp4_to_nvfp4": lambda: mxfp4_to_nvfp4(packed, mx_scale),
         "error_metrics": lambda: error_metrics(w, bf16),
     }

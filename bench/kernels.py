@@ -56,9 +56,10 @@ def weight_bytes(weight: QuantizedWeight) -> int:
 def make_weights(fmt: str, n: int, k: int, count: int, *, group: int = 128, scale_fmt: str = "ue8m0",
                  experts: int | None = None) -> list[QuantizedWeight]:
     gen = torch.Generator().manual_seed(n * 31 + k)
-    first = random_weight(fmt, n, k, experts=experts, group_size=group, scale_fmt=scale_fmt, device="cuda",
-                          generator=gen)
-    return [quantized_weight(fmt, tuple(t.clone() for t in first)) for _ in range(count)]
+    block = (128, 128) if fmt == "fp8" else None   # DeepSeek-V4's FP8 block
+    first = random_weight(fmt, n, k, experts=experts, group_size=group, block=block, scale_fmt=scale_fmt,
+                          device="cuda", generator=gen)
+    return [quantized_weight(fmt, tuple(t.clone() for t in first), block=block) for _ in range(count)]
 
 
 def timed_over_copies(run_one: Callable[[int], object], count: int, rep_ms: int) -> float:
@@ -167,8 +168,8 @@ def _scaled_mm_baseline(m: int, n: int, k: int, rep_ms: int) -> dict:
 
 
 def _fast_accum_fp8(probe, weights, x, offsets, flops: int, scaled: dict, rep_ms: int) -> dict:
-    """The opt-in rescaled-accumulator FP8 config (configs.FAST_ACCUM_FP8_BLOCK), side by side: faster, less exact."""
-    cfg = configs.FAST_ACCUM_FP8_BLOCK
+    """The opt-in rescaled-accumulator FP8 config (configs.FAST_ACCUM_FP8), side by side: faster, less exact."""
+    cfg = configs.FAST_ACCUM_FP8
     m = x.shape[0]
     if launch.arch_of(x.device) != "sm_90" or not probe.scale_is_e8m0:
         return {}
@@ -201,7 +202,7 @@ def bench_gemms(rep_ms: int, tokens: tuple[int, ...]) -> list[dict]:
                        "cublas_bf16_us": cublas_us, "speedup_vs_cublas_bf16": cublas_us / us,
                        "rel_error_vs_fp32_reference": error, "config": repr(cfg)}
                 if fmt == "fp8":
-                    xq_us = median_us(lambda: launch.quantize_activations_fp8(x), rep_ms)
+                    xq_us = median_us(lambda: launch.quantize_activations_fp8(x, group=128), rep_ms)
                     row["activation_quant_us"] = xq_us
                     if m == 4096:
                         scaled = _scaled_mm_baseline(m, n, k, rep_ms)
@@ -290,10 +291,10 @@ def _sweep_fp8(rep_ms: int) -> list[dict]:
         weight = make_weights("fp8", n, k, 1)[0]
         x = random_activations(4096, k, device="cuda")
         offsets = torch.tensor([0, 4096], dtype=torch.int32, device="cuda")
-        xq_us = median_us(lambda: launch.quantize_activations_fp8(x), rep_ms)
+        xq_us = median_us(lambda: launch.quantize_activations_fp8(x, group=128), rep_ms)
         for cfg in candidates:
             try:
-                ok = launch._config_passes("fp8", 128, cfg, torch.device("cuda"))
+                ok = launch._config_passes("fp8", 128, (128, 128), cfg, torch.device("cuda"))
                 us = median_us(lambda: launch._launch(weight, x, offsets, 4096, cfg), rep_ms)
             except Exception as error:  # record compile failures of a candidate
                 ok, us = False, float("nan")
@@ -381,14 +382,14 @@ def bench_quantize(copy_gbps: float, rep_ms: int) -> list[dict]:
         dense = (torch.randn(n, k, generator=gen) * 0.02).to(device="cuda", dtype=torch.bfloat16)
         packed, scale = random_weight("mxfp4", n, k, device="cuda", generator=gen)
         cases = {
-            "bf16->fp8_block": (lambda: kernels.quantize("fp8", dense), n * k * 3,
-                                lambda: formats.quantize_fp8_block(dense)),
+            "bf16->fp8_block": (lambda: kernels.quantize("fp8", dense, block=(128, 128)), n * k * 3,
+                                lambda: formats.quantize_fp8_block(dense, block=(128, 128))),
             "bf16->int4_g128": (lambda: kernels.quantize("int4", dense), n * k * 2 + n * k // 2,
                                 lambda: formats.quantize_int4_weight(dense)),
             "mxfp4->nvfp4": (lambda: kernels.transcode_mxfp4("nvfp4", packed, scale), n * k // 32 * 3,
                              lambda: formats.mxfp4_to_nvfp4(packed, scale)),
-            "mxfp4->fp8_block": (lambda: kernels.transcode_mxfp4("fp8", packed, scale), n * k * 3 // 2,
-                                 lambda: formats.mxfp4_to_fp8_block(packed, scale)),
+            "mxfp4->fp8_block": (lambda: kernels.transcode_mxfp4("fp8", packed, scale, block=(128, 128)), n * k * 3 // 2,
+                                 lambda: formats.mxfp4_to_fp8_block(packed, scale, block=(128, 128))),
         }
         for name, (run, moved, torch_run) in cases.items():
             us = triton.testing.do_bench(run, rep=rep_ms, return_mode="median") * 1e3

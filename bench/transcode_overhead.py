@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -65,6 +66,11 @@ def profiled(fn: Callable[[], object], calls: int = 10) -> dict:
             "gpu_us": gpu_us / calls, "table": events.table(sort_by="cpu_time_total", row_limit=15)}
 
 
+def _v4_block(module) -> dict:
+    """DeepSeek-V4's 128x128 FP8 block, for a quantize_launch that takes the block (those before #52 did not)."""
+    return {"block": (128, 128)} if "block" in inspect.signature(module.mxfp4_to_fp8_block).parameters else {}
+
+
 def load_module(path: str):
     spec = importlib.util.spec_from_file_location("quantize_launch_baseline", path)
     module = importlib.util.module_from_spec(spec)
@@ -87,7 +93,7 @@ def main() -> None:
               "command": "python bench/transcode_overhead.py " + " ".join(sys.argv[1:]), "stages": {}, "versions": {}}
     for label, module in versions.items():
         nvfp4 = lambda module=module: module.mxfp4_to_nvfp4(packed, scale)  # noqa: E731
-        fp8 = lambda module=module: module.mxfp4_to_fp8_block(packed, scale)  # noqa: E731
+        fp8 = lambda module=module: module.mxfp4_to_fp8_block(packed, scale, **_v4_block(module))  # noqa: E731
         result["versions"][label] = {
             "mxfp4_to_nvfp4": {"wall_us": median_wall_us(nvfp4), **profiled(nvfp4)},
             "mxfp4_to_fp8_block": {"wall_us": median_wall_us(fp8), **profiled(fp8)},
@@ -96,7 +102,9 @@ def main() -> None:
         new, old = quantize_launch.mxfp4_to_nvfp4(packed, scale), versions["baseline"].mxfp4_to_nvfp4(packed, scale)
         same = torch.equal(new[0].weight_scale.view(torch.uint8), old[0].weight_scale.view(torch.uint8)) and \
             torch.equal(new[0].weight_scale_2, old[0].weight_scale_2) and new[1] == old[1]
-        new, old = quantize_launch.mxfp4_to_fp8_block(packed, scale), versions["baseline"].mxfp4_to_fp8_block(packed, scale)
+        baseline = versions["baseline"]
+        new = quantize_launch.mxfp4_to_fp8_block(packed, scale, **_v4_block(quantize_launch))
+        old = baseline.mxfp4_to_fp8_block(packed, scale, **_v4_block(baseline))
         same = same and torch.equal(new[0].view(torch.uint8), old[0].view(torch.uint8)) and \
             torch.equal(new[1].view(torch.uint8), old[1].view(torch.uint8)) and new[2] == old[2]
         result["baseline_results_identical"] = same

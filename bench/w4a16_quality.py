@@ -123,7 +123,7 @@ def _experts(ckpt: Checkpoint) -> dict[str, list[str]]:
 
 def _read(ckpt: Checkpoint, module: str, fmt: Format) -> torch.Tensor:
     params = {"weight", "scale"} if fmt is Format.MXFP4 else {"weight_packed", "weight_scale", "weight_shape"}
-    return dequantize_source(fmt, {p: ckpt.read(f"{module}.{p}") for p in params}, module)
+    return dequantize_source(fmt, {p: ckpt.read(f"{module}.{p}") for p in params}, module, {})
 
 
 def expert_snr(src: Path, out: Path) -> dict:
@@ -277,7 +277,7 @@ def compute_per_matrix(args: argparse.Namespace, result: dict) -> None:
         for name in times:
             t0 = time.perf_counter()
             for module, src in zip(modules, sources):
-                w = dequantize_source(Format.MXFP4, src, module)
+                w = dequantize_source(Format.MXFP4, src, module, {})
                 if name != "dequantize":
                     cases[name](w)
             times[name].append((time.perf_counter() - t0) / len(modules))

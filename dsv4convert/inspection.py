@@ -60,6 +60,8 @@ class Inspection:
     mismatched: list[str]
     problems: list[str]
     tensors: list[dict]
+    fp8_block: tuple[int, int]   # the release's (rows, cols) FP8 block: what FP8 is written in, and read in where
+                                 # a module's shapes leave it open
 
     @property
     def ok(self) -> bool:
@@ -180,6 +182,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
     """Match a checkpoint against the layout its config.json describes."""
     source = str(ckpt.root / "config.json")
     cfg = _v4_config(ckpt.config, source)
+    fp8_block = release_of(ckpt.config, source).fp8_block(cfg)
     infos = stored_modules(ckpt)
     check_stored_experts(cfg, infos, source)
     native = _native_modules(native_inventory(cfg))
@@ -203,7 +206,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
         if is_linear:
             stored = {p: v for p, v in have.items() if p in WEIGHT_PARAMS}
             n, k = shapes[module]
-            found = detect_format(stored, n, k) if stored else None
+            found = detect_format(stored, n, k, fp8_block=fp8_block, name=module) if stored else None
             if not stored:
                 missing.append(f"{module}.weight")
             elif found is None:
@@ -229,6 +232,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> Inspection:
         mismatched=mismatched,
         problems=list(ckpt.problems),
         tensors=tensors,
+        fp8_block=fp8_block,
     )
 
 

@@ -28,6 +28,7 @@ from dsv4convert.checkpoint.writer import empty_destination, shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, TensorSpec, native_groups, without_drafter
+from dsv4convert.models.deepseek_v4 import release as v4_release
 from dsv4convert.models.deepseek_v4.presets import PRESETS
 from dsv4convert.models.synth_values import generator_for, realistic_matrix, realistic_mxfp4
 
@@ -98,6 +99,7 @@ def with_dspark(config: dict, *, stages: int = 3, block_size: int = 5, markov_ra
 def synth_tensors(spec_group: list[TensorSpec], cfg: ModelConfig, seed: int):
     """Yield (name, tensor) for a group of specs; quantized weights and their scales come as pairs."""
     produced: dict[str, torch.Tensor] = {}
+    block = v4_release.fp8_block(cfg)
     for spec in spec_group:
         if spec.name in produced:
             yield spec.name, produced.pop(spec.name)
@@ -106,7 +108,8 @@ def synth_tensors(spec_group: list[TensorSpec], cfg: ModelConfig, seed: int):
         gen = generator_for(seed, spec.name)
         if spec.dtype == "F8_E4M3":
             n, k = spec.shape
-            weight, scale = quantize_fp8_block(realistic_matrix(n, k, gen, zero_block=128), name=spec.name)
+            weight, scale = quantize_fp8_block(realistic_matrix(n, k, gen, zero_block=block[0]), block=block,
+                                               name=spec.name)
             produced[f"{info.module}.scale"] = scale
             yield spec.name, weight
         elif spec.dtype == "I8":

@@ -44,6 +44,7 @@ from dsv4convert.kernels.samples import random_activations, random_weight  # noq
 
 CAPABILITY = {"sm_90": 90, "sm_100": 100, "sm_120": 120}
 FORMATS = (("int4", 128), ("int4", 32), ("nvfp4", 16), ("mxfp4", 32), ("fp8", 128))
+V4_BLOCK = (128, 128)   # DeepSeek-V4's FP8 block, the one the tables were measured on
 KERNELS = ("act_quant_kernel", "fp8_block_gemm_kernel", "dequant_4bit_kernel", "dequant_fp8_kernel",
            "weight_only_gemm_kernel", "weight_only_halves_kernel", "weight_only_planes_kernel",
            "weight_only_gemv_kernel", "weight_only_mma_kernel")
@@ -124,7 +125,9 @@ def _record_launches(family: str) -> list[tuple[str, object, object, tuple, dict
     launches = []
     generator = torch.Generator().manual_seed(0)
     for fmt, group in FORMATS:
-        weight = quantized_weight(fmt, random_weight(fmt, 256, 1024, group_size=group, generator=generator))
+        block = V4_BLOCK if fmt == "fp8" else None
+        weight = quantized_weight(fmt, random_weight(fmt, 256, 1024, group_size=group, block=block, generator=generator),
+                                  block=block)
         kind = "fp8" if fmt == "fp8" else "weight_only"
         tables = [cfg for _, cfg in configs.GEMM_TABLES[kind][family]] + [configs.SAFE_GEMM[kind]]
         for cfg in tables:
@@ -139,11 +142,11 @@ def _record_launches(family: str) -> list[tuple[str, object, object, tuple, dict
     # The converters' --device cuda kernels (fixed launch settings, no table).
     dense = torch.randn(256, 1024, generator=generator).to(torch.bfloat16)
     packed, scale = random_weight("mxfp4", 256, 1024, generator=generator)
-    for convert in (lambda: quantize_launch.quantize_fp8_block(dense), lambda: quantize_launch.quantize_int4_weight(dense),
+    for convert in (lambda: quantize_launch.quantize_fp8_block(dense, block=V4_BLOCK), lambda: quantize_launch.quantize_int4_weight(dense),
                     lambda: quantize_launch.quantize_int4_weight(dense, group_size=32),
                     lambda: quantize_launch.quantize_int4_weight(dense, scale_rule="amax"),
                     lambda: quantize_launch.mxfp4_to_nvfp4(packed, scale),
-                    lambda: quantize_launch.mxfp4_to_fp8_block(packed, scale)):
+                    lambda: quantize_launch.mxfp4_to_fp8_block(packed, scale, block=V4_BLOCK)):
         first = len(calls)
         try:
             convert()

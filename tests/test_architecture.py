@@ -191,6 +191,53 @@ def test_format_comparisons_are_found_however_written():
     assert not any(_on_format(n) for n in ast.walk(ast.parse("fmt == spec.format")))
 
 
+# ------------------------------------------------------------------------------ the FP8 block is the release's
+
+_FP8_BLOCK_NAME = re.compile(r"FP8_(BLOCK|TILE)")
+# Each FP8 kernel and the constexprs it takes its block (or, for the activations, the block's columns) as.
+FP8_KERNELS = {
+    "kernels/triton_fp8_gemm.py": {"fp8_block_gemm_kernel": ("WEIGHT_BLOCK_N", "WEIGHT_BLOCK_K"),
+                                   "act_quant_kernel": ("GROUP",)},
+    "kernels/triton_kernels.py": {"dequant_fp8_kernel": ("WEIGHT_BLOCK_N", "WEIGHT_BLOCK_K")},
+    "kernels/triton_quantize.py": {"fp8_block_quant_kernel": ("WEIGHT_BLOCK_N", "WEIGHT_BLOCK_K"),
+                                   "mxfp4_to_fp8_block_kernel": ("WEIGHT_BLOCK_N", "WEIGHT_BLOCK_K")},
+}
+
+
+def _fp8_block_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """Names matching ``FP8_BLOCK``/``FP8_TILE`` a module defines (assigned) or imports."""
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            found += [(n.lineno, t.id) for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)]
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            found += [(n.lineno, name) for a in n.names for name in (a.name, a.asname) if name]
+    return [(line, name) for line, name in found if _FP8_BLOCK_NAME.search(name)]
+
+
+def test_the_fp8_block_is_the_releases():
+    """#52: the FP8 block is a release's answer (``models/<release>/release.py::fp8_block``), handed to formats,
+    kernels, tune and engines as a parameter: no module outside ``models/`` defines or imports an
+    ``FP8_BLOCK``-style constant, and each FP8 kernel takes its block as a ``tl.constexpr`` with no literal 128."""
+    outside = [f"{p.relative_to(PACKAGE.parent)}:{line} {name}" for p in PACKAGE.rglob("*.py")
+               if p.relative_to(PACKAGE).parts[0] != "models"
+               for line, name in _fp8_block_names(ast.parse(p.read_text(encoding="utf-8")))]
+    assert outside == [], outside
+    assert _fp8_block_names(ast.parse("from x import FP8_BLOCK\nSAFE_FP8_TILE = 1\nFP8 = 2")) == [
+        (1, "FP8_BLOCK"), (2, "SAFE_FP8_TILE")]
+    for path, kernels in FP8_KERNELS.items():
+        tree = ast.parse((PACKAGE / path).read_text(encoding="utf-8"))
+        defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in kernels}
+        assert set(defs) == set(kernels), path
+        for name, block_params in kernels.items():
+            constexprs = {a.arg for a in defs[name].args.args
+                          if a.annotation is not None and ast.unparse(a.annotation) == "tl.constexpr"}
+            assert set(block_params) <= constexprs, (path, name, constexprs)
+            literals = [n.lineno for n in ast.walk(defs[name]) if isinstance(n, ast.Constant) and n.value == 128]
+            assert literals == [], (path, name, literals)
+
+
 def _gpu_family_lists(tree: ast.AST) -> list[int]:
     """Lines of a tuple, list or set of strings naming two or more GPU families: a list of choices."""
     return [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Tuple, ast.List, ast.Set))
@@ -249,19 +296,21 @@ def test_every_format_is_one_complete_spec(fmt, tiny_ckpt):
     from dsv4convert.engines.sglang.rules import EXPERT_METHOD
 
     spec = formats.spec(fmt)
-    assert spec.format is fmt and spec.weight_params == tuple(p.suffix for p in spec.storage(256, 512))
-    stored = {p.suffix: (p.dtype, p.shape) for p in spec.storage(256, 512)}
-    found = formats.detect_format(stored, 256, 512)
-    assert found is not None and found[0] is fmt
+    for block in ((128, 128), (32, 32)):   # DeepSeek-V4's FP8 block and V4.1's: detection reads it off the shapes
+        stored = {p.suffix: (p.dtype, p.shape) for p in spec.storage(256, 512, fp8_block=block)}
+        assert spec.weight_params == tuple(stored)
+        found = formats.detect_format(stored, 256, 512)
+        assert found is not None and found[0] is fmt and found[1].get("fp8_block", block) == block
     assert set(spec.kernel_params) <= set(spec.weight_params)
     assert (fmt.value in TARGETS) == spec.recipe_target
     if spec.recipe_target:
         w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
         source = {"weight": w.to(torch.bfloat16)}
-        encoded = spec.encode(registry.EncodeInput(formats.Format.BF16, source, dict(spec.recipe_defaults), "m",
+        params = {**spec.recipe_defaults, "fp8_block": (32, 32)}
+        encoded = spec.encode(registry.EncodeInput(formats.Format.BF16, source, params, "m",
                                                    input_scale=torch.tensor(1.0)))
         assert [suffix for suffix, _ in encoded.tensors] == list(spec.weight_params)
-        decoded = spec.decode(dict(encoded.tensors), "m")
+        decoded = spec.decode(dict(encoded.tensors), "m", params)
         error = (decoded - source["weight"].float()).norm() / source["weight"].float().norm()
         assert error < 0.2, (fmt, float(error))
     assert fmt in EXPERT_METHOD

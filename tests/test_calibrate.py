@@ -194,7 +194,7 @@ def test_gptq_from_the_calibration_file_gives_the_w4a16_layout(streamed, tiny_ck
     for proj in ("w1", "w2"):
         module = f"layers.3.ffn.experts.5.{proj}"
         src = {p: ckpt.read(f"{module}.{p}") for p in ("weight", "scale")}
-        w = dequantize_source(Format.MXFP4, src, f"{module}.weight")
+        w = dequantize_source(Format.MXFP4, src, f"{module}.weight", {})
         q = gptq_quantize_int4(w, hessians(module), group_size=128, name=module)
         planned = {p.suffix: (p.dtype, p.shape) for p in linear_storage(Format.INT4, *w.shape, group_size=128)}
         stored = {"weight_packed": q.weight_packed, "weight_scale": q.weight_scale, "weight_shape": q.weight_shape}
@@ -421,11 +421,11 @@ def test_to_w4a16_gptq_uses_the_calibration_hessians(streamed, tiny_ckpt, output
     for module in [n[: -len(".weight_packed")] for n in gptq.tensors if n.endswith(".weight_packed")]:
         h = hessians(module)
         w = dequantize_source(Format.MXFP4, {"weight": src.read(f"{module}.weight"), "scale": src.read(f"{module}.scale")},
-                              module)
+                              module, {})
 
         def objective(ck: Checkpoint) -> float:
             q = dequantize_source(Format.INT4, {p: ck.read(f"{module}.{p}") for p in
-                                                ("weight_packed", "weight_scale", "weight_shape")}, module)
+                                                ("weight_packed", "weight_scale", "weight_shape")}, module, {})
             d = (q - w).double()
             return float(torch.einsum("nk,kl,nl->", d, h.double(), d))
 

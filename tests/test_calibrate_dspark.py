@@ -173,7 +173,7 @@ def test_recipes_convert_the_drafter_with_the_file(streamed, organism, tmp_path)
 
     def objective(ck: Checkpoint, module: str, w: torch.Tensor, h: torch.Tensor) -> float:
         q = dequantize_source(Format.INT4, {p: ck.read(f"{module}.{p}") for p in
-                                            ("weight_packed", "weight_scale", "weight_shape")}, module)
+                                            ("weight_packed", "weight_scale", "weight_shape")}, module, {})
         diff = (q - w).double()
         return float(torch.einsum("nk,kl,nl->", diff, h.double(), diff))
 
@@ -182,7 +182,7 @@ def test_recipes_convert_the_drafter_with_the_file(streamed, organism, tmp_path)
         h = hessians(module)
         if h is None:
             continue
-        w = dequantize_source(Format.MXFP4, {p: src.read(f"{module}.{p}") for p in ("weight", "scale")}, module)
+        w = dequantize_source(Format.MXFP4, {p: src.read(f"{module}.{p}") for p in ("weight", "scale")}, module, {})
         assert objective(gptq, module, w, h) < objective(rtn, module, w, h), module
         improved += 1
     assert improved == 3 * sum(1 for n in content["experts"] if n.startswith("mtp."))

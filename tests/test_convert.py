@@ -122,11 +122,11 @@ def test_mxfp4_experts_are_lossless_in_fp8_and_nvfp4(outputs, tiny_ckpt):
     for module in experts:
         reference = decode_source(src.read(f"{module}.weight"), src.read(f"{module}.scale"), output_dtype=torch.float32)
         for out in fp8.values():
-            got = dequantize_fp8_block(out.read(f"{module}.weight"), out.read(f"{module}.scale"))
+            got = dequantize_fp8_block(out.read(f"{module}.weight"), out.read(f"{module}.scale"), block=(128, 128))
             assert torch.equal(got, reference), module
         if module.startswith("mtp."):  # the draft's experts: BF16 for both engines, FP8 for SGLang, MXFP4 for vLLM
             assert torch.equal(nv.read(f"{module}.weight").float(), reference), module
-            got = dequantize_fp8_block(nv_sglang.read(f"{module}.weight"), nv_sglang.read(f"{module}.scale"))
+            got = dequantize_fp8_block(nv_sglang.read(f"{module}.weight"), nv_sglang.read(f"{module}.scale"), block=(128, 128))
             assert torch.equal(got, reference), module
             for suffix in ("weight", "scale"):
                 assert torch.equal(nv_vllm.read(f"{module}.{suffix}"), src.read(f"{module}.{suffix}")), module

@@ -45,7 +45,7 @@ def test_amax_rule_at_group_128_is_compressed_tensors_round_to_nearest(tiny_ckpt
     _convert(tiny_ckpt, tmp_path / "out", "--group-size", "128", "--scale-rule", "amax")
     source, out = Checkpoint.open(tiny_ckpt), Checkpoint.open(tmp_path / "out")
     for module in _expert_modules(source):
-        w = dequantize_source(Format.MXFP4, {p: source.read(f"{module}.{p}") for p in ("weight", "scale")}, module)
+        w = dequantize_source(Format.MXFP4, {p: source.read(f"{module}.{p}") for p in ("weight", "scale")}, module, {})
         groups = w.unflatten(-1, (w.shape[1] // 128, 128))
         scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), _scheme(128).weights)
         theirs = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(torch.bfloat16)},
@@ -70,11 +70,11 @@ def test_default_is_group_32_with_searched_scales_never_worse_than_amax(tiny_ckp
         assert all(torch.equal(ours[p], _int4(explicit, module)[p]) for p in ours), module
         n, k = ours["weight_shape"].tolist()
         assert ours["weight_scale"].shape == (n, k // 32)
-        w = dequantize_source(Format.MXFP4, {p: source.read(f"{module}.{p}") for p in ("weight", "scale")}, module)
-        decoded = dequantize_source(Format.INT4, ours, module)
+        w = dequantize_source(Format.MXFP4, {p: source.read(f"{module}.{p}") for p in ("weight", "scale")}, module, {})
+        decoded = dequantize_source(Format.INT4, ours, module, {})
         theirs = PackedQuantizationCompressor.decompress(ours, _scheme(32))["weight"]   # q * scale in BF16
         assert torch.equal(theirs, decoded.to(theirs.dtype)), module                      # CT decodes our bytes
-        baseline = dequantize_source(Format.INT4, _int4(amax, module), module)
+        baseline = dequantize_source(Format.INT4, _int4(amax, module), module, {})
         searched_error = (w - decoded).double().square().reshape(n, k // 32, 32).sum(-1)
         amax_error = (w - baseline).double().square().reshape(n, k // 32, 32).sum(-1)
         assert bool((searched_error <= amax_error).all()), module  # per group

@@ -190,7 +190,7 @@ def landings(name: str, ckpt: Checkpoint, loaded: sgl.LoadedModel) -> list[Landi
         weight = target.replace(".weight_scale_inv", ".weight")
         if info.param == "scale":
             return [Landing(weight, (), None, "consumed: wo_a dequantized to BF16 with it")]
-        dequantized = dequantize_fp8_block(tensor, ckpt.read(f"{info.module}.scale")).to(torch.bfloat16)
+        dequantized = dequantize_fp8_block(tensor, ckpt.read(f"{info.module}.scale"), block=(128, 128)).to(torch.bfloat16)
         return [Landing(weight, (), dequantized, "converted: FP8 wo_a dequantized to BF16 (DSpark's wo_a is BF16)")]
     return _direct(target, tensor, loaded, ())
 
@@ -290,9 +290,9 @@ def _by_module(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
     return modules
 
 
-def _formats(ckpt: Checkpoint) -> dict[str, Format]:
-    """The stored format of each linear (inspect knows none for norms, hyper-connections, sinks)."""
-    return {m: f.format for m, f in inspect_checkpoint(ckpt).modules.items() if f.format is not None}
+def _formats(ckpt: Checkpoint) -> dict[str, tuple[Format, dict]]:
+    """The stored format and params of each linear (inspect knows none for norms, hyper-connections, sinks)."""
+    return {m: (f.format, f.params) for m, f in inspect_checkpoint(ckpt).modules.items() if f.format is not None}
 
 
 @pytest.mark.parametrize("output", [*RECIPES, *ONE_ENGINE])
@@ -305,14 +305,15 @@ def test_outputs_keep_the_drafter_losslessly(source, outputs, output):
     assert set(out_modules) == set(src_modules)
     compared, differ = 0, []
     for module, params in out_modules.items():
-        fmt = out_formats.get(module)
+        fmt, fmt_params = out_formats.get(module, (None, {}))
         if fmt in LOSSY:
             continue
         weights = {p: out.read(n) for p, n in params.items() if p in WEIGHT_PARAMS} if fmt is not None else {}
         if weights:
             theirs = {p: src.read(n) for p, n in src_modules[module].items() if p in WEIGHT_PARAMS}
-            mine = spec(fmt).decode(weights, f"{module}.weight")
-            if not torch.equal(mine, spec(src_formats[module]).decode(theirs, f"{module}.weight")):
+            mine = spec(fmt).decode(weights, f"{module}.weight", fmt_params)
+            src_fmt, src_params = src_formats[module]
+            if not torch.equal(mine, spec(src_fmt).decode(theirs, f"{module}.weight", src_params)):
                 differ.append(module)
             compared += 1
         for param, name in params.items():

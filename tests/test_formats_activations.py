@@ -68,9 +68,10 @@ def group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fp8_block_rows(x: torch.Tensor, group: int, scale_fmt: str) -> torch.Tensor:
-    """formats.fp8_block applied to every row as a [1, K] matrix: its blocks are then 1 x group."""
+    """formats.fp8_block applied to every row as a [1, K] matrix in 1 x group blocks."""
     rows = x.float().reshape(-1, x.shape[-1])
-    out = [dequantize_fp8_block(*quantize_fp8_block(r[None], block=group, scale_fmt=scale_fmt), block=group)[0]
+    out = [dequantize_fp8_block(*quantize_fp8_block(r[None], block=(1, group), scale_fmt=scale_fmt),
+                                block=(1, group))[0]
            for r in rows]
     return torch.stack(out).reshape(x.shape)
 
@@ -112,7 +113,7 @@ def test_fp8_ue8m0_exponent_rule_matches_the_exact_ceiling_over_every_bf16_amax_
 def test_fp8_float32_scale_is_amax_times_rounded_reciprocal_and_codes_agree_with_fp8_block():
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64, 1024, generator=generator) * torch.exp2(torch.randint(-8, 8, (64, 1), generator=generator))
-    out = fp8_token_groups(x, scale_format="float32")
+    out = fp8_token_groups(x, 128, scale_format="float32")
     amax = group_amax(x, 128)
     scale = amax * torch.tensor(1.0 / 448.0)
     # The largest element of every group maps onto code 448: it comes back as 448 * s.
@@ -134,7 +135,7 @@ def test_fp8_float32_scale_is_amax_times_rounded_reciprocal_and_codes_agree_with
 @given(activations(128))
 def test_fp8_properties_zero_equal_outlier_groups(x):
     for scale_format in ("float32", "ue8m0"):
-        out = fp8_token_groups(x, scale_format=scale_format, out_dtype=torch.float32)
+        out = fp8_token_groups(x, 128, scale_format=scale_format, out_dtype=torch.float32)
         first = x.float().reshape(*x.shape[:-1], -1, 128)[..., 0, :]
         first_out = out.reshape(*x.shape[:-1], -1, 128)[..., 0, :]
         assert not bool(torch.isnan(out).any())
@@ -165,36 +166,36 @@ def test_fp8_ue8m0_equals_the_torch_reference_of_the_triton_kernels():
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(32, 512, generator=generator) * torch.exp2(torch.randint(-30, 30, (32, 1), generator=generator))
     x[0] = 0.0
-    assert torch.equal(fp8_token_groups(x, scale_format="ue8m0"),
-                       dequantize_activations_fp8(*quantize_activations_fp8(x)))
+    assert torch.equal(fp8_token_groups(x, 128, scale_format="ue8m0"),
+                       dequantize_activations_fp8(*quantize_activations_fp8(x, group=128), group=128))
 
 
 @SETTINGS
 @given(activations(128))
 def test_fp8_ue8m0_is_idempotent(x):
-    once = fp8_token_groups(x, scale_format="ue8m0", out_dtype=torch.float32)
-    assert torch.equal(fp8_token_groups(once, scale_format="ue8m0"), once)
+    once = fp8_token_groups(x, 128, scale_format="ue8m0", out_dtype=torch.float32)
+    assert torch.equal(fp8_token_groups(once, 128, scale_format="ue8m0"), once)
 
 
 def test_fp8_hand_worked():
     x = torch.zeros(1, 128)
     x[0, :4] = torch.tensor([1.0, -0.5, 1.1, 2.0**-12])
     # UE8M0: amax 1.1, s = 2**ceil(log2(1.1/448)) = 2**-8; 1.1 * 256 = 281.6 rounds to 288.
-    out = fp8_token_groups(x, scale_format="ue8m0")
+    out = fp8_token_groups(x, 128, scale_format="ue8m0")
     assert out[0, :4].tolist() == [1.0, -0.5, 288 / 256, 2.0**-12]
     # float32: s = 1.1 * fl(1/448), codes x * fl(448/1.1): the amax lands on 448, 1.0 on 407.3 -> 416.
-    out = fp8_token_groups(x, scale_format="float32")
+    out = fp8_token_groups(x, 128, scale_format="float32")
     s = torch.tensor(1.1) * torch.tensor(1.0 / 448.0)
     assert out[0, 2] == 448 * s and out[0, 0] == 416 * s and out[0, 1] == -208 * s
 
 
 def test_fp8_rejects_ragged_rows_unknown_format_and_non_float_input():
     with pytest.raises(ActivationFormatError, match=r"\[2, 100\].*multiple of the group size 128"):
-        fp8_token_groups(torch.zeros(2, 100), scale_format="ue8m0", name="layers.0.attn.wq_a")
+        fp8_token_groups(torch.zeros(2, 100), 128, scale_format="ue8m0", name="layers.0.attn.wq_a")
     with pytest.raises(ActivationFormatError, match="scale_format"):
-        fp8_token_groups(torch.zeros(2, 128), scale_format="e8m0")
+        fp8_token_groups(torch.zeros(2, 128), 128, scale_format="e8m0")
     with pytest.raises(ActivationFormatError, match="float32 or bfloat16"):
-        fp8_token_groups(torch.zeros(2, 128, dtype=torch.float16), scale_format="ue8m0")
+        fp8_token_groups(torch.zeros(2, 128, dtype=torch.float16), 128, scale_format="ue8m0")
     with pytest.raises(ActivationFormatError, match="group size"):
         fp8_token_groups(torch.zeros(2, 128), 0, scale_format="ue8m0")
 
@@ -432,8 +433,8 @@ def test_indexer_fp4_floor_and_idempotence(x):
 # ---------------------------------------------------------------- every function
 
 FUNCTIONS = {
-    "fp8_float32": lambda x, **kw: fp8_token_groups(x, scale_format="float32", **kw),
-    "fp8_ue8m0": lambda x, **kw: fp8_token_groups(x, scale_format="ue8m0", **kw),
+    "fp8_float32": lambda x, **kw: fp8_token_groups(x, 128, scale_format="float32", **kw),
+    "fp8_ue8m0": lambda x, **kw: fp8_token_groups(x, 128, scale_format="ue8m0", **kw),
     "nvfp4": lambda x, **kw: nvfp4_activations(x, 0.01, **kw),
     "mxfp8": lambda x, **kw: mxfp8_activations(x, **kw),
     "kv_cache": lambda x, **kw: kv_cache_fp8(x, rope_dim=64, **kw),

@@ -71,10 +71,10 @@ def full_decode_report(reference: torch.Tensor, result: torch.Tensor, block_rows
 @pytest.mark.parametrize(("rows", "cols"), [(256, 512), (512, 256)])
 def test_synthetic_experts_cast_to_fp8_exactly(rows, cols):
     packed, scale = synthetic_expert(rows, cols, seed=rows)
-    weight, tile_scale, report = mxfp4_to_fp8_block(packed, scale, name="w1")
+    weight, tile_scale, report = mxfp4_to_fp8_block(packed, scale, name="w1", block=(128, 128))
     assert report.exact and report.exact_fraction == 1.0 and report.max_abs_error == 0.0
     assert report.blocks_total == rows * cols // 128**2 and report.elements_total == rows * cols
-    assert torch.equal(dequantize_fp8_block(weight, tile_scale), dequantize_mxfp4(packed, scale))
+    assert torch.equal(dequantize_fp8_block(weight, tile_scale, block=(128, 128)), dequantize_mxfp4(packed, scale))
     ds_weight, ds_scale = deepseek_fp8_cast(packed, scale)
     assert torch.equal(weight.view(torch.uint8), ds_weight.view(torch.uint8))
     assert torch.equal(tile_scale.view(torch.uint8), ds_scale.view(torch.uint8))
@@ -110,8 +110,8 @@ def test_w1_w3_share_one_exact_global_scale():
 @given(st.integers(0, 2**31 - 1), st.integers(0, 30))
 def test_fp8_report_agrees_with_full_decode(seed, spread):
     packed, scale = random_mxfp4(256, 256, seed, spread)
-    weight, tile_scale, report = mxfp4_to_fp8_block(packed, scale)
-    source, result = dequantize_mxfp4(packed, scale), dequantize_fp8_block(weight, tile_scale)
+    weight, tile_scale, report = mxfp4_to_fp8_block(packed, scale, block=(128, 128))
+    source, result = dequantize_mxfp4(packed, scale), dequantize_fp8_block(weight, tile_scale, block=(128, 128))
     blocks_exact, blocks_total, elements_exact, max_error = full_decode_report(source, result, 128, 128)
     assert (report.blocks_exact, report.blocks_total) == (blocks_exact, blocks_total)
     assert report.elements_exact == elements_exact and report.elements_total == source.numel()
@@ -190,16 +190,16 @@ def test_global_exponent_ignores_zero_sentinel_and_handles_all_zero():
 
 def test_fp8_writes_code_8_as_positive_zero():
     packed = torch.full((128, 64), 0x88, dtype=torch.uint8).view(torch.int8)  # -0 everywhere
-    weight, _, report = mxfp4_to_fp8_block(packed, torch.full((128, 4), 120, dtype=torch.uint8))
+    weight, _, report = mxfp4_to_fp8_block(packed, torch.full((128, 4), 120, dtype=torch.uint8), block=(128, 128))
     assert report.exact and bool((weight.view(torch.uint8) == 0).all())
 
 
 def test_fp8_tile_exponent_is_clamped_at_e8m0_floor():
     packed = torch.full((128, 64), 0x77, dtype=torch.uint8).view(torch.int8)
     scale = torch.full((128, 4), 2, dtype=torch.uint8)  # 2**-125: tile exponent -131 -> -127
-    weight, tile_scale, report = mxfp4_to_fp8_block(packed, scale)
+    weight, tile_scale, report = mxfp4_to_fp8_block(packed, scale, block=(128, 128))
     assert int(tile_scale.view(torch.uint8)) == 0 and report.exact
-    assert torch.equal(dequantize_fp8_block(weight, tile_scale), dequantize_mxfp4(packed, scale))
+    assert torch.equal(dequantize_fp8_block(weight, tile_scale, block=(128, 128)), dequantize_mxfp4(packed, scale))
 
 
 def test_report_merge_and_fraction():
@@ -215,13 +215,15 @@ def test_bad_inputs_name_the_tensor():
     packed, scale = synthetic_expert(128, 128, seed=0)
     bad_scale = scale.view(torch.uint8).clone()
     bad_scale[3, 1] = 255
-    for call in (mxfp4_to_fp8_block, mxfp4_to_nvfp4):
+    for call in (lambda *a, **k: mxfp4_to_fp8_block(*a, block=(128, 128), **k), mxfp4_to_nvfp4):
         with pytest.raises(FormatError, match=r"tensor 'layers.3.ffn.experts.9.w2'.*0xFF"):
             call(packed, bad_scale, name="layers.3.ffn.experts.9.w2")
         with pytest.raises(FormatError, match="does not match"):
             call(packed, scale[:, :2], name="w")
-    with pytest.raises(FormatError, match="multiples of 128"):
-        mxfp4_to_fp8_block(packed[:64], scale[:64])
+    with pytest.raises(FormatError, match="N a multiple of 128"):
+        mxfp4_to_fp8_block(packed[:64], scale[:64], block=(128, 128))
+    with pytest.raises(FormatError, match="a multiple of 32"):
+        mxfp4_to_fp8_block(packed, scale, block=(32, 16))
     with pytest.raises(FormatError, match="float32's normal range"):
         mxfp4_to_nvfp4(packed, scale, global_exponent=-130)
     with pytest.raises(FormatError, match=r"scale\[1\]"):

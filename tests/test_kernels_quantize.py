@@ -20,6 +20,9 @@ from dsv4convert import formats, kernels  # noqa: E402
 from dsv4convert.errors import FormatError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+V4_BLOCK = (128, 128)
+# DeepSeek-V4.1's 32x32 FP8 blocks beside V4's: the kernels take the block as a constexpr.
+FP8_BLOCKS = pytest.mark.parametrize("block", [(32, 32), V4_BLOCK], ids=["32x32", "128x128"])
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -41,21 +44,22 @@ def _awkward_weight(n: int, k: int, seed: int) -> torch.Tensor:
     return w.to(DEVICE)
 
 
+@FP8_BLOCKS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "float32"])
-def test_fp8_block_quantize_matches_formats(dtype, scale_fmt):
-    w = _awkward_weight(200, 320, seed=1).to(dtype)  # ragged against 128x128 tiles both ways
-    got_weight, got_scale = kernels.quantize("fp8", w, scale_fmt=scale_fmt, backend="triton")
-    want_weight, want_scale = formats.quantize_fp8_block(w, scale_fmt=scale_fmt)
+def test_fp8_block_quantize_matches_formats(dtype, scale_fmt, block):
+    w = _awkward_weight(200, 336, seed=1).to(dtype)  # ragged against 32x32 and 128x128 blocks both ways
+    got_weight, got_scale = kernels.quantize("fp8", w, block=block, scale_fmt=scale_fmt, backend="triton")
+    want_weight, want_scale = formats.quantize_fp8_block(w, block=block, scale_fmt=scale_fmt)
     assert got_weight.dtype == torch.float8_e4m3fn and got_scale.dtype == want_scale.dtype
-    assert got_weight.shape == (200, 320) and got_scale.shape == (2, 3)
+    assert got_weight.shape == (200, 336) and got_scale.shape == (-(-200 // block[0]), -(-336 // block[1]))
     assert torch.equal(_bytes(got_weight), _bytes(want_weight))
     assert torch.equal(_bytes(got_scale), _bytes(want_scale))
 
 
 def test_fp8_block_quantize_other_block_sizes_match_formats():
     w = _awkward_weight(96, 160, seed=2)
-    for block in (64, 96):  # 96 is not a power of two: handled by the formats function itself
+    for block in ((64, 64), (32, 128), (96, 96)):  # 96 is not a power of two: handled by the formats function
         got = kernels.quantize("fp8", w, block=block, backend="triton")
         want = formats.quantize_fp8_block(w, block=block)
         assert torch.equal(_bytes(got[0]), _bytes(want[0])) and torch.equal(_bytes(got[1]), _bytes(want[1]))
@@ -67,7 +71,7 @@ def test_quantize_refuses_non_finite_weights(bad):
     w[63, 255] = bad
     for scale_fmt in ("ue8m0", "float32"):
         with pytest.raises(FormatError, match="NaN or Inf"):
-            kernels.quantize("fp8", w, scale_fmt=scale_fmt, backend="triton")
+            kernels.quantize("fp8", w, block=V4_BLOCK, scale_fmt=scale_fmt, backend="triton")
     with pytest.raises(FormatError, match="NaN or Inf"):
         kernels.quantize("int4", w.bfloat16(), backend="triton")
 
@@ -170,16 +174,18 @@ def test_mxfp4_transcodes_of_realistic_scales_are_exact():
     packed, scale = packed.to(DEVICE), scale.to(DEVICE)  # raw uint8 scale bytes are accepted too
     _, report = kernels.transcode_mxfp4("nvfp4", packed, scale, backend="triton")
     assert report.exact and report == formats.mxfp4_to_nvfp4(packed, scale)[1]
-    weight, tile_scale, report = kernels.transcode_mxfp4("fp8", packed, scale, backend="triton")
-    want_weight, want_scale, want_report = formats.mxfp4_to_fp8_block(packed, scale)
+    weight, tile_scale, report = kernels.transcode_mxfp4("fp8", packed, scale, block=V4_BLOCK, backend="triton")
+    want_weight, want_scale, want_report = formats.mxfp4_to_fp8_block(packed, scale, block=V4_BLOCK)
     assert report.exact and report == want_report
     assert torch.equal(_bytes(weight), _bytes(want_weight)) and torch.equal(_bytes(tile_scale), _bytes(want_scale))
 
 
-def test_mxfp4_to_fp8_block_matches_formats_with_report():
+@FP8_BLOCKS
+def test_mxfp4_to_fp8_block_matches_formats_with_report(block):
     packed, scale = _spread_mxfp4()
-    weight, tile_scale, report = kernels.transcode_mxfp4("fp8", packed, scale, backend="triton")
-    want_weight, want_scale, want_report = formats.mxfp4_to_fp8_block(packed, scale)
+    weight, tile_scale, report = kernels.transcode_mxfp4("fp8", packed, scale, block=block, backend="triton")
+    want_weight, want_scale, want_report = formats.mxfp4_to_fp8_block(packed, scale, block=block)
+    assert tile_scale.shape == (256 // block[0], 512 // block[1]) and report.blocks_total == tile_scale.numel()
     assert weight.dtype == torch.float8_e4m3fn and tile_scale.dtype == torch.float8_e8m0fnu
     assert torch.equal(_bytes(weight), _bytes(want_weight))
     assert torch.equal(_bytes(tile_scale), _bytes(want_scale))
@@ -191,23 +197,27 @@ def test_transcode_bad_inputs_are_refused():
     packed, scale = _spread_mxfp4()
     nan_scale = scale.view(torch.uint8).clone()
     nan_scale[0, 0] = 255
-    for target in ("nvfp4", "fp8"):
+    for target, block in (("nvfp4", None), ("fp8", V4_BLOCK)):
         with pytest.raises(FormatError, match="NaN byte"):
-            kernels.transcode_mxfp4(target, packed, nan_scale, backend="triton")
+            kernels.transcode_mxfp4(target, packed, nan_scale, block=block, backend="triton")
         with pytest.raises(FormatError, match="scale shape"):
-            kernels.transcode_mxfp4(target, packed, scale[:, :-1], backend="triton")
-    with pytest.raises(FormatError, match="multiples of 128"):
-        kernels.transcode_mxfp4("fp8", packed[:, :48], scale[:, :3], backend="triton")
+            kernels.transcode_mxfp4(target, packed, scale[:, :-1], block=block, backend="triton")
+    with pytest.raises(FormatError, match="K of 128"):
+        kernels.transcode_mxfp4("fp8", packed[:, :48], scale[:, :3], block=V4_BLOCK, backend="triton")
+    with pytest.raises(FormatError, match="needs its block"):
+        kernels.transcode_mxfp4("fp8", packed, scale, backend="triton")
+    with pytest.raises(FormatError, match="needs the block"):
+        kernels.quantize("fp8", torch.zeros(16, 16, device=DEVICE))
     with pytest.raises(FormatError, match="normal range"):
         kernels.transcode_mxfp4("nvfp4", packed, scale, global_exponent=200, backend="triton")
     with pytest.raises(FormatError, match="NVFP4 transcode only"):
-        kernels.transcode_mxfp4("fp8", packed, scale, global_exponent=0, backend="triton")
+        kernels.transcode_mxfp4("fp8", packed, scale, global_exponent=0, block=V4_BLOCK, backend="triton")
     with pytest.raises(FormatError, match="transcodes to"):
         kernels.transcode_mxfp4("int4", packed, scale)
     with pytest.raises(FormatError, match="writes"):
         kernels.quantize("nvfp4", torch.zeros(16, 16, device=DEVICE))
     with pytest.raises(FormatError, match="2-D"):
-        kernels.quantize("fp8", torch.zeros(2, 16, 16, device=DEVICE), backend="triton")
+        kernels.quantize("fp8", torch.zeros(2, 16, 16, device=DEVICE), block=V4_BLOCK, backend="triton")
 
 
 def test_torch_backend_is_the_formats_function():

@@ -27,6 +27,7 @@ from dsv4convert.kernels.samples import random_activations, random_weight  # noq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GEMM_TOLERANCE = 3e-3
+V4_BLOCK = (128, 128)    # DeepSeek-V4's FP8 block; V4.1's is 32x32 (test_fp8_blocks_*)
 
 # (format, group size, scale format): every weight encoding the kernels read.
 WEIGHT_CASES = [
@@ -40,13 +41,18 @@ WEIGHT_CASES = [
 CASE_IDS = [f"{f}-g{g}-{s}" for f, g, s in WEIGHT_CASES]
 
 
+def _block(fmt: str, block: tuple[int, int] = V4_BLOCK) -> tuple[int, int] | None:
+    return block if fmt == "fp8" else None
+
+
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _weight(fmt: str, group: int, scale_fmt: str, n: int, k: int, *, experts: int | None = None, seed: int = 0):
-    return random_weight(fmt, n, k, experts=experts, group_size=group, scale_fmt=scale_fmt, device=DEVICE,
-                         generator=_generator(seed))
+def _weight(fmt: str, group: int, scale_fmt: str, n: int, k: int, *, experts: int | None = None, seed: int = 0,
+            block: tuple[int, int] = V4_BLOCK):
+    return random_weight(fmt, n, k, experts=experts, group_size=group, block=_block(fmt, block), scale_fmt=scale_fmt,
+                         device=DEVICE, generator=_generator(seed))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,8 +72,8 @@ def test_dequantize_matches_formats_bit_for_bit(fmt, group, scale_fmt):
     # 200 rows: ragged against every row tile and against FP8's 128-row blocks.
     tensors = _weight(fmt, group, scale_fmt, 200, 384)
     for out_dtype in (torch.bfloat16, torch.float32):
-        got = kernels.dequantize(fmt, *tensors, out_dtype=out_dtype, backend="triton")
-        want = kernels.dequantize(fmt, *tensors, out_dtype=out_dtype, backend="torch")
+        got = kernels.dequantize(fmt, *tensors, block=_block(fmt), out_dtype=out_dtype, backend="triton")
+        want = kernels.dequantize(fmt, *tensors, block=_block(fmt), out_dtype=out_dtype, backend="torch")
         assert got.dtype == out_dtype and got.shape == (200, 384)
         assert torch.equal(_bits(got), _bits(want))
 
@@ -75,8 +81,8 @@ def test_dequantize_matches_formats_bit_for_bit(fmt, group, scale_fmt):
 @pytest.mark.parametrize("fmt,group,scale_fmt", WEIGHT_CASES[::2] + [WEIGHT_CASES[3]], ids=CASE_IDS[::2] + [CASE_IDS[3]])
 def test_dequantize_stack_of_experts_in_one_launch(fmt, group, scale_fmt):
     tensors = _weight(fmt, group, scale_fmt, 72, 256, experts=3, seed=1)
-    got = kernels.dequantize(fmt, *tensors, backend="triton")
-    want = kernels.dequantize(fmt, *tensors, backend="torch")
+    got = kernels.dequantize(fmt, *tensors, block=_block(fmt), backend="triton")
+    want = kernels.dequantize(fmt, *tensors, block=_block(fmt), backend="torch")
     assert got.shape == (3, 72, 256)
     assert torch.equal(_bits(got), _bits(want))
 
@@ -95,12 +101,58 @@ def test_activation_quantization_matches_reference_bit_for_bit():
     x = random_activations(37, 320, device=DEVICE, generator=_generator(2))  # ragged last group
     x[3] = 0  # all-zero token: eps floor
     for pow2 in (True, False):
-        q, scale = kernels.quantize_activations_fp8(x, pow2_scale=pow2, backend="triton")
-        q_ref, scale_ref = reference.quantize_activations_fp8(x, pow2_scale=pow2)
+        q, scale = kernels.quantize_activations_fp8(x, group=128, pow2_scale=pow2, backend="triton")
+        q_ref, scale_ref = reference.quantize_activations_fp8(x, group=128, pow2_scale=pow2)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
         assert torch.equal(scale, scale_ref)
         assert scale.shape == (37, 3)
         assert bool((torch.frexp(scale)[0] == 0.5).all()) == pow2
+
+
+# DeepSeek-V4.1's 32x32 blocks beside V4's 128x128: the kernels take the block as a constexpr, so each runs
+# against the formats-module reference with both (small shapes, ragged against either block).
+FP8_BLOCKS = [(32, 32), (128, 128)]
+
+
+@pytest.mark.parametrize("block", FP8_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+def test_fp8_blocks_dequantize_bit_for_bit(block):
+    for experts, n in ((None, 200), (3, 96)):   # 96 rows: whole 32-blocks, ragged 128-blocks (one launch per expert)
+        tensors = _weight("fp8", 128, "ue8m0", n, 384, experts=experts, seed=40, block=block)
+        assert tensors[1].shape[-2:] == (-(-n // block[0]), 384 // block[1])
+        got = kernels.dequantize("fp8", *tensors, block=block, out_dtype=torch.float32, backend="triton")
+        want = kernels.dequantize("fp8", *tensors, block=block, out_dtype=torch.float32, backend="torch")
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("block", FP8_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+def test_fp8_blocks_activation_groups_are_the_block_columns(block):
+    x = random_activations(9, 320, device=DEVICE, generator=_generator(41))   # ragged last group for both
+    q, scale = kernels.quantize_activations_fp8(x, group=block[1], backend="triton")
+    q_ref, scale_ref = reference.quantize_activations_fp8(x, group=block[1])
+    assert scale.shape == (9, -(-320 // block[1]))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+
+
+@pytest.mark.parametrize("block", FP8_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("cfg", [configs.GemmConfig(16, 32, 128, split_k=2, num_warps=4, num_stages=1),
+                                 configs.GemmConfig(16, 64, 128, num_warps=4, num_stages=1, group_m=2)],
+                         ids=["split-k", "grouped-order"])
+def test_fp8_blocks_grouped_gemm_matches_reference(block, cfg):
+    tensors = _weight("fp8", 128, "ue8m0", 96, 320, experts=2, seed=42, block=block)
+    weight = quantized_weight("fp8", tensors, block=block)
+    x = random_activations(13, 320, device=DEVICE, generator=_generator(43))
+    offsets = torch.tensor([0, 11, 13], dtype=torch.int32, device=DEVICE)
+    y = launch.grouped_gemm(weight, x, offsets, cfg=cfg)
+    assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
+
+
+def test_fp8_tile_keeps_within_one_row_of_weight_blocks():
+    one = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 64, 64, block=(32, 32)), block=(32, 32))
+    v4 = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 256, 128), block=V4_BLOCK)
+    wide = configs.GemmConfig(16, 256, 128)
+    assert launch._fp8_tile(wide, v4) == (128, 2)          # two 128-row halves, as before
+    assert launch._fp8_tile(wide, one) == (32, 1)          # narrowed to one 32-row block
+    assert launch._fp8_tile(dataclasses.replace(wide, block_n=64), one) == (32, 2)
 
 
 def test_e4m3_rounding_ties_carries_and_subnormals():
@@ -112,7 +164,7 @@ def test_e4m3_rounding_ties_carries_and_subnormals():
     x[0, 1:1 + values.numel()] = values
     x[1, 1:] = torch.randn(127, generator=_generator(3)) * 30
     x = x.to(torch.float32).to(DEVICE)
-    q, scale = kernels.quantize_activations_fp8(x.to(torch.bfloat16).float().bfloat16(), backend="triton")
+    q, scale = kernels.quantize_activations_fp8(x.to(torch.bfloat16).float().bfloat16(), group=128, backend="triton")
     assert torch.equal(scale, torch.ones_like(scale))
     want = x.to(torch.bfloat16).float().to(torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
@@ -122,8 +174,8 @@ def test_e4m3_rounding_ties_carries_and_subnormals():
 def test_gemm_matches_fp32_reference(fmt, group, scale_fmt):
     tensors = _weight(fmt, group, scale_fmt, 96, 512, seed=4)
     x = random_activations(5, 512, device=DEVICE, generator=_generator(5))
-    y = kernels.gemm(fmt, x, *tensors, backend="triton")
-    weight = quantized_weight(fmt, tensors)
+    y = kernels.gemm(fmt, x, *tensors, block=_block(fmt), backend="triton")
+    weight = quantized_weight(fmt, tensors, block=_block(fmt))
     want = reference.grouped_gemm(weight, x, torch.tensor([0, 5], device=DEVICE))
     assert y.dtype == torch.bfloat16 and y.shape == (5, 96)
     assert _relative_error(want, y) < GEMM_TOLERANCE
@@ -132,14 +184,14 @@ def test_gemm_matches_fp32_reference(fmt, group, scale_fmt):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4", "int4"])
 def test_grouped_gemm_token_ranges_and_probe_batch(fmt):
     tensors = _weight(fmt, 128, "ue8m0", 64, 256, experts=4, seed=6)
-    weight = quantized_weight(fmt, tensors)
+    weight = quantized_weight(fmt, tensors, block=_block(fmt))
     offsets = torch.tensor([0, 3, 3, 20, 21], device=DEVICE)  # expert 1 gets no tokens
     x = random_activations(21, 256, device=DEVICE, generator=_generator(7))
-    y = kernels.grouped_gemm(fmt, x, *tensors, expert_offsets=offsets, backend="triton")
+    y = kernels.grouped_gemm(fmt, x, *tensors, block=_block(fmt), expert_offsets=offsets, backend="triton")
     assert _relative_error(reference.grouped_gemm(weight, x, offsets), y) < GEMM_TOLERANCE
 
     probe = random_activations(4 * 6, 256, device=DEVICE, generator=_generator(8)).reshape(4, 6, 256)
-    y_probe = kernels.grouped_gemm(fmt, probe, *tensors, backend="triton")
+    y_probe = kernels.grouped_gemm(fmt, probe, *tensors, block=_block(fmt), backend="triton")
     assert y_probe.shape == (4, 6, 64)
     probe_offsets = torch.arange(5, device=DEVICE) * 6
     want = reference.grouped_gemm(weight, probe.reshape(24, 256), probe_offsets).reshape(4, 6, 64)
@@ -150,7 +202,7 @@ def test_grouped_gemm_token_ranges_and_probe_batch(fmt):
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_split_k_config_sums_every_slice(fmt):
     tensors = _weight(fmt, 32, "ue8m0", 64, 512, experts=2, seed=9)
-    weight = quantized_weight(fmt, tensors)
+    weight = quantized_weight(fmt, tensors, block=_block(fmt))
     x = random_activations(19, 512, device=DEVICE, generator=_generator(10))
     offsets = torch.tensor([0, 17, 19], dtype=torch.int32, device=DEVICE)
     cfg = configs.GemmConfig(16, 32, 128, split_k=3, num_warps=4, num_stages=1)
@@ -178,7 +230,7 @@ def test_weight_only_split_k_ragged_experts_match_reference(fmt, group, kernel):
     # Two experts with ragged token counts, split-K, N not a multiple of the tile.
     block_n, block_k, cases = SPLIT_K_CASES[kernel]
     for k, split_k, variant in cases:
-        weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=12))
+        weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 80, k, experts=2, seed=12), block=_block(fmt))
         x = random_activations(21, k, device=DEVICE, generator=_generator(13))
         offsets = torch.tensor([0, 17, 21], dtype=torch.int32, device=DEVICE)
         block_m = 1 if kernel == "gemv" else 16  # the GEMV runs one token per program
@@ -205,7 +257,7 @@ def test_asm_decode_matches_the_triton_decode(fmt, group, cfg, monkeypatch):
     # differently, so its final cross-thread sum may add them in another order: one BF16 step at most.
     if not launch.asm_decode_runs_on(torch.device(DEVICE)):
         pytest.skip("the inline-PTX decode runs compiled on sm_90 / sm_120 only")
-    weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 256, 2048, experts=2, seed=22))
+    weight = quantized_weight(fmt, _weight(fmt, group, "ue8m0", 256, 2048, experts=2, seed=22), block=_block(fmt))
     x = random_activations(20, 2048, device=DEVICE, generator=_generator(23))
     offsets = torch.tensor([0, 16, 20], dtype=torch.int32, device=DEVICE)
     with_asm = launch.grouped_gemm(weight, x, offsets, cfg=cfg).view(torch.int16)
@@ -323,15 +375,15 @@ def test_split_k_is_reduced_when_the_grid_fills_the_gpu():
     assert launch._fit_split_k(gemv, short, 1) == dataclasses.replace(gemv, block_n=32, block_k=256)
     # FP8 block: narrow split tiles for one expert; twice as wide, unsplit, where those fill the GPU
     fp8 = configs.GemmConfig(16, 32, 128, split_k=4, num_stages=4)
-    expert = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 2048, 4096))
+    expert = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 2048, 4096), block=V4_BLOCK)
     assert launch._fit_split_k(fp8, expert, 4) == fp8
-    wide = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 32768, 1024))
+    wide = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 32768, 1024), block=V4_BLOCK)
     assert launch._fit_split_k(fp8, wide, 4) == dataclasses.replace(fp8, block_n=64, split_k=1)
 
 
 def test_fp8_block_gemm_with_grouped_tile_order():
     tensors = _weight("fp8", 128, "ue8m0", 160, 256, seed=14)
-    weight = quantized_weight("fp8", tensors)
+    weight = quantized_weight("fp8", tensors, block=V4_BLOCK)
     x = random_activations(70, 256, device=DEVICE, generator=_generator(15))
     offsets = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
     cfg = configs.GemmConfig(16, 32, 128, num_warps=4, num_stages=1, group_m=3)  # 5 row tiles: a ragged group
@@ -342,7 +394,7 @@ def test_fp8_block_gemm_with_grouped_tile_order():
 def test_fp8_block_gemm_256_wide_tiles_ragged_n_and_k():
     # Two experts, N = 384 (the second tile's upper half lies past N), K = 320 (a partial K block).
     tensors = _weight("fp8", 128, "float32", 384, 320, experts=2, seed=16)
-    weight = quantized_weight("fp8", tensors)
+    weight = quantized_weight("fp8", tensors, block=V4_BLOCK)
     x = random_activations(37, 320, device=DEVICE, generator=_generator(17))
     offsets = torch.tensor([0, 21, 37], dtype=torch.int32, device=DEVICE)
     for cfg in (configs.GemmConfig(16, 256, 128, num_warps=4, num_stages=1, group_m=2),
@@ -367,7 +419,7 @@ def test_fp8_block_gemm_hardware_rounding_is_the_integer_rounding(monkeypatch):
     # differ in about half the outputs). The table's config at M > 64, two ragged experts.
     if launch.interpreting():
         pytest.skip("the hardware rounding runs compiled only (the interpreter's conversion truncates)")
-    weight = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 384, 512, experts=2, seed=24))
+    weight = quantized_weight("fp8", _weight("fp8", 128, "ue8m0", 384, 512, experts=2, seed=24), block=V4_BLOCK)
     x = random_activations(200, 512, device=DEVICE, generator=_generator(25))
     offsets = torch.tensor([0, 130, 200], dtype=torch.int32, device=DEVICE)
     hardware = launch.grouped_gemm(weight, x, offsets)
@@ -384,7 +436,7 @@ def test_fp8_block_gemm_rescaled_accumulator(scale_fmt):
     tensors = _weight("fp8", 128, scale_fmt, 160, 640, experts=2, seed=18)
     if scale_fmt == "ue8m0":
         tensors[1].view(torch.uint8)[0, 0, 2] = 0  # 2^-127: clamped for the ratios, must not overflow
-    weight = quantized_weight("fp8", tensors)
+    weight = quantized_weight("fp8", tensors, block=V4_BLOCK)
     x = random_activations(50, 640, device=DEVICE, generator=_generator(19))
     x[7] *= 1000.0  # one token's scales far from the others'
     offsets = torch.tensor([0, 30, 50], dtype=torch.int32, device=DEVICE)
@@ -399,7 +451,8 @@ def test_table_configs_pass_their_check_on_this_device():
     for kind, table in configs.GEMM_TABLES.items():
         for _, cfg in table[arch]:
             fmt = "fp8" if kind == "fp8" else "mxfp4"
-            assert launch._config_passes(fmt, 32, cfg, torch.device(DEVICE)), (kind, cfg)
+            for block in (FP8_BLOCKS if fmt == "fp8" else [None]):
+                assert launch._config_passes(fmt, 32, block, cfg, torch.device(DEVICE)), (kind, cfg, block)
 
 
 def test_failing_config_falls_back_to_safe_config(monkeypatch):
@@ -407,7 +460,7 @@ def test_failing_config_falls_back_to_safe_config(monkeypatch):
     weight = quantized_weight("int4", tensors)
     checked = []
 
-    def reject_all_but_safe(fmt, group, cfg, device):
+    def reject_all_but_safe(fmt, group, block, cfg, device):
         checked.append(cfg)
         return cfg == configs.SAFE_WEIGHT_ONLY
 
@@ -439,7 +492,14 @@ def test_bad_inputs_are_refused():
     with pytest.raises(FormatError, match="unknown weight format"):
         kernels.dequantize("fp6", packed, scale)
     with pytest.raises(FormatError, match="float8_e4m3fn"):
-        kernels.dequantize("fp8", packed, scale)
+        kernels.dequantize("fp8", packed, scale, block=V4_BLOCK)
+    fp8 = _weight("fp8", 128, "ue8m0", 64, 64)
+    with pytest.raises(FormatError, match="needs the block"):
+        kernels.dequantize("fp8", *fp8)
+    with pytest.raises(FormatError, match="32x32 blocks"):
+        kernels.dequantize("fp8", *fp8, block=(32, 32))
+    with pytest.raises(FormatError, match="applies to fp8"):
+        kernels.dequantize("mxfp4", packed, scale, block=V4_BLOCK)
     with pytest.raises(FormatError, match="channels"):
         kernels.gemm("mxfp4", torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE), packed, scale)
     stacked = _weight("mxfp4", 32, "ue8m0", 32, 128, experts=2)

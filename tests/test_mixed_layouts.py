@@ -388,7 +388,7 @@ def test_sglang_cannot_load_one_bf16_wo_a_beside_fp8_ones(converted, tmp_path):
 
     def bf16_wo_a(tensors):
         tensors["layers.1.attn.wo_a.weight"] = dequantize_fp8_block(
-            tensors["layers.1.attn.wo_a.weight"], tensors.pop("layers.1.attn.wo_a.scale")).to(torch.bfloat16)
+            tensors["layers.1.attn.wo_a.weight"], tensors.pop("layers.1.attn.wo_a.scale"), block=(128, 128)).to(torch.bfloat16)
 
     broken = tamper(source, tmp_path / "bf16-wo-a", bf16_wo_a)
     spec = _spec(source, "sm90")

@@ -167,7 +167,7 @@ def landings(name: str, ckpt: Checkpoint, loaded: sgl.LoadedModel) -> list[Landi
         weight = target.replace(".weight_scale_inv", ".weight")
         if info.param == "scale":
             return [Landing(weight, (), None, "consumed: wo_a dequantized to BF16 with it")]
-        dequantized = dequantize_fp8_block(tensor, ckpt.read(f"{info.module}.scale")).to(torch.bfloat16)
+        dequantized = dequantize_fp8_block(tensor, ckpt.read(f"{info.module}.scale"), block=(128, 128)).to(torch.bfloat16)
         return [Landing(weight, (), dequantized,
                         "converted: FP8 wo_a dequantized to BF16, the FP8 wo_a GEMM being off")]
     return _direct(target, tensor, loaded, ())
@@ -479,7 +479,7 @@ def _scale_without_weight(t):
 
 def _mixed_wq_a_wkv(t):
     t["layers.1.attn.wq_a.weight"] = dequantize_fp8_block(t["layers.1.attn.wq_a.weight"],
-                                                          t.pop("layers.1.attn.wq_a.scale")).to(torch.bfloat16)
+                                                          t.pop("layers.1.attn.wq_a.scale"), block=(128, 128)).to(torch.bfloat16)
 
 
 def _no_edit(t):

@@ -47,7 +47,7 @@ def test_tiny_values_are_realistic(tiny_ckpt):
             mx_zero_groups += int((w.view(torch.uint8).reshape(w.shape[0], -1, 16) == 0).all(-1).sum())
         elif entry.dtype == "F8_E8M0":
             fp8_exponents |= set(ckpt.read(name).view(torch.uint8).unique().tolist())
-            w = dequantize_fp8_block(ckpt.read(name.replace(".scale", ".weight")), ckpt.read(name))
+            w = dequantize_fp8_block(ckpt.read(name.replace(".scale", ".weight")), ckpt.read(name), block=(128, 128))
             if w.shape[0] >= 256 and w.shape[1] >= 256:
                 blocks = w[: w.shape[0] // 128 * 128, : w.shape[1] // 128 * 128].unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
                 zero_blocks += int((blocks == 0).all(dim=(1, 3)).sum())
@@ -79,7 +79,7 @@ def test_transformers_loads_tiny_and_runs_a_forward_pass(tiny_ckpt):
     ours = dequantize_mxfp4(ckpt.read("layers.1.ffn.experts.3.w2.weight"), ckpt.read("layers.1.ffn.experts.3.w2.scale"))
     theirs = model.model.layers[1].mlp.experts.down_proj[3].float()
     assert torch.equal(ours.bfloat16().float(), theirs)
-    ours = dequantize_fp8_block(ckpt.read("layers.4.attn.wq_b.weight"), ckpt.read("layers.4.attn.wq_b.scale"))
+    ours = dequantize_fp8_block(ckpt.read("layers.4.attn.wq_b.weight"), ckpt.read("layers.4.attn.wq_b.scale"), block=(128, 128))
     assert torch.equal(ours.bfloat16().float(), model.model.layers[4].self_attn.q_b_proj.weight.float())
 
 

@@ -594,3 +594,21 @@ def test_bench_read_floor_reads_each_routings_experts_in_two_launches(monkeypatc
         distinct = [int(ids.unique().numel()) for ids, _ in batch.routings]
         assert floors[m] == 2 * sum(distinct) / len(distinct)   # both projections of each routing's experts
     assert bench.read_floors(batches, Device("interpreter", (9, 0), 227 * 1024, "cpu")) is None
+
+
+def test_the_fp8_block_is_the_problems():
+    """#52: the problem carries its release's FP8 block (V4's 128x128 from its config; V4.1's 32x32 given here):
+    SGLang's block_shape, the BLOCK_SIZE_K values tried, the workload's scales and activation groups."""
+    import dataclasses
+
+    v4 = MoEProblem.from_config(preset_config("tiny") | _real_moe_fields(), Format.FP8, 4)
+    assert v4.fp8_block == (128, 128) and v4.block_shape == [128, 128] and space._block_ks(v4) == (128, 64)
+    v41 = dataclasses.replace(v4, fp8_block=(32, 32), experts=2, hidden=64, intermediate=64)
+    assert v41.block_shape == [32, 32] and space._block_ks(v41) == (32,)
+    assert "32x32 blocks" in v41.describe()
+    weights = workload.random_weights(v41, "cpu", seed=1)
+    assert tuple(weights.w13_scale.shape) == (2, 2 * 64 // 32, 64 // 32)
+    assert tuple(weights.w2_scale.shape) == (2, 64 // 32, 64 // 32)
+    with pytest.raises(TuneError, match=r"weight_block_size is \[32, 32\]"):
+        MoEProblem.from_config(preset_config("tiny") | _real_moe_fields()
+                               | {"quantization_config": {"weight_block_size": [32, 32]}}, Format.FP8, 4)

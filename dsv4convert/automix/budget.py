@@ -49,11 +49,13 @@ class Unit:
         return held.target + (held.draft if self.mtp else 0)
 
 
-def stored(module: str, fmt: Format, shape: tuple[int, int], fp8_scale_dtype: str = "F8_E8M0") -> list[tuple]:
-    """The tensors a linear module is stored as in ``fmt`` (INT4 in groups of 128, as the recipes write it)."""
+def stored(module: str, fmt: Format, shape: tuple[int, int], fp8_block: tuple[int, int],
+           fp8_scale_dtype: str = "F8_E8M0") -> list[tuple]:
+    """The tensors a linear module is stored as in ``fmt`` (INT4 in groups of 128, as the recipes write it; FP8 in
+    the release's ``fp8_block``)."""
     n, k = shape
     return [(f"{module}.{p.suffix}", p.dtype, p.shape)
-            for p in linear_storage(fmt, n, k, group_size=128, fp8_scale_dtype=fp8_scale_dtype)]
+            for p in linear_storage(fmt, n, k, group_size=128, fp8_scale_dtype=fp8_scale_dtype, fp8_block=fp8_block)]
 
 
 def sglang_rules(model: ServedModel, gpu: Gpu, tp: int, mtp: bool) -> sizing.LoadRules:

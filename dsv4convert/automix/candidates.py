@@ -159,7 +159,7 @@ class CandidateMaker:
                 tensors[name[len(module) + 1:]] = value.to(self.device)
                 if name.endswith(".input_scale"):
                     stored[name] = tensors["input_scale"]
-            yield module, dequantize_source(fmt, tensors, f"{module}.weight").to(self.dtype)
+            yield module, dequantize_source(fmt, tensors, f"{module}.weight", job.target_params).to(self.dtype)
 
 
 class CandidateView:
@@ -168,7 +168,7 @@ class CandidateView:
 
     def __init__(self, source: WeightSource, formats: dict[str, Format], stored: dict[str, torch.Tensor]):
         self.source, self.formats, self.stored = source, formats, stored
-        self.ckpt, self.device = source.ckpt, source.device
+        self.ckpt, self.device, self.fp8_block = source.ckpt, source.device, source.fp8_block
 
     def format_of(self, module: str) -> Format | None:
         if module in self.formats:

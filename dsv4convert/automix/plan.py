@@ -208,7 +208,8 @@ class AutomixPlan:
             shapes = self._shapes
             vllm_experts = decision.group == "experts" and "vllm" in engines_for(self.options.engine)
             scale = "F32" if fmt is Format.FP8 and vllm_experts else "F8_E8M0"
-            tensors = [t for m in self.decisions[decision] for t in budgets.stored(m, fmt, shapes[m], scale)]
+            block = self.inspection.fp8_block
+            tensors = [t for m in self.decisions[decision] for t in budgets.stored(m, fmt, shapes[m], block, scale)]
             self._bytes[key] = layout.unit.count(tensors)
         return self._bytes[key]
 

@@ -34,7 +34,6 @@ from dsv4convert.models.deepseek_v4.layout import DSparkNames
 # Dense linears SGLang builds with quant_config=None (docs/served-numerics.md): never W8A8.
 UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",
                          "attn.indexer.compressor.wkv", "attn.indexer.compressor.wgate", "ffn.gate"})
-GROUP = 128
 
 
 class Installed:
@@ -76,12 +75,17 @@ def _on_output(quantize: Callable[[torch.Tensor], torch.Tensor]):
     return hook
 
 
-def _token_groups(scale_format: str, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def _token_groups(scale_format: str, source: WeightSource, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A W8A8 block linear's input quantization: one scale per token and per weight block's columns
+    (SGLang 0.5.23 ``layers/quantization/fp8_utils.py::cutlass_w8a8_block_fp8_linear_with_fallback``:
+    ``per_token_group_quant_fp8(input_2d, block_size[1])``)."""
+    group = source.fp8_block[1]
+
     def quantize(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] % GROUP:
-            raise DSV4Error(f"{name}: input width {x.shape[-1]} is not a multiple of {GROUP}; SGLang's W8A8 "
+        if x.shape[-1] % group:
+            raise DSV4Error(f"{name}: input width {x.shape[-1]} is not a multiple of {group}; SGLang's W8A8 "
                             "block GEMM cannot take it")
-        return fp8_token_groups(x, GROUP, scale_format=scale_format, name=name)
+        return fp8_token_groups(x, group, scale_format=scale_format, name=name)
     return quantize
 
 
@@ -116,7 +120,7 @@ def install_dspark_entry(entry: nn.Module, numerics: Numerics, source: WeightSou
     name = DSparkNames.entry_proj
     if numerics.serving is None or not numerics.activations or source.format_of(name) is not Format.FP8:
         return
-    quantize = _token_groups(numerics.serving.dense_scale_format(), name)
+    quantize = _token_groups(numerics.serving.dense_scale_format(), source, name)
     installed.hook(entry.main_proj.register_forward_pre_hook(_on_input(quantize)))
 
 
@@ -132,11 +136,11 @@ def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installe
             if scale_format is None:
                 continue        # dequantized to BF16 at load: a BF16 GEMM
         target = layer.get_submodule(path.rsplit(".", 1)[0])
-        installed.hook(target.register_forward_pre_hook(_on_input(_token_groups(scale_format, f"{block}.{suffix}"))))
+        installed.hook(target.register_forward_pre_hook(_on_input(_token_groups(scale_format, source, f"{block}.{suffix}"))))
     if entry is not None:
         fmts = {source.format_of(f"{block}.{p}") for p in ("e_proj", "h_proj")}
         if fmts == {Format.FP8}:
-            installed.wrap(entry, "quantize", _token_groups(dense, f"{block}.e_proj/h_proj"))
+            installed.wrap(entry, "quantize", _token_groups(dense, source, f"{block}.e_proj/h_proj"))
 
 
 def _experts(layer: nn.Module, block: str, serving, source: WeightSource, installed: Installed) -> None:
@@ -149,7 +153,7 @@ def _experts(layer: nn.Module, block: str, serving, source: WeightSource, instal
     experts = layer.mlp.experts
     name = f"{block}.ffn.experts"
     if scheme == "fp8":
-        fc1 = fc2 = _token_groups("float32", name)
+        fc1 = fc2 = _token_groups("float32", source, name)
     elif scheme == "mxfp8":
         fc1 = fc2 = lambda x: mxfp8_activations(x, name=name)  # noqa: E731
     elif scheme == "nvfp4":

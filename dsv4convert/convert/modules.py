@@ -146,9 +146,10 @@ def read_module(job: ModuleJob, ctx: ModuleContext) -> ModuleInputs:
     return ModuleInputs(_read({p: e for p, e in job.sources.items() if p not in copied}, ctx, device), partner)
 
 
-def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """Float32 weight of a module stored in any format ``inspect`` recognises."""
-    return spec(fmt).decode(src, name)
+def dequantize_source(fmt: Format, src: dict[str, torch.Tensor], name: str, params: dict) -> torch.Tensor:
+    """Float32 weight of a module stored in any format ``inspect`` recognises, with ``params`` (its detected ones:
+    an FP8 module's ``fp8_block``)."""
+    return spec(fmt).decode(src, name, params)
 
 
 def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | None = None) -> ModuleResult:
@@ -170,7 +171,8 @@ def convert_module(job: ModuleJob, ctx: ModuleContext, inputs: ModuleInputs | No
         hessian = ctx.hessian(m)
     passthrough = job.sources.get("weight") if target.passthrough(source) else None
     encoded = target.encode(EncodeInput(
-        source=source, tensors=inputs.sources, params=job.target.params, name=m, partner=inputs.partner,
+        source=source, tensors=inputs.sources, params=job.target_params, name=m, partner=inputs.partner,
+        source_params=job.source_params,
         input_scale=input_scale, hessian=hessian,
         read_codes=(lambda offsets, length: read_pieces(passthrough, offsets, length)) if passthrough else None,
         passthrough_shape=dtypes.torch_shape(passthrough.dtype, passthrough.shape) if passthrough else None))

@@ -42,6 +42,7 @@ class ModuleJob:
     sources: dict[str, TensorEntry]          # param -> source tensor
     source_format: Format | None             # None: not a linear (norms, hc, sink, router bias...)
     target: Target
+    fp8_block: tuple[int, int]               # the release's FP8 block (rows, cols): what FP8 is written in
     logical_shape: tuple[int, int] | None = None
     partner: str | None = None               # module sharing NVFP4 global scales (w1 <-> w3)
     output_module: str = ""                  # its name in the output where the engines read another ("": module)
@@ -58,7 +59,8 @@ class ModuleJob:
         n, k = self.logical_shape
         params = self.target.params
         stored = linear_storage(self.target.format, n, k, group_size=params.get("group_size", 128),
-                                fp8_scale_dtype="F32" if params.get("scale_dtype") == "float32" else "F8_E8M0")
+                                fp8_scale_dtype="F32" if params.get("scale_dtype") == "float32" else "F8_E8M0",
+                                fp8_block=self.fp8_block)
         out = [PlannedTensor(self.output_name(f"{self.module}.{p.suffix}"), p.dtype, p.shape) for p in stored]
         # Non-weight tensors of a converted module (none in DeepSeek-V4 today) travel unchanged.
         return out + [PlannedTensor(self.output_name(e.name), e.dtype, e.shape) for p, e in self.sources.items()
@@ -71,7 +73,18 @@ class ModuleJob:
         if fmt is None:
             return False
         dtypes = {p: e.dtype for p, e in self.sources.items()}
-        return not spec(fmt).unchanged(self.source_format, dtypes, _source_params(self), self.target.params)
+        return not spec(fmt).unchanged(self.source_format, dtypes, self.source_params, self.target_params)
+
+    @property
+    def target_params(self) -> dict:
+        """What the target format's spec is given: the recipe's params and the release's FP8 block."""
+        return {**self.target.params, "fp8_block": self.fp8_block}
+
+    @property
+    def source_params(self) -> dict:
+        """The stored parameters of the module's source format (``group_size`` of INT4, ``fp8_block`` of FP8)."""
+        found = _detect(self.sources, self.logical_shape, self.fp8_block, self.module)
+        return found[1] if found else {}
 
     @property
     def output_format(self) -> Format | None:
@@ -139,7 +152,8 @@ class Plan:
             fmt = job.output_format
             # What the stored tensors say: a kept module keeps the parameters it is stored with.
             stored = {p.name.rsplit(".", 1)[1]: (p.dtype, tuple(p.shape)) for p in job.outputs}
-            out[job.module] = (fmt, stored_params(fmt, stored, job.logical_shape[1]))
+            out[job.module] = (fmt, stored_params(fmt, stored, *job.logical_shape, fp8_block=job.fp8_block,
+                                                  name=job.module))
         return out
 
     def summary(self) -> dict[str, dict[str, int]]:
@@ -153,22 +167,18 @@ class Plan:
         return {role: dict(c) for role, c in sorted(table.items())}
 
 
-def _detect(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None) -> tuple[Format, dict] | None:
+def _detect(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None, fp8_block: tuple[int, int],
+            module: str) -> tuple[Format, dict] | None:
     if native_shape is None:
         return None
     stored = {p: (e.dtype, e.shape) for p, e in job_sources.items() if p in WEIGHT_PARAMS}
-    return detect_format(stored, *native_shape)
+    return detect_format(stored, *native_shape, fp8_block=fp8_block, name=module)
 
 
-def _source_format(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None) -> Format | None:
-    found = _detect(job_sources, native_shape)
+def _source_format(job_sources: dict[str, TensorEntry], native_shape: tuple[int, int] | None,
+                   fp8_block: tuple[int, int], module: str) -> Format | None:
+    found = _detect(job_sources, native_shape, fp8_block, module)
     return found[0] if found else None
-
-
-def _source_params(job: ModuleJob) -> dict:
-    """The stored parameters of a module's source format (``group_size`` of an INT4 source)."""
-    found = _detect(job.sources, job.logical_shape)
-    return found[1] if found else {}
 
 
 def _check_applicable(job: ModuleJob, recipe: Recipe) -> None:
@@ -183,7 +193,7 @@ def _check_applicable(job: ModuleJob, recipe: Recipe) -> None:
         raise RecipeError(f"{where} asks for {fmt.value} on '{job.module}', but {NEVER_QUANTIZED[job.role]}; "
                           "SGLang would not load it", file=recipe.source)
     n, k = job.logical_shape
-    why = spec(fmt).applicable(n, k, job.source_format, job.target.params) if job.source_format else None
+    why = spec(fmt).applicable(n, k, job.source_format, job.target_params) if job.source_format else None
     if why:
         raise RecipeError(f"{where}: {why}: '{job.module}' is [{n}, {k}]", file=recipe.source)
     if job.source_format is None:
@@ -222,8 +232,9 @@ def build_plan(ckpt: Checkpoint, recipe: Recipe, *, max_shard_bytes: int = DEFAU
     for module, sources in by_module.items():
         info, shape = infos[module], native_shapes.get(module)
         renamed = output_module(module, engines_for(engine))
-        job = ModuleJob(module, info.role, info.is_mtp, sources, _source_format(sources, shape), targets[module],
-                        shape, _partner(module, info.role, targets, recipe), "" if renamed == module else renamed)
+        block = inspection.fp8_block
+        job = ModuleJob(module, info.role, info.is_mtp, sources, _source_format(sources, shape, block, module),
+                        targets[module], block, shape, _partner(module, info.role, targets, recipe), "" if renamed == module else renamed)
         _check_applicable(job, recipe)
         modules[module] = job
         groups[module_shard[module]].append(job)

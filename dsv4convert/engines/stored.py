@@ -15,6 +15,7 @@ from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import Format
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, classify, linear_shapes
+from dsv4convert.models.registry import release_of
 
 # Modules SGLang builds with quant_config=None (models/deepseek_v4.py, layers/attention/dsv4/compressor.py,
 # indexer.py) or never quantizes for V4; a quantized tensor there would not load.
@@ -51,6 +52,7 @@ class StoredFormats:
 
     formats: dict[str, tuple[Format, dict]]
     config: ModelConfig                                          # the model's (its drafter among the rest)
+    fp8_block: tuple[int, int]                                   # the release's (rows, cols) FP8 block
     experts: dict[str, Format] = field(default_factory=dict)    # block -> the one format of its FusedMoE
     int4_groups: set[int] = field(default_factory=set)
     config_linears: dict[str, Format] = field(default_factory=dict)  # native module -> format
@@ -86,7 +88,7 @@ def analyse(source_config: dict, module_formats: dict[str, tuple[Format, dict]])
         raise RecipeError("not a linear module of this model's layout", tensor=unknown[0])
     if missing:
         raise RecipeError(f"no stored format given for {len(missing)} linear module(s)", tensor=missing[0])
-    stored = StoredFormats(dict(module_formats), cfg)
+    stored = StoredFormats(dict(module_formats), cfg, release_of(source_config).fp8_block(cfg))
     by_block: dict[str, dict[Format, str]] = defaultdict(dict)
     for module, (fmt, params) in module_formats.items():
         info = classify(module + ".weight")

@@ -12,7 +12,9 @@ from dsv4convert.formats.fp8_block import (
     dequantize_fp8_block,
     e8m0_scale_to_float32,
     float32_scale_to_e8m0,
+    fp8_block_of,
     quantize_fp8_block,
+    scale_grid,
 )
 from dsv4convert.formats.int4 import (
     Int4Weight,
@@ -75,9 +77,9 @@ __all__ = [
     "ErrorMetrics", "ExactnessReport", "Int4Weight", "NVFP4Rescale", "NVFP4Weight",
     "decode_e2m1", "dequantize_fp8_block", "dequantize_int4", "dequantize_mxfp4", "dequantize_nvfp4",
     "e8m0_scale_to_float32", "e8m0_to_exponent", "e8m0_to_float", "encode_e2m1", "error_metrics",
-    "exponent_to_e8m0", "float32_scale_to_e8m0", "input_scale_from_amax", "int4_group_scales",
+    "exponent_to_e8m0", "float32_scale_to_e8m0", "fp8_block_of", "input_scale_from_amax", "int4_group_scales",
     "lossless_block_fraction", "mxfp4_to_fp8_block", "mxfp4_to_nvfp4", "mxfp4_to_nvfp4_scales",
     "nvfp4_global_exponent", "nvfp4_rescale_report",
     "pack_int4", "pack_nibbles", "quantize_fp8_block", "quantize_int4", "quantize_int4_weight",
-    "quantize_mxfp4", "quantize_nvfp4", "round_to_int4", "unpack_int4", "unpack_nibbles",
+    "quantize_mxfp4", "quantize_nvfp4", "round_to_int4", "scale_grid", "unpack_int4", "unpack_nibbles",
 ]

@@ -27,7 +27,6 @@ from dsv4convert.formats.nvfp4 import NVFP4_BLOCK
 
 Fp8ScaleFormat = Literal["float32", "ue8m0"]
 
-FP8_GROUP = 128
 MXFP8_GROUP = 32
 # SGLang's floor on a token group's amax (per_token_group_quant.cuh, per_token_group_quant_8bit_v2.cuh).
 FP8_AMAX_FLOOR = 1e-10
@@ -101,13 +100,14 @@ def round_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 def fp8_token_groups(
     x: torch.Tensor,
-    group: int = FP8_GROUP,
+    group: int,
     *,
     scale_format: Fp8ScaleFormat,
     out_dtype: torch.dtype | None = None,
     name: str | None = None,
 ) -> torch.Tensor:
-    """Dynamic E4M3 quantization per 1 x ``group`` slice of the last dim (W8A8 FP8-block linears).
+    """Dynamic E4M3 quantization per 1 x ``group`` slice of the last dim (W8A8 FP8-block linears: ``group`` is the
+    weight block's columns, the release's, e.g. 128 for DeepSeek-V4).
 
     SGLang's ``kernels/ops/quantization/fp8_kernel.py::sglang_per_token_group_quant_fp8`` and the
     JIT kernels behind it (``per_token_group_quant.cuh``, ``per_token_group_quant_8bit_v2.cuh``):

@@ -55,13 +55,14 @@ class EncodeInput:
 
     source: Format
     tensors: dict[str, torch.Tensor]           # the source's weight params, except the passthrough ones
-    params: dict                               # the target's (group_size, scale_rule, scale_dtype)
+    params: dict                               # the target's (group_size, scale_rule, scale_dtype, fp8_block)
     name: str                                  # the module (errors name ``<name>.weight``)
     partner: dict[str, torch.Tensor] = field(default_factory=dict)   # the fused partner's source tensors
     input_scale: torch.Tensor | None = None    # Calibration.ACTIVATION_AMAX
     hessian: torch.Tensor | None = None        # Calibration.HESSIAN (None: round to nearest)
     read_codes: Callable[[list[int], int], torch.Tensor] | None = None  # (byte offsets, length) of a passthrough
     passthrough_shape: tuple[int, ...] | None = None                     # that passthrough's torch shape
+    source_params: dict = field(default_factory=dict)   # the source's stored params (an FP8 source's fp8_block)
 
 
 @dataclass
@@ -86,22 +87,25 @@ class FormatSpec:
     fused_partner: ClassVar[bool] = False             # fused w1/w3 pairs share its global scales
 
     def storage(self, n: int, k: int, *, group_size: int = 128, fp8_scale_dtype: str = "F8_E8M0",
-                dense_dtype: str = "BF16") -> list[StoredParam]:
-        """The tensors a linear ``W[n, k]`` is stored as (each spec reads the keywords that apply to it)."""
+                fp8_block: tuple[int, int] | None = None, dense_dtype: str = "BF16") -> list[StoredParam]:
+        """The tensors a linear ``W[n, k]`` is stored as (each spec reads the keywords that apply to it; FP8's
+        ``fp8_block`` is the release's and has no default)."""
         raise NotImplementedError
 
-    def storage_keywords(self, stored: dict[str, tuple[str, tuple[int, ...]]], k: int) -> dict | None:
+    def storage_keywords(self, stored: dict[str, tuple[str, tuple[int, ...]]], n: int, k: int, *,
+                         fp8_block: tuple[int, int] | None = None, name: str | None = None) -> dict | None:
         """The :meth:`storage` keywords ``stored`` (suffix -> dtype, shape) would have been written with, or None
-        when it cannot be this format; :func:`detect_format` then compares the whole storage."""
+        when it cannot be this format; :func:`detect_format` then compares the whole storage. ``fp8_block`` is
+        the release's, for storage that does not say its own; ``name`` is the module errors name."""
         return {}
 
     def params(self, keywords: dict) -> dict:
         """What a quantization config describes of a stored module (INT4's ``group_size``, FP8's
-        ``fp8_scale_dtype``), from its storage keywords."""
+        ``fp8_scale_dtype`` and ``fp8_block``), from its storage keywords."""
         return {}
 
-    def decode(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """The float32 weight ``[N, K]`` of a module stored in this format."""
+    def decode(self, tensors: dict[str, torch.Tensor], name: str, params: dict) -> torch.Tensor:
+        """The float32 weight ``[N, K]`` of a module stored in this format with ``params`` (:meth:`params`)."""
         raise NotImplementedError
 
     def encode(self, inputs: EncodeInput) -> Encoded:
@@ -151,11 +155,15 @@ def linear_storage(fmt: Format, n: int, k: int, **keywords) -> list[StoredParam]
     return spec(fmt).storage(n, k, **keywords)
 
 
-def detect_format(stored: dict[str, tuple[str, tuple[int, ...]]], n: int, k: int) -> tuple[Format, dict] | None:
+def detect_format(stored: dict[str, tuple[str, tuple[int, ...]]], n: int, k: int, *,
+                  fp8_block: tuple[int, int] | None = None, name: str | None = None) -> tuple[Format, dict] | None:
     """Which format a module's stored tensors (suffix -> dtype, shape) are in, given its logical shape
-    ``[n, k]``: (format, its recipe parameters) when they match one format's storage exactly, else None."""
+    ``[n, k]``: (format, its recipe parameters) when they match one format's storage exactly, else None.
+
+    An FP8 module's block is read from its shapes, ``fp8_block`` (the release's) where they leave it open;
+    FormatError naming ``name`` where neither decides."""
     for fmt, one in REGISTRY.items():
-        keywords = one.storage_keywords(stored, k)
+        keywords = one.storage_keywords(stored, n, k, fp8_block=fp8_block, name=name)
         if keywords is None:
             continue
         expected = {p.suffix: (p.dtype, p.shape) for p in one.storage(n, k, **keywords)}
@@ -164,10 +172,11 @@ def detect_format(stored: dict[str, tuple[str, tuple[int, ...]]], n: int, k: int
     return None
 
 
-def stored_params(fmt: Format, stored: dict[str, tuple[str, tuple[int, ...]]], k: int) -> dict:
+def stored_params(fmt: Format, stored: dict[str, tuple[str, tuple[int, ...]]], n: int, k: int, *,
+                  fp8_block: tuple[int, int] | None = None, name: str | None = None) -> dict:
     """:meth:`FormatSpec.params` of a module stored as ``stored`` (suffix -> dtype, shape) in ``fmt``."""
     one = spec(fmt)
-    return one.params(one.storage_keywords(stored, k) or {})
+    return one.params(one.storage_keywords(stored, n, k, fp8_block=fp8_block, name=name) or {})
 
 
 def stored_bytes(fmt: Format, n: int, k: int, **keywords) -> int:

@@ -15,11 +15,12 @@ import torch
 
 from dsv4convert.errors import FormatError
 from dsv4convert.formats.fp8_block import (
-    FP8_BLOCK,
     dequantize_fp8_block,
     e8m0_scale_to_float32,
     float32_scale_to_e8m0,
+    fp8_block_of,
     quantize_fp8_block,
+    scale_grid,
 )
 from dsv4convert.formats.gptq import gptq_quantize_int4
 from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, SCALE_RULES, dequantize_int4, quantize_int4_weight
@@ -49,7 +50,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 def decoded(inputs: EncodeInput) -> torch.Tensor:
     """The source weight as float32 (what every requantization starts from)."""
-    return spec(inputs.source).decode(inputs.tensors, f"{inputs.name}.weight")
+    return spec(inputs.source).decode(inputs.tensors, f"{inputs.name}.weight", inputs.source_params)
 
 
 @register
@@ -61,11 +62,11 @@ class BF16(FormatSpec):
     def storage(self, n, k, *, dense_dtype="BF16", **_):
         return [StoredParam("weight", dense_dtype, (n, k))]
 
-    def storage_keywords(self, stored, k):
+    def storage_keywords(self, stored, n, k, **_):
         weight = stored.get("weight")
         return {"dense_dtype": weight[0]} if set(stored) == {"weight"} and weight[0] in DENSE_DTYPES else None
 
-    def decode(self, tensors, name):
+    def decode(self, tensors, name, params):
         return tensors["weight"].float()
 
     def encode(self, inputs):
@@ -78,45 +79,52 @@ class FP8(FormatSpec):
     weight_params = ("weight", "scale")
     kernel_params = ("weight", "scale")
     bits_per_weight = 8
-    # Without scale_dtype the block scales are left to the engines (recipe.Recipe.target_for).
+    # Without scale_dtype the block scales are left to the engines (recipe.Recipe.target_for). The block is not a
+    # recipe's: the caller puts the release's in the target's params as ``fp8_block`` (rows, cols).
     recipe_params = {"scale_dtype": {"enum": ["e8m0", "float32"]}}
 
-    def storage(self, n, k, *, fp8_scale_dtype="F8_E8M0", **_):
+    def storage(self, n, k, *, fp8_block, fp8_scale_dtype="F8_E8M0", **_):
         return [StoredParam("weight", "F8_E4M3", (n, k)),
-                StoredParam("scale", fp8_scale_dtype, (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)))]
+                StoredParam("scale", fp8_scale_dtype, scale_grid(n, k, fp8_block))]
 
-    def storage_keywords(self, stored, k):
-        scale = stored.get("scale")
-        return {"fp8_scale_dtype": scale[0]} if scale and scale[0] in ("F8_E8M0", "F32") else None
+    def storage_keywords(self, stored, n, k, *, fp8_block=None, name=None):
+        weight, scale = stored.get("weight"), stored.get("scale")
+        if not (weight and scale and weight[0] == "F8_E4M3" and scale[0] in ("F8_E8M0", "F32") and len(scale[1]) == 2):
+            return None
+        block = fp8_block_of((n, k), scale[1], known=fp8_block, name=f"{name}.scale" if name else None)
+        return {"fp8_scale_dtype": scale[0], "fp8_block": block} if block else None
 
     def params(self, keywords):
-        return {"fp8_scale_dtype": keywords["fp8_scale_dtype"]}
+        return {"fp8_scale_dtype": keywords["fp8_scale_dtype"], "fp8_block": keywords["fp8_block"]}
 
-    def decode(self, tensors, name):
-        return dequantize_fp8_block(tensors["weight"], tensors["scale"], name=name)
+    def decode(self, tensors, name, params):
+        return dequantize_fp8_block(tensors["weight"], tensors["scale"], block=params["fp8_block"], name=name)
 
     def applicable(self, n, k, source, params):
-        if source is Format.MXFP4 and (n % FP8_BLOCK or k % FP8_BLOCK):
-            return f"the lossless MXFP4->FP8 cast needs {FP8_BLOCK}-multiples"
+        rows, cols = params["fp8_block"]
+        if source is Format.MXFP4 and (n % rows or k % cols):
+            return f"the lossless MXFP4->FP8 cast needs multiples of its {rows}x{cols} blocks"
         return None
 
     def unchanged(self, source, source_dtypes, source_params, params):
         wanted = "F32" if params.get("scale_dtype") == "float32" else "F8_E8M0"
-        return source is Format.FP8 and source_dtypes.get("scale") == wanted
+        return (source is Format.FP8 and source_dtypes.get("scale") == wanted
+                and source_params.get("fp8_block") == params["fp8_block"])
 
     def encode(self, inputs):
-        src, m = inputs.tensors, inputs.name
+        src, m, block = inputs.tensors, inputs.name, inputs.params["fp8_block"]
         want_f32 = inputs.params.get("scale_dtype") == "float32"
         report = None
-        if inputs.source is Format.FP8:   # only the scale form changes: exact both ways
+        if inputs.source is Format.FP8 and inputs.source_params.get("fp8_block") == block:
+            # only the scale form changes: exact both ways
             weight, scale = src["weight"], src["scale"]
             scale = e8m0_scale_to_float32(scale) if want_f32 else float32_scale_to_e8m0(scale, name=f"{m}.scale")
         elif inputs.source is Format.MXFP4:
-            weight, scale, report = mxfp4_to_fp8_block(src["weight"], src["scale"], name=f"{m}.weight")
+            weight, scale, report = mxfp4_to_fp8_block(src["weight"], src["scale"], block=block, name=f"{m}.weight")
             scale = e8m0_scale_to_float32(scale) if want_f32 else scale
         else:
-            weight, scale = quantize_fp8_block(decoded(inputs), scale_fmt="float32" if want_f32 else "ue8m0",
-                                               name=f"{m}.weight")
+            weight, scale = quantize_fp8_block(decoded(inputs), block=block,
+                                               scale_fmt="float32" if want_f32 else "ue8m0", name=f"{m}.weight")
         return Encoded([("weight", weight), ("scale", scale)], report)
 
 
@@ -131,7 +139,7 @@ class MXFP4(FormatSpec):
     def storage(self, n, k, **_):
         return [StoredParam("weight", "I8", (n, k // 2)), StoredParam("scale", "F8_E8M0", (n, k // MXFP4_BLOCK))]
 
-    def decode(self, tensors, name):
+    def decode(self, tensors, name, params):
         return dequantize_mxfp4(tensors["weight"], tensors["scale"], name=name)
 
 
@@ -153,7 +161,7 @@ class NVFP4(FormatSpec):
     def applicable(self, n, k, source, params):
         return f"nvfp4 needs K divisible by {NVFP4_BLOCK}" if k % NVFP4_BLOCK else None
 
-    def decode(self, tensors, name):
+    def decode(self, tensors, name, params):
         return dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"], name=name)
 
     def passthrough(self, source):
@@ -187,7 +195,8 @@ class NVFP4(FormatSpec):
             w = decoded(inputs)
             amax = w.abs().amax()
             if partner:
-                amax = torch.maximum(amax, spec(inputs.source).decode(partner, weight_name).abs().amax())
+                amax = torch.maximum(amax, spec(inputs.source).decode(partner, weight_name,
+                                                                      inputs.source_params).abs().amax())
             q = quantize_nvfp4(w, global_amax=amax, name=weight_name)
             weight, weight_scale, weight_scale_2 = q.weight, q.weight_scale, q.weight_scale_2
         return Encoded([("weight", weight), ("weight_scale", weight_scale),
@@ -210,7 +219,7 @@ class INT4(FormatSpec):
                 StoredParam("weight_scale", "BF16", (n, math.ceil(k / group_size))),
                 StoredParam("weight_shape", "I64", (2,))]
 
-    def storage_keywords(self, stored, k):
+    def storage_keywords(self, stored, n, k, **_):
         scale = stored.get("weight_scale")
         if "weight_packed" not in stored or not scale or len(scale[1]) != 2 or not scale[1][1]:
             return None
@@ -228,7 +237,7 @@ class INT4(FormatSpec):
         # A kept INT4 module keeps its group; another group size is a requantization.
         return source is Format.INT4 and source_params.get("group_size") == params["group_size"]
 
-    def decode(self, tensors, name):
+    def decode(self, tensors, name, params):
         shape = tuple(int(d) for d in tensors["weight_shape"].tolist())
         group = shape[1] // tensors["weight_scale"].shape[1]
         return dequantize_int4(tensors["weight_packed"], tensors["weight_scale"], shape, group_size=group, name=name)

@@ -4,7 +4,7 @@ Both transcodes work from the E8M0 exponents and, where they must, the raw code 
 neither decodes the weights through floating point on the common (exact) path.
 
 * :func:`mxfp4_to_fp8_block` follows DeepSeek's ``cast_e2m1fn_to_e4m3fn`` (V4
-  ``inference/convert.py``): per 128x128 tile, ``B = max(sub-scale exponents) - 6`` and each
+  ``inference/convert.py``): per FP8 block (128x128 there), ``B = max(sub-scale exponents) - 6`` and each
   element becomes ``e4m3(e2m1 * 2**(k - B))``. ``6 * 2**6 = 384 <= 448`` so nothing
   overflows; an element is exact unless ``k - B < -8`` pushes small codes under E4M3's
   2**-9 grid (a tile whose exponents span more than 14 binades).
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4convert.errors import FormatError
+from dsv4convert.formats.fp8_block import Block
 from dsv4convert.formats.mxfp4 import MXFP4_BLOCK, mxfp4_shape
 from dsv4convert.formats.numerics import (
     E4M3_MAX,
@@ -38,8 +39,6 @@ from dsv4convert.formats.numerics import (
 )
 from dsv4convert.formats.nvfp4 import NVFP4_BLOCK, NVFP4Weight
 
-FP8_TILE = 128
-_SUBS_PER_TILE = FP8_TILE // MXFP4_BLOCK
 _BYTES_PER_SUB = MXFP4_BLOCK // 2
 # DeepSeek's headroom: the tile's largest sub-scale maps to 2**6, and 6 * 2**6 = 384 <= 448.
 _FP8_HEADROOM_EXP = 6
@@ -109,20 +108,22 @@ def mxfp4_to_fp8_block(
     packed: torch.Tensor,
     scale: torch.Tensor,
     *,
+    block: Block,
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
-    """MXFP4 ``(packed [N, K/2], scale [N, K/32])`` -> ``(e4m3 [N, K], E8M0 [N/128, K/128], report)``.
+    """MXFP4 ``(packed [N, K/2], scale [N, K/32])`` -> ``(e4m3 [N, K], E8M0 [N/rows, K/cols], report)``.
 
-    N and K must be multiples of 128, as in DeepSeek's reference. The tile exponent is
-    clamped at E8M0's floor (-127) for tiles whose scales all sit near 2**-127, which keeps
-    every shift at or below 6. Blocks of the report are the 128x128 tiles.
+    N and K must be multiples of the ``block`` (rows, cols), as in DeepSeek's reference, and its columns whole
+    32-element MXFP4 blocks. The tile exponent is clamped at E8M0's floor (-127) for tiles whose scales all sit
+    near 2**-127, which keeps every shift at or below 6. Blocks of the report are the FP8 blocks.
     """
     n, k = mxfp4_shape(packed, scale, name)
-    if n % FP8_TILE or k % FP8_TILE:
-        raise FormatError(f"MXFP4 -> FP8 block needs N and K multiples of {FP8_TILE}, got [{n}, {k}]",
-                          tensor=name)
-    tiles_n, tiles_k = n // FP8_TILE, k // FP8_TILE
-    sub_exp = e8m0_to_exponent(scale, name=name).reshape(tiles_n, FP8_TILE, tiles_k, _SUBS_PER_TILE)
+    rows, cols = block
+    if n % rows or k % cols or cols % MXFP4_BLOCK:
+        raise FormatError(f"MXFP4 -> FP8 {rows}x{cols} blocks need N a multiple of {rows} and K of {cols} "
+                          f"({cols} a multiple of {MXFP4_BLOCK}), got [{n}, {k}]", tensor=name)
+    tiles_n, tiles_k = n // rows, k // cols
+    sub_exp = e8m0_to_exponent(scale, name=name).reshape(tiles_n, rows, tiles_k, cols // MXFP4_BLOCK)
     tile_exp = (sub_exp.amax(dim=(1, 3)) - _FP8_HEADROOM_EXP).clamp(min=-E8M0_BIAS)
     shift = (sub_exp - tile_exp[:, None, :, None]).reshape(n, k // MXFP4_BLOCK)
 
@@ -132,7 +133,7 @@ def mxfp4_to_fp8_block(
     out_bytes = _fp8_byte_pairs(packed.device).index_select(0, index.reshape(-1)).view(torch.uint8)
     weight = out_bytes.reshape(n, k).view(torch.float8_e4m3fn)
 
-    report = _fp8_report(source, shift, sub_exp.reshape(n, -1), tile_exp, out_bytes.reshape(n, -1, MXFP4_BLOCK))
+    report = _fp8_report(source, shift, sub_exp.reshape(n, -1), tile_exp, out_bytes.reshape(n, -1, MXFP4_BLOCK), block)
     return weight, exponent_to_e8m0(tile_exp, name=name), report
 
 
@@ -142,6 +143,7 @@ def _fp8_report(
     sub_exp: torch.Tensor,
     tile_exp: torch.Tensor,
     out_bytes: torch.Tensor,
+    block: Block,
 ) -> ExactnessReport:
     """Exactness of an MXFP4 -> FP8 cast, decoding only the sub-blocks that can be inexact."""
     n, subs = shift.shape
@@ -151,7 +153,7 @@ def _fp8_report(
         return ExactnessReport(tiles_total, tiles_total, source.numel() * 2, source.numel() * 2, 0.0)
     rows, cols = suspect.nonzero(as_tuple=True)
     original = decode_e2m1_packed(source[rows, cols]).double() * torch.exp2(sub_exp[rows, cols].double())[:, None]
-    tile_row, tile_col = rows // FP8_TILE, cols // _SUBS_PER_TILE
+    tile_row, tile_col = rows // block[0], cols // (block[1] // MXFP4_BLOCK)
     converted = out_bytes[rows, cols].view(torch.float8_e4m3fn).double()
     converted *= torch.exp2(tile_exp[tile_row, tile_col].double())[:, None]
     equal = original == converted

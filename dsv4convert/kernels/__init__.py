@@ -7,7 +7,8 @@ two agree bit for bit on dequantization and quantization, and to BF16 rounding o
 callers such as the validator run anywhere and get the same answers.
 
 Weight tensors are passed as a checkpoint stores them; see :mod:`dsv4convert.kernels.operands`
-for each format's tuple. Formats: ``fp8``, ``mxfp4``, ``nvfp4``, ``int4`` (the format registry's names, :class:`dsv4convert.formats.Format`).
+for each format's tuple. FP8 takes the ``block`` (rows, cols) it is written in, the release's (128x128 for
+DeepSeek-V4, 32x32 for V4.1): nothing here assumes one. Formats: ``fp8``, ``mxfp4``, ``nvfp4``, ``int4`` (the format registry's names, :class:`dsv4convert.formats.Format`).
 
 :func:`quantize` and :func:`transcode_mxfp4` are the converters' GPU path: they return exactly
 what the ``dsv4convert.formats`` functions return (same types, same bytes, same exactness
@@ -22,7 +23,7 @@ from typing import Literal
 import torch
 
 from dsv4convert.errors import DSV4Error, FormatError
-from dsv4convert.formats.fp8_block import ScaleFormat, quantize_fp8_block
+from dsv4convert.formats.fp8_block import Block, ScaleFormat, quantize_fp8_block
 from dsv4convert.formats.int4 import DEFAULT_SCALE_RULE, Int4Weight, ScaleRule, quantize_int4_weight
 from dsv4convert.formats.nvfp4 import NVFP4Weight
 from dsv4convert.formats.transcode import ExactnessReport, mxfp4_to_fp8_block, mxfp4_to_nvfp4
@@ -71,26 +72,27 @@ def _triton() -> SimpleNamespace:
     return SimpleNamespace(launch=launch, quantize=quantize_launch)
 
 
-def dequantize(fmt: str, *tensors: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+def dequantize(fmt: str, *tensors: torch.Tensor, block: Block | None = None, out_dtype: torch.dtype = torch.bfloat16,
                backend: Backend = "auto", name: str | None = None) -> torch.Tensor:
     """Dense weights ``[N, K]`` (or ``[E, N, K]`` for a stack of experts) from a quantized weight."""
-    weight = quantized_weight(fmt, tensors, name=name)
+    weight = quantized_weight(fmt, tensors, block=block, name=name)
     if _use_triton(weight.device, backend):
         return _triton().launch.dequantize(weight, out_dtype)
     return reference.dequantize(weight, out_dtype)
 
 
-def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True,
+def quantize_activations_fp8(x: torch.Tensor, *, group: int, pow2_scale: bool = True,
                              backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token, per-128-channel FP8 activations ``(float8_e4m3fn [M, K], float32 [M, ceil(K/128)])``.
+    """Per-token, per-``group``-channel FP8 activations ``(float8_e4m3fn [M, K], float32 [M, ceil(K/group)])``;
+    ``group`` is the FP8 weight block's columns.
 
     ``pow2_scale`` rounds each scale up to a power of two, as DeepSeek's ``ue8m0`` kernels do.
     """
     if x.ndim != 2:
         raise FormatError(f"activations must be [M, K], got shape {list(x.shape)}")
     if _use_triton(x.device, backend):
-        return _triton().launch.quantize_activations_fp8(x.contiguous(), pow2_scale=pow2_scale)
-    return reference.quantize_activations_fp8(x, pow2_scale=pow2_scale)
+        return _triton().launch.quantize_activations_fp8(x.contiguous(), group=group, pow2_scale=pow2_scale)
+    return reference.quantize_activations_fp8(x, group=group, pow2_scale=pow2_scale)
 
 
 def _run_grouped(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, backend: Backend) -> torch.Tensor:
@@ -104,14 +106,14 @@ def _run_grouped(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor
     return reference.grouped_gemm(weight, x, offsets).to(torch.bfloat16)
 
 
-def gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, backend: Backend = "auto",
+def gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, block: Block | None = None, backend: Backend = "auto",
          name: str | None = None) -> torch.Tensor:
     """BF16 ``Y = X @ W^T`` for BF16 ``X [M, K]`` and one quantized ``W [N, K]``, dequantized in the kernel.
 
-    For ``fp8`` the activations are quantized per token and 128 channels first
+    For ``fp8`` the activations are quantized per token and ``block``'s columns first
     (:func:`quantize_activations_fp8`) and the product runs on FP8 tensor cores.
     """
-    weight = quantized_weight(fmt, tensors, name=name)
+    weight = quantized_weight(fmt, tensors, block=block, name=name)
     if weight.stacked:
         raise FormatError(f"gemm takes one matrix; use grouped_gemm for a stack of {weight.experts}", tensor=name)
     if x.ndim != 2:
@@ -121,14 +123,14 @@ def gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, backend: Backend = "
 
 
 def grouped_gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, expert_offsets: torch.Tensor | None = None,
-                 backend: Backend = "auto", name: str | None = None) -> torch.Tensor:
+                 block: Block | None = None, backend: Backend = "auto", name: str | None = None) -> torch.Tensor:
     """All experts of a layer in one launch, with stacked weights ``[E, N, K]``.
 
     Either ``x`` is a dense probe batch ``[E, M, K]`` (returns ``[E, M, N]``), or ``x`` is
     ``[T, K]`` with tokens sorted by expert and ``expert_offsets`` int ``[E + 1]`` giving each
     expert's rows ``offsets[e]:offsets[e+1]`` (returns ``[T, N]``), as serving MoE kernels take them.
     """
-    weight = quantized_weight(fmt, tensors, name=name)
+    weight = quantized_weight(fmt, tensors, block=block, name=name)
     if not weight.stacked:
         raise FormatError("grouped_gemm takes stacked weights [E, N, K']; use gemm for one matrix", tensor=name)
     experts = weight.experts
@@ -149,18 +151,20 @@ def grouped_gemm(fmt: str, x: torch.Tensor, *tensors: torch.Tensor, expert_offse
     return _run_grouped(weight, x, expert_offsets.to(device=x.device, dtype=torch.int32), backend)
 
 
-def quantize(fmt: Literal["fp8", "int4"], w: torch.Tensor, *, block: int = 128,
+def quantize(fmt: Literal["fp8", "int4"], w: torch.Tensor, *, block: Block | None = None,
              scale_fmt: ScaleFormat = "ue8m0", group_size: int = 128, scale_rule: ScaleRule = DEFAULT_SCALE_RULE,
              backend: Backend = "auto", name: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | Int4Weight:
     """Quantize a dense weight ``[N, K]`` where it lives, bit-identical to the CPU path.
 
     ``fp8`` returns :func:`dsv4convert.formats.quantize_fp8_block`'s ``(weight, scale)``
-    (``block`` and ``scale_fmt`` apply); ``int4`` returns
+    (``block``, required, and ``scale_fmt`` apply); ``int4`` returns
     :func:`dsv4convert.formats.quantize_int4_weight`'s :class:`Int4Weight` (``group_size`` and
     ``scale_rule`` apply).
     """
     if fmt not in ("fp8", "int4"):
         raise FormatError(f"quantize writes 'fp8' or 'int4', not {fmt!r}", tensor=name)
+    if fmt == "fp8" and block is None:
+        raise FormatError("fp8 quantization needs the block (rows, cols) to write", tensor=name)
     if not _use_triton(w.device, backend):
         if fmt == "fp8":
             return quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
@@ -171,22 +175,25 @@ def quantize(fmt: Literal["fp8", "int4"], w: torch.Tensor, *, block: int = 128,
 
 
 def transcode_mxfp4(target: Literal["nvfp4", "fp8"], packed: torch.Tensor, scale: torch.Tensor, *,
-                    global_exponent: int | None = None, backend: Backend = "auto", name: str | None = None,
+                    global_exponent: int | None = None, block: Block | None = None, backend: Backend = "auto",
+                    name: str | None = None,
                     ) -> tuple[NVFP4Weight, ExactnessReport] | tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
     """Re-encode MXFP4 ``(packed [N, K/2], scale [N, K/32])`` where it lives, bit-identical to the CPU path.
 
     ``nvfp4`` returns :func:`dsv4convert.formats.mxfp4_to_nvfp4`'s ``(NVFP4Weight, report)``
     (``global_exponent`` applies; pass the one w1 and w3 share); ``fp8`` returns
-    :func:`dsv4convert.formats.mxfp4_to_fp8_block`'s ``(weight, scale, report)``.
+    :func:`dsv4convert.formats.mxfp4_to_fp8_block`'s ``(weight, scale, report)`` in ``block`` (required).
     """
     if target not in ("nvfp4", "fp8"):
         raise FormatError(f"MXFP4 transcodes to 'nvfp4' or 'fp8', not {target!r}", tensor=name)
     if target == "fp8" and global_exponent is not None:
         raise FormatError("global_exponent applies to the NVFP4 transcode only", tensor=name)
+    if (target == "fp8") != (block is not None):
+        raise FormatError("the FP8 transcode needs its block (rows, cols), and only it takes one", tensor=name)
     if not _use_triton(packed.device, backend):
         if target == "nvfp4":
             return mxfp4_to_nvfp4(packed, scale, global_exponent=global_exponent, name=name)
-        return mxfp4_to_fp8_block(packed, scale, name=name)
+        return mxfp4_to_fp8_block(packed, scale, block=block, name=name)
     if target == "nvfp4":
         return _triton().quantize.mxfp4_to_nvfp4(packed, scale, global_exponent=global_exponent, name=name)
-    return _triton().quantize.mxfp4_to_fp8_block(packed, scale, name=name)
+    return _triton().quantize.mxfp4_to_fp8_block(packed, scale, block=block, name=name)

@@ -108,7 +108,7 @@ _WEIGHT_ONLY: dict[str, GemmTable] = {
 # exact two-level accumulation (every 128-wide K slice's dot scaled into an FP32 accumulator, as
 # DeepSeek's kernels and SGLang's run it) is best as "tma": TMA operand loads, 64x128 tiles,
 # 4 warps, 3 stages (three CTAs per SM), measured 64-76% of row-wise torch._scaled_mm including
-# the activation quantization; the earlier 64x128 pointer-load kernel 50-54%. FAST_ACCUM_FP8_BLOCK
+# the activation quantization; the earlier 64x128 pointer-load kernel 50-54%. FAST_ACCUM_FP8
 # below ("tma_rescale": the accumulator rescaled between K blocks and fed to the dot, so the sum
 # runs in the tensor core's reduced-precision FP8 accumulation, like use_fast_accum=True) measured
 # 70-75% then (69-76% since the default's group_m=64: no longer faster), and its error grows with K
@@ -125,7 +125,7 @@ _WEIGHT_ONLY: dict[str, GemmTable] = {
 # 128x128 with 8 warps, 128x64) were slower at every shape. Session 9 rounded the outputs in
 # hardware (1.01-1.08x at M=4096, bench/results/fp8-epilogue-h200.md; now 68-98%) and swept the
 # tiles again: 64x256 (4 or 8 warps), 128x128 and 128x256 (8 warps) were 0.47-0.89x this one.
-_FP8_BLOCK: dict[str, GemmTable] = {
+_FP8_GEMM: dict[str, GemmTable] = {
     "sm_90": (
         (16, GemmConfig(16, 32, 128, split_k=4, num_warps=4, num_stages=4)),
         (64, GemmConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)),
@@ -140,12 +140,12 @@ _FP8_BLOCK: dict[str, GemmTable] = {
 }
 
 # sm_90, M > 64, E8M0 weight scales only: faster, less exact (see above); bench/kernels.py times it.
-FAST_ACCUM_FP8_BLOCK = GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3, group_m=16,
+FAST_ACCUM_FP8 = GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3, group_m=16,
                                   variant="tma_rescale")
 
 # Safe configs: no split-K, shallow pipelines, small tiles that fit every architecture.
 SAFE_WEIGHT_ONLY = GemmConfig(32, 64, 64, split_k=1, num_warps=4, num_stages=2)
-SAFE_FP8_BLOCK = GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)
+SAFE_FP8 = GemmConfig(32, 64, 128, split_k=1, num_warps=4, num_stages=2)
 
 # Dequantization tiles (rows x columns per program), per format family. FP8: bench/kernels.py
 # --sweep on the H200, nine tiles within 3% of each other on average (16 x 256: 85%, and the
@@ -169,8 +169,8 @@ _DEQUANT_TILES = {
     },
 }
 
-GEMM_TABLES: dict[str, dict[str, GemmTable]] = {"weight_only": _WEIGHT_ONLY, "fp8": _FP8_BLOCK}
-SAFE_GEMM: dict[str, GemmConfig] = {"weight_only": SAFE_WEIGHT_ONLY, "fp8": SAFE_FP8_BLOCK}
+GEMM_TABLES: dict[str, dict[str, GemmTable]] = {"weight_only": _WEIGHT_ONLY, "fp8": _FP8_GEMM}
+SAFE_GEMM: dict[str, GemmConfig] = {"weight_only": SAFE_WEIGHT_ONLY, "fp8": SAFE_FP8}
 
 
 def gemm_config(kind: str, arch: str, tokens_per_expert: int) -> GemmConfig:

@@ -14,7 +14,7 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.kernels import configs, reference
 from dsv4convert.kernels._runtime import arch_of, interpreting
 from dsv4convert.kernels.configs import GemmConfig
-from dsv4convert.kernels.operands import FP8_BLOCK, QuantizedWeight, quantized_weight
+from dsv4convert.kernels.operands import QuantizedWeight, quantized_weight
 from dsv4convert.kernels.samples import random_activations, random_weight
 from dsv4convert.kernels.triton_fp8_gemm import act_quant_kernel, fp8_block_gemm_kernel
 from dsv4convert.kernels.triton_gemv import (
@@ -44,22 +44,23 @@ def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype,
     cfg = cfg or configs.dequant_config(arch_of(weight.device), weight.fmt)
     rows = weight.experts * weight.n
     out = torch.empty(rows, weight.k, dtype=out_dtype, device=weight.device)
-    if weight.fmt == "fp8" and weight.n % FP8_BLOCK and weight.experts > 1:
-        # Ragged 128-row blocks do not line up across a flattened stack: one launch per expert.
+    if weight.fmt == "fp8" and weight.n % weight.block[0] and weight.experts > 1:
+        # Ragged row blocks do not line up across a flattened stack: one launch per expert.
         parts = [dequantize(_one_expert(weight, e), out_dtype, cfg) for e in range(weight.experts)]
         return torch.stack(parts)
     codes = weight.codes.reshape(rows, -1)
     scale = weight.scale.reshape(-1, weight.scale.shape[-1])
     hw_round = not interpreting()
     if weight.fmt == "fp8":
-        # A tile's rows must share one row of 128x128 scales, and its columns whole scale blocks.
-        block_n = min(cfg.block_rows, FP8_BLOCK)
-        block_k = triton.cdiv(cfg.block_cols, FP8_BLOCK) * FP8_BLOCK
+        # A tile's rows must share one row of block scales, and its columns whole scale blocks.
+        scale_rows, scale_cols = weight.block
+        block_n = min(cfg.block_rows, scale_rows)
+        block_k = triton.cdiv(cfg.block_cols, scale_cols) * scale_cols
         grid = (triton.cdiv(rows, block_n), triton.cdiv(weight.k, block_k))
         dequant_fp8_kernel[grid](
             codes, scale, out, rows, weight.k, codes.stride(0), scale.stride(0), out.stride(0),
             SCALE_E8M0=weight.scale_is_e8m0, HW_ROUND=hw_round, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=cfg.num_warps,
+            WEIGHT_BLOCK_N=scale_rows, WEIGHT_BLOCK_K=scale_cols, num_warps=cfg.num_warps,
         )
     else:
         global_scale = weight.global_scale if weight.global_scale is not None else scale
@@ -82,28 +83,32 @@ def _one_expert(weight: QuantizedWeight, expert: int) -> QuantizedWeight:
     )
 
 
-# Activation quantization tile: (tokens, 128-channel groups, warps) per program. On the H200 at
+# Activation quantization tile: (tokens, channel groups, warps) per program. On the H200 at
 # M=4096 seven tiles measured within 0.5 us of each other (12.4-13.1 us at K=4096); below 64
 # tokens the 16-token, one-group tile the kernel had before is kept (more programs).
 ACT_QUANT_TILE = (32, 2, 4)
 ACT_QUANT_TILE_FEW_TOKENS = (16, 1, 4)
+_ACT_QUANT_WIDTH = 128   # the channels per group the tiles above were measured with
 
 
-def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 codes ``[M, K]`` and FP32 scales ``[M, ceil(K/128)]``.
+def quantize_activations_fp8(x: torch.Tensor, *, group: int, pow2_scale: bool = True,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes ``[M, K]`` and FP32 scales ``[M, ceil(K/group)]`` (``group``: the weight block's columns).
 
     The scales are stored M-major (a transposed view, stride 1 along M), so the GEMM reads a
-    row tile's scales for one K block as one contiguous vector.
+    row tile's scales for one K block as one contiguous vector. A program covers ``per_program``
+    128-channel groups' width whatever the group (the tile measured for DeepSeek-V4's 128).
     """
     m, k = x.shape
-    groups = triton.cdiv(k, 128)
+    groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
     block_m, per_program, warps = ACT_QUANT_TILE if m > 64 else ACT_QUANT_TILE_FEW_TOKENS
+    per_program = max(1, per_program * _ACT_QUANT_WIDTH // group)
     act_quant_kernel[(triton.cdiv(m, block_m), triton.cdiv(groups, per_program))](
         x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
         reference.ACTIVATION_EPS, POW2_SCALE=pow2_scale, HW_ROUND=not interpreting(), BLOCK_M=block_m,
-        GROUPS=per_program, num_warps=warps,
+        GROUPS=per_program, GROUP=group, num_warps=warps,
     )
     return q, scale
 
@@ -120,7 +125,11 @@ def _launch(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, max
         split_k = 1  # reduces its K slices in the launch itself, into BF16 Y
     y = (torch.zeros if split_k > 1 else torch.empty)(
         x.shape[0], weight.n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, cfg.block_n), cfg.split_k,
+    tile_n = cfg.block_n
+    if weight.fmt == "fp8":
+        block_n, halves = _fp8_tile(cfg, weight)
+        tile_n = block_n * halves
+    grid = (triton.cdiv(max(max_rows, 1), cfg.block_m) * triton.cdiv(weight.n, tile_n), cfg.split_k,
             weight.experts)
     if weight.fmt == "fp8":
         _launch_fp8_block(weight, x, offsets, y, grid, cfg)
@@ -135,31 +144,44 @@ def _fp8_uses_tma(cfg: GemmConfig, weight: QuantizedWeight) -> bool:
             and weight.k % 16 == 0 and weight.codes.is_contiguous())
 
 
+def _fp8_tile(cfg: GemmConfig, weight: QuantizedWeight) -> tuple[int, int]:
+    """(columns per half, halves) of ``cfg``'s tile on FP8 weights: a half lies within one row of weight scale
+    blocks, so ``cfg.block_n`` twice the block's rows runs as two halves (256 on 128-row blocks) and a wider one
+    is narrowed to one block."""
+    rows = weight.block[0]
+    if cfg.block_n == 2 * rows:
+        return rows, 2
+    return min(cfg.block_n, rows), 1
+
+
 def _launch_fp8_block(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor,
                       grid: tuple[int, int, int], cfg: GemmConfig) -> None:
-    """``cfg.block_n`` is the tile width: 256 runs as two 128-column halves (one weight scale each).
+    """``cfg.block_n`` is the tile width (:func:`_fp8_tile`): on 128x128 blocks 256 runs as two 128-column
+    halves (one weight scale each).
 
     ``cfg.variant``: ``tile`` (pointer loads), ``tma`` (tensor descriptors on sm_90), ``*rescale*``
     (E8M0 weight scales: the accumulator is rescaled between K blocks and fed to the dot, see the
     kernel).
     """
-    xq, xs = quantize_activations_fp8(x)
+    scale_rows, scale_cols = weight.block
+    xq, xs = quantize_activations_fp8(x, group=scale_cols)
     w_scale = weight.scale
-    block_n, halves = (128, 2) if cfg.block_n == 256 else (cfg.block_n, 1)
+    block_n, halves = _fp8_tile(cfg, weight)
     x_desc = w_desc = None
     if _fp8_uses_tma(cfg, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, FP8_BLOCK])
-        w_desc = TensorDescriptor.from_tensor(weight.codes.view(-1, weight.k), [block_n, FP8_BLOCK])
+        x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, scale_cols])
+        w_desc = TensorDescriptor.from_tensor(weight.codes.view(-1, weight.k), [block_n, scale_cols])
     fp8_block_gemm_kernel[grid](
         xq, xs, weight.codes, w_scale, y, offsets, x_desc, w_desc, x.shape[0], weight.n, weight.k,
         xq.stride(0), xs.stride(0), xs.stride(1), weight.codes.stride(0), weight.codes.stride(1),
         w_scale.stride(0), w_scale.stride(1), y.stride(0),
         SCALE_E8M0=weight.scale_is_e8m0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, N_HALVES=halves,
-        SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, EVEN_K=weight.k % FP8_BLOCK == 0,
+        SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, EVEN_K=weight.k % scale_cols == 0,
         USE_TMA=x_desc is not None, RESCALE="rescale" in cfg.variant and weight.scale_is_e8m0 and halves == 1,
-        HW_ROUND=not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HW_ROUND=not interpreting(), WEIGHT_BLOCK_N=scale_rows, WEIGHT_BLOCK_K=scale_cols,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -270,15 +292,16 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return float(diff.norm() / reference.double().norm().clamp(min=1e-30))
 
 
-def _config_passes(fmt: str, group: int, cfg: GemmConfig, device: torch.device) -> bool:
-    """Run ``cfg`` on a small random two-expert problem that covers its split-K and tile edges."""
+def _config_passes(fmt: str, group: int, block: tuple[int, int] | None, cfg: GemmConfig,
+                   device: torch.device) -> bool:
+    """Run ``cfg`` on a small random two-expert problem that covers its split-K and tile edges (FP8 in ``block``)."""
     generator = torch.Generator().manual_seed(1234)
-    block_k = FP8_BLOCK if fmt == "fp8" else max(cfg.block_k, group)
+    block_k = block[1] if fmt == "fp8" else max(cfg.block_k, group)
     n, k = 2 * cfg.block_n, 2 * cfg.split_k * block_k
     if cfg.variant == "mma":  # two chunks per K share
         k = 2 * MMA_CHUNK_K * _mma_k_shares(cfg)
-    tensors = random_weight(fmt, n, k, experts=2, group_size=group, device=device, generator=generator)
-    weight = quantized_weight(fmt, tensors)
+    tensors = random_weight(fmt, n, k, experts=2, group_size=group, block=block, device=device, generator=generator)
+    weight = quantized_weight(fmt, tensors, block=block)
     rows = (cfg.block_m + 3, 1)
     offsets = torch.tensor([0, rows[0], rows[0] + rows[1]], dtype=torch.int32, device=device)
     x = random_activations(sum(rows), k, device=device, generator=generator)
@@ -381,8 +404,8 @@ def checked_config(weight: QuantizedWeight, max_rows: int) -> GemmConfig:
     arch = arch_of(device)
     kind = _gemm_kind(weight)
     for cfg in (_fit_split_k(configs.gemm_config(kind, arch, max_rows), weight, max_rows), configs.SAFE_GEMM[kind]):
-        key = (kind, weight.fmt, weight.group, cfg, arch, str(device))
-        if configs.verified(key, lambda: _config_passes(weight.fmt, weight.group, cfg, device)):
+        key = (kind, weight.fmt, weight.group, weight.block, cfg, arch, str(device))
+        if configs.verified(key, lambda: _config_passes(weight.fmt, weight.group, weight.block, cfg, device)):
             return cfg
     raise DSV4Error(f"no {kind} GEMM config for {weight.fmt} passed its check against the reference on {arch}")
 

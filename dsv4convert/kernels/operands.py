@@ -2,8 +2,9 @@
 
 A caller hands each format's tensors exactly as they sit in a checkpoint (formats.md §0):
 
-* ``fp8``: ``(weight float8_e4m3fn [N, K], scale [ceil(N/128), ceil(K/128)])``, the scale
-  float8_e8m0fnu (DeepSeek-V4 ``.scale``), its raw uint8 bytes, or float32 (``weight_scale_inv``);
+* ``fp8``: ``(weight float8_e4m3fn [N, K], scale [ceil(N/rows), ceil(K/cols)])`` with the ``block`` (rows, cols)
+  the caller names (the release's: 128x128 for DeepSeek-V4), the scale float8_e8m0fnu (DeepSeek-V4
+  ``.scale``), its raw uint8 bytes, or float32 (``weight_scale_inv``);
 * ``mxfp4``: ``(codes int8/uint8 [N, K/2], scale float8_e8m0fnu/uint8 [N, K/32])``;
 * ``nvfp4``: ``(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 [])``;
 * ``int4`` (compressed-tensors pack-quantized): ``(weight_packed int32 [N, K/8], weight_scale [N, K/g])``
@@ -20,7 +21,7 @@ import torch
 
 from dsv4convert.errors import FormatError
 from dsv4convert.formats import NVFP4_BLOCK, REGISTRY
-from dsv4convert.formats.fp8_block import FP8_BLOCK
+from dsv4convert.formats.fp8_block import Block, scale_grid
 from dsv4convert.formats.mxfp4 import MXFP4_BLOCK
 
 # The formats the kernels take (the registry's names: every spec with kernel operands).
@@ -34,13 +35,14 @@ class QuantizedWeight:
 
     fmt: str
     codes: torch.Tensor            # uint8 [E, N, K/2] (4-bit formats) or float8_e4m3fn [E, N, K]
-    scale: torch.Tensor            # [E, N, K/group]; FP8: [E, ceil(N/128), ceil(K/128)]
+    scale: torch.Tensor            # [E, N, K/group]; FP8: [E, ceil(N/rows), ceil(K/cols)]
     global_scale: torch.Tensor | None  # NVFP4 weight_scale_2 as float32 [E]
     source: tuple[torch.Tensor, ...]   # the caller's tensors, each with a leading E
     n: int
     k: int
-    group: int
+    group: int                     # FP8: the block's columns (the activations' group)
     stacked: bool
+    block: Block | None = None     # FP8's (rows, cols)
 
     @property
     def experts(self) -> int:
@@ -63,10 +65,17 @@ def _fail(message: str, name: str | None) -> FormatError:
     return FormatError(message, tensor=name)
 
 
-def quantized_weight(fmt: str, tensors: tuple[torch.Tensor, ...], *, name: str | None = None) -> QuantizedWeight:
-    """Check ``tensors`` against ``fmt``'s layout and describe them; raises FormatError on a mismatch."""
+def quantized_weight(fmt: str, tensors: tuple[torch.Tensor, ...], *, block: Block | None = None,
+                     name: str | None = None) -> QuantizedWeight:
+    """Check ``tensors`` against ``fmt``'s layout and describe them; raises FormatError on a mismatch.
+
+    ``block``: the (rows, cols) an ``fp8`` weight was written in (required for it, refused for the others)."""
     if fmt not in FORMATS:
         raise _fail(f"unknown weight format {fmt!r} (expected one of {', '.join(FORMATS)})", name)
+    if fmt == "fp8" and block is None:
+        raise _fail("an fp8 weight needs the block (rows, cols) it was written in", name)
+    if fmt != "fp8" and block is not None:
+        raise _fail(f"a block applies to fp8 weights, not {fmt}", name)
     expected = {"fp8": (2,), "mxfp4": (2,), "nvfp4": (3,), "int4": (2, 3)}[fmt]
     if len(tensors) not in expected:
         raise _fail(f"{fmt} takes {' or '.join(map(str, expected))} tensors, got {len(tensors)}", name)
@@ -92,15 +101,15 @@ def quantized_weight(fmt: str, tensors: tuple[torch.Tensor, ...], *, name: str |
         if codes.dtype != torch.float8_e4m3fn:
             raise _fail(f"fp8 weight must be float8_e4m3fn, got {codes.dtype}", name)
         k = codes.shape[2]
-        grid = (experts, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        grid = (experts, *scale_grid(n, k, block))
         if tuple(scale.shape) != grid:
             raise _fail(f"fp8 scale shape {list(scale.shape)} does not match weight {list(codes.shape)} "
-                        f"in 128x128 blocks (expected {list(grid[1:] if not stacked else grid)})", name)
+                        f"in {block[0]}x{block[1]} blocks (expected {list(grid[1:] if not stacked else grid)})", name)
         if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
             scale = scale.view(torch.uint8)
         elif scale.dtype != torch.float32:
             raise _fail(f"fp8 scale must be float8_e8m0fnu, uint8 or float32, got {scale.dtype}", name)
-        group = FP8_BLOCK
+        group = block[1]
     else:
         if fmt == "int4":
             if codes.dtype != torch.int32:
@@ -137,4 +146,5 @@ def quantized_weight(fmt: str, tensors: tuple[torch.Tensor, ...], *, name: str |
                 if scale.dtype != torch.float8_e4m3fn:
                     raise _fail(f"nvfp4 weight_scale must be float8_e4m3fn, got {scale.dtype}", name)
     return QuantizedWeight(fmt=fmt, codes=codes.contiguous(), scale=scale.contiguous(),
-                           global_scale=global_scale, source=source, n=n, k=k, group=group, stacked=stacked)
+                           global_scale=global_scale, source=source, n=n, k=k, group=group, stacked=stacked,
+                           block=block)

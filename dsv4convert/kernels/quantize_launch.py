@@ -18,6 +18,7 @@ from dsv4convert.formats.int4 import Int4Weight
 from dsv4convert.formats.numerics import e8m0_max_byte, require_finite
 from dsv4convert.formats.nvfp4 import NVFP4Weight
 from dsv4convert.formats.transcode import ExactnessReport, global_exponent_of_top_byte
+from dsv4convert.formats.transcode import mxfp4_to_fp8_block as cpu_mxfp4_to_fp8_block
 from dsv4convert.kernels.operands import quantized_weight
 from dsv4convert.kernels.triton_quantize import (
     fp8_block_quant_kernel,
@@ -26,7 +27,6 @@ from dsv4convert.kernels.triton_quantize import (
     mxfp4_to_nvfp4_kernel,
 )
 
-FP8_TILE = 128
 # Global exponents whose 2**m float32 holds as a normal number (formats.transcode's range).
 GLOBAL_EXP_RANGE = (-126, 127)
 _NVFP4_BLOCKS_PER_PROGRAM = 1024
@@ -43,20 +43,30 @@ def _kernel_input(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.int16) if w.dtype == torch.bfloat16 else w
 
 
-def quantize_fp8_block(w: torch.Tensor, *, block: int = 128, scale_fmt: str = "ue8m0",
+def _kernel_block(block: fp8_block.Block) -> bool:
+    """Whether the FP8 kernels take ``block`` (rows, cols): powers of two from 16 to 128."""
+    return all(_power_of_two(side, 16, 128) for side in block)
+
+
+def _block_warps(block: fp8_block.Block) -> int:
+    return 8 if block[0] * block[1] >= 128 * 128 else 4
+
+
+def quantize_fp8_block(w: torch.Tensor, *, block: fp8_block.Block, scale_fmt: str = "ue8m0",
                        name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`dsv4convert.formats.quantize_fp8_block` on the GPU: one program per tile."""
-    if w.ndim != 2 or scale_fmt not in ("ue8m0", "float32") or not _power_of_two(block, 16, 128):
+    """:func:`dsv4convert.formats.quantize_fp8_block` on the GPU: one program per block."""
+    if w.ndim != 2 or scale_fmt not in ("ue8m0", "float32") or not _kernel_block(block):
         return fp8_block.quantize_fp8_block(w, block=block, scale_fmt=scale_fmt, name=name)
     n, k = w.shape
     w = w.contiguous()
-    grid = (triton.cdiv(n, block), triton.cdiv(k, block))
+    grid = fp8_block.scale_grid(n, k, block)
     codes = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(grid, dtype=torch.uint8 if scale_fmt == "ue8m0" else torch.float32, device=w.device)
     amax = torch.empty(grid, dtype=torch.float32, device=w.device)
     fp8_block_quant_kernel[grid](
         _kernel_input(w), codes.view(torch.uint8), scale, amax, n, k, w.stride(0), codes.stride(0), scale.stride(0),
-        SCALE_E8M0=scale_fmt == "ue8m0", BF16_BITS=w.dtype == torch.bfloat16, BLOCK=block, num_warps=8 if block == 128 else 4,
+        SCALE_E8M0=scale_fmt == "ue8m0", BF16_BITS=w.dtype == torch.bfloat16, WEIGHT_BLOCK_N=block[0],
+        WEIGHT_BLOCK_K=block[1], num_warps=_block_warps(block),
     )
     require_finite(amax, name, "weights")
     if scale_fmt == "float32":
@@ -160,18 +170,22 @@ def mxfp4_to_nvfp4(packed: torch.Tensor, scale: torch.Tensor, *, global_exponent
                                    max_abs_error=float(error.max()))
 
 
-def mxfp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, *,
+def mxfp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, *, block: fp8_block.Block,
                        name: str | None = None) -> tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
-    """:func:`dsv4convert.formats.mxfp4_to_fp8_block` on the GPU: one program per 128x128 tile.
+    """:func:`dsv4convert.formats.mxfp4_to_fp8_block` on the GPU: one program per FP8 block.
 
     Two synchronizations per matrix, as :func:`mxfp4_to_nvfp4`.
     """
     n, k, scale_bytes, _ = _mxfp4_operands(packed, scale, name)
-    if n % FP8_TILE or k % FP8_TILE:
-        raise FormatError(f"MXFP4 -> FP8 block needs N and K multiples of {FP8_TILE}, got [{n}, {k}]", tensor=name)
+    rows, cols = block
+    if n % rows or k % cols or cols % 32:
+        raise FormatError(f"MXFP4 -> FP8 {rows}x{cols} blocks need N a multiple of {rows} and K of {cols} "
+                          f"({cols} a multiple of 32), got [{n}, {k}]", tensor=name)
+    if not _kernel_block(block):
+        return cpu_mxfp4_to_fp8_block(packed, scale, block=block, name=name)
     device = packed.device
     codes = packed.view(torch.uint8).contiguous()
-    grid = (n // FP8_TILE, k // FP8_TILE)
+    grid = (n // rows, k // cols)
     tiles = grid[0] * grid[1]
     weight = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)
     tile_scale = torch.empty(grid, dtype=torch.uint8, device=device)
@@ -180,7 +194,7 @@ def mxfp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, *,
     pairs = weight.view(torch.int16)
     mxfp4_to_fp8_block_kernel[grid](
         codes, scale_bytes, pairs, tile_scale, changed, error, codes.stride(0), scale_bytes.stride(0),
-        pairs.stride(0), tile_scale.stride(0), num_warps=8,
+        pairs.stride(0), tile_scale.stride(0), WEIGHT_BLOCK_N=rows, WEIGHT_BLOCK_K=cols, num_warps=_block_warps(block),
     )
     changed, _, error = _tally_views(buffer.cpu(), tiles)
     tiles_changed = int((changed > 0).sum())

@@ -25,7 +25,7 @@ def dequantize_expert(weight: QuantizedWeight, expert: int, out_dtype: torch.dty
     """W[expert] as ``out_dtype`` [N, K], computed by the formats module of its format."""
     tensors = weight.expert_tensors(expert)
     if weight.fmt == "fp8":
-        return dequantize_fp8_block(tensors[0], tensors[1], out_dtype=out_dtype)
+        return dequantize_fp8_block(tensors[0], tensors[1], block=weight.block, out_dtype=out_dtype)
     if weight.fmt == "mxfp4":
         return dequantize_mxfp4(tensors[0], tensors[1], out_dtype=out_dtype)
     if weight.fmt == "nvfp4":
@@ -40,15 +40,17 @@ def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
     return torch.stack(experts) if weight.stacked else experts[0]
 
 
-def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token and 128 channels: ``s = max(amax, eps)/448``, rounded up to 2^k when ``pow2_scale``.
+def quantize_activations_fp8(x: torch.Tensor, *, group: int, pow2_scale: bool = True,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and ``group`` channels (an FP8 weight block's columns): ``s = max(amax, eps)/448``, rounded up
+    to 2^k when ``pow2_scale``.
 
-    Returns ``(float8_e4m3fn [M, K], float32 scales [M, ceil(K/128)])`` (formats.md §5,
+    Returns ``(float8_e4m3fn [M, K], float32 scales [M, ceil(K/group)])`` (formats.md §5,
     DeepSeek's ``act_quant`` with ``scale_fmt="ue8m0"``). A ragged last group is zero-padded.
     """
     m, k = x.shape
-    pad = -k % 128
-    groups = torch.nn.functional.pad(x.float(), (0, pad)).reshape(m, (k + pad) // 128, 128)
+    pad = -k % group
+    groups = torch.nn.functional.pad(x.float(), (0, pad)).reshape(m, (k + pad) // group, group)
     # Divide in float64 and round once to float32: the correctly rounded float32 quotient on any
     # device (torch on CUDA divides by a Python scalar through its reciprocal).
     amax = groups.abs().amax(dim=-1).clamp(min=ACTIVATION_EPS)
@@ -60,10 +62,10 @@ def quantize_activations_fp8(x: torch.Tensor, *, pow2_scale: bool = True) -> tup
     return q.contiguous(), scale
 
 
-def dequantize_activations_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_activations_fp8(q: torch.Tensor, scale: torch.Tensor, *, group: int) -> torch.Tensor:
     """FP32 activations back from :func:`quantize_activations_fp8`'s output."""
     m, k = q.shape
-    return (q.float() * scale.repeat_interleave(128, dim=1)[:, :k])
+    return (q.float() * scale.repeat_interleave(group, dim=1)[:, :k])
 
 
 def expert_rows(offsets: torch.Tensor) -> list[tuple[int, int]]:
@@ -79,8 +81,8 @@ def grouped_gemm(weight: QuantizedWeight, x: torch.Tensor, offsets: torch.Tensor
     kernel's do; the other formats multiply the BF16 activations as given.
     """
     if weight.fmt == "fp8":
-        q, scale = quantize_activations_fp8(x)
-        activations = dequantize_activations_fp8(q, scale)
+        q, scale = quantize_activations_fp8(x, group=weight.group)
+        activations = dequantize_activations_fp8(q, scale, group=weight.group)
     else:
         activations = x.float()
     y = torch.zeros(x.shape[0], weight.n, dtype=torch.float32, device=x.device)

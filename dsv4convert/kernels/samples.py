@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4convert.kernels.operands import FP8_BLOCK
+from dsv4convert.formats.fp8_block import Block, scale_grid
 
 
 def _stack(shape: tuple[int, ...], experts: int | None) -> tuple[int, ...]:
@@ -17,9 +17,10 @@ def _stack(shape: tuple[int, ...], experts: int | None) -> tuple[int, ...]:
 
 
 def random_weight(fmt: str, n: int, k: int, *, experts: int | None = None, group_size: int = 128,
-                  scale_fmt: str = "ue8m0", device: torch.device | str = "cpu",
+                  block: Block | None = None, scale_fmt: str = "ue8m0", device: torch.device | str = "cpu",
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
-    """The tensors of ``fmt`` (as :func:`dsv4convert.kernels.operands.quantized_weight` takes them)."""
+    """The tensors of ``fmt`` (as :func:`dsv4convert.kernels.operands.quantized_weight` takes them; ``fp8`` in
+    ``block``, (rows, cols))."""
     def ints(low: int, high: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.randint(low, high, _stack(shape, experts), generator=generator, dtype=dtype).to(device)
 
@@ -28,7 +29,7 @@ def random_weight(fmt: str, n: int, k: int, *, experts: int | None = None, group
 
     if fmt == "fp8":
         codes = (torch.randn(_stack((n, k), experts), generator=generator) * 64).clamp(-448, 448)
-        grid = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        grid = scale_grid(n, k, block)
         if scale_fmt == "ue8m0":
             scale = ints(112, 128, grid, torch.uint8).view(torch.float8_e8m0fnu)
         else:

@@ -1,7 +1,9 @@
 """FP8 block GEMM kernels: per-token-group activation quantization and the grouped FP8 x FP8 GEMM.
 
-DeepSeek's W8A8 scheme: activations get one FP32 scale per token per 128 channels, weights one
-per 128x128 block; each 128-wide K slice is a tensor-core dot scaled into an FP32 accumulator.
+DeepSeek's W8A8 scheme: activations get one FP32 scale per token per group of channels, weights one per
+block (the release's: 128x128 for DeepSeek-V4, 32x32 for V4.1, a ``tl.constexpr`` of each kernel); the
+activation groups are the weight block's columns, so each K slice of that width is a tensor-core dot scaled
+into an FP32 accumulator.
 """
 
 from __future__ import annotations
@@ -26,20 +28,20 @@ def _pow2_ceil(scale):
 @triton.jit
 def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                      POW2_SCALE: tl.constexpr, HW_ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
-                     GROUPS: tl.constexpr):
-    """Per token, per 128 channels: s = max(amax, eps)/448 (rounded up to 2^k), q = e4m3(x/s).
+                     GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """Per token, per ``GROUP`` channels: s = max(amax, eps)/448 (rounded up to 2^k), q = e4m3(x/s).
 
-    Each program quantizes ``BLOCK_M`` tokens x ``GROUPS`` groups of 128 channels. With a
+    Each program quantizes ``BLOCK_M`` tokens x ``GROUPS`` groups of ``GROUP`` channels. With a
     power-of-two scale, x/s is exactly x times 1/s, and |x/s| <= 448, so ``HW_ROUND`` lets the
     hardware's round-to-nearest-even E4M3 conversion replace the integer one (the interpreter
     truncates, so it keeps the integer path); other scales divide correctly rounded.
     """
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     first_group = tl.program_id(1) * GROUPS
-    rk = first_group * 128 + tl.arange(0, GROUPS * 128)
+    rk = first_group * GROUP + tl.arange(0, GROUPS * GROUP)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.reshape(x, (BLOCK_M, GROUPS, 128))
+    x = tl.reshape(x, (BLOCK_M, GROUPS, GROUP))
     amax = tl.max(tl.abs(x), axis=2)
     scale = tl.math.div_rn(tl.maximum(amax, eps), tl.full(amax.shape, 448.0, tl.float32))
     if POW2_SCALE:
@@ -48,15 +50,15 @@ def act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
         q = (x * (1.0 / scale)[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         q = _e4m3_code(tl.math.div_rn(x, scale[:, :, None]))
-    tl.store(q_ptr + rm[:, None] * stride_qm + rk[None, :], tl.reshape(q, (BLOCK_M, GROUPS * 128)), mask=mask)
+    tl.store(q_ptr + rm[:, None] * stride_qm + rk[None, :], tl.reshape(q, (BLOCK_M, GROUPS * GROUP)), mask=mask)
     rg = first_group + tl.arange(0, GROUPS)
     tl.store(s_ptr + rm[:, None] * stride_sm + rg[None, :] * stride_sg, scale,
-             mask=(rm < M)[:, None] & (rg < tl.cdiv(K, 128))[None, :])
+             mask=(rm < M)[:, None] & (rg < tl.cdiv(K, GROUP))[None, :])
 
 
 @triton.jit
 def _weight_block_scale(ws_row_ptr, kb, SCALE_E8M0: tl.constexpr):
-    """The one FP32 scale of a 128x128 weight block (a scalar load)."""
+    """The one FP32 scale of a weight block (a scalar load)."""
     if SCALE_E8M0:
         return _e8m0_to_f32(tl.load(ws_row_ptr + kb).to(tl.int32) & 0xFF)
     else:
@@ -70,14 +72,16 @@ def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, x_d
                           SCALE_E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           N_HALVES: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
                           EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                          RESCALE: tl.constexpr, HW_ROUND: tl.constexpr):
-    """Grouped FP8 x FP8 GEMM with 1x128 activation scales (FP32) and 128x128 weight scales.
+                          RESCALE: tl.constexpr, HW_ROUND: tl.constexpr,
+                          WEIGHT_BLOCK_N: tl.constexpr, WEIGHT_BLOCK_K: tl.constexpr):
+    """Grouped FP8 x FP8 GEMM with 1 x ``WEIGHT_BLOCK_K`` activation scales (FP32) and ``WEIGHT_BLOCK_N x
+    WEIGHT_BLOCK_K`` weight scales (128x128 for DeepSeek-V4).
 
-    Each 128-wide K slice is an FP8 tensor-core dot whose FP32 result is scaled into the
-    accumulator (DeepGEMM's two-level accumulation). A program's ``BLOCK_N`` (<= 128) columns
-    lie in one 128-row weight scale block, so the weight scale is one scalar per K slice, folded
+    Each ``WEIGHT_BLOCK_K``-wide K slice is an FP8 tensor-core dot whose FP32 result is scaled into the
+    accumulator (DeepGEMM's two-level accumulation). A program's ``BLOCK_N`` (<= ``WEIGHT_BLOCK_N``) columns
+    lie in one weight scale block's rows, so the weight scale is one scalar per K slice, folded
     into the activations' scale vector: one FMA per accumulator element. ``N_HALVES == 2``
-    (``BLOCK_N == 128``) makes the tile 256 columns wide: two dots and two accumulators, one per
+    (``BLOCK_N == WEIGHT_BLOCK_N``) makes the tile two scale blocks wide: two dots and two accumulators, one per
     scale block. With ``GROUP_M > 1`` consecutive programs sweep the columns for ``GROUP_M`` row
     tiles at a time, so weight tiles are reused from L2.
 
@@ -91,7 +95,7 @@ def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, x_d
     against the FP32 reference grew from 1.7e-3 to 1.9e-3 (K=2048), 2.2e-3 (K=4096) and 2.6e-3
     (K=8192). Weight scales below 2^-40 (an all-zero block's E8M0 byte 0, say) count as 2^-40
     so that the ratios cannot overflow the accumulator; such a block's share stays below
-    2^-40 * 448 * 448 * 128 of the activation scale.
+    2^-40 * 448 * 448 * WEIGHT_BLOCK_K of the activation scale.
 
     Loads are unmasked along M and N: row and column indices are clamped into the tensors, the
     extra rows (another expert's tokens) and columns only reach masked-out outputs. ``USE_TMA``
@@ -127,14 +131,14 @@ def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, x_d
         rn_hi = rn + BLOCK_N
         w_expert = w_ptr + expert.to(tl.int64) * stride_we
         ws_expert = ws_ptr + expert.to(tl.int64) * stride_wse
-        ws_row = ws_expert + (n0 // 128) * stride_wsn
-        ws_row_hi = ws_expert + tl.minimum(n0 // 128 + 1, tl.cdiv(N, 128) - 1) * stride_wsn
+        ws_row = ws_expert + (n0 // WEIGHT_BLOCK_N) * stride_wsn
+        ws_row_hi = ws_expert + tl.minimum(n0 // WEIGHT_BLOCK_N + 1, tl.cdiv(N, WEIGHT_BLOCK_N) - 1) * stride_wsn
         w_rows = w_expert + tl.minimum(rn, N - 1)[:, None] * stride_wn
         w_rows_hi = w_expert + tl.minimum(rn_hi, N - 1)[:, None] * stride_wn
         x_rows = xq_ptr + rm_in[:, None] * stride_xm
         xs_rows = xs_ptr + rm_in * stride_xsm
         w_desc_row = expert * N + n0
-        k_blocks = tl.cdiv(K, 128)
+        k_blocks = tl.cdiv(K, WEIGHT_BLOCK_K)
         per_split = tl.cdiv(k_blocks, SPLIT_K)
         kb_begin = pid_k * per_split
         kb_end = tl.minimum(kb_begin + per_split, k_blocks)
@@ -149,14 +153,14 @@ def fp8_block_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, offsets_ptr, x_d
             w_scale = tl.maximum(w_scale, RESCALE_MIN_WEIGHT_SCALE)
         ratio = tl.full((BLOCK_M,), 1.0, tl.float32)  # RESCALE: previous block's scales / this one's
         for kb in tl.range(kb_begin, kb_end):
-            k0 = kb * 128
+            k0 = kb * WEIGHT_BLOCK_K
             if USE_TMA:
                 x = x_desc.load([row0, k0])
                 w = w_desc.load([w_desc_row, k0])
                 if N_HALVES == 2:
                     w_hi = w_desc.load([w_desc_row + BLOCK_N, k0])
             else:
-                rk = k0 + tl.arange(0, 128)
+                rk = k0 + tl.arange(0, WEIGHT_BLOCK_K)
                 if EVEN_K:
                     x = tl.load(x_rows + rk[None, :])
                     w = tl.load(w_rows + rk[None, :])

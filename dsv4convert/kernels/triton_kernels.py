@@ -152,11 +152,14 @@ def _dequant_tile(w_ptr, s_ptr, global_scale, rn, k0, N, K, stride_wn, stride_sn
 @triton.jit
 def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
                        SCALE_E8M0: tl.constexpr, HW_ROUND: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[N, K] = FP8 codes times their 128x128 block scale; a stack of experts is one [E*N, K] matrix.
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       WEIGHT_BLOCK_N: tl.constexpr, WEIGHT_BLOCK_K: tl.constexpr):
+    """out[N, K] = FP8 codes times their ``WEIGHT_BLOCK_N x WEIGHT_BLOCK_K`` block scale; a stack of experts is
+    one [E*N, K] matrix.
 
-    ``BLOCK_N`` divides 128 and ``BLOCK_K`` is a multiple of 128, so a tile's rows share one row of
-    scales: the tile loads ``BLOCK_K/128`` scales and broadcasts them, not one per element.
+    ``BLOCK_N`` divides ``WEIGHT_BLOCK_N`` and ``BLOCK_K`` is a multiple of ``WEIGHT_BLOCK_K``, so a tile's rows
+    share one row of scales: the tile loads ``BLOCK_K/WEIGHT_BLOCK_K`` scales and broadcasts them, not one per
+    element.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -164,13 +167,13 @@ def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rn < N)[:, None] & (rk < K)[None, :]
     codes = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask, other=0.0)
-    kb = pid_k * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
-    scale_ptrs = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn + kb
+    kb = pid_k * (BLOCK_K // WEIGHT_BLOCK_K) + tl.arange(0, BLOCK_K // WEIGHT_BLOCK_K)
+    scale_ptrs = s_ptr + (pid_n * BLOCK_N // WEIGHT_BLOCK_N) * stride_sn + kb
     if SCALE_E8M0:
-        scale = _e8m0_to_f32(tl.load(scale_ptrs, mask=kb < tl.cdiv(K, 128), other=127).to(tl.int32) & 0xFF)
+        scale = _e8m0_to_f32(tl.load(scale_ptrs, mask=kb < tl.cdiv(K, WEIGHT_BLOCK_K), other=127).to(tl.int32) & 0xFF)
     else:
-        scale = tl.load(scale_ptrs, mask=kb < tl.cdiv(K, 128), other=0.0)
-    tile = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 128, 128)) * scale[None, :, None]
+        scale = tl.load(scale_ptrs, mask=kb < tl.cdiv(K, WEIGHT_BLOCK_K), other=0.0)
+    tile = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // WEIGHT_BLOCK_K, WEIGHT_BLOCK_K)) * scale[None, :, None]
     tile = tl.reshape(tile, (BLOCK_N, BLOCK_K))
     out = _to_out(tile, out_ptr.dtype.element_ty, HW_ROUND)
     tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], out, mask=mask)

@@ -64,24 +64,25 @@ def _ceil_log2_pow2_scale(quotient):
 
 @triton.jit
 def fp8_block_quant_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, N, K, stride_wn, stride_qn, stride_sn,
-                           SCALE_E8M0: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """One ``BLOCK x BLOCK`` tile per program: amax, scale, and the E4M3 codes of ``w / scale``.
+                           SCALE_E8M0: tl.constexpr, BF16_BITS: tl.constexpr, WEIGHT_BLOCK_N: tl.constexpr,
+                           WEIGHT_BLOCK_K: tl.constexpr):
+    """One ``WEIGHT_BLOCK_N x WEIGHT_BLOCK_K`` tile per program: amax, scale, and the E4M3 codes of ``w / scale``.
 
     The tile's amax is also written (NaN when the tile holds a NaN) for the launcher's finite check.
     """
     tile_n = tl.program_id(0)
     tile_k = tl.program_id(1)
-    rn = tile_n * BLOCK + tl.arange(0, BLOCK)
-    rk = tile_k * BLOCK + tl.arange(0, BLOCK)
+    rn = tile_n * WEIGHT_BLOCK_N + tl.arange(0, WEIGHT_BLOCK_N)
+    rk = tile_k * WEIGHT_BLOCK_K + tl.arange(0, WEIGHT_BLOCK_K)
     mask = (rn < N)[:, None] & (rk < K)[None, :]
     x = _load_f32(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask, BF16_BITS)
-    # Row reductions first, kept as [BLOCK] vectors so every step below is a tensor op.
+    # Row reductions first, kept as [WEIGHT_BLOCK_N] vectors so every step below is a tensor op.
     row_amax = tl.max(tl.abs(x), axis=1)
     row_nan = tl.max((x != x).to(tl.int32), axis=1)
     amax = tl.zeros_like(row_amax) + tl.max(row_amax, axis=0)
     has_nan = (tl.zeros_like(row_nan) + tl.max(row_nan, axis=0)) > 0
     quotient = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    first = tl.arange(0, BLOCK) == 0
+    first = tl.arange(0, WEIGHT_BLOCK_N) == 0
     if SCALE_E8M0:
         exponent = tl.maximum(_ceil_log2_pow2_scale(quotient), -127)
         exponent = tl.where(amax == 0, 0, exponent)
@@ -248,8 +249,10 @@ def _fp8_cast_tallies(code, fp8, suspect, source_scale, tile_scale):
 
 @triton.jit
 def mxfp4_to_fp8_block_kernel(codes_ptr, scale_ptr, w_ptr, out_scale_ptr, elements_ptr, error_ptr,
-                              stride_cn, stride_sn, stride_wn, stride_on):
-    """One 128x128 tile per program: DeepSeek's ``cast_e2m1fn_to_e4m3fn``, and its exactness tallies.
+                              stride_cn, stride_sn, stride_wn, stride_on,
+                              WEIGHT_BLOCK_N: tl.constexpr, WEIGHT_BLOCK_K: tl.constexpr):
+    """One FP8 block (``WEIGHT_BLOCK_N x WEIGHT_BLOCK_K``, its columns whole 32-element MXFP4 blocks) per
+    program: DeepSeek's ``cast_e2m1fn_to_e4m3fn``, and its exactness tallies.
 
     The tile exponent is ``max(sub-block exponents) - 6`` (at least -127); each element becomes
     ``e4m3(e2m1 * 2^max(shift, -13))`` with -0 written as +0, the two output bytes of a code
@@ -258,14 +261,15 @@ def mxfp4_to_fp8_block_kernel(codes_ptr, scale_ptr, w_ptr, out_scale_ptr, elemen
     """
     tile_n = tl.program_id(0)
     tile_k = tl.program_id(1)
-    rows = tile_n * 128 + tl.arange(0, 128)
-    subs = tl.arange(0, 4)
+    SUBS: tl.constexpr = WEIGHT_BLOCK_K // 32
+    rows = tile_n * WEIGHT_BLOCK_N + tl.arange(0, WEIGHT_BLOCK_N)
+    subs = tl.arange(0, SUBS)
     pair = tl.arange(0, 16)
-    sub_exp = (tl.load(scale_ptr + rows[:, None] * stride_sn + tile_k * 4 + subs[None, :]).to(tl.int32) & 0xFF) - 127
+    sub_exp = (tl.load(scale_ptr + rows[:, None] * stride_sn + tile_k * SUBS + subs[None, :]).to(tl.int32) & 0xFF) - 127
     top = tl.max(tl.max(sub_exp, axis=1), axis=0)
     tile_exp = tl.maximum(top - 6, -127)
     shift = sub_exp - tile_exp
-    column = tile_k * 64 + subs[None, :, None] * 16 + pair[None, None, :]
+    column = tile_k * (WEIGHT_BLOCK_K // 2) + subs[None, :, None] * 16 + pair[None, None, :]
     packed = tl.load(codes_ptr + rows[:, None, None] * stride_cn + column).to(tl.int32) & 0xFF
     low = packed & 0xF
     high = packed >> 4

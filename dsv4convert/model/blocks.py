@@ -124,6 +124,7 @@ class WeightSource:
 
     def __init__(self, ckpt: Checkpoint, inspection: Inspection, device: torch.device, dtype: torch.dtype):
         self.ckpt, self.inspection, self.device, self.dtype = ckpt, inspection, device, dtype
+        self.fp8_block = inspection.fp8_block   # the release's (rows, cols): a W8A8 linear's activation groups
         self._weights: dict[str, dict[str, str]] = {}   # module -> {weight param: tensor name}
         self._staged: dict[str, torch.Tensor] = {}
         for name in ckpt.tensors:
@@ -174,7 +175,7 @@ class WeightSource:
         if info is None or info.format is None:
             raise CheckpointError("linear module missing or in an unknown format", file=self.ckpt.root, tensor=module)
         src = {param: self._read(name).to(self.device) for param, name in self._weights[module].items()}
-        return spec(info.format).decode(src, f"{module}.weight").to(self.dtype)
+        return spec(info.format).decode(src, f"{module}.weight", info.params).to(self.dtype)
 
     def experts(self, block: str, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``gate_up_proj [E, 2I, H]`` (w1 rows then w3 rows) and ``down_proj [E, H, I]``, filled in place."""

@@ -42,3 +42,9 @@ def release_of(config: Any, source: str = "config.json") -> Release:
     known = ", ".join(r.NAME for r in RELEASES)
     raise CheckpointError(f"not a release dsv4convert knows (model_type={config.get('model_type')!r}, "
                           f"architectures={config.get('architectures')!r}; it knows {known})", file=source)
+
+
+def fp8_block_of_config(config: Any, source: str = "config.json") -> tuple[int, int]:
+    """The (rows, cols) FP8 block of the release ``config`` belongs to, for a caller that holds only the config."""
+    release = release_of(config, source)
+    return release.fp8_block(release.read_config(config, source))

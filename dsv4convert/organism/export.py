@@ -36,6 +36,7 @@ from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
+from dsv4convert.models.registry import fp8_block_of_config
 from dsv4convert.model.blocks import WeightSource
 from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state
@@ -48,8 +49,10 @@ DSPARK_TENSORS_NAME = "dspark.safetensors"
 _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def release_tensors(state: dict[str, torch.Tensor], specs: list[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, stored tensor)`` for every spec, in order; a quantized weight's scale follows its weight."""
+def release_tensors(state: dict[str, torch.Tensor], specs: list[TensorSpec],
+                    fp8_block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, stored tensor)`` for every spec, in order (FP8 in the release's ``fp8_block``); a quantized
+    weight's scale follows its weight."""
     scales: dict[str, torch.Tensor] = {}
     for spec in specs:
         if spec.name in scales:
@@ -57,7 +60,7 @@ def release_tensors(state: dict[str, torch.Tensor], specs: list[TensorSpec]) -> 
             continue
         module = spec.info.module
         if spec.dtype == "F8_E4M3":
-            weight, scales[f"{module}.scale"] = quantize_fp8_block(state[spec.name], name=spec.name)
+            weight, scales[f"{module}.scale"] = quantize_fp8_block(state[spec.name], block=fp8_block, name=spec.name)
         elif spec.dtype == "I8":
             weight, scales[f"{module}.scale"] = quantize_mxfp4(state[spec.name], name=spec.name)
         elif spec.dtype == "I64":
@@ -106,7 +109,7 @@ def write_release(dst: Path, model: TrainableModel, config: dict, tokenizer, pro
     specs = native_inventory(ModelConfig.from_dict(config))
     with staged(dst, overwrite=overwrite) as work:
         name = shard_name(1, 1)
-        write_shard(work / name, release_tensors(model.native_state(), specs), specs)
+        write_shard(work / name, release_tensors(model.native_state(), specs, fp8_block_of_config(config)), specs)
         atomic_write_json(work / "config.json", config)
         atomic_write_json(work / "generation_config.json", json.loads(GENERATION_CONFIG_PATH.read_text()))
         atomic_write_json(work / "tokenizer_config.json", TOKENIZER_CONFIG)
@@ -138,7 +141,8 @@ def write_drafter_release(dst: Path, drafter: DSparkDrafter, config: dict, prove
     (``config``: the keys it sets, :func:`drafter_keys`; the rest is ``provenance``)."""
     specs = drafter_specs(config)
     with staged(dst, overwrite=overwrite) as work:
-        write_shard(work / DSPARK_TENSORS_NAME, release_tensors(drafter.native_state(), specs), specs)
+        write_shard(work / DSPARK_TENSORS_NAME, release_tensors(drafter.native_state(), specs, fp8_block_of_config(config)),
+                    specs)
         atomic_write_json(work / DSPARK_PROVENANCE_NAME, {"config": drafter_keys(config), **provenance})
     return Path(dst)
 

@@ -44,6 +44,7 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from dsv4convert.formats.numerics import e8m0_to_exponent, exponent_to_e8m0
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
+from dsv4convert.models.registry import fp8_block_of_config
 
 KINDS = ("indexer-randomized", "indexer-crushed", "attention", "experts", "draft-experts", "markov-zeroed",
          "confidence-flipped", "target-layer")
@@ -173,6 +174,7 @@ def _redrawn(weight: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 def _redrawn_fp8(ckpt: Checkpoint, module: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """An FP8-block linear redrawn with its dequantized spread and stored by the checkpoint's rule."""
-    w = dequantize_fp8_block(ckpt.read(f"{module}.weight"), ckpt.read(f"{module}.scale"))
-    weight, scale = quantize_fp8_block(_redrawn(w, gen))
+    block = fp8_block_of_config(ckpt.config, str(ckpt.root / "config.json"))
+    w = dequantize_fp8_block(ckpt.read(f"{module}.weight"), ckpt.read(f"{module}.scale"), block=block)
+    weight, scale = quantize_fp8_block(_redrawn(w, gen), block=block)
     return {f"{module}.weight": weight, f"{module}.scale": scale}

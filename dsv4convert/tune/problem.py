@@ -1,7 +1,7 @@
 """What SGLang's Triton fused-MoE kernel computes for a checkpoint at a tensor-parallel size.
 
 The routed experts' stored format decides the kernel's flavour and SGLang's config ``dtype``
-(``fp8_w8a8`` with 128x128 blocks, ``int4_w4a16`` with the compressed-tensors group, or BF16),
+(``fp8_w8a8`` with the release's FP8 blocks, ``int4_w4a16`` with the compressed-tensors group, or BF16),
 and ``config.json`` decides the shapes: ``E`` experts, each TP rank holding ``I / tp`` of the
 intermediate size. Formats SGLang does not run through this kernel are refused with the reason.
 """
@@ -17,7 +17,8 @@ from dsv4convert.engines.sglang.rules import NO_TRITON_PATH, TritonMoE, triton_m
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.models.deepseek_v4.layout import FP8_BLOCK, ModelConfig, Role
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role
+from dsv4convert.models.registry import release_of
 
 
 class TuneError(DSV4Error):
@@ -34,6 +35,7 @@ class MoEProblem:
     intermediate: int         # I / tp, the per-rank intermediate size
     topk: int
     tp: int
+    fp8_block: tuple[int, int]  # the release's (rows, cols) FP8 weight block (FP8's block_shape)
     group_size: int = 0       # INT4 only
     swiglu_limit: float | None = None
     source: str = "config.json"
@@ -51,7 +53,7 @@ class MoEProblem:
     @property
     def block_shape(self) -> list[int] | None:
         """The ``block_shape`` SGLang passes to its kernel: FP8's weight blocks, INT4's ``[0, group]``."""
-        return self.kernel.block_shape(self.group_size)
+        return self.kernel.block_shape(self.group_size, self.fp8_block)
 
     @property
     def weight_bytes(self) -> float:
@@ -64,7 +66,7 @@ class MoEProblem:
         return self.intermediate // self.kernel.weights_per_byte
 
     def describe(self) -> str:
-        fmt = self.kernel.label.format(group=self.group_size)
+        fmt = self.kernel.label.format(group=self.group_size, block="x".join(map(str, self.fp8_block)))
         return (f"{self.experts} experts, top-{self.topk}, hidden {self.hidden}, intermediate {self.intermediate} "
                 f"per rank (TP {self.tp}), {fmt}")
 
@@ -77,23 +79,25 @@ class MoEProblem:
         except EngineError as exc:
             raise TuneError(exc.detail, file=source) from None
         cfg = ModelConfig.from_dict(config, source=source)
+        fp8_block = release_of(config, source).fp8_block(cfg)
         if tp < 1 or cfg.moe_intermediate_size % tp:
             raise TuneError(f"moe_intermediate_size {cfg.moe_intermediate_size} does not split into {tp} "
                             "tensor-parallel ranks", file=source)
         per_rank = cfg.moe_intermediate_size // tp
         if kernel.fp8_activations:
-            blocks = (config.get("quantization_config") or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
-            if list(blocks) != [FP8_BLOCK, FP8_BLOCK]:
+            blocks = (config.get("quantization_config") or {}).get("weight_block_size", list(fp8_block))
+            if list(blocks) != list(fp8_block):
                 raise TuneError(f"quantization_config.weight_block_size is {blocks}; the FP8 variant stores "
-                                f"[{FP8_BLOCK}, {FP8_BLOCK}] blocks", file=source)
-        granule = kernel.granule(group_size)
+                                f"{list(fp8_block)} blocks", file=source)
+        granule = kernel.granule(group_size, fp8_block)
         if not granule or per_rank % granule or cfg.hidden_size % granule:
             raise TuneError(f"at TP {tp} each rank holds {per_rank} of the intermediate size, which SGLang's "
                             f"{expert_format.value} MoE needs to be a multiple of {granule}; choose another --tp",
                             file=source)
         limit = config.get("swiglu_limit")
         return cls(expert_format=expert_format, experts=cfg.n_routed_experts, hidden=cfg.hidden_size,
-                   intermediate=per_rank, topk=cfg.num_experts_per_tok, tp=tp, group_size=group_size,
+                   intermediate=per_rank, topk=cfg.num_experts_per_tok, tp=tp, fp8_block=fp8_block,
+                   group_size=group_size,
                    swiglu_limit=float(limit) if limit else None, source=source)
 
     @classmethod

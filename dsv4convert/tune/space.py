@@ -84,7 +84,12 @@ def fits(tile: Tile, problem: MoEProblem, device: Device) -> bool:
 
 
 def _block_ks(problem: MoEProblem) -> tuple[int, ...]:
-    return problem.kernel.block_k
+    """The kernel's BLOCK_SIZE_K values; for FP8 those that divide the block's columns (its scales step once per
+    BLOCK_SIZE_K), else the columns alone."""
+    if not problem.kernel.fp8_activations:
+        return problem.kernel.block_k
+    cols = problem.fp8_block[1]
+    return tuple(k for k in problem.kernel.block_k if cols % k == 0) or (cols,)
 
 
 def shape_grid(problem: MoEProblem, device: Device) -> tuple[list[Tile], int]:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4convert.models.deepseek_v4.layout import FP8_BLOCK
 from dsv4convert.tune import sglang_moe
 from dsv4convert.tune.device import Device
 from dsv4convert.tune.problem import MoEProblem
@@ -83,12 +82,13 @@ class Weights:
 
 
 def random_weights(problem: MoEProblem, device: str, seed: int) -> Weights:
-    """Random experts of the problem's shapes and format (FP8 e4m3 + float32 128x128 block scales;
+    """Random experts of the problem's shapes and format (FP8 e4m3 + float32 scales per the problem's blocks;
     INT4 as uint8 pairs [E, N, K/2] + BF16 group scales, as ``CompressedTensorsWNA16TritonMoE``
     converts them; BF16), generated one expert at a time to bound the temporary memory."""
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = problem.experts, problem.hidden, problem.intermediate
     dtype = problem.dtype
+    rows, cols = problem.fp8_block
 
     def matrix(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = []
@@ -96,7 +96,7 @@ def random_weights(problem: MoEProblem, device: str, seed: int) -> Weights:
         for _ in range(e):
             if dtype == "fp8_w8a8":
                 out.append(torch.randn(n, k, generator=gen, device=device).to(torch.float8_e4m3fn))
-                scales.append(torch.exp2(torch.randint(-9, -6, (n // FP8_BLOCK, k // FP8_BLOCK), generator=gen,
+                scales.append(torch.exp2(torch.randint(-9, -6, (n // rows, k // cols), generator=gen,
                                                        device=device).float()))
             elif dtype == "int4_w4a16":
                 out.append(torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8))
@@ -173,7 +173,7 @@ class Batch:
 
     def quantize_down_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.problem.kernel.fp8_activations:
-            return sglang_moe.quantize_fp8_groups(x, FP8_BLOCK)
+            return sglang_moe.quantize_fp8_groups(x, self.problem.fp8_block[1])
         return x, None
 
     def down_input(self, reference_up: Tile, routing: int, tile: Tile) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -261,7 +261,7 @@ def make_batch(problem: MoEProblem, weights: Weights, batch_size: int, device: s
         weights_ = torch.rand(batch_size, problem.topk, generator=gen, device=device) + 0.1
         routed.append((ids.to(torch.int32), weights_ / weights_.sum(-1, keepdim=True)))
     if problem.kernel.fp8_activations:
-        a1, a1_scale = sglang_moe.quantize_fp8_groups(hidden, FP8_BLOCK)
+        a1, a1_scale = sglang_moe.quantize_fp8_groups(hidden, problem.fp8_block[1])
     else:
         a1, a1_scale = hidden, None
     return Batch(problem, weights, hidden, routed, a1, a1_scale)

@@ -78,27 +78,28 @@ def _stack(ckpt: _ByModule, modules: list[str], suffixes: tuple[str, ...], devic
     return tuple(torch.stack([ckpt.read(f"{m}.{s}") for m in modules]).to(device) for s in suffixes)
 
 
-def _dense(ckpt: _ByModule, fmt: Format, modules: list[str], device, backend) -> torch.Tensor:
-    """Float32 [E, N, K] weights of ``modules`` stored as ``fmt``, dequantized in one launch (the kernels
-    take every format with kernel operands; a dense one is read as it is)."""
+def _dense(ckpt: _ByModule, fmt: Format, params: dict, modules: list[str], device, backend) -> torch.Tensor:
+    """Float32 [E, N, K] weights of ``modules`` stored as ``fmt`` with ``params`` (an FP8 module's block),
+    dequantized in one launch (the kernels take every format with kernel operands; a dense one is read as it is)."""
     operands = spec(fmt).kernel_params
     if not operands:
         return torch.stack([ckpt.read(f"{m}.weight") for m in modules]).to(device).float()
-    return kernels.dequantize(fmt.value, *_stack(ckpt, modules, operands, device), out_dtype=torch.float32,
-                              backend=backend, name=modules[0]).float()
+    return kernels.dequantize(fmt.value, *_stack(ckpt, modules, operands, device), block=params.get("fp8_block"),
+                              out_dtype=torch.float32, backend=backend, name=modules[0]).float()
 
 
-def _outputs(ckpt: _ByModule, fmt: Format, modules: list[str], x: torch.Tensor, device, backend) -> torch.Tensor:
+def _outputs(ckpt: _ByModule, fmt: Format, params: dict, modules: list[str], x: torch.Tensor, device,
+             backend) -> torch.Tensor:
     operands = spec(fmt).kernel_params
     if not operands:
         w = torch.stack([ckpt.read(f"{m}.weight") for m in modules]).to(device)
         return torch.bmm(x, w.transpose(1, 2)).float()
-    return kernels.grouped_gemm(fmt.value, x, *_stack(ckpt, modules, operands, device), backend=backend,
-                                name=modules[0]).float()
+    return kernels.grouped_gemm(fmt.value, x, *_stack(ckpt, modules, operands, device), block=params.get("fp8_block"),
+                                backend=backend, name=modules[0]).float()
 
 
-def _same_bytes(a: _ByModule, b: _ByModule, module: str, fmt: Format, shape: tuple[int, int]) -> bool:
-    for p in linear_storage(fmt, *shape):
+def _same_bytes(a: _ByModule, b: _ByModule, module: str, fmt: Format, shape: tuple[int, int], params: dict) -> bool:
+    for p in linear_storage(fmt, *shape, **params):
         name = f"{module}.{p.suffix}"
         if name in a and a.entry(name).dtype != b.entry(name).dtype:
             return False
@@ -145,22 +146,25 @@ def layer_errors(dst: Checkpoint, src: Checkpoint, dst_info: Inspection, src_inf
         step = max(1, chunk_bytes // per_module)
         for start in range(0, len(modules), step):
             chunk = modules[start : start + step]
-            if src_fmt is dst_fmt and all(_same_bytes(src, dst, m, dst_fmt, (n, k)) for m in chunk):
+            params = (src_info.modules[chunk[0]].params, dst_info.modules[chunk[0]].params)
+            if src_fmt is dst_fmt and all(_same_bytes(src, dst, m, dst_fmt, (n, k), params[1]) for m in chunk):
                 results += [ModuleError(m, role.value, block, src_fmt.value, dst_fmt.value, True, 0.0, math.inf,
                                         1.0, 0.0, math.inf) for m in chunk]
             else:
-                results += _compare_chunk(dst, src, chunk, role, block, src_fmt, dst_fmt, dev, backend, tokens, k)
+                results += _compare_chunk(dst, src, chunk, role, block, (src_fmt, dst_fmt), params, dev, backend,
+                                          tokens, k)
             if progress:
                 progress(len(chunk))
     return results
 
 
-def _compare_chunk(dst, src, chunk, role, block, src_fmt, dst_fmt, dev, backend, tokens, k) -> list[ModuleError]:
-    reference = _dense(src, src_fmt, chunk, dev, backend)
-    converted = _dense(dst, dst_fmt, chunk, dev, backend)
+def _compare_chunk(dst, src, chunk, role, block, fmts, params, dev, backend, tokens, k) -> list[ModuleError]:
+    (src_fmt, dst_fmt), (src_params, dst_params) = fmts, params
+    reference = _dense(src, src_fmt, src_params, chunk, dev, backend)
+    converted = _dense(dst, dst_fmt, dst_params, chunk, dev, backend)
     x = probe_activations(len(chunk), tokens, k, seed=len(chunk) * 7919 + k, device=dev)
     y_ref = torch.bmm(x.float(), reference.transpose(1, 2))
-    y = _outputs(dst, dst_fmt, chunk, x, dev, backend)
+    y = _outputs(dst, dst_fmt, dst_params, chunk, x, dev, backend)
     out = []
     for i, module in enumerate(chunk):
         m = error_metrics(reference[i], converted[i], name=module)

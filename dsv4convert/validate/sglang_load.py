@@ -103,7 +103,7 @@ def sglang_load_problems(ckpt: Checkpoint, inspection: Inspection) -> tuple[list
     problems: list[str] = []
     covered: set[str] = set()
     for block, modules in _expert_modules(ckpt).items():
-        problems += _expert_block(block, modules, shapes, covered)
+        problems += _expert_block(block, modules, shapes, inspection.fp8_block, covered)
     problems += _partial_modules(ckpt, shapes, covered)
     problems += _fused_pairs(ckpt, inspection)
     problems += _shared_w1_w3_scalars(ckpt, inspection)
@@ -119,13 +119,13 @@ def _expert_modules(ckpt: Checkpoint) -> dict[str, dict[str, dict[str, tuple[str
     return blocks
 
 
-def _block_format(modules: dict, shapes: dict) -> tuple[Format, dict] | None:
+def _block_format(modules: dict, shapes: dict, fp8_block: tuple[int, int]) -> tuple[Format, dict] | None:
     """The format most of a layer's experts are stored in: the one FusedMoE method SGLang builds."""
     found = Counter()
     params: dict[Format, dict] = {}
     for module, stored in modules.items():
-        detected = detect_format({s: v for s, v in stored.items() if s in WEIGHT_PARAMS}, *shapes[module]) \
-            if module in shapes else None
+        detected = detect_format({s: v for s, v in stored.items() if s in WEIGHT_PARAMS}, *shapes[module],
+                                 fp8_block=fp8_block, name=module) if module in shapes else None
         if detected:
             found[detected[0]] += 1
             params.setdefault(detected[0], detected[1])
@@ -135,8 +135,8 @@ def _block_format(modules: dict, shapes: dict) -> tuple[Format, dict] | None:
     return fmt, params[fmt]
 
 
-def _expert_block(block: str, modules: dict, shapes: dict, covered: set[str]) -> list[str]:
-    chosen = _block_format(modules, shapes)
+def _expert_block(block: str, modules: dict, shapes: dict, fp8_block: tuple[int, int], covered: set[str]) -> list[str]:
+    chosen = _block_format(modules, shapes, fp8_block)
     if chosen is None:
         return []
     fmt, params = chosen

@@ -53,7 +53,7 @@ from dsv4convert.engines import SGLANG_LABEL
 from dsv4convert.engines.stored import FUSED_PAIRS, StoredFormats, analyse
 from dsv4convert.errors import RecipeError
 from dsv4convert.formats import NVFP4_BLOCK, Format
-from dsv4convert.models.deepseek_v4.layout import FP8_BLOCK, Role, classify
+from dsv4convert.models.deepseek_v4.layout import Role, classify
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -117,9 +117,9 @@ def _sglang_linear_names(module: str, stored: StoredFormats) -> list[str]:
 
 
 def _fp8_base(stored: StoredFormats) -> dict:
-    """The native checkpoint's FP8 block config (Fp8Config.from_config)."""
+    """The native checkpoint's FP8 block config (Fp8Config.from_config), in the release's blocks."""
     base = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+            "weight_block_size": list(stored.fp8_block)}
     # scale_fmt "ue8m0" tells Fp8LinearMethod the block scales are powers of two (UE8M0 activation
     # scales, the MXFP8 view in fp8_utils.can_serve_block_fp8_as_mxfp8); F32 scales need not be.
     if stored.fp8_scale_dtypes <= {"F8_E8M0"}:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from dsv4convert import variants
 from dsv4convert.engines import SGLANG_LABEL, EngineError, gpu_family_major
 from dsv4convert.formats import Format
-from dsv4convert.formats.fp8_block import FP8_BLOCK
 from dsv4convert.models.deepseek_v4.layout import Drafter
 
 # SGLang's EAGLE draft from the checkpoint's MTP block, the cookbook's "balanced" preset (sglang-contract.md
@@ -129,28 +128,30 @@ class TritonMoE:
 
     @property
     def fp8_activations(self) -> bool:
-        """W8A8: activations are quantized to FP8 per 128-channel group before each GEMM."""
+        """W8A8: activations are quantized to FP8 per group of the weight block's columns before each GEMM."""
         return self.dtype == "fp8_w8a8"
 
     @property
     def activation_bytes(self) -> int:
         return 1 if self.fp8_activations else 2
 
-    def block_shape(self, group_size: int) -> list[int] | None:
-        """The ``block_shape`` SGLang passes to its kernel: FP8's weight blocks, INT4's ``[0, group]``."""
+    def block_shape(self, group_size: int, fp8_block: tuple[int, int]) -> list[int] | None:
+        """The ``block_shape`` SGLang passes to its kernel: FP8's weight blocks (the release's ``fp8_block``),
+        INT4's ``[0, group]``."""
         if self.fp8_activations:
-            return [FP8_BLOCK, FP8_BLOCK]
+            return list(fp8_block)
         return [0, group_size] if self.dtype == "int4_w4a16" else None
 
-    def granule(self, group_size: int) -> int:
+    def granule(self, group_size: int, fp8_block: tuple[int, int]) -> int:
         """What each rank's share of the intermediate size (and the hidden size) must be a multiple of."""
-        shape = self.block_shape(group_size)
+        shape = self.block_shape(group_size, fp8_block)
         return shape[1] if shape else 16
 
 
-# The kernel steps FP8 block scales once per BLOCK_SIZE_K, so it must divide the 128 block.
+# The kernel steps FP8 block scales once per BLOCK_SIZE_K, so it must divide the block's columns (tune keeps the
+# values here that do, else tries the columns alone).
 TRITON_MOE: dict[Format, TritonMoE] = {
-    Format.FP8: TritonMoE("fp8_w8a8", (128, 64), "FP8 e4m3, 128x128 blocks"),
+    Format.FP8: TritonMoE("fp8_w8a8", (128, 64), "FP8 e4m3, {block} blocks"),
     Format.INT4: TritonMoE("int4_w4a16", (64, 128, 32, 256), "INT4 W4A16, group {group}", weights_per_byte=2,
                            note="W4A16 runs SGLang's Triton MoE only with --moe-runner-backend triton (its default is "
                                 "Marlin)"),

@@ -119,7 +119,7 @@ def write_group(writer: ShardWriter, group: list[TensorSpec], cfg: V41Config, se
             module = spec.name.removesuffix(".weight")
             weight, pending[f"{module}.scale"] = quantize_fp8_block(
                 realistic_matrix(*spec.shape, generator_for(seed, spec.name), zero_block=cfg.fp8_block[0]),
-                block=cfg.fp8_block[0], name=spec.name)
+                block=cfg.fp8_block, name=spec.name)
             tensor = weight
         elif spec.dtype == "I8":
             module = spec.name.removesuffix(".weight")
