@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4convert.cli import main
-from dsv4convert.synth import preset_config, synthesize, with_dspark
+from dsv4convert.models.deepseek_v4.configs import with_dspark
+from dsv4convert.synth import preset_config, synthesize
 
 INDEX = "model.safetensors.index.json"
 LAST_STAGE = "mtp.2"  # the tiny drafter has 3 stages

@@ -21,7 +21,8 @@ from dsv4convert.cli import main
 from dsv4convert.models import registry
 from dsv4convert.models.deepseek_v4 import release as v4
 from dsv4convert.models.deepseek_v41 import release as v41
-from dsv4convert.synth import preset_config, reference_config, with_dspark, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+from dsv4convert.synth import preset_config, reference_config
 
 V41_CONFIG = Path(__file__).parent / "data" / "deepseek-v4.1-flash-config.json"
 

@@ -77,13 +77,30 @@ class Drafter(str, Enum):
 # The keys that announce a DSpark drafter bundled in the checkpoint (SGLang's test:
 # speculative/dspark_components/dspark_config.py::checkpoint_bundles_dspark_draft).
 DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
+TARGET_LAYERS_KEY = "dspark_target_layer_ids"
+# A stage's own expert count and top-k (each the backbone's where absent), and the confidence head's input.
+DSPARK_EXPERTS_KEY, DSPARK_TOPK_KEY = "dspark_n_routed_experts", "dspark_num_experts_per_tok"
+CONFIDENCE_WITH_MARKOV_KEY = "confidence_head_with_markov"
+DSPARK_KEY_PREFIX = "dspark_"
+# Every block of the drafter (the preview's MTP blocks, a DSpark drafter's stages) is named under this prefix.
+DRAFT_PREFIX = "mtp."
+
+
+def draft_block(index: int) -> str:
+    """The name of draft block ``index``: the preview's MTP block or a DSpark drafter's stage."""
+    return f"{DRAFT_PREFIX}{index}"
+
+
+def in_draft(name: str) -> bool:
+    """Whether a block, module or tensor name lies in the drafter (``mtp.*``)."""
+    return name.startswith(DRAFT_PREFIX)
 
 
 def without_drafter(config: dict) -> dict:
     """A config.json with its drafter taken out (``--no-mtp``): no MTP block, no ``dspark_*`` key, the compress
     ratios of the backbone only; everything else as it was."""
     n = config["num_hidden_layers"]
-    kept = {key: value for key, value in config.items() if not key.startswith("dspark_")}
+    kept = {key: value for key, value in config.items() if not key.startswith(DSPARK_KEY_PREFIX)}
     return {**kept, "num_nextn_predict_layers": 0, "compress_ratios": list(config["compress_ratios"][:n])}
 
 
@@ -121,10 +138,17 @@ class DSparkNames:
     entry_proj = "mtp.0.main_proj"
     entry_norm = "mtp.0.main_norm"
     ENTRY_LOCAL = ("main_proj", "main_norm")          # the modules' names within stage 0
+    # Every name of a DSpark module within its stage, the Markov head's vLLM aliases included: no code outside
+    # models/ and engines/ writes one (tests/test_architecture.py).
+    LOCAL = (*ENTRY_LOCAL, "markov_head", "markov_w1", "markov_w2", "confidence_head")
+
+    @staticmethod
+    def stage(index: int) -> str:
+        return draft_block(index)
 
     @property
     def last(self) -> str:
-        return f"mtp.{self.stages - 1}"
+        return draft_block(self.stages - 1)
 
     @property
     def norm(self) -> str:
@@ -227,7 +251,7 @@ class ModelConfig:
 
     def block_prefixes(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.num_hidden_layers)] + [
-            f"mtp.{i}" for i in range(self.num_draft_blocks)
+            draft_block(i) for i in range(self.num_draft_blocks)
         ]
 
     def ratio(self, block: str) -> int:
@@ -237,7 +261,7 @@ class ModelConfig:
 
     def experts_in(self, block: str) -> int:
         """Routed experts of a block (a DSpark stage may have its own count)."""
-        if self.dspark is not None and block.startswith("mtp."):
+        if self.dspark is not None and in_draft(block):
             return self.dspark.n_routed_experts
         return self.n_routed_experts
 
@@ -269,7 +293,7 @@ def _check_consistency(values: dict, source: str) -> None:
 def check_top_k(cfg: ModelConfig, source: str) -> None:
     """Each token's routed experts are among its block's: checked where a checkpoint is read (inspect, the
     converters, validate), not in ``from_dict``, since ``fit`` sizes a compact copy of the model that keeps the
-    full top-k over one expert per layer (fit/source.py::_compact)."""
+    full top-k over one expert per layer (configs.py::compact)."""
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
         raise CheckpointError(f"'num_experts_per_tok' ({cfg.num_experts_per_tok}) must not exceed "
                               f"'n_routed_experts' ({cfg.n_routed_experts})", file=source)
@@ -343,7 +367,7 @@ class TensorInfo:
 
     @property
     def is_mtp(self) -> bool:
-        return bool(self.block and self.block.startswith("mtp."))
+        return bool(self.block and in_draft(self.block))
 
 
 _PARAMS = r"(?P<param>weight|scale|weight_scale|weight_scale_2|weight_scale_inv|input_scale|weight_packed|weight_shape|weight_zero_point|weight_g_idx|weight_global_scale|input_global_scale|bias|tid2eid|ape)"
@@ -480,9 +504,9 @@ def block_inventory(cfg: ModelConfig, block: str) -> list[TensorSpec]:
         specs.append(TensorSpec(f"{p}.ffn.gate.tid2eid", "I64", (cfg.vocab_size, cfg.num_experts_per_tok)))
     else:
         specs.append(TensorSpec(f"{p}.ffn.gate.bias", "F32", (experts,)))
-    if block.startswith("mtp.") and cfg.dspark is not None:
+    if in_draft(block) and cfg.dspark is not None:
         specs += _dspark_extras(cfg, int(block.split(".")[1]))
-    elif block.startswith("mtp."):
+    elif in_draft(block):
         specs += _fp8_linear(f"{p}.e_proj", h, h)
         specs += _fp8_linear(f"{p}.h_proj", h, h)
         specs += [TensorSpec(f"{p}.{n}.weight", "BF16", (h,)) for n in ("enorm", "hnorm", "norm")]
@@ -534,7 +558,7 @@ def native_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
     groups = [head]
     groups += [block_inventory(cfg, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
     groups.append(tail)
-    groups += [block_inventory(cfg, f"mtp.{i}") for i in range(cfg.num_draft_blocks)]
+    groups += [block_inventory(cfg, draft_block(i)) for i in range(cfg.num_draft_blocks)]
     return groups
 
 
