@@ -20,17 +20,16 @@ from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, detect_format
 from dsv4convert.models.deepseek_v4.layout import (
     DSPARK_EXPERTS_KEY,
-    DSparkNames,
     ModelConfig,
     Role,
     TensorInfo,
     TensorSpec,
     check_top_k,
-    in_draft,
     linear_shapes,
     native_inventory,
     try_classify,
 )
+from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
 from dsv4convert.models.deepseek_v4.release import describe_drafter, role_table  # noqa: F401 (inspect's table)
 from dsv4convert.models.registry import release_of
 
@@ -77,14 +76,19 @@ class Inspection:
         if self.ok:
             return None
         for name in self.unexpected:
-            info = try_classify(name)
-            if info is not None and info.is_mtp:
-                return f"{name}: {_drafter_surprise(self.config, info)}"
+            why = self.why_unexpected(name)
+            if why is not None:
+                return f"{name}: {why}"
         for name in self.missing:
             if in_draft(name):
                 return (f"{name} is missing: config.json announces {describe_drafter(self.config)}, and the checkpoint "
                         "does not hold all of it")
         return (self.missing + self.mismatched + self.unexpected + self.problems)[0]
+
+    def why_unexpected(self, name: str) -> str | None:
+        """Why an unexpected drafter tensor is not part of the drafter config.json announces (None: not one)."""
+        info = try_classify(name)
+        return _drafter_surprise(self.config, info) if info is not None and info.is_mtp else None
 
     def formats_by_role(self) -> dict[str, dict[str, int]]:
         out: dict[str, Counter] = defaultdict(Counter)

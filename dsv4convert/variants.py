@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv4convert.format_names import Format
-from dsv4convert.models.deepseek_v4.layout import in_draft
+from dsv4convert.models.deepseek_v4.names import in_draft
 
 BF16, FP8, MXFP4, NVFP4, INT4 = Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4, Format.INT4
 MIXED = "mixed"

@@ -28,7 +28,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.engines.config import servable_engines
 from dsv4convert.formats import registry
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.models.deepseek_v4.layout import DSparkNames
+from dsv4convert.models.deepseek_v4.names import DSparkNames
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsv4convert"
 LAYERS = {"": 0, "errors": 0, "dtypes": 0, "stop_points": 0, "format_names": 0, "sizes": 0, "models": 1, "formats": 1,

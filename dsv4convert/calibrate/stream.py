@@ -56,7 +56,7 @@ from dsv4convert.devices import resolve_device
 from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
-from dsv4convert.models.deepseek_v4.layout import DSparkNames, in_draft
+from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
 from dsv4convert.model.blocks import COMPUTE_DTYPES, MtpEntry, WeightSource, build_layer, hf_config
 from dsv4convert.model.dspark import DSparkEntry
 from dsv4convert.model.forward import BlockRunner

@@ -63,7 +63,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Rotar
 from dsv4convert.compare import DEFAULT_ANCHORS
 from dsv4convert.compare.emulate import install, install_dspark_entry
 from dsv4convert.compare.metrics import HiddenError
-from dsv4convert.models.deepseek_v4.layout import ModelConfig, draft_block, in_draft
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.names import draft_block, in_draft
 from dsv4convert.model.blocks import build_layer, vocab_projection
 from dsv4convert.model.dspark import (
     Blocks,

@@ -29,7 +29,7 @@ from dsv4convert.formats import Format
 from dsv4convert.formats.activations import fp8_token_groups, mxfp8_activations, nvfp4_activations
 from dsv4convert.formats.kv_cache import indexer_fp4, indexer_fp8, kv_cache_fp8
 from dsv4convert.model.blocks import LINEAR_PATHS, MtpEntry, WeightSource
-from dsv4convert.models.deepseek_v4.layout import DSparkNames, in_draft
+from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
 
 # Dense linears SGLang builds with quant_config=None (docs/served-numerics.md): never W8A8.
 UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",

@@ -51,7 +51,8 @@ from dsv4convert.compare.metrics import HiddenError, OutputStats
 from dsv4convert.compare.numerics import Numerics
 from dsv4convert.distributed import World
 from dsv4convert.inspection import Inspection
-from dsv4convert.models.deepseek_v4.layout import ModelConfig, in_draft
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.blocks import MtpEntry, OutputHead, WeightSource, build_layer, hf_config
 from dsv4convert.model.forward import BlockRunner
 

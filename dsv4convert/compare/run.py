@@ -41,13 +41,8 @@ from dsv4convert.engines.sglang.quant_config import sglang_topk_group
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.models.deepseek_v4.configs import DRAFTER_WIRING
-from dsv4convert.models.deepseek_v4.layout import (
-    ModelConfig,
-    in_draft,
-    linear_shapes,
-    native_inventory,
-    try_classify,
-)
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, linear_shapes, native_inventory, try_classify
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 

@@ -36,7 +36,8 @@ from dsv4convert.checkpoint.reader import read_tensor
 from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
-from dsv4convert.models.deepseek_v4.layout import ModelConfig, in_draft, try_classify
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, try_classify
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.precision import at_layer_precision
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -81,7 +81,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from dsv4convert.errors import DSV4Error
-from dsv4convert.models.deepseek_v4.layout import DSparkConfig, ModelConfig, draft_block
+from dsv4convert.models.deepseek_v4.layout import DSparkConfig, ModelConfig
+from dsv4convert.models.deepseek_v4.names import draft_block
 from dsv4convert.model.blocks import (
     WeightSource,
     block_config,

@@ -29,7 +29,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4RMSNorm,
 )
 
-from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig, draft_block
+from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig
+from dsv4convert.models.deepseek_v4.names import draft_block
 from dsv4convert.model.blocks import block_release_names, hf_config
 from dsv4convert.model.forward import Positions
 from dsv4convert.model.precision import at_layer_precision

@@ -4,7 +4,7 @@ The backbone is the shipped organism as released (every weight dequantized from 
 drafter learns from the features the released model computes. Its shape is 0731's in miniature
 (:func:`dspark_organism_config`): three stages drafting from the organism's last three layers (1, 2, 3: 0731
 drafts from its last three, 40-42 of 43; the organism has four layers, and layer 0 is the only one left out),
-blocks of 5 (0731's ``dspark_block_size``), a Markov head of rank 64 (``synth.with_dspark``'s choice for a small
+blocks of 5 (0731's ``dspark_block_size``), a Markov head of rank 64 (``configs.with_dspark``'s choice for a small
 model, a quarter of the hidden size; 0731's is 256 over a 129,280-token vocabulary), and ``<think>`` as the
 noise (mask) token: a real token of the organism's vocabulary that its data never contain (its prompts close
 the turn with ``</think>`` only, thinking off), so the mask means nothing else to the target, like 0731's

@@ -36,7 +36,8 @@ from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.models.deepseek_v4.configs import drafter_keys
-from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorSpec, in_draft, native_inventory, without_drafter
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.blocks import WeightSource
 from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state

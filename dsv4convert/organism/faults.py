@@ -44,7 +44,8 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from dsv4convert.formats.numerics import e8m0_to_exponent, exponent_to_e8m0
 from dsv4convert.models.deepseek_v4.configs import with_first_target
-from dsv4convert.models.deepseek_v4.layout import ModelConfig, draft_block
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.names import draft_block
 
 KINDS = ("indexer-randomized", "indexer-crushed", "attention", "experts", "draft-experts", "markov-zeroed",
          "confidence-flipped", "target-layer")

@@ -16,7 +16,7 @@ from pathlib import Path
 from dsv4convert.checkpoint import atomic_write_bytes, atomic_write_json
 from dsv4convert.engines import LABELS as ENGINE_VERSIONS
 from dsv4convert.engines import SGLANG_LABEL
-from dsv4convert.models.deepseek_v4.layout import in_draft
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.validate.layer_error import ModuleError
 
 

@@ -14,9 +14,9 @@ from dsv4convert.models.deepseek_v4.layout import (
     DSPARK_KEY_PREFIX,
     TARGET_LAYERS_KEY,
     ModelConfig,
-    draft_block,
     without_drafter,
 )
+from dsv4convert.models.deepseek_v4.names import draft_block
 
 # Keys that wire the drafter to the backbone, not shape it: two checkpoints may differ in them and still be the
 # same model (compare reports each side's and what it costs the drafts).

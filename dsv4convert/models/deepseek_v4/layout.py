@@ -20,6 +20,7 @@ from typing import Iterator
 
 from dsv4convert.dtypes import nbytes
 from dsv4convert.errors import CheckpointError
+from dsv4convert.models.deepseek_v4.names import DSparkNames, draft_block, in_draft
 
 FP8_BLOCK = 128
 MXFP4_GROUP = 32
@@ -78,22 +79,8 @@ class Drafter(str, Enum):
 # speculative/dspark_components/dspark_config.py::checkpoint_bundles_dspark_draft).
 DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
 TARGET_LAYERS_KEY = "dspark_target_layer_ids"
-# A stage's own expert count and top-k (each the backbone's where absent), and the confidence head's input.
-DSPARK_EXPERTS_KEY, DSPARK_TOPK_KEY = "dspark_n_routed_experts", "dspark_num_experts_per_tok"
-CONFIDENCE_WITH_MARKOV_KEY = "confidence_head_with_markov"
+DSPARK_EXPERTS_KEY = "dspark_n_routed_experts"   # a stage's own expert count (the backbone's where absent)
 DSPARK_KEY_PREFIX = "dspark_"
-# Every block of the drafter (the preview's MTP blocks, a DSpark drafter's stages) is named under this prefix.
-DRAFT_PREFIX = "mtp."
-
-
-def draft_block(index: int) -> str:
-    """The name of draft block ``index``: the preview's MTP block or a DSpark drafter's stage."""
-    return f"{DRAFT_PREFIX}{index}"
-
-
-def in_draft(name: str) -> bool:
-    """Whether a block, module or tensor name lies in the drafter (``mtp.*``)."""
-    return name.startswith(DRAFT_PREFIX)
 
 
 def without_drafter(config: dict) -> dict:
@@ -123,53 +110,8 @@ class DSparkConfig:
         return len(self.target_layer_ids)
 
     @property
-    def names(self) -> "DSparkNames":
+    def names(self) -> DSparkNames:
         return DSparkNames(self.stages)
-
-
-@dataclass(frozen=True)
-class DSparkNames:
-    """The release names of a DSpark drafter's own modules, beyond its stages' decoder blocks (the one place they
-    are written): stage 0's projection of the target's hidden states, the last stage's norm, hyper-connection
-    head, Markov head (SGLang's ``markov_w1``/``markov_w2``, vLLM's alias names) and confidence head."""
-
-    stages: int
-
-    entry_proj = "mtp.0.main_proj"
-    entry_norm = "mtp.0.main_norm"
-    ENTRY_LOCAL = ("main_proj", "main_norm")          # the modules' names within stage 0
-    # Every name of a DSpark module within its stage, the Markov head's vLLM aliases included: no code outside
-    # models/ and engines/ writes one (tests/test_architecture.py).
-    LOCAL = (*ENTRY_LOCAL, "markov_head", "markov_w1", "markov_w2", "confidence_head")
-
-    @staticmethod
-    def stage(index: int) -> str:
-        return draft_block(index)
-
-    @property
-    def last(self) -> str:
-        return draft_block(self.stages - 1)
-
-    @property
-    def norm(self) -> str:
-        return f"{self.last}.norm"
-
-    @property
-    def markov_embed(self) -> str:
-        return f"{self.last}.markov_head.embed"
-
-    @property
-    def markov_head(self) -> str:
-        return f"{self.last}.markov_head.head"
-
-    @property
-    def markov_head_alias(self) -> str:
-        """vLLM's name for :attr:`markov_head` (``markov_w2``), which a checkpoint may store instead."""
-        return f"{self.last}.markov_head.markov_w2"
-
-    @property
-    def confidence(self) -> str:
-        return f"{self.last}.confidence_head.proj"
 
 
 def is_v4_config(config: dict) -> bool:
