@@ -207,6 +207,14 @@ def test_gpu_families_are_listed_only_in_engines():
     assert _gpu_family_lists(ast.parse('choices=("sm90", "sm100", "sm120")')) != []
 
 
+def test_a_default_gpu_family_is_written_once():
+    """Outside ``engines/`` a family is named alone in two defaults, each once: the numerics compare, automix and
+    the demo emulate (``compare.DEFAULT_GPU_FAMILY``), and the rules ``fit`` applies to a GPU given as a size."""
+    found = sorted(path for path, tree in _outside("engines") for n in _code_strings(tree)
+                   if n.value in engines.GPU_FAMILIES)
+    assert found == ["compare/__init__.py", "fit/verdict.py"]
+
+
 
 def _code_strings(tree: ast.AST) -> list[ast.Constant]:
     """The string constants of a module that are code, not prose: every one but a statement of its own (a

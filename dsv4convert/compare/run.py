@@ -16,7 +16,7 @@ import torch
 
 from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.compare import DEFAULT_ANCHORS
+from dsv4convert.compare import DEFAULT_ANCHORS, DEFAULT_GPU_FAMILY
 from dsv4convert.compare.dspark import anchor_stride, draft_components
 from dsv4convert.compare.eta import Eta, Work, duration
 from dsv4convert.compare.dspark import summarize as summarize_drafts
@@ -63,7 +63,7 @@ class CompareOptions:
     numerics: str = "served"
     base_numerics: str | None = None     # default: as --numerics
     engine: str = "sglang"
-    gpu_family: str = "sm120"
+    gpu_family: str = DEFAULT_GPU_FAMILY
     moe_runner_backend: str | None = None
     fp4_indexer: bool = False
     device: str = "cpu"
