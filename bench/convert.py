@@ -53,7 +53,8 @@ import psutil
 from dsv4convert.checkpoint import Checkpoint, atomic_write_json
 from dsv4convert.checkpoint.writer import write_index
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, native_groups
-from dsv4convert.synth import REFERENCE_CONFIG_PATH, reference_config, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_num_layers
+from dsv4convert.synth import REFERENCE_CONFIG_PATH, reference_config
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("nvfp4", "fp8", "w4a16", "bf16")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert import GB, _commit, _machine, _size, link_checkpoint, timed  # noqa: E402  (bench/convert.py: one way to time a run)
 
 from dsv4convert.checkpoint import Checkpoint  # noqa: E402
-from dsv4convert.synth import with_num_layers  # noqa: E402
+from dsv4convert.models.deepseek_v4.configs import with_num_layers  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "dsv4convert" / "data" / "deepseek-v4-flash-0731-config.json"

@@ -19,7 +19,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, detect_format
 from dsv4convert.models.deepseek_v4.layout import (
-    DSparkNames,
+    DSPARK_EXPERTS_KEY,
     ModelConfig,
     Role,
     TensorInfo,
@@ -29,6 +29,7 @@ from dsv4convert.models.deepseek_v4.layout import (
     native_inventory,
     try_classify,
 )
+from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
 from dsv4convert.models.deepseek_v4.release import describe_drafter, role_table  # noqa: F401 (inspect's table)
 from dsv4convert.models.registry import release_of
 
@@ -77,14 +78,19 @@ class Inspection:
         if self.ok:
             return None
         for name in self.unexpected:
-            info = try_classify(name)
-            if info is not None and info.is_mtp:
-                return f"{name}: {_drafter_surprise(self.config, info)}"
+            why = self.why_unexpected(name)
+            if why is not None:
+                return f"{name}: {why}"
         for name in self.missing:
-            if name.startswith("mtp."):
+            if in_draft(name):
                 return (f"{name} is missing: config.json announces {describe_drafter(self.config)}, and the checkpoint "
                         "does not hold all of it")
         return (self.missing + self.mismatched + self.unexpected + self.problems)[0]
+
+    def why_unexpected(self, name: str) -> str | None:
+        """Why an unexpected drafter tensor is not part of the drafter config.json announces (None: not one)."""
+        info = try_classify(name)
+        return _drafter_surprise(self.config, info) if info is not None and info.is_mtp else None
 
     def formats_by_role(self) -> dict[str, dict[str, int]]:
         out: dict[str, Counter] = defaultdict(Counter)
@@ -105,17 +111,19 @@ def _drafter_surprise(cfg: ModelConfig, info) -> str:
     if stage >= cfg.num_draft_blocks:
         return f"beyond {describe_drafter(cfg)} config.json announces"
     if info.expert is not None and info.expert >= cfg.experts_in(info.block):
-        key = "dspark_n_routed_experts" if cfg.dspark is not None else "n_routed_experts"
+        key = DSPARK_EXPERTS_KEY if cfg.dspark is not None else "n_routed_experts"
         n = cfg.experts_in(info.block)
         return f"routed expert {info.expert} is out of range for {key} = {n} (experts 0-{n - 1})"
     if cfg.dspark is None:
         return f"not part of {describe_drafter(cfg)}"
-    last = cfg.dspark.stages - 1
+    names = cfg.dspark.names
     local = info.module[len(info.block) + 1:]
     if info.role is Role.DRAFT_HEAD or local in ("norm", "hc_head"):
-        return f"a DSpark drafter holds its Markov and confidence heads in its last stage, mtp.{last}, not {info.block}"
+        return (f"a DSpark drafter holds its Markov and confidence heads in its last stage, {names.last}, "
+                f"not {info.block}")
     if local in DSparkNames.ENTRY_LOCAL:
-        return f"a DSpark drafter projects the target's hidden states in its first stage, mtp.0, not {info.block}"
+        return (f"a DSpark drafter projects the target's hidden states in its first stage, {names.stage(0)}, "
+                f"not {info.block}")
     return "not part of a DSpark stage (e_proj/h_proj/enorm/hnorm belong to the preview's MTP block)"
 
 
@@ -152,13 +160,13 @@ def check_stored_experts(cfg: ModelConfig, infos: dict[str, TensorInfo | None], 
         if info is not None and info.expert is not None:
             stored[info.block].add(info.expert)
     for draft in (False, True):
-        counts = {block: len(ids) for block, ids in stored.items() if block.startswith("mtp.") == draft}
+        counts = {block: len(ids) for block, ids in stored.items() if in_draft(block) == draft}
         if not counts:
             continue
         block = max(counts, key=counts.__getitem__)
         wanted = cfg.experts_in(block)
         if wanted > counts[block]:
-            key = "dspark_n_routed_experts" if draft and cfg.dspark is not None else "n_routed_experts"
+            key = DSPARK_EXPERTS_KEY if draft and cfg.dspark is not None else "n_routed_experts"
             raise CheckpointError(f"'{key}' is {wanted}, but no {'draft block' if draft else 'layer'} stores more "
                                   f"than {counts[block]} routed experts ({block}.ffn.experts.*)", file=source)
 

@@ -73,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
         print("\nformats by role:")
         for role, fmts in result.formats_by_role().items():
             print(f"  {role:28s} " + ", ".join(f"{f} x{c}" for f, c in sorted(fmts.items())))
-        for title, items in (("missing", result.missing), ("unexpected", result.unexpected),
+        unexpected = [f"{name}: {why}" if (why := result.why_unexpected(name)) else name for name in result.unexpected]
+        for title, items in (("missing", result.missing), ("unexpected", unexpected),
                              ("mismatched", result.mismatched), ("problems", result.problems)):
             if items:
                 print(f"\n{title} ({len(items)}):")

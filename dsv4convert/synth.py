@@ -27,8 +27,8 @@ from dsv4convert.checkpoint import PlannedTensor, ShardWriter, atomic_write_json
 from dsv4convert.checkpoint.writer import empty_destination, shard_name
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
-from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, TensorSpec, native_groups, without_drafter
 from dsv4convert.models.deepseek_v4 import release as v4_release
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, TensorSpec, native_groups
 from dsv4convert.models.deepseek_v4.presets import PRESETS
 from dsv4convert.models.synth_values import generator_for, realistic_matrix, realistic_mxfp4
 
@@ -55,44 +55,6 @@ def preset_config(preset: str) -> dict:
         raise DSV4Error(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     config = reference_config()
     config.update(copy.deepcopy(PRESETS[preset]))
-    return config
-
-
-def with_num_layers(config: dict, num_layers: int, *, mtp: bool = True) -> dict:
-    """Keep the first ``num_layers`` backbone layers, and the drafter unless ``mtp`` is False (a DSpark drafter
-    then drafts from the last layers kept, as 0731's drafts from the last three)."""
-    config = copy.deepcopy(config)
-    cfg = ModelConfig.from_dict(config, source="config")
-    n, drafts = cfg.num_hidden_layers, cfg.num_draft_blocks
-    if not 1 <= num_layers <= n:
-        raise DSV4Error(f"--num-layers must be between 1 and {n}, got {num_layers}")
-    ratios = config["compress_ratios"]
-    config["compress_ratios"] = ratios[:num_layers] + ratios[n : n + drafts]
-    config["num_hidden_layers"] = num_layers
-    config["num_hash_layers"] = min(config.get("num_hash_layers", 0), num_layers)
-    if not mtp:
-        return without_drafter(config)
-    if cfg.dspark is not None:
-        config["dspark_target_layer_ids"] = [max(0, num_layers - drafts + i) for i in range(drafts)]
-    return config
-
-
-def with_dspark(config: dict, *, stages: int = 3, block_size: int = 5, markov_rank: int | None = None) -> dict:
-    """The config with a DSpark drafter in place of the MTP block, as DeepSeek-V4-Flash-0731 ships it: ``stages``
-    sliding-window stages drafting blocks of ``block_size`` from the last ``stages`` layers, a Markov head of rank
-    256 (a quarter of the hidden size for smaller models), the noise token the vocabulary's last; the
-    ``num_nextn_predict_layers`` key stays (0731 keeps 1)."""
-    config = copy.deepcopy(config)
-    cfg = ModelConfig.from_dict(config, source="config")
-    n = cfg.num_hidden_layers
-    if cfg.dspark is not None:
-        raise DSV4Error("the config already has a DSpark drafter")
-    if not 1 <= stages <= n:
-        raise DSV4Error(f"a DSpark drafter needs between 1 and {n} stages (one per target layer), got {stages}")
-    config["compress_ratios"] = list(config["compress_ratios"][:n]) + [0] * stages
-    config["num_nextn_predict_layers"] = max(config.get("num_nextn_predict_layers") or 0, 1)
-    config.update(dspark_block_size=block_size, dspark_markov_rank=markov_rank or min(256, cfg.hidden_size // 4),
-                  dspark_noise_token_id=cfg.vocab_size - 1, dspark_target_layer_ids=list(range(n - stages, n)))
     return config
 
 

@@ -58,10 +58,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from dsv4convert.checkpoint import read_small_json
-    from dsv4convert.models.deepseek_v4.layout import ModelConfig
     from dsv4convert.organism.export import write_organism
     from dsv4convert.models.deepseek_v41 import synth as v41_synth
-    from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers
+    from dsv4convert.models.deepseek_v4.configs import ModelConfig, with_dspark, with_num_layers
+    from dsv4convert.synth import preset_config, synthesize
 
     if args.no_mtp and args.drafter not in (None, "none"):
         raise DSV4Error(f"--no-mtp and --drafter {args.drafter} contradict each other")

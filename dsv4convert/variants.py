@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv4convert.format_names import Format
+from dsv4convert.models.deepseek_v4.names import in_draft
 
 BF16, FP8, MXFP4, NVFP4, INT4 = Format.BF16, Format.FP8, Format.MXFP4, Format.NVFP4, Format.INT4
 MIXED = "mixed"
@@ -102,9 +103,9 @@ def served_like(variant: str, module_formats: dict[str, tuple[Format, dict]]) ->
     if variant in SERVED:
         return variant
     experts = {fmt for module, (fmt, _) in module_formats.items()
-               if ".ffn.experts." in module and not module.startswith("mtp.")}
+               if ".ffn.experts." in module and not in_draft(module)}
     draft = {fmt for module, (fmt, _) in module_formats.items()
-             if ".ffn.experts." in module and module.startswith("mtp.")}
+             if ".ffn.experts." in module and in_draft(module)}
     if NVFP4 in experts:
         if MXFP4 in draft:
             return "nvfp4-mtp-mxfp4"

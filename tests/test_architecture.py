@@ -28,6 +28,7 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.engines.config import servable_engines
 from dsv4convert.formats import registry
 from dsv4convert.inspection import inspect_checkpoint
+from dsv4convert.models.deepseek_v4.names import DSparkNames
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsv4convert"
 LAYERS = {"": 0, "errors": 0, "dtypes": 0, "stop_points": 0, "format_names": 0, "sizes": 0, "models": 1, "formats": 1,
@@ -252,6 +253,58 @@ def test_gpu_families_are_listed_only_in_engines():
     assert found == []
     assert _gpu_family_lists(ast.parse('choices=("sm90", "sm100", "sm120")')) != []
 
+
+def test_a_default_gpu_family_is_written_once():
+    """Outside ``engines/`` a family is named alone in two defaults, each once: the numerics compare, automix and
+    the demo emulate (``compare.DEFAULT_GPU_FAMILY``), and the rules ``fit`` applies to a GPU given as a size."""
+    found = sorted(path for path, tree in _outside("engines") for n in _code_strings(tree)
+                   if n.value in engines.GPU_FAMILIES)
+    assert found == ["compare/__init__.py", "fit/verdict.py"]
+
+
+
+def _code_strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module that are code, not prose: every one but a statement of its own (a
+    docstring, a bare string), f-strings' pieces included."""
+    prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in prose]
+
+
+def _outside(*homes: str) -> list[tuple[str, ast.AST]]:
+    return [(p.relative_to(PACKAGE).as_posix(), ast.parse(p.read_text(encoding="utf-8")))
+            for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] not in homes]
+
+
+def _release_names(tree: ast.AST) -> list[int]:
+    """Lines of code strings that write a DSpark module's name (``DSparkNames.LOCAL``: ``main_proj``,
+    ``markov_head``, vLLM's ``markov_w1``...) or build a draft block's name (``"mtp."``, ``"mtp.0"``)."""
+    return [n.lineno for n in _code_strings(tree)
+            if any(local in n.value for local in DSparkNames.LOCAL) or re.fullmatch(r"mtp\.\d*", n.value)]
+
+
+def test_model_types_are_read_only_by_the_releases():
+    """A feature asks ``models/registry.py`` which release a config is; no code outside ``models/`` reads or
+    compares ``model_type`` (the engines' rules need none: they are keyed by release)."""
+    found = [f"{path}:{n.lineno}" for path, tree in _outside("models") for n in _code_strings(tree)
+             if n.value == "model_type"]
+    assert found == []
+    caught = [n.lineno for code in ('if c.get("model_type") == "deepseek_v4": pass', 'ok = cfg["model_type"] in K')
+              for n in _code_strings(ast.parse(code)) if n.value == "model_type"]
+    assert caught == [1, 1]
+    assert not _code_strings(ast.parse('def f():\n    """Reads model_type."""'))
+
+
+def test_dspark_names_are_written_only_by_the_release_and_the_engines():
+    """DSpark's module names and the draft blocks' are the release's (``models/deepseek_v4/layout.py``
+    ``DSparkNames``, ``draft_block``, ``in_draft``); features ask them, and the model's own modules (``model/``),
+    whose attributes mirror SGLang's (``main_proj``, ``markov_w1``), read their parameter paths off the modules
+    themselves. Docstrings and comments may name them."""
+    found = [f"{path}:{line}" for path, tree in _outside("models", "engines") for line in _release_names(tree)]
+    assert found == []
+    written = ['x = f"mtp.{i}.ffn"', 'n = "mtp.0"', 'set_tensor(head, "markov_w1.weight", w)',
+               'name = f"{last}.confidence_head.proj"', 'a = b.startswith("mtp.")']
+    assert [len(_release_names(ast.parse(code))) for code in written] == [1] * len(written)
+    assert _release_names(ast.parse('"""The stage\'s main_proj under mtp.0."""\nhelp = "the drafter under mtp.*"')) == []
 
 def test_engine_versions_are_written_once():
     """The pinned versions appear in code only in ``engines/`` (docstrings may cite them); the wheels CI installs

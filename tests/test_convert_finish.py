@@ -22,7 +22,8 @@ from dsv4convert.convert import execute
 from dsv4convert.errors import CheckpointError, DSV4Error
 from dsv4convert.fit.source import from_checkpoint
 from dsv4convert.fit.verdict import Gpu, sglang_server, vllm_server
-from dsv4convert.synth import preset_config, synthesize, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_num_layers
+from dsv4convert.synth import preset_config, synthesize
 
 from conftest import run
 

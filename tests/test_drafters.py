@@ -26,7 +26,8 @@ from dsv4convert.engines.served import ServedModel
 from dsv4convert.fit import source, verdict
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig, native_inventory
-from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+from dsv4convert.synth import preset_config, synthesize
 
 DATA = Path(__file__).resolve().parents[1] / "dsv4convert" / "data"
 RECIPES = ("fp8", "nvfp4", "w4a16", "bf16", "nvfp4-mtp-mxfp4")

@@ -35,7 +35,8 @@ from dsv4convert.model.dspark import (
     run_stage,
 )
 from dsv4convert.model.forward import Positions
-from dsv4convert.synth import preset_config, with_dspark, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+from dsv4convert.synth import preset_config
 
 pytestmark = pytest.mark.threads
 

@@ -69,7 +69,8 @@ from dsv4convert.engines.vllm.server import VLLM_MOE_METHODS
 from dsv4convert.formats import Format, dequantize_fp8_block, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, detect_variant, inspect_checkpoint
 from dsv4convert.models.deepseek_v4.layout import Drafter, Role, classify
-from dsv4convert.synth import preset_config, synthesize, with_dspark
+from dsv4convert.models.deepseek_v4.configs import with_dspark
+from dsv4convert.synth import preset_config, synthesize
 
 RECIPES = ("fp8", "nvfp4", "nvfp4-mtp-mxfp4", "w4a16", "bf16")
 # "<recipe>@<engine>": outputs whose layout differs when made for one engine (conftest.ENGINE_OUTPUTS).

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4convert.cli import main
-from dsv4convert.synth import preset_config, synthesize, with_dspark
+from dsv4convert.models.deepseek_v4.configs import with_dspark
+from dsv4convert.synth import preset_config, synthesize
 
 INDEX = "model.safetensors.index.json"
 LAST_STAGE = "mtp.2"  # the tiny drafter has 3 stages
@@ -95,9 +96,11 @@ def test_the_unmodified_source_passes(capsys, source):
 # ---------------------------------------------------------------- two stored names for one module
 
 
-def test_markov_head_under_release_name_and_vllm_alias_is_refused(capsys, source, tmp_path):
-    real = f"{LAST_STAGE}.markov_head.embed.weight"
-    alias = f"{LAST_STAGE}.markov_head.markov_w1.weight"
+@pytest.mark.parametrize("real, alias", [("embed", "markov_w1"), ("head", "markov_w2")])
+def test_markov_head_under_release_name_and_vllm_alias_is_refused(capsys, source, tmp_path, real, alias):
+    """Each half of the Markov head: a zeroed alias stored after the real tensor used to win silently."""
+    real = f"{LAST_STAGE}.markov_head.{real}.weight"
+    alias = f"{LAST_STAGE}.markov_head.{alias}.weight"
 
     def add_zeroed_alias(tensors):
         tensors[alias] = torch.zeros_like(tensors[real])
@@ -160,11 +163,28 @@ def test_compress_ratios_must_be_integers(capsys, source, tmp_path):
 # ---------------------------------------------------------------- NaN and Inf
 
 
+def _poisoned(value: float | int):
+    """Element 1 set to ``value``: a float for BF16/F32 tensors, a byte for FP8 (0x7F: E4M3's NaN) and E8M0
+    (0xFF: its NaN) ones."""
+    def poison(tensors, tensor):
+        t = tensors[tensor]
+        if isinstance(value, int):
+            raw = t.view(torch.uint8).clone()
+            raw.view(-1)[1] = value
+            tensors[tensor] = raw.view(t.dtype)
+        else:
+            t.view(-1)[1] = value
+    return poison
+
+
 @pytest.mark.parametrize("tensor, value", [(f"{LAST_STAGE}.norm.weight", float("nan")),
-                                           ("layers.1.hc_attn_base", float("inf"))])
+                                           ("layers.1.hc_attn_base", float("inf")),
+                                           ("layers.1.attn.wq_a.weight", 0x7F),
+                                           ("layers.1.attn.wq_a.scale", 0xFF)])
 def test_validate_reads_every_tensor_for_nan_and_inf(capsys, source, tmp_path, tensor, value):
+    """Without ``--against`` as with it, in BF16, F32, FP8 and E8M0 tensors alike."""
     def poison(tensors):
-        tensors[tensor].view(-1)[3] = value
+        _poisoned(value)(tensors, tensor)
 
     root, shard = with_shard(source, tmp_path / "poisoned", tensor, poison)
     alone = refused(capsys, ["validate", str(root), "--device", "cpu", "--no-progress"])
@@ -194,10 +214,16 @@ def _markov_head_on_the_first_stage(tensors):
 ])
 def test_draft_tensors_outside_their_stage_are_refused_in_dspark_terms(capsys, source, tmp_path, edit, near, tensor,
                                                                       reason):
+    """A converter refuses in one line; ``inspect`` and ``validate``, whose finding it is, fail (exit 1) and say
+    the same reason beside the tensor, nothing about the preview's MTP block."""
     root, shard = with_shard(source, tmp_path / "case", near, edit)
     dst = tmp_path / "out"
     err = refused(capsys, ["to-fp8", "--src", str(root), "--dst", str(dst), "--no-progress"], dst)
     assert tensor in err and shard in err and reason in err and "e_proj" not in err, err
+    for argv in (["inspect", str(root)], ["validate", str(root), "--device", "cpu", "--no-progress"]):
+        assert main(argv) == 1, argv
+        said = [line for line in capsys.readouterr().out.splitlines() if tensor in line]
+        assert said and all(reason in line and "e_proj" not in line for line in said), (argv, said)
 
 
 # ---------------------------------------------------------------- a missing --src

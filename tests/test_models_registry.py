@@ -21,7 +21,8 @@ from dsv4convert.cli import main
 from dsv4convert.models import registry
 from dsv4convert.models.deepseek_v4 import release as v4
 from dsv4convert.models.deepseek_v41 import release as v41
-from dsv4convert.synth import preset_config, reference_config, with_dspark, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+from dsv4convert.synth import preset_config, reference_config
 
 V41_CONFIG = Path(__file__).parent / "data" / "deepseek-v4.1-flash-config.json"
 
@@ -67,6 +68,12 @@ def test_a_new_release_is_one_module_and_one_registry_entry(tmp_path, capsys, mo
             "tensor_count": 1, "total_bytes": 2 * config["width"], "shard_bytes": [2 * config["width"]],
             "roles": [{"role": "embed", "tensors": 1, "bytes": 2 * config["width"], "dtypes": {"BF16": 1}}],
             "tensors": [{"name": "embed.weight", "dtype": "BF16", "shape": [config["width"]]}]})
+    # The protocol's every member, which docs/architecture.md's "Add a model release" names and each release has.
+    members = {*registry.Release.__annotations__, *(n for n in vars(registry.Release) if not n.startswith("_"))}
+    docs = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    path_doc = docs.split("## Add a model release", 1)[1].split("\n## ", 1)[0]
+    assert members and all(f"`{m}`" in path_doc for m in members), members
+    assert all(hasattr(release, m) for release in (toy, *registry.RELEASES) for m in members)
     monkeypatch.setattr(registry, "RELEASES", (toy, *registry.RELEASES))
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "toy", "width": 8}))

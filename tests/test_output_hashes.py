@@ -50,7 +50,8 @@ from pathlib import Path
 from dsv4convert.convert.execute import ConvertOptions, convert
 from dsv4convert.convert.recipe import load_recipe
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
-from dsv4convert.synth import preset_config, synthesize, with_dspark, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+from dsv4convert.synth import preset_config, synthesize
 
 root, outputs = Path(sys.argv[1]), json.loads(sys.argv[2])
 preview = preset_config("tiny")

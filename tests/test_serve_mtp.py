@@ -141,7 +141,8 @@ def test_response_parsing_and_bad_input(tmp_path, model_dir):
 def test_dspark_acceptance_per_draft_position(tmp_path, model_dir, capsys):
     """A DSpark checkpoint is checked under DSPARK: gamma + 1 tokens verified per step, and SGLang's per-step
     histogram of accepted drafts read as the acceptance of each draft position (a prefix is accepted)."""
-    from dsv4convert.synth import preset_config, with_dspark, with_num_layers
+    from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+    from dsv4convert.synth import preset_config
 
     tiny = preset_config("tiny")
     config = with_dspark(with_num_layers(tiny, tiny["num_hidden_layers"], mtp=False), block_size=5)
@@ -172,7 +173,8 @@ def test_position_acceptance_reads_a_prefix_histogram():
 
 
 def dspark_model(model_dir: Path) -> Path:
-    from dsv4convert.synth import preset_config, with_dspark, with_num_layers
+    from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+    from dsv4convert.synth import preset_config
 
     tiny = preset_config("tiny")
     config = with_dspark(with_num_layers(tiny, tiny["num_hidden_layers"], mtp=False), block_size=5)

@@ -8,7 +8,8 @@ from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.formats import dequantize_fp8_block, dequantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, native_groups, native_inventory
-from dsv4convert.synth import preset_config, synth_tensors, with_num_layers
+from dsv4convert.models.deepseek_v4.configs import with_num_layers
+from dsv4convert.synth import preset_config, synth_tensors
 from transformers_oracle import load, prompt_ids
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv4convert.compare import DEFAULT_GPU_FAMILY
 from dsv4convert.engines import CHOICES, GPU_FAMILIES
 from dsv4convert.errors import DSV4Error
 from dsv4convert.sizes import human_bytes, parse_size
@@ -56,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="engines the mix must load in (default sglang, unlike the converters' both: a mix is chosen for "
                         "the engine that serves it, and both leaves only the layouts the two engines share)")
     p.add_argument("--gpu-family", choices=GPU_FAMILIES,
-                   help="numerics the candidates are served with (default: --gpu's, else sm120)")
+                   help=f"numerics the candidates are served with (default: --gpu's, else {DEFAULT_GPU_FAMILY})")
     p.add_argument("--text", type=Path, help="UTF-8 text or JSONL the pass and the verification read (the user's own)")
     p.add_argument("--tokens", type=_tokens, default=8192, help="tokens of text for the sensitivity pass (default 8K)")
     p.add_argument("--select-tokens", type=_tokens, default=8192,

@@ -40,6 +40,7 @@ from dsv4convert.automix.sensitivity import (
 from dsv4convert.automix.solve import Option, solve
 from dsv4convert.calibration import InputScales, build_input_scales
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare import DEFAULT_GPU_FAMILY
 from dsv4convert.compare.eta import Eta, Work
 from dsv4convert.compare.numerics import Numerics, serving_from_formats
 from dsv4convert.convert.plan import build_plan, human_bytes
@@ -302,7 +303,7 @@ def build(opts: AutomixOptions) -> AutomixPlan:
         if opts.tp < 1 or opts.kv_tokens < 1:
             raise DSV4Error(f"--tp and --kv-tokens must be positive, got {opts.tp} and {opts.kv_tokens}")
         gpu = gpu_of(opts.gpu, opts.gpu_family)     # as fit: a size in MiB needs its family
-    gpu_family = opts.gpu_family or (gpu.family if gpu else "sm120")
+    gpu_family = opts.gpu_family or (gpu.family if gpu else DEFAULT_GPU_FAMILY)
     families, excluded = menu(opts.engine, gpu_family)
     if not families:
         reasons = "; ".join(f"{e.name}: {e.reason}" for e in excluded)

@@ -56,6 +56,7 @@ from dsv4convert.devices import resolve_device
 from dsv4convert.distributed import World
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import inspect_checkpoint
+from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
 from dsv4convert.model.blocks import COMPUTE_DTYPES, MtpEntry, WeightSource, build_layer, hf_config
 from dsv4convert.model.dspark import DSparkEntry
 from dsv4convert.model.forward import BlockRunner
@@ -190,7 +191,7 @@ class Calibrator:
         self.work = work_dir(Path(o.output))
         self.states = StateFiles(self.work / "states", (self.cfg.hc_mult, self.cfg.hidden_size), self.dtype)
         # A DSpark drafter's target features, one file per (target layer, micro-batch): [rows, seq, 1, hidden].
-        self.dspark = self.cfg.dspark if any(b.startswith("mtp.") for b in self.blocks) else None
+        self.dspark = self.cfg.dspark if any(in_draft(b) for b in self.blocks) else None
         self.features = StateFiles(self.states.root / "features", (1, self.cfg.hidden_size), self.dtype)
         self.input_scales: InputScales = build_input_scales(self.ckpt)
         self._embed_weight: torch.Tensor | None = None
@@ -253,7 +254,7 @@ class Calibrator:
 
     def _is_stage(self, block: str) -> bool:
         """``block`` is a DSpark drafter's stage (else a backbone layer or the preview's MTP block)."""
-        return self.dspark is not None and block.startswith("mtp.")
+        return self.dspark is not None and in_draft(block)
 
     def _shift(self, block: str) -> int:
         """How many tokens shorter this block's sequences are than the calibration windows."""
@@ -269,7 +270,7 @@ class Calibrator:
 
     def _keep_features(self, block: str, unit: int, streams: torch.Tensor) -> None:
         """After a target layer: its part of the micro-batch's target features, committed with the block."""
-        if self.dspark is None or block.startswith("mtp."):
+        if self.dspark is None or in_draft(block):
             return
         if int(block.split(".")[1]) not in self.dspark.target_layer_ids:
             return
@@ -332,19 +333,19 @@ class Calibrator:
         rows_total, seq_len = ids.shape
         stage = self._is_stage(block)
         # A stage's first input is its anchor blocks' embedding, not the states of the block before.
-        reads_states = index > 0 and not (stage and block == "mtp.0")
+        reads_states = index > 0 and not (stage and block == DSparkNames.stage(0))
         layer = build_layer(self.source, self.config, self.cfg, block)
         entry: MtpEntry | DSparkEntry | None = None
         if stage:
             entry = DSparkEntry.load(self.source, self.config, self.cfg)
-        elif block.startswith("mtp."):
+        elif in_draft(block):
             entry = MtpEntry.load(self.source, self.config, block)
         loaded = time.perf_counter()
         stats = ExpertStats.zeros(self.cfg.experts_in(block), self.cfg.hidden_size, self.cfg.moe_intermediate_size,
                                   hessians=o.hessians or o.report, device=self.device)
         recorder = ExpertRecorder(layer.mlp.experts, stats)
         following = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
-        has_next = following is not None and not (self._is_stage(following) and following == "mtp.0")
+        has_next = following is not None and not (self._is_stage(following) and following == DSparkNames.stage(0))
         mine = [(i, rows) for i, rows in enumerate(batches(o.num_sequences, rows_total, o.batch_size))
                 if owner(i, rows, o.num_sequences, self.world) == self.world.rank]
         try:

@@ -10,3 +10,6 @@ localizes what moved its drafts, :mod:`.report` writes the reports.
 # Draft blocks per run (all sequences together) a DSpark drafter is compared on; here, not in .dspark, so that
 # `compare --help` shows it without loading torch.
 DEFAULT_ANCHORS = 4096
+# The GPU family whose served numerics a comparison emulates unless told (compare, automix, the demo): the RTX PRO
+# 6000's, which quantizes the most activations of the three.
+DEFAULT_GPU_FAMILY = "sm120"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsv4convert.compare import DEFAULT_ANCHORS
-from dsv4convert.engines import GPU_FAMILIES
+from dsv4convert.compare import DEFAULT_ANCHORS, DEFAULT_GPU_FAMILY
+from dsv4convert.engines import GPU_FAMILIES, family_label
 from dsv4convert.errors import DSV4Error
 from dsv4convert.sizes import human_bytes
 
@@ -68,8 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="the base side's numerics, when they should differ from --numerics (e.g. weights: "
                           "the base as an ideal reference)")
     num.add_argument("--engine", choices=("sglang",), default="sglang")
-    num.add_argument("--gpu-family", choices=GPU_FAMILIES, default="sm120",
-                     help="the GPUs the variant is served on (default: sm120, RTX PRO 6000 Blackwell)")
+    num.add_argument("--gpu-family", choices=GPU_FAMILIES, default=DEFAULT_GPU_FAMILY,
+                     help=f"the GPUs the variant is served on (default: {DEFAULT_GPU_FAMILY}, "
+                          f"{family_label(DEFAULT_GPU_FAMILY)})")
     num.add_argument("--moe-runner-backend", metavar="B",
                      help="SGLang's --moe-runner-backend, where you serve with another than `serve` picks")
     num.add_argument("--fp4-indexer", action="store_true",

@@ -64,6 +64,7 @@ from dsv4convert.compare import DEFAULT_ANCHORS
 from dsv4convert.compare.emulate import install, install_dspark_entry
 from dsv4convert.compare.metrics import HiddenError
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.names import draft_block, in_draft
 from dsv4convert.model.blocks import build_layer, vocab_projection
 from dsv4convert.model.dspark import (
     Blocks,
@@ -73,7 +74,6 @@ from dsv4convert.model.dspark import (
     embed_blocks,
     finish,
     run_stage,
-    stage_block,
     stream_mean,
 )
 
@@ -178,7 +178,7 @@ class DraftPass:
         bar = e.phase("DSpark drafter", self.d.stages * sum(len(e.units_of[t.label]) for t in e.tracks) + 1)
         main_x: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
         for s in range(self.d.stages):
-            block = stage_block(s)
+            block = draft_block(s)
             nxt: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
             rounding_next: dict[int, torch.Tensor] = {}
             for side in e.sides:
@@ -382,7 +382,7 @@ DRAFTING = (TARGET_FEATURES, DRAFT_HEAD, MARKOV_HEAD)     # with the stages: wha
 
 def draft_components(stages: int) -> list[str]:
     """The drafter's parts the report localizes, in the order the data flows through them."""
-    return [TARGET_FEATURES, *(stage_block(s) for s in range(stages)), DRAFT_HEAD, MARKOV_HEAD, CONFIDENCE_HEAD]
+    return [TARGET_FEATURES, *(draft_block(s) for s in range(stages)), DRAFT_HEAD, MARKOV_HEAD, CONFIDENCE_HEAD]
 
 
 # What each entry of ``moved`` measures, in the reader's terms.
@@ -425,7 +425,7 @@ def name_component(moved: list[str], components: list[dict]) -> dict:
                                                 "within the noise floor at every position"}
     drafts_moved = any(not m.startswith("confidence") for m in moved)
     pool = [c for c in components if c["local"] is not None
-            and (not drafts_moved or c["component"] in DRAFTING or c["component"].startswith("mtp."))]
+            and (not drafts_moved or c["component"] in DRAFTING or in_draft(c["component"]))]
     worst = max(pool, key=lambda c: c["local"]["relative_error"], default=None)
     what = f"{moved_in_words(moved)} moved beyond the noise floor (more than float rounding and sampling move them)"
     if worst is None or worst["local"]["relative_error"] == 0.0:

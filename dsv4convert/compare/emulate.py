@@ -29,7 +29,7 @@ from dsv4convert.formats import Format
 from dsv4convert.formats.activations import fp8_token_groups, mxfp8_activations, nvfp4_activations
 from dsv4convert.formats.kv_cache import indexer_fp4, indexer_fp8, kv_cache_fp8
 from dsv4convert.model.blocks import LINEAR_PATHS, MtpEntry, WeightSource
-from dsv4convert.models.deepseek_v4.layout import DSparkNames
+from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
 
 # Dense linears SGLang builds with quant_config=None (docs/served-numerics.md): never W8A8.
 UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",
@@ -147,7 +147,7 @@ def _experts(layer: nn.Module, block: str, serving, source: WeightSource, instal
     first = source.format_of(f"{block}.ffn.experts.0.w1")
     if first is None:
         return
-    scheme = serving.expert_scheme(first, is_mtp=block.startswith("mtp."))
+    scheme = serving.expert_scheme(first, is_mtp=in_draft(block))
     if scheme is None:
         return
     experts = layer.mlp.experts

@@ -52,6 +52,7 @@ from dsv4convert.compare.numerics import Numerics
 from dsv4convert.distributed import World
 from dsv4convert.inspection import Inspection
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.blocks import MtpEntry, OutputHead, WeightSource, build_layer, hf_config
 from dsv4convert.model.forward import BlockRunner
 
@@ -236,7 +237,7 @@ class LockstepEngine:
         with side.source.staged(tensors):
             layer = build_layer(side.source, self.config, self.cfg, block)
             entry = None
-            if block.startswith("mtp."):
+            if in_draft(block):
                 entry = (MtpEntry.load(side.source, self.config, block), side.source.tensor("embed.weight"))
         self._sync()
         return layer, entry
@@ -303,7 +304,7 @@ class LockstepEngine:
         try:
             streams = self._embedded()
             for block in self.blocks:
-                if block.startswith("mtp.") and not scored:
+                if in_draft(block) and not scored:
                     self._score_outputs(streams, output, retrieval, top1)
                     scored = True
                 before, block_started = dict(self.seconds), time.perf_counter()
@@ -324,7 +325,7 @@ class LockstepEngine:
                 bar.update()
                 if self.draft is not None:
                     self.draft.capture(block, nxt)
-                if block.startswith("mtp."):
+                if in_draft(block):
                     for track in self.tracks:
                         agreement[track.label][block] = self._draft_agreement(track, block, nxt[track.label],
                                                                               top1[track.label])
@@ -410,7 +411,7 @@ class LockstepEngine:
         heads = {side.label: OutputHead(side.source, self.config) for side in self.sides}
         bar = self.phase("output heads", len(self.mine))
         # the drafts need every top-1
-        need_all = any(block.startswith("mtp.") for block in self.blocks) or self.draft is not None
+        need_all = any(in_draft(block) for block in self.blocks) or self.draft is not None
         for track in self.tracks:
             top1[track.label] = {}
         for unit in self.mine:

@@ -16,7 +16,7 @@ import torch
 
 from dsv4convert import __version__, dtypes
 from dsv4convert.checkpoint import Checkpoint
-from dsv4convert.compare import DEFAULT_ANCHORS
+from dsv4convert.compare import DEFAULT_ANCHORS, DEFAULT_GPU_FAMILY
 from dsv4convert.compare.dspark import anchor_stride, draft_components
 from dsv4convert.compare.eta import Eta, Work, duration
 from dsv4convert.compare.dspark import summarize as summarize_drafts
@@ -40,15 +40,14 @@ from dsv4convert.distributed import World
 from dsv4convert.engines.sglang.quant_config import sglang_topk_group
 from dsv4convert.errors import DSV4Error
 from dsv4convert.inspection import Inspection, inspect_checkpoint
+from dsv4convert.models.deepseek_v4.configs import DRAFTER_WIRING
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, linear_shapes, native_inventory, try_classify
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
 # Config keys that describe how weights are stored, not the model: they may differ between sides.
 STORAGE_KEYS = frozenset({"quantization_config", "torch_dtype", "dtype", "transformers_version", "expert_dtype"})
-# Keys that wire the drafter to the backbone: a variant that rewrote them is compared (the DSpark report shows
-# each side's and what it costs the drafts), not refused.
-DRAFTER_WIRING = frozenset({"dspark_target_layer_ids"})
 NUMERICS = ("served", "weights")
 
 
@@ -64,7 +63,7 @@ class CompareOptions:
     numerics: str = "served"
     base_numerics: str | None = None     # default: as --numerics
     engine: str = "sglang"
-    gpu_family: str = "sm120"
+    gpu_family: str = DEFAULT_GPU_FAMILY
     moe_runner_backend: str | None = None
     fp4_indexer: bool = False
     device: str = "cpu"
@@ -283,7 +282,7 @@ def estimate_resources(cfg: ModelConfig, config: dict, seq: int, track_tokens: i
                 "largest_layer_bytes": int(layer), "chunk": chunk}
     if cfg.dspark is not None and opts.mtp and opts.recall is None:
         estimate["dspark"] = draft_estimate(cfg, track_tokens // 2, seq, item, opts.draft_anchors,
-                                            max(v for k, v in per_block.items() if k.startswith("mtp.")))
+                                            max(v for k, v in per_block.items() if in_draft(k)))
     return estimate
 
 

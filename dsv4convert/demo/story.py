@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.compare import DEFAULT_GPU_FAMILY
 from dsv4convert.compare.recall import RecallOptions, accuracy_by_length, verdict
 from dsv4convert.compare.run import CompareOptions, build_plan, run
 from dsv4convert.convert.execute import ConvertOptions, convert
@@ -33,7 +34,7 @@ from dsv4convert.validate.cli import validate
 VARIANTS = ("fp8", "nvfp4", "w4a16")
 # SGLang's numerics on the GPU family users serve on, for both sides of every comparison: a number is what
 # switching the served checkpoint changes (a weights-only base would charge its own rounding to the variant).
-NUMERICS, GPU_FAMILY = "served", "sm120"
+NUMERICS, GPU_FAMILY = "served", DEFAULT_GPU_FAMILY
 TEXT_TOKENS, TEXT_SEQ_LEN = 1024, 512    # held-out text: two sequences (the file holds about 15K tokens)
 ANSWER_TOKENS = 7                        # one per digit: prompts up to threshold - 7 are fully covered
 DEPTH = 0.5                              # one needle per length, mid depth: the grid's time is the demo's minute

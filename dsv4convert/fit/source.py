@@ -20,6 +20,7 @@ from dsv4convert.dtypes import nbytes
 from dsv4convert.engines.config import build_quant_config
 from dsv4convert.engines.served import ServedModel
 from dsv4convert.inspection import inspect_checkpoint
+from dsv4convert.models.deepseek_v4 import configs
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, Role, TensorInfo, native_inventory
 
 # Shipped variants and the recipe that makes each (None: the native checkpoint as released), as
@@ -59,35 +60,10 @@ def from_plan(label: str, plan, source_config: dict, engines: tuple[str, ...] = 
                                             for p in job.outputs]))
 
 
-def _compact(config: dict) -> tuple[dict, dict[str, int], dict[str, int]]:
-    """The config of a model with one backbone layer of each kind V4 has (compress ratio, hash or score
-    routing) and one routed expert per layer: (its config, how many full-model layers each of its layers
-    stands for, how many experts its one stands for in the backbone and in the drafter). Every layer of a kind
-    plans alike (the recipes match roles, not layer numbers), and so does every expert; the router's gate rows
-    scale with the experts."""
-    cfg = ModelConfig.from_dict(config)
-    experts = {"layers": cfg.n_routed_experts, "mtp": cfg.experts_in("mtp.0") if cfg.num_draft_blocks else 0}
-    kinds: dict[tuple[bool, int], int] = {}
-    for i in range(cfg.num_hidden_layers):
-        key = (not cfg.is_hash_block(f"layers.{i}"), cfg.ratio(f"layers.{i}"))
-        kinds[key] = kinds.get(key, 0) + 1
-    order = sorted(kinds, key=lambda kind: kind[0])            # hash layers first, as V4 numbers them
-    ratios = [ratio for _, ratio in order] + list(cfg.compress_ratios[cfg.num_hidden_layers:])
-    compact = {**config, "num_hidden_layers": len(order), "num_hash_layers": sum(not score for score, _ in order),
-               "compress_ratios": ratios, "n_routed_experts": 1}
-    if config.get("dspark_n_routed_experts"):
-        compact["dspark_n_routed_experts"] = 1
-    if cfg.dspark is not None:   # the same number of target layers (main_proj's width), among the compact ones
-        stages = cfg.dspark.stages
-        compact["dspark_target_layer_ids"] = [max(0, len(order) - stages + i) for i in range(stages)]
-    return compact, {f"layers.{i}": kinds[kind] for i, kind in enumerate(order)}, experts
-
-
-def _copies(info: TensorInfo, layers: dict[str, int], experts: dict[str, int]) -> int:
+def _copies(info: TensorInfo, layers: dict[str, int], experts: dict[bool, int]) -> int:
     block = ".".join(info.module.split(".")[:2])
     per_expert = info.role is Role.ROUTED_EXPERT or (info.role is Role.ROUTER and info.param != "tid2eid")
-    return layers.get(block, 1) * (experts[block.split(".")[0]] if per_expert else 1)
-
+    return layers.get(block, 1) * (experts[info.is_mtp] if per_expert else 1)
 
 
 def shipped(config: dict, path: str) -> list[ServedModel]:
@@ -103,14 +79,12 @@ def planned(variant: str, config: dict, *, compact: bool = True) -> ServedModel:
     full-model tensors it stands for (``Tensor.copies``; tests/test_fit.py checks it against the full
     plan): the full V4-Flash plan classifies ~200,000 tensors (10-20 s per variant), this one ~200.
     """
-    plan_config, layers, experts = _compact(config) if compact else (config, {}, {"layers": 1, "mtp": 1})
+    plan_config, layers, experts = configs.compact(config) if compact else (config, {}, {False: 1, True: 1})
     native = _virtual(plan_config, [(s.name, s.dtype, s.shape) for s in native_inventory(ModelConfig.from_dict(plan_config))])
     recipe = SHIPPED[variant]
     src = _source(variant, native) if recipe is None else from_plan(
         variant, build_plan(native, load_recipe(recipe), engine="both"), plan_config)
     # The full model's layer counts (the KV geometry reads them) over what the plan wrote.
-    full = {key: config[key] for key in ("num_hidden_layers", "num_hash_layers", "compress_ratios", "n_routed_experts",
-                                        "dspark_n_routed_experts", "dspark_target_layer_ids")
-            if key in config}
+    full = {key: config[key] for key in configs.COMPACTED_KEYS if key in config}
     tensors = [(replace(t, copies=_copies(info, layers, experts)), info) for t, info in src.tensors]
     return replace(src, config={**src.config, **full}, tensors=tensors)

@@ -37,6 +37,7 @@ from dsv4convert.errors import CheckpointError
 from dsv4convert.formats import Format, spec
 from dsv4convert.inspection import WEIGHT_PARAMS, Inspection
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, try_classify
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.precision import at_layer_precision
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -137,7 +138,7 @@ class WeightSource:
         for a GPU, so the build's copies are plain DMA."""
         pin = self.device.type == "cuda"
         names = [n for n in self.ckpt.tensors if n.startswith(f"{block}.")]
-        if block.startswith("mtp."):
+        if in_draft(block):
             names.append("embed.weight")
         return {name: read_tensor(self.ckpt.entry(name), pin_memory=pin) for name in names}
 
@@ -222,7 +223,7 @@ def block_config(config: DeepseekV4Config, cfg: ModelConfig, block: str) -> Deep
     count (``dspark_n_routed_experts`` / ``dspark_num_experts_per_tok``) a copy carrying it, as SGLang's
     ``models/deepseek_v4_dspark.py::_dspark_stage_config`` builds the stages."""
     d = cfg.dspark
-    if d is None or not block.startswith("mtp.") or (
+    if d is None or not in_draft(block) or (
             d.n_routed_experts, d.num_experts_per_tok) == (cfg.n_routed_experts, cfg.num_experts_per_tok):
         return config
     stage = copy.copy(config)

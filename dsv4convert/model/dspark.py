@@ -82,6 +82,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from dsv4convert.errors import DSV4Error
 from dsv4convert.models.deepseek_v4.layout import DSparkConfig, ModelConfig
+from dsv4convert.models.deepseek_v4.names import draft_block
 from dsv4convert.model.blocks import (
     WeightSource,
     block_config,
@@ -94,10 +95,6 @@ from dsv4convert.model.blocks import (
 from dsv4convert.model.precision import at_layer_precision
 
 ROPE = "main"       # sliding-window layers' rope type in transformers (plain rope_theta, no YaRN)
-
-
-def stage_block(stage: int) -> str:
-    return f"mtp.{stage}"
 
 
 def dspark_of(cfg: ModelConfig) -> DSparkConfig:
@@ -311,8 +308,8 @@ class DSparkEntry(nn.Module):
         with torch.device("meta"):
             entry = cls(cfg.hidden_size, dspark_of(cfg).stages, config.rms_norm_eps)
         names = dspark_of(cfg).names
-        set_tensor(entry, "main_proj.weight", source.linear(names.entry_proj))
-        set_tensor(entry, "main_norm.weight", source.tensor(f"{names.entry_norm}.weight"))
+        set_tensor(entry.main_proj, "weight", source.linear(names.entry_proj))
+        set_tensor(entry.main_norm, "weight", source.tensor(f"{names.entry_norm}.weight"))
         return entry
 
 
@@ -337,11 +334,11 @@ class DSparkHead(nn.Module):
             head = cls(config, d)
         for leaf in ("fn", "base", "scale"):
             set_tensor(head.hc_head, f"hc_{leaf}", source.tensor(f"{d.names.last}.hc_head_{leaf}"))
-        set_tensor(head, "norm.weight", source.tensor(f"{d.names.norm}.weight"))
-        set_tensor(head, "markov_w1.weight", source.linear(d.names.markov_embed))
+        set_tensor(head.norm, "weight", source.tensor(f"{d.names.norm}.weight"))
+        set_tensor(head.markov_w1, "weight", source.linear(d.names.markov_embed))
         # SGLang keeps markov_w2 in float32 (DSparkV4MarkovHead: SGLANG_DSPARK_OPT_MARKOV_W2_BF16 off).
-        set_tensor(head, "markov_w2.weight", source.linear(d.names.markov_head).float())
-        set_tensor(head, "confidence.weight", source.linear(d.names.confidence).float())
+        set_tensor(head.markov_w2, "weight", source.linear(d.names.markov_head).float())
+        set_tensor(head.confidence, "weight", source.linear(d.names.confidence).float())
         return head
 
     def base(self, streams: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,8 +419,8 @@ class DSparkDrafter(nn.Module):
         self.window = int(full.sliding_window)
         self.entry = entry if entry is not None else DSparkEntry(self.cfg.hidden_size, d.stages, full.rms_norm_eps)
         if stages is None:
-            stages = [DeepseekV4DecoderLayer(block_config(full, self.cfg, stage_block(s)),
-                                             block_index(self.cfg, stage_block(s))) for s in range(d.stages)]
+            stages = [DeepseekV4DecoderLayer(block_config(full, self.cfg, draft_block(s)),
+                                             block_index(self.cfg, draft_block(s))) for s in range(d.stages)]
         self.stages = nn.ModuleList(stages)
         self.head = head if head is not None else DSparkHead(full, d)
         self.rotary = DeepseekV4RotaryEmbedding(full)
@@ -436,7 +433,7 @@ class DSparkDrafter(nn.Module):
         cfg = ModelConfig.from_dict(config)
         d = dspark_of(cfg)
         full = hf_config(config)
-        stages = [build_layer(source, full, cfg, stage_block(s)) for s in range(d.stages)]
+        stages = [build_layer(source, full, cfg, draft_block(s)) for s in range(d.stages)]
         drafter = cls(config, experts_implementation=full._experts_implementation, stages=stages,
                       entry=DSparkEntry.load(source, full, cfg), head=DSparkHead.load(source, full, cfg))
         drafter.rotary = DeepseekV4RotaryEmbedding(full, device=source.device)
@@ -475,19 +472,23 @@ class DSparkDrafter(nn.Module):
     # -- export -----------------------------------------------------------------------------------
 
     def native_paths(self) -> dict[str, str]:
-        """Release name -> this module's parameter or buffer path, routed experts aside."""
+        """Release name -> this module's parameter or buffer path, routed experts aside. The paths are read off
+        the modules (their attributes mirror SGLang's: ``main_proj``, ``markov_w1``...), the release names off
+        ``DSparkNames``: neither is written out here."""
         d, targets = self.d, dict(self.named_parameters()) | dict(self.named_buffers())
+        path = {id(x): name for name, x in [*self.named_modules(), *targets.items()]}
         out = {}
-        for s in range(d.stages):
-            out.update(block_release_names(stage_block(s), f"stages.{s}", targets))
-        names = d.names
-        out[f"{names.entry_proj}.weight"] = "entry.main_proj.weight"
-        out[f"{names.entry_norm}.weight"] = "entry.main_norm.weight"
-        out[f"{names.norm}.weight"] = "head.norm.weight"
-        out.update({f"{names.last}.hc_head_{leaf}": f"head.hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")})
-        out[f"{names.markov_embed}.weight"] = "head.markov_w1.weight"
-        out[f"{names.markov_head}.weight"] = "head.markov_w2.weight"
-        out[f"{names.confidence}.weight"] = "head.confidence.weight"
+        for s, stage in enumerate(self.stages):
+            out.update(block_release_names(draft_block(s), path[id(stage)], targets))
+        names, head = d.names, self.head
+        out[f"{names.entry_proj}.weight"] = path[id(self.entry.main_proj.weight)]
+        out[f"{names.entry_norm}.weight"] = path[id(self.entry.main_norm.weight)]
+        out[f"{names.norm}.weight"] = path[id(head.norm.weight)]
+        out.update({f"{names.last}.hc_head_{leaf}": path[id(getattr(head.hc_head, f"hc_{leaf}"))]
+                    for leaf in ("fn", "base", "scale")})
+        out[f"{names.markov_embed}.weight"] = path[id(head.markov_w1.weight)]
+        out[f"{names.markov_head}.weight"] = path[id(head.markov_w2.weight)]
+        out[f"{names.confidence}.weight"] = path[id(head.confidence.weight)]
         return out
 
     def expert_views(self):
@@ -495,7 +496,7 @@ class DSparkDrafter(nn.Module):
             gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
             inter = gate_up.shape[1] // 2
             for e in range(gate_up.shape[0]):
-                p = f"{stage_block(s)}.ffn.experts.{e}"
+                p = f"{draft_block(s)}.ffn.experts.{e}"
                 yield f"{p}.w1.weight", gate_up[e, :inter]
                 yield f"{p}.w3.weight", gate_up[e, inter:]
                 yield f"{p}.w2.weight", down[e]

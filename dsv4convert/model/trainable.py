@@ -30,6 +30,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from dsv4convert.models.deepseek_v4.layout import Drafter, ModelConfig
+from dsv4convert.models.deepseek_v4.names import draft_block
 from dsv4convert.model.blocks import block_release_names, hf_config
 from dsv4convert.model.forward import Positions
 from dsv4convert.model.precision import at_layer_precision
@@ -175,7 +176,7 @@ def _expert_views(model: TrainableModel) -> Iterator[tuple[str, torch.Tensor]]:
     """(native name, view) of every routed expert's w1/w3/w2 inside transformers' packed expert tensors
     (``gate_up_proj [E, 2I, H]``: w1 rows then w3 rows; ``down_proj [E, H, I]``)."""
     layers = [(f"layers.{i}", layer) for i, layer in enumerate(model.backbone.model.layers)]
-    layers += [(f"mtp.{j}", block.layer) for j, block in enumerate(model.mtp)]
+    layers += [(draft_block(j), block.layer) for j, block in enumerate(model.mtp)]
     for prefix, layer in layers:
         gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
         inter = gate_up.shape[1] // 2
@@ -190,14 +191,15 @@ def _native_paths(model: TrainableModel) -> dict[str, str]:
     out = {"embed.weight": "backbone.model.embed_tokens.weight", "norm.weight": "backbone.model.norm.weight",
            "head.weight": "backbone.lm_head.weight",
            **{f"hc_head_{leaf}": f"backbone.model.hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")}}
+    modules = {id(module): path for path, module in model.named_modules()}
     blocks = [(f"layers.{i}", f"backbone.model.layers.{i}") for i in range(model.cfg.num_hidden_layers)]
-    blocks += [(f"mtp.{j}", f"mtp.{j}.layer") for j in range(len(model.mtp))]
+    blocks += [(draft_block(j), modules[id(block.layer)]) for j, block in enumerate(model.mtp)]
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     for native, path in blocks:
         out.update(block_release_names(native, path, targets))
-    for j in range(len(model.mtp)):
-        p = f"mtp.{j}"
+    for j, block in enumerate(model.mtp):
+        native, path = draft_block(j), modules[id(block)]
         for name in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):
-            out[f"{p}.{name}.weight"] = f"{p}.{name}.weight"
-        out.update({f"{p}.hc_head_{leaf}": f"{p}.hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")})
+            out[f"{native}.{name}.weight"] = f"{path}.{name}.weight"
+        out.update({f"{native}.hc_head_{leaf}": f"{path}.hc_head.hc_{leaf}" for leaf in ("fn", "base", "scale")})
     return out

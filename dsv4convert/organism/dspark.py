@@ -4,7 +4,7 @@ The backbone is the shipped organism as released (every weight dequantized from 
 drafter learns from the features the released model computes. Its shape is 0731's in miniature
 (:func:`dspark_organism_config`): three stages drafting from the organism's last three layers (1, 2, 3: 0731
 drafts from its last three, 40-42 of 43; the organism has four layers, and layer 0 is the only one left out),
-blocks of 5 (0731's ``dspark_block_size``), a Markov head of rank 64 (``synth.with_dspark``'s choice for a small
+blocks of 5 (0731's ``dspark_block_size``), a Markov head of rank 64 (``configs.with_dspark``'s choice for a small
 model, a quarter of the hidden size; 0731's is 256 over a 129,280-token vocabulary), and ``<think>`` as the
 noise (mask) token: a real token of the organism's vocabulary that its data never contain (its prompts close
 the turn with ``</think>`` only, thinking off), so the mask means nothing else to the target, like 0731's
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4convert.errors import DSV4Error
+from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.model.dspark import Blocks, DSparkDrafter, FeatureCapture, acceptance, anchor_grid
 from dsv4convert.model.trainable import TrainableModel
@@ -51,7 +52,6 @@ from dsv4convert.organism.train import (
     prefetched,
     run_for_budget,
 )
-from dsv4convert.synth import with_dspark, with_num_layers
 
 NOISE_TOKEN = "<think>"
 STAGES, BLOCK_SIZE, MARKOV_RANK = 3, 5, 64
@@ -61,14 +61,12 @@ HELDOUT_LENGTH, FIRST_ANCHOR = 320, 32   # held-out rows; the first anchor score
 
 def dspark_organism_config(base_config: dict, tokenizer) -> dict:
     """The organism's config.json with its DSpark drafter in place of the MTP block (0731's layout)."""
-    n = int(base_config["num_hidden_layers"])
-    config = with_dspark(with_num_layers(base_config, n, mtp=False), stages=STAGES, block_size=BLOCK_SIZE,
-                         markov_rank=MARKOV_RANK)
+    n = ModelConfig.from_dict(base_config).num_hidden_layers
     noise = tokenizer.token_to_id(NOISE_TOKEN)
     if noise is None:
         raise DSV4Error(f"the organism's tokenizer has no {NOISE_TOKEN} token")
-    config["dspark_noise_token_id"] = int(noise)
-    return config
+    return with_dspark(with_num_layers(base_config, n, mtp=False), stages=STAGES, block_size=BLOCK_SIZE,
+                       markov_rank=MARKOV_RANK, noise_token_id=int(noise))
 
 
 @dataclass

@@ -35,8 +35,10 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
+from dsv4convert.models.deepseek_v4.configs import drafter_keys
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
 from dsv4convert.models.registry import fp8_block_of_config
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.blocks import WeightSource
 from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state
@@ -122,16 +124,8 @@ def write_release(dst: Path, model: TrainableModel, config: dict, tokenizer, pro
 # -- the DSpark drafter, shipped apart ------------------------------------------------------------
 
 
-def drafter_keys(config: dict) -> dict:
-    """The config.json keys a DSpark drafter sets on its backbone's config: the ``dspark_*`` keys, the compress
-    ratios of the stages, ``num_nextn_predict_layers`` (0731 keeps 1)."""
-    return {"num_nextn_predict_layers": config["num_nextn_predict_layers"],
-            "compress_ratios": list(config["compress_ratios"]),
-            **{key: value for key, value in config.items() if key.startswith("dspark_")}}
-
-
 def drafter_specs(config: dict) -> list[TensorSpec]:
-    return [s for s in native_inventory(ModelConfig.from_dict(config)) if s.name.startswith("mtp.")]
+    return [s for s in native_inventory(ModelConfig.from_dict(config)) if in_draft(s.name)]
 
 
 def write_drafter_release(dst: Path, drafter: DSparkDrafter, config: dict, provenance: dict, *,
@@ -161,7 +155,7 @@ def write_with_drafter(dst: Path, base: Path, drafter_dir: Path | None, *, overw
         config.update(provenance["config"])
         drafter = dict(read_header(Path(drafter_dir) / DSPARK_TENSORS_NAME).entries)
     specs = native_inventory(ModelConfig.from_dict(config))
-    backbone = [s for s in specs if not s.name.startswith("mtp.")]
+    backbone = [s for s in specs if not in_draft(s.name)]
     for spec in backbone:
         _check_stored(source.entry(spec.name).dtype, source.entry(spec.name).shape, spec, base)
     drafter_file = Path(drafter_dir or base) / DSPARK_TENSORS_NAME

@@ -43,8 +43,10 @@ from dsv4convert.checkpoint import Checkpoint, atomic_write_json
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from dsv4convert.formats.numerics import e8m0_to_exponent, exponent_to_e8m0
+from dsv4convert.models.deepseek_v4.configs import with_first_target
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.models.registry import fp8_block_of_config
+from dsv4convert.models.deepseek_v4.names import draft_block
 
 KINDS = ("indexer-randomized", "indexer-crushed", "attention", "experts", "draft-experts", "markov-zeroed",
          "confidence-flipped", "target-layer")
@@ -63,9 +65,9 @@ class Fault:
 
     def describe(self) -> str:
         if self.kind == "draft-experts":
-            return f"mtp.{self.layer}: routed experts' down projections x{2 ** self.shift}"
+            return f"{draft_block(self.layer)}: routed experts' down projections x{2 ** self.shift}"
         if self.kind in DRAFTER_KINDS:
-            return {"markov-zeroed": "the DSpark Markov head zeroed (markov_head.head)",
+            return {"markov-zeroed": "the DSpark Markov head's projection to the vocabulary zeroed",
                     "confidence-flipped": "the DSpark confidence head's sign flipped (its weight: it has no bias)",
                     "target-layer": f"stage 0 fed layers.{self.layer} as its first target layer "
                                     "(dspark_target_layer_ids)"}[self.kind]
@@ -109,21 +111,22 @@ def inject(src: Path, dst: Path, fault: Fault, *, seed: int = 0, overwrite: bool
 
 def _drafter_edits(ckpt: Checkpoint, fault: Fault) -> tuple[dict[str, torch.Tensor], dict | None]:
     """The replaced drafter tensors and, for ``target-layer``, the new config.json."""
-    d = ModelConfig.from_dict(ckpt.config).dspark
+    cfg = ModelConfig.from_dict(ckpt.config)
+    d = cfg.dspark
     if d is None:
         raise DSV4Error(f"the {fault.kind} fault needs a DSpark drafter (no dspark_* keys in config.json)",
                         file=ckpt.root)
     if fault.kind == "target-layer":
-        ids = list(ckpt.config["dspark_target_layer_ids"])
-        if fault.layer == ids[0] or not 0 <= fault.layer < ckpt.config["num_hidden_layers"]:
-            raise DSV4Error(f"target-layer: layer {fault.layer} must be a backbone layer other than {ids[0]}",
+        first = d.target_layer_ids[0]
+        if fault.layer == first or not 0 <= fault.layer < cfg.num_hidden_layers:
+            raise DSV4Error(f"target-layer: layer {fault.layer} must be a backbone layer other than {first}",
                             file=ckpt.root)
-        return {}, {**ckpt.config, "dspark_target_layer_ids": [fault.layer, *ids[1:]]}
+        return {}, with_first_target(ckpt.config, fault.layer)
     if fault.kind == "draft-experts":
         if not 0 <= fault.layer < d.stages:
             raise DSV4Error(f"draft-experts: the drafter has stages 0..{d.stages - 1}, not {fault.layer}",
                             file=ckpt.root)
-        return _scaled_experts(ckpt, f"mtp.{fault.layer}.", fault.shift), None
+        return _scaled_experts(ckpt, f"{d.names.stage(fault.layer)}.", fault.shift), None
     names = d.names
     candidates = {"markov-zeroed": (f"{names.markov_head}.weight", f"{names.markov_head_alias}.weight"),
                   "confidence-flipped": (f"{names.confidence}.weight",)}[fault.kind]

@@ -119,7 +119,8 @@ def integrity_problems(ckpt: Checkpoint, inspection: Inspection) -> list[str]:
 
 def _layout_problems(inspection: Inspection) -> list[str]:
     problems = [f"missing: {n}" for n in inspection.missing]
-    problems += [f"unexpected: {n}" for n in inspection.unexpected]
+    problems += [f"unexpected: {n}: {why}" if (why := inspection.why_unexpected(n)) else f"unexpected: {n}"
+                 for n in inspection.unexpected]
     problems += [f"mismatched: {n}" for n in inspection.mismatched]
     return problems + inspection.problems
 
@@ -130,6 +131,7 @@ def _module_of(problem: str) -> str | None:
     if kind == "mismatched":
         return rest.split(":", 1)[0]
     if kind in ("missing", "unexpected"):
-        info = try_classify(rest)
-        return info.module if info else rest.rsplit(".", 1)[0]
+        name = rest.split(": ", 1)[0]      # an unexpected drafter tensor carries the reason after it
+        info = try_classify(name)
+        return info.module if info else name.rsplit(".", 1)[0]
     return None

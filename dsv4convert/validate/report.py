@@ -16,6 +16,7 @@ from pathlib import Path
 from dsv4convert.checkpoint import atomic_write_bytes, atomic_write_json
 from dsv4convert.engines import LABELS as ENGINE_VERSIONS
 from dsv4convert.engines import SGLANG_LABEL
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.validate.layer_error import ModuleError
 
 
@@ -159,7 +160,7 @@ def _plot(path: Path, errors: list[ModuleError]) -> None:
         if e.block is not None:
             by_role[e.role][e.block].append(e.snr_db)
     blocks = sorted({b for layers in by_role.values() for b in layers},
-                    key=lambda b: (b.startswith("mtp."), int(b.split(".")[1])))
+                    key=lambda b: (in_draft(b), int(b.split(".")[1])))
     x_of = {b: i for i, b in enumerate(blocks)}
     cap = 100.0
     # Roles that are bit-exact everywhere would all draw the same flat line at the cap: name them instead.

@@ -20,6 +20,7 @@ from typing import Iterator
 
 from dsv4convert.dtypes import nbytes
 from dsv4convert.errors import CheckpointError
+from dsv4convert.models.deepseek_v4.names import DSparkNames, draft_block, in_draft
 
 FP8_BLOCK = 128
 MXFP4_GROUP = 32
@@ -77,13 +78,16 @@ class Drafter(str, Enum):
 # The keys that announce a DSpark drafter bundled in the checkpoint (SGLang's test:
 # speculative/dspark_components/dspark_config.py::checkpoint_bundles_dspark_draft).
 DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
+TARGET_LAYERS_KEY = "dspark_target_layer_ids"
+DSPARK_EXPERTS_KEY = "dspark_n_routed_experts"   # a stage's own expert count (the backbone's where absent)
+DSPARK_KEY_PREFIX = "dspark_"
 
 
 def without_drafter(config: dict) -> dict:
     """A config.json with its drafter taken out (``--no-mtp``): no MTP block, no ``dspark_*`` key, the compress
     ratios of the backbone only; everything else as it was."""
     n = config["num_hidden_layers"]
-    kept = {key: value for key, value in config.items() if not key.startswith("dspark_")}
+    kept = {key: value for key, value in config.items() if not key.startswith(DSPARK_KEY_PREFIX)}
     return {**kept, "num_nextn_predict_layers": 0, "compress_ratios": list(config["compress_ratios"][:n])}
 
 
@@ -106,46 +110,8 @@ class DSparkConfig:
         return len(self.target_layer_ids)
 
     @property
-    def names(self) -> "DSparkNames":
+    def names(self) -> DSparkNames:
         return DSparkNames(self.stages)
-
-
-@dataclass(frozen=True)
-class DSparkNames:
-    """The release names of a DSpark drafter's own modules, beyond its stages' decoder blocks (the one place they
-    are written): stage 0's projection of the target's hidden states, the last stage's norm, hyper-connection
-    head, Markov head (SGLang's ``markov_w1``/``markov_w2``, vLLM's alias names) and confidence head."""
-
-    stages: int
-
-    entry_proj = "mtp.0.main_proj"
-    entry_norm = "mtp.0.main_norm"
-    ENTRY_LOCAL = ("main_proj", "main_norm")          # the modules' names within stage 0
-
-    @property
-    def last(self) -> str:
-        return f"mtp.{self.stages - 1}"
-
-    @property
-    def norm(self) -> str:
-        return f"{self.last}.norm"
-
-    @property
-    def markov_embed(self) -> str:
-        return f"{self.last}.markov_head.embed"
-
-    @property
-    def markov_head(self) -> str:
-        return f"{self.last}.markov_head.head"
-
-    @property
-    def markov_head_alias(self) -> str:
-        """vLLM's name for :attr:`markov_head` (``markov_w2``), which a checkpoint may store instead."""
-        return f"{self.last}.markov_head.markov_w2"
-
-    @property
-    def confidence(self) -> str:
-        return f"{self.last}.confidence_head.proj"
 
 
 def is_v4_config(config: dict) -> bool:
@@ -227,7 +193,7 @@ class ModelConfig:
 
     def block_prefixes(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.num_hidden_layers)] + [
-            f"mtp.{i}" for i in range(self.num_draft_blocks)
+            draft_block(i) for i in range(self.num_draft_blocks)
         ]
 
     def ratio(self, block: str) -> int:
@@ -237,7 +203,7 @@ class ModelConfig:
 
     def experts_in(self, block: str) -> int:
         """Routed experts of a block (a DSpark stage may have its own count)."""
-        if self.dspark is not None and block.startswith("mtp."):
+        if self.dspark is not None and in_draft(block):
             return self.dspark.n_routed_experts
         return self.n_routed_experts
 
@@ -269,7 +235,7 @@ def _check_consistency(values: dict, source: str) -> None:
 def check_top_k(cfg: ModelConfig, source: str) -> None:
     """Each token's routed experts are among its block's: checked where a checkpoint is read (inspect, the
     converters, validate), not in ``from_dict``, since ``fit`` sizes a compact copy of the model that keeps the
-    full top-k over one expert per layer (fit/source.py::_compact)."""
+    full top-k over one expert per layer (configs.py::compact)."""
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
         raise CheckpointError(f"'num_experts_per_tok' ({cfg.num_experts_per_tok}) must not exceed "
                               f"'n_routed_experts' ({cfg.n_routed_experts})", file=source)
@@ -343,7 +309,7 @@ class TensorInfo:
 
     @property
     def is_mtp(self) -> bool:
-        return bool(self.block and self.block.startswith("mtp."))
+        return bool(self.block and in_draft(self.block))
 
 
 _PARAMS = r"(?P<param>weight|scale|weight_scale|weight_scale_2|weight_scale_inv|input_scale|weight_packed|weight_shape|weight_zero_point|weight_g_idx|weight_global_scale|input_global_scale|bias|tid2eid|ape)"
@@ -480,9 +446,9 @@ def block_inventory(cfg: ModelConfig, block: str) -> list[TensorSpec]:
         specs.append(TensorSpec(f"{p}.ffn.gate.tid2eid", "I64", (cfg.vocab_size, cfg.num_experts_per_tok)))
     else:
         specs.append(TensorSpec(f"{p}.ffn.gate.bias", "F32", (experts,)))
-    if block.startswith("mtp.") and cfg.dspark is not None:
+    if in_draft(block) and cfg.dspark is not None:
         specs += _dspark_extras(cfg, int(block.split(".")[1]))
-    elif block.startswith("mtp."):
+    elif in_draft(block):
         specs += _fp8_linear(f"{p}.e_proj", h, h)
         specs += _fp8_linear(f"{p}.h_proj", h, h)
         specs += [TensorSpec(f"{p}.{n}.weight", "BF16", (h,)) for n in ("enorm", "hnorm", "norm")]
@@ -534,7 +500,7 @@ def native_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
     groups = [head]
     groups += [block_inventory(cfg, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
     groups.append(tail)
-    groups += [block_inventory(cfg, f"mtp.{i}") for i in range(cfg.num_draft_blocks)]
+    groups += [block_inventory(cfg, draft_block(i)) for i in range(cfg.num_draft_blocks)]
     return groups
 
 
