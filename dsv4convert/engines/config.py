@@ -9,7 +9,7 @@ made and checked for.
 from __future__ import annotations
 
 from dsv4convert import __version__
-from dsv4convert.engines import ENGINES, SGLANG, VLLM, choice_of
+from dsv4convert.engines import ENGINES, GPU_FAMILIES, SGLANG, VLLM, choice_of
 from dsv4convert.engines.sglang import quant_config as sglang
 from dsv4convert.engines.stored import StoredFormats, analyse
 from dsv4convert.engines.vllm import quant_config as vllm
@@ -63,3 +63,23 @@ def output_module(module: str, engines: tuple[str, ...]) -> str:
     """A module's name in an output made for ``engines``: the release's, or vLLM's where its loader reads another
     (both engines then read that one)."""
     return vllm.vllm_module_name(module) if VLLM in engines else module
+
+
+def v41_config(source_config: dict, variant: str, engines: tuple[str, ...]) -> dict:
+    """A DeepSeek-V4.1 output's ``config.json``: the release's, ``text_config`` and ``vision_config`` as they are,
+    only ``quantization_config`` rewritten for ``variant`` (SGLang's, which vLLM must read the same way)."""
+    qc = sglang.v41_quant_config(source_config.get("quantization_config") or {}, variant)
+    problem = vllm.v41_problem(qc, variant) if VLLM in engines else None
+    if problem:
+        raise RecipeError(f"--engine {choice_of(engines)}: {problem}")
+    written = {**qc, "producer": {"name": "dsv4convert", "version": __version__, "engines": list(engines)}} \
+        if qc is not None else None
+    config = {k: (written if k == "quantization_config" else v) for k, v in
+              {**source_config, "quantization_config": None}.items()}
+    return config if written is not None else {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+def v41_families(variant: str) -> dict[str, dict[str, str | None]]:
+    """Per engine and GPU family: None where the engine runs a V4.1 ``variant`` there, else why not."""
+    return {SGLANG: {f: sglang.v41_family_problem(variant, f) for f in GPU_FAMILIES},
+            VLLM: {f: vllm.v41_family_problem(variant, f) for f in GPU_FAMILIES}}

@@ -39,7 +39,6 @@ from dsv4convert.formats.numerics import (
 from dsv4convert.formats.nvfp4 import NVFP4_BLOCK, NVFP4Weight
 
 FP8_TILE = 128
-_SUBS_PER_TILE = FP8_TILE // MXFP4_BLOCK
 _BYTES_PER_SUB = MXFP4_BLOCK // 2
 # DeepSeek's headroom: the tile's largest sub-scale maps to 2**6, and 6 * 2**6 = 384 <= 448.
 _FP8_HEADROOM_EXP = 6
@@ -109,20 +108,21 @@ def mxfp4_to_fp8_block(
     packed: torch.Tensor,
     scale: torch.Tensor,
     *,
+    tile: int = FP8_TILE,
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, ExactnessReport]:
-    """MXFP4 ``(packed [N, K/2], scale [N, K/32])`` -> ``(e4m3 [N, K], E8M0 [N/128, K/128], report)``.
+    """MXFP4 ``(packed [N, K/2], scale [N, K/32])`` -> ``(e4m3 [N, K], E8M0 [N/tile, K/tile], report)``.
 
-    N and K must be multiples of 128, as in DeepSeek's reference. The tile exponent is
-    clamped at E8M0's floor (-127) for tiles whose scales all sit near 2**-127, which keeps
-    every shift at or below 6. Blocks of the report are the 128x128 tiles.
+    N and K must be multiples of ``tile`` (128, as in DeepSeek's V4 reference; DeepSeek-V4.1's blocks are 32), itself
+    a multiple of MXFP4's 32. The tile exponent is clamped at E8M0's floor (-127) for tiles whose scales all sit
+    near 2**-127, which keeps every shift at or below 6. Blocks of the report are the tiles.
     """
     n, k = mxfp4_shape(packed, scale, name)
-    if n % FP8_TILE or k % FP8_TILE:
-        raise FormatError(f"MXFP4 -> FP8 block needs N and K multiples of {FP8_TILE}, got [{n}, {k}]",
+    if tile % MXFP4_BLOCK or n % tile or k % tile:
+        raise FormatError(f"MXFP4 -> FP8 block needs N and K multiples of {tile}, got [{n}, {k}]",
                           tensor=name)
-    tiles_n, tiles_k = n // FP8_TILE, k // FP8_TILE
-    sub_exp = e8m0_to_exponent(scale, name=name).reshape(tiles_n, FP8_TILE, tiles_k, _SUBS_PER_TILE)
+    tiles_n, tiles_k = n // tile, k // tile
+    sub_exp = e8m0_to_exponent(scale, name=name).reshape(tiles_n, tile, tiles_k, tile // MXFP4_BLOCK)
     tile_exp = (sub_exp.amax(dim=(1, 3)) - _FP8_HEADROOM_EXP).clamp(min=-E8M0_BIAS)
     shift = (sub_exp - tile_exp[:, None, :, None]).reshape(n, k // MXFP4_BLOCK)
 
@@ -132,7 +132,7 @@ def mxfp4_to_fp8_block(
     out_bytes = _fp8_byte_pairs(packed.device).index_select(0, index.reshape(-1)).view(torch.uint8)
     weight = out_bytes.reshape(n, k).view(torch.float8_e4m3fn)
 
-    report = _fp8_report(source, shift, sub_exp.reshape(n, -1), tile_exp, out_bytes.reshape(n, -1, MXFP4_BLOCK))
+    report = _fp8_report(source, shift, sub_exp.reshape(n, -1), tile_exp, out_bytes.reshape(n, -1, MXFP4_BLOCK), tile)
     return weight, exponent_to_e8m0(tile_exp, name=name), report
 
 
@@ -142,6 +142,7 @@ def _fp8_report(
     sub_exp: torch.Tensor,
     tile_exp: torch.Tensor,
     out_bytes: torch.Tensor,
+    tile: int,
 ) -> ExactnessReport:
     """Exactness of an MXFP4 -> FP8 cast, decoding only the sub-blocks that can be inexact."""
     n, subs = shift.shape
@@ -151,7 +152,7 @@ def _fp8_report(
         return ExactnessReport(tiles_total, tiles_total, source.numel() * 2, source.numel() * 2, 0.0)
     rows, cols = suspect.nonzero(as_tuple=True)
     original = decode_e2m1_packed(source[rows, cols]).double() * torch.exp2(sub_exp[rows, cols].double())[:, None]
-    tile_row, tile_col = rows // FP8_TILE, cols // _SUBS_PER_TILE
+    tile_row, tile_col = rows // tile, cols // (tile // MXFP4_BLOCK)
     converted = out_bytes[rows, cols].view(torch.float8_e4m3fn).double()
     converted *= torch.exp2(tile_exp[tile_row, tile_col].double())[:, None]
     equal = original == converted

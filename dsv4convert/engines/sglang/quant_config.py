@@ -374,3 +374,52 @@ def serving_env(source_config: dict, module_formats: dict[str, tuple[Format, dic
     if stored.wo_a_bf16:
         env["SGLANG_OPT_FP8_WO_A_GEMM"] = "0"
     return env
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-V4.1
+
+# What each DeepSeek-V4.1 variant's quantization_config is, as SGLang reads it (the release keeps its own: FP8 32x32
+# linears with E8M0 scales, MXFP4 experts, expert_dtype fp4).
+V41_NVFP4_IGNORE = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]   # NVIDIA's DeepSeek-V4.1-Flash-NVFP4
+
+
+def v41_quant_config(source: dict, variant: str) -> dict | None:
+    """The ``quantization_config`` of a V4.1 output (None: none at all), from the release's own ``source``.
+
+    * ``nvfp4``: ModelOpt's hybrid as NVIDIA published it for V4.1: the release's Fp8Config (``weight_block_size``
+      [32, 32], ``scale_fmt`` ue8m0) plus ``quant_algo`` MIXED_PRECISION, ``moe_quant_algo`` NVFP4 and
+      ``group_size`` 16, which ``configs/model_config.py::ModelConfig.__init__`` turns into ``nvfp4_moe_meta`` and
+      ``model_loader/loader.py::_get_quantization_config`` into ``HybridFp8NvFp4Config``, its ``ignore`` plus
+      ``model.decoder.*`` and ``stages.*`` excluded from NVFP4: the DSpark stages' experts stay MXFP4
+      (``HybridFp8NvFp4Config.get_quant_method``: ``Mxfp4FlashinferTrtllmMoEMethod`` while ``is_fp4_experts``,
+      which ``configs/deepseek_v4.py::try_detect_fp4_experts`` reads off the NVFP4 experts' U8 header).
+    * ``fp8``: the release's Fp8Config with ``expert_dtype`` fp8 (SGLang reads the experts' F8_E4M3 header:
+      ``try_detect_fp4_experts`` False, ``Fp8MoEMethod``); vLLM reads ``expert_dtype``.
+    * ``bf16``: none (every linear BF16; the Engram tables stay FP8, which both engines build whatever the config).
+    """
+    base = {k: v for k, v in source.items() if k != "expert_dtype"}
+    if variant == "native":
+        return copy.deepcopy(source)
+    if variant == "bf16":
+        return None
+    if variant == "fp8":
+        return {**copy.deepcopy(base), "expert_dtype": "fp8"}
+    if variant == "nvfp4":
+        return {**copy.deepcopy(base), "expert_dtype": source.get("expert_dtype", "fp4"),
+                "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "group_size": NVFP4_BLOCK,
+                "kv_cache_quant_algo": None, "ignore": list(V41_NVFP4_IGNORE)}
+    raise RecipeError(f"no {SGLANG_LABEL} quantization_config for a DeepSeek-V4.1 {variant!r} output")
+
+
+def v41_family_problem(variant: str, family: str) -> str | None:
+    """Why SGLang would not run a V4.1 ``variant`` on ``family`` (None: it picks kernels for it there).
+
+    ModelOpt's NVFP4 hybrid takes the ``flashinfer_trtllm_routed`` MoE runner, an SM100 kernel
+    (``arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides``), and its MXFP4 draft experts
+    ``Mxfp4FlashinferTrtllmMoEMethod``, SM100 too; the release, FP8 and BF16 run on sm_90, sm_100 and sm_120
+    (fp4 experts on ``flashinfer_mxfp4``, FP8 32x32 linears on DeepGEMM, FlashInfer's CuTe DSL or Triton:
+    ``layers/quantization/fp8_utils.py::dispatch_w8a8_block_fp8_linear``)."""
+    if variant == "nvfp4" and family != "sm100":
+        return (f"ModelOpt's NVFP4 hybrid runs on {SGLANG_LABEL}'s flashinfer_trtllm_routed MoE runner, an SM100 "
+                "kernel (arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides)")
+    return None
