@@ -6,9 +6,9 @@ into memory: the Engram tables above all, 98 GB each at full size):
 * ``nvfp4``: the backbone's routed experts MXFP4 -> NVFP4 group 16, the E2M1 codes kept and only the scales
   rewritten (the registry's MXFP4 -> NVFP4 transcode), as NVIDIA's DeepSeek-V4.1-Flash-NVFP4; the DSpark stages'
   experts stay MXFP4 (both engines exclude ``mtp.*`` from NVFP4 and read them as MXFP4).
-* ``fp8``: every routed expert MXFP4 -> FP8 in the release's 32 x 32 blocks (exact unless a tile's scales span more
-  than 14 binades, reported), ``expert_dtype`` fp8; every FP8 block scale float32, because vLLM reads FP8-expert
-  checkpoints' linear scales as float32 (``DeepseekV4FP8Config.is_scale_e8m0``).
+* ``fp8``: every routed expert MXFP4 -> FP8 in the release's 32 x 32 blocks with E8M0 scales (exact unless a tile's
+  scales span more than 14 binades, reported), ``expert_dtype`` fp8: SGLang only (``Fp8MoEMethod``), since vLLM has no
+  FP8 MoE kernel for 32-wide blocks (``engines/vllm/quant_config.py::v41_problem``).
 * ``bf16``: every FP8 32 x 32 linear and every MXFP4 expert dequantized to BF16 (exact), no quantization_config.
 
 In every variant the tensors both engines build in one dtype whatever the config (the Engram tables, the
@@ -54,7 +54,7 @@ from dsv4convert.convert.recipe import Recipe, Target, load_recipe
 from dsv4convert.engines.config import v41_config
 from dsv4convert.engines.stored import V41_NEVER_QUANTIZED
 from dsv4convert.errors import DSV4Error, RecipeError
-from dsv4convert.formats import Format, dequantize_fp8_block, e8m0_scale_to_float32, mxfp4_to_fp8_block
+from dsv4convert.formats import Format, dequantize_fp8_block, mxfp4_to_fp8_block
 from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, Role
 from dsv4convert.models.deepseek_v41 import inventory
 from dsv4convert.models.deepseek_v41 import release as v41
@@ -91,7 +91,7 @@ class _Module:
     name: str
     role: str
     sources: dict[str, TensorEntry]
-    action: str                   # keep, nvfp4, fp8 (experts), bf16 (experts), dequant (FP8 linear), f32-scale
+    action: str                   # keep, nvfp4, fp8 (experts), bf16 (experts), dequant (FP8 linear)
     job: ModuleJob | None = None  # the registry's module conversion, where it makes this one
 
     def outputs(self, cfg: V41Config) -> list[PlannedTensor]:
@@ -104,10 +104,7 @@ class _Module:
             n, k = _mxfp4_shape(self.sources)
             b = cfg.fp8_block
             return [PlannedTensor(f"{self.name}.weight", "F8_E4M3", (n, k)),
-                    PlannedTensor(f"{self.name}.scale", "F32", (-(-n // b[0]), -(-k // b[1])))]
-        if self.action == "f32-scale":
-            s = self.sources["scale"]
-            return [PlannedTensor(w.name, w.dtype, w.shape), PlannedTensor(s.name, "F32", s.shape)]
+                    PlannedTensor(f"{self.name}.scale", "F8_E8M0", (-(-n // b[0]), -(-k // b[1])))]
         return [PlannedTensor(e.name, e.dtype, e.shape) for e in self.sources.values()]
 
 
@@ -182,7 +179,7 @@ def _module(name: str, sources: dict[str, TensorEntry], variant: str, cfg: V41Co
                             Target(Format.BF16), _mxfp4_shape(sources))
             return _Module(name, role, sources, "bf16", job)
         return _Module(name, role, sources, "dequant")
-    return _Module(name, role, sources, "fp8" if expert else "f32-scale")
+    return _Module(name, role, sources, "fp8" if expert else "keep")
 
 
 def _produce(module: _Module, cfg: V41Config, ctx: ModuleContext, partners: dict[str, dict]
@@ -202,11 +199,8 @@ def _produce(module: _Module, cfg: V41Config, ctx: ModuleContext, partners: dict
     if module.action == "dequant":
         return [(f"{module.name}.weight", dequantize_fp8_block(w, s, block=_square(cfg), out_dtype=torch.bfloat16,
                                                                name=f"{module.name}.weight"))], None
-    if module.action == "f32-scale":
-        return [(f"{module.name}.weight", SourceBytes(module.sources["weight"], "F8_E4M3", w.shape)),
-                (f"{module.name}.scale", e8m0_scale_to_float32(s, name=f"{module.name}.scale"))], None
     weight, scale, report = mxfp4_to_fp8_block(w, s, tile=_square(cfg), name=f"{module.name}.weight")
-    return [(f"{module.name}.weight", weight), (f"{module.name}.scale", e8m0_scale_to_float32(scale))], report
+    return [(f"{module.name}.weight", weight), (f"{module.name}.scale", scale)], report
 
 
 def _read(entry: TensorEntry) -> torch.Tensor:
@@ -231,8 +225,9 @@ def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | No
     if unsupported:
         raise DSV4Error(f"{', '.join(unsupported)}: not handled for DeepSeek-V4.1 sources by this version", file=dst)
     cfg = check_source(ckpt)
-    engines = eng.engines_for(engine or recipe.engine or eng.DEFAULT_CHOICE)
-    config = v41_config(ckpt.config, variant, engines)
+    config, engines, note = v41_config(ckpt.config, variant, engine or recipe.engine)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     text = ckpt.config["text_config"]
     norms = {n.removesuffix(".ffn_norm.weight"): e for n, e in ckpt.tensors.items() if n.endswith(".ffn_norm.weight")}
     input_scales = InputScales(cfg.hidden_size, float(text["swiglu_limit"]), norms)
