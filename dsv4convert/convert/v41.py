@@ -54,7 +54,7 @@ from dsv4convert.convert.recipe import Recipe, Target, load_recipe
 from dsv4convert.engines.config import v41_config
 from dsv4convert.engines.stored import V41_NEVER_QUANTIZED
 from dsv4convert.errors import DSV4Error, RecipeError
-from dsv4convert.formats import Format, dequantize_fp8_block, mxfp4_to_fp8_block
+from dsv4convert.formats import Format, dequantize_fp8_block, linear_storage, mxfp4_to_fp8_block
 from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, Role
 from dsv4convert.models.deepseek_v41 import inventory
 from dsv4convert.models.deepseek_v41 import release as v41
@@ -128,6 +128,9 @@ def check_source(ckpt: Checkpoint) -> V41Config:
     exactly the planned tensors, and its tokenizer (each refusal one line naming the file and tensor)."""
     source = str(ckpt.root / "config.json")
     cfg = v41.read_config(ckpt.config, source)
+    if cfg.expert_dtype != "fp4":
+        raise DSV4Error(f"a converted DeepSeek-V4.1 (expert_dtype {cfg.expert_dtype}); convert the release itself "
+                        "(quantization_config with FP8 32x32 linears and MXFP4 experts)", file=source)
     v41.check_checkpoint(cfg, ckpt.tensors.values())
     planned = [s.name for s in inventory.native_inventory(cfg)]
     missing = [n for n in planned if n not in ckpt.tensors]
@@ -158,28 +161,56 @@ def _modules(ckpt: Checkpoint, cfg: V41Config, variant: str, input_scales: Input
     return shards
 
 
+def action_of(module: str, role: str, linear: bool, variant: str) -> str:
+    """What ``variant`` does with a module (its name without the param, its role, whether a linear with a scale):
+    keep (the release's bytes), nvfp4 / fp8 / bf16 (a routed expert made in that format), dequant (an FP8 linear
+    to BF16)."""
+    if not linear or role in V41_NEVER_QUANTIZED:
+        return "keep"
+    expert = role.startswith("routed_expert")
+    if variant == "nvfp4":   # backbone experts only: mtp.* stays MXFP4 (NVIDIA's ignore list, both engines' rule)
+        return "nvfp4" if role == "routed_expert" else "keep"
+    if variant == "bf16":
+        return "bf16" if expert else "dequant"
+    return "fp8" if expert else "keep"
+
+
 def _module(name: str, sources: dict[str, TensorEntry], variant: str, cfg: V41Config, input_scales: InputScales,
             ckpt: Checkpoint) -> _Module:
-    first = next(iter(sources.values())).name
-    role = inventory.role_of(first)
-    linear = set(sources) == {"weight", "scale"}
-    if not linear or role in V41_NEVER_QUANTIZED:
-        return _Module(name, role, sources, "keep")
-    expert = role.startswith("routed_expert")
-    if variant == "nvfp4":
-        if role != "routed_expert":          # backbone experts only: mtp.* stays MXFP4 (NVIDIA's ignore list)
-            return _Module(name, role, sources, "keep")
-        partner = name[:-2] + {"w1": "w3", "w3": "w1"}[name[-2:]] if name.endswith((".w1", ".w3")) else None
-        job = ModuleJob(name, Role.ROUTED_EXPERT, False, sources, Format.MXFP4, Target(Format.NVFP4),
-                        _mxfp4_shape(sources), partner)
-        return _Module(name, role, sources, "nvfp4", job)
-    if variant == "bf16":
-        if expert:
-            job = ModuleJob(name, Role.ROUTED_EXPERT, name.startswith("mtp."), sources, Format.MXFP4,
-                            Target(Format.BF16), _mxfp4_shape(sources))
-            return _Module(name, role, sources, "bf16", job)
-        return _Module(name, role, sources, "dequant")
-    return _Module(name, role, sources, "fp8" if expert else "keep")
+    role = inventory.role_of(next(iter(sources.values())).name)
+    action = action_of(name, role, set(sources) == {"weight", "scale"}, variant)
+    if action in ("nvfp4", "bf16"):
+        partner = name[:-2] + {"w1": "w3", "w3": "w1"}[name[-2:]] \
+            if action == "nvfp4" and name.endswith((".w1", ".w3")) else None
+        job = ModuleJob(name, Role.ROUTED_EXPERT, name.startswith("mtp."), sources, Format.MXFP4,
+                        Target(Format.NVFP4 if action == "nvfp4" else Format.BF16), _mxfp4_shape(sources), partner)
+        return _Module(name, role, sources, action, job)
+    return _Module(name, role, sources, action)
+
+
+def expected_outputs(cfg: V41Config, variant: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor a ``variant`` output of a release with this config holds: name -> (dtype, shape)."""
+    native = {s.name: s for s in inventory.native_inventory(cfg)}
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, spec in native.items():
+        module, _, param = name.rpartition(".")
+        linear = param in ("weight", "scale") and f"{module}.scale" in native and f"{module}.weight" in native
+        action = action_of(module, inventory.role_of(name), linear, variant)
+        if action == "keep":
+            out[name] = (spec.dtype, tuple(spec.shape))
+            continue
+        if param == "scale":
+            continue
+        weight, scale = native[f"{module}.weight"], native[f"{module}.scale"]
+        n, k = (weight.shape if action == "dequant" else (weight.shape[0], scale.shape[1] * MXFP4_GROUP))
+        if action == "fp8":
+            b = cfg.fp8_block
+            out[name] = ("F8_E4M3", (n, k))
+            out[f"{module}.scale"] = ("F8_E8M0", (-(-n // b[0]), -(-k // b[1])))
+            continue
+        fmt = Format.NVFP4 if action == "nvfp4" else Format.BF16
+        out.update({f"{module}.{p.suffix}": (p.dtype, tuple(p.shape)) for p in linear_storage(fmt, n, k)})
+    return out
 
 
 def _produce(module: _Module, cfg: V41Config, ctx: ModuleContext, partners: dict[str, dict]
@@ -294,7 +325,7 @@ def digest_of(entry: TensorEntry, chunk: int = 64 << 20) -> str:
     """sha256 of a tensor's bytes, read in chunks (flat memory, whatever its size)."""
     h = hashlib.sha256()
     with open(entry.path, "rb") as f:
-        f.seek(entry.offset)
+        f.seek(entry.start)
         left = entry.nbytes
         while left:
             piece = f.read(min(chunk, left))

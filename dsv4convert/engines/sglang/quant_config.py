@@ -423,3 +423,26 @@ def v41_family_problem(variant: str, family: str) -> str | None:
         return (f"ModelOpt's NVFP4 hybrid runs on {SGLANG_LABEL}'s flashinfer_trtllm_routed MoE runner, an SM100 "
                 "kernel (arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides)")
     return None
+
+
+def v41_problem(quant_config: dict | None, variant: str) -> str | None:
+    """Why SGLang would not read a V4.1 output's ``quantization_config`` as the ``variant`` it stores (None: it does):
+    BF16 without one; otherwise ``Fp8Config`` (``quant_method`` fp8) in 32x32 blocks, made ``HybridFp8NvFp4Config``
+    exactly when ``quant_algo`` is MIXED_PRECISION, ``moe_quant_algo`` NVFP4 and ``group_size`` is given
+    (``configs/model_config.py::ModelConfig.__init__``'s ``nvfp4_moe_meta``), with ``group_size`` 16
+    (``ModelOptFp4Config``: NVFP4's blocks)."""
+    if variant == "bf16":
+        return None if quant_config is None else "a BF16 output must carry no quantization_config"
+    if quant_config is None or quant_config.get("quant_method") != "fp8":
+        return f"{SGLANG_LABEL} reads DeepSeek-V4.1's FP8 linears through Fp8Config (quant_method fp8)"
+    if quant_config.get("weight_block_size") != [32, 32]:
+        return "DeepSeek-V4.1's FP8 linears are 32x32 blocks (quantization_config.weight_block_size)"
+    hybrid = (str(quant_config.get("quant_algo", "")).upper() == "MIXED_PRECISION"
+              and str(quant_config.get("moe_quant_algo", "")).upper() == "NVFP4"
+              and quant_config.get("group_size") is not None)
+    if hybrid != (variant == "nvfp4"):
+        return ("NVFP4 experts are read only through HybridFp8NvFp4Config (quant_algo MIXED_PRECISION, moe_quant_algo "
+                "NVFP4, group_size: configs/model_config.py nvfp4_moe_meta)")
+    if hybrid and quant_config.get("group_size") != NVFP4_BLOCK:
+        return f"NVFP4 experts are groups of {NVFP4_BLOCK} (quantization_config.group_size)"
+    return None
