@@ -10,10 +10,13 @@ into memory: the Engram tables above all, 98 GB each at full size):
   scales span more than 14 binades, reported), ``expert_dtype`` fp8: SGLang only (``Fp8MoEMethod``), since vLLM has no
   FP8 MoE kernel for 32-wide blocks (``engines/vllm/quant_config.py::v41_problem``).
 * ``bf16``: every FP8 32 x 32 linear and every MXFP4 expert dequantized to BF16 (exact), no quantization_config.
+* ``w4a16``: the backbone's routed experts INT4 (compressed-tensors pack-quantized, the recipe's group and scale rule),
+  the DSpark stages' experts BF16 (exact), the FP8 linears kept (SGLang's ``linear_fp8_config``): SGLang only, since
+  vLLM claims no compressed-tensors config for V4.1. SGLang 0.5.23's real V4.1 model and DSpark draft load it
+  (tests/test_v41_convert.py), although no W4A16 of V4.1 was published.
 
 In every variant the tensors both engines build in one dtype whatever the config (the Engram tables, the
 compressor, the indexer's BF16 half, the vision tower: ``engines/stored.py::V41_NEVER_QUANTIZED``) are the release's.
-``w4a16`` is refused: no pinned engine's V4.1 loader takes a compressed-tensors checkpoint (:data:`REFUSED`).
 """
 
 from __future__ import annotations
@@ -61,12 +64,7 @@ from dsv4convert.models.deepseek_v41 import release as v41
 from dsv4convert.models.deepseek_v41.config import V41Config
 from dsv4convert.models.registry import release_of
 
-VARIANTS = ("nvfp4", "fp8", "bf16")
-REFUSED = {
-    "w4a16": ("no pinned engine loads a W4A16 DeepSeek-V4.1: vLLM 0.33.0 reads V4.1 only through DeepseekV4FP8Config "
-              "(models/deepseek_v41/quant_config.py, quant_method fp8), and SGLang 0.5.23's real V4.1 model built "
-              "from a compressed-tensors config fails to load one (tests/test_v41_convert.py); nothing is written"),
-}
+VARIANTS = ("nvfp4", "fp8", "bf16", "w4a16")
 GENERATED = {"config.json", "provenance.json", "README.md", "hf_quant_config.json", "model.safetensors.index.json"}
 
 
@@ -91,7 +89,7 @@ class _Module:
     name: str
     role: str
     sources: dict[str, TensorEntry]
-    action: str                   # keep, nvfp4, fp8 (experts), bf16 (experts), dequant (FP8 linear)
+    action: str                   # keep, nvfp4, fp8, int4, bf16 (experts), dequant (FP8 linear)
     job: ModuleJob | None = None  # the registry's module conversion, where it makes this one
 
     def outputs(self, cfg: V41Config) -> list[PlannedTensor]:
@@ -115,8 +113,6 @@ def _mxfp4_shape(sources: dict[str, TensorEntry]) -> tuple[int, int]:
 def _shipped_variant(recipe: Recipe) -> str:
     """The V4.1 variant a recipe asks for: a shipped recipe exactly as shipped; anything else is refused."""
     name = recipe.name
-    if name in REFUSED and recipe.digest == load_recipe(name).digest:
-        raise RecipeError(f"recipe '{name}' on DeepSeek-V4.1: {REFUSED[name]}", file=recipe.source)
     if name not in VARIANTS or recipe.digest != load_recipe(name).digest:
         raise RecipeError(f"DeepSeek-V4.1 is converted by the shipped recipes {', '.join(VARIANTS)} as shipped; "
                           f"recipe '{name}' is not one of them", file=recipe.source)
@@ -146,7 +142,7 @@ def check_source(ckpt: Checkpoint) -> V41Config:
     return cfg
 
 
-def _modules(ckpt: Checkpoint, cfg: V41Config, variant: str, input_scales: InputScales) -> list[list[_Module]]:
+def _modules(ckpt: Checkpoint, variant: str, targets: dict[str, Target]) -> list[list[_Module]]:
     """Per source shard, its modules in file order with what each becomes."""
     shards = []
     for shard in ckpt.shards:
@@ -157,14 +153,14 @@ def _modules(ckpt: Checkpoint, cfg: V41Config, variant: str, input_scales: Input
                 by_module[module][param] = entry
             else:
                 by_module[entry.name]["tensor"] = entry
-        shards.append([_module(name, sources, variant, cfg, input_scales, ckpt) for name, sources in by_module.items()])
+        shards.append([_module(name, sources, variant, targets) for name, sources in by_module.items()])
     return shards
 
 
 def action_of(module: str, role: str, linear: bool, variant: str) -> str:
     """What ``variant`` does with a module (its name without the param, its role, whether a linear with a scale):
-    keep (the release's bytes), nvfp4 / fp8 / bf16 (a routed expert made in that format), dequant (an FP8 linear
-    to BF16)."""
+    keep (the release's bytes), nvfp4 / fp8 / int4 / bf16 (a routed expert made in that format), dequant (an FP8
+    linear to BF16)."""
     if not linear or role in V41_NEVER_QUANTIZED:
         return "keep"
     expert = role.startswith("routed_expert")
@@ -172,24 +168,32 @@ def action_of(module: str, role: str, linear: bool, variant: str) -> str:
         return "nvfp4" if role == "routed_expert" else "keep"
     if variant == "bf16":
         return "bf16" if expert else "dequant"
+    if variant == "w4a16":   # the DSpark draft's experts BF16: SGLang builds its stages with the INT4 config ignored
+        return ("int4" if role == "routed_expert" else "bf16") if expert else "keep"
     return "fp8" if expert else "keep"
 
 
-def _module(name: str, sources: dict[str, TensorEntry], variant: str, cfg: V41Config, input_scales: InputScales,
-            ckpt: Checkpoint) -> _Module:
+def _module(name: str, sources: dict[str, TensorEntry], variant: str, targets: dict[str, Target]) -> _Module:
     role = inventory.role_of(next(iter(sources.values())).name)
     action = action_of(name, role, set(sources) == {"weight", "scale"}, variant)
-    if action in ("nvfp4", "bf16"):
+    if action in targets:
         partner = name[:-2] + {"w1": "w3", "w3": "w1"}[name[-2:]] \
             if action == "nvfp4" and name.endswith((".w1", ".w3")) else None
-        job = ModuleJob(name, Role.ROUTED_EXPERT, name.startswith("mtp."), sources, Format.MXFP4,
-                        Target(Format.NVFP4 if action == "nvfp4" else Format.BF16), _mxfp4_shape(sources), partner)
+        job = ModuleJob(name, Role.ROUTED_EXPERT, name.startswith("mtp."), sources, Format.MXFP4, targets[action],
+                        _mxfp4_shape(sources), partner)
         return _Module(name, role, sources, action, job)
     return _Module(name, role, sources, action)
 
 
-def expected_outputs(cfg: V41Config, variant: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor a ``variant`` output of a release with this config holds: name -> (dtype, shape)."""
+def _targets(recipe: Recipe) -> dict[str, Target]:
+    """The registry's targets of the expert actions; INT4's group and scale rule are the shipped recipe's (its
+    first rule: the routed experts)."""
+    return {"nvfp4": Target(Format.NVFP4), "bf16": Target(Format.BF16), "int4": recipe.rules[0].target}
+
+
+def expected_outputs(cfg: V41Config, variant: str, group_size: int = 32) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor a ``variant`` output of a release with this config holds: name -> (dtype, shape) (``group_size``:
+    INT4's)."""
     native = {s.name: s for s in inventory.native_inventory(cfg)}
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, spec in native.items():
@@ -208,8 +212,9 @@ def expected_outputs(cfg: V41Config, variant: str) -> dict[str, tuple[str, tuple
             out[name] = ("F8_E4M3", (n, k))
             out[f"{module}.scale"] = ("F8_E8M0", (-(-n // b[0]), -(-k // b[1])))
             continue
-        fmt = Format.NVFP4 if action == "nvfp4" else Format.BF16
-        out.update({f"{module}.{p.suffix}": (p.dtype, tuple(p.shape)) for p in linear_storage(fmt, n, k)})
+        fmt = {"nvfp4": Format.NVFP4, "int4": Format.INT4}.get(action, Format.BF16)
+        out.update({f"{module}.{p.suffix}": (p.dtype, tuple(p.shape))
+                    for p in linear_storage(fmt, n, k, group_size=group_size)})
     return out
 
 
@@ -262,7 +267,7 @@ def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | No
     text = ckpt.config["text_config"]
     norms = {n.removesuffix(".ffn_norm.weight"): e for n, e in ckpt.tensors.items() if n.endswith(".ffn_norm.weight")}
     input_scales = InputScales(cfg.hidden_size, float(text["swiglu_limit"]), norms)
-    shards = _modules(ckpt, cfg, variant, input_scales)
+    shards = _modules(ckpt, variant, _targets(recipe))
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     planned = [[p for m in mods for p in m.outputs(cfg)] for mods in shards]
     total_out = sum(p.nbytes for ps in planned for p in ps)

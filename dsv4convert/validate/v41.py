@@ -36,7 +36,7 @@ from dsv4convert.engines.sglang.quant_config import v41_problem as sglang_proble
 from dsv4convert.engines.sglang.quant_config import v41_quant_config
 from dsv4convert.engines.vllm.quant_config import v41_problem as vllm_problem
 from dsv4convert.errors import DSV4Error
-from dsv4convert.formats import Format, dequantize_fp8_block, spec
+from dsv4convert.formats import Format, dequantize_fp8_block, error_metrics, spec
 from dsv4convert.models.deepseek_v41 import inventory
 from dsv4convert.models.deepseek_v41 import release as v41
 from dsv4convert.models.deepseek_v41.config import V41Config
@@ -49,6 +49,8 @@ def variant_of(config: dict) -> str:
     qc = config.get("quantization_config")
     if qc is None:
         return "bf16"
+    if qc.get("quant_method") == "compressed-tensors":
+        return "w4a16"
     if str(qc.get("moe_quant_algo") or "").upper() == "NVFP4":
         return "nvfp4"
     return "fp8" if qc.get("expert_dtype") == "fp8" else "native"
@@ -58,9 +60,11 @@ def _decoded(ckpt: Checkpoint, module: str, cfg: V41Config) -> torch.Tensor:
     """A linear module of a V4.1 checkpoint as float32, whatever it is stored in."""
     names = {n.rpartition(".")[2]: ckpt.tensors[n] for n in ckpt.tensors if n.rpartition(".")[0] == module}
     tensors = {p: read_tensor(e) for p, e in names.items()}
-    weight = names["weight"]
-    if weight.dtype == "BF16":
+    weight = names.get("weight")
+    if weight is not None and weight.dtype == "BF16":
         return tensors["weight"].float()
+    if "weight_packed" in names:
+        return spec(Format.INT4).decode(tensors, f"{module}.weight")
     if "weight_scale" in names:
         return spec(Format.NVFP4).decode(tensors, f"{module}.weight")
     if weight.dtype == "F8_E4M3":
@@ -75,7 +79,9 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
     cfg = v41.read_config(ckpt.config, source)
     variant = variant_of(ckpt.config)
     problems: list[str] = []
-    expected = expected_outputs(cfg, variant)
+    qc = ckpt.config.get("quantization_config")
+    group = (((qc or {}).get("config_groups") or {}).get("group_0") or {}).get("weights", {}).get("group_size", 32)
+    expected = expected_outputs(cfg, variant, group)
     for name, entry in ckpt.tensors.items():
         want = expected.get(name)
         if want is None:
@@ -90,13 +96,12 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
         v41.check_tokenizer(ckpt.root, cfg)
     except DSV4Error as exc:
         problems.append(str(exc))
-    qc = ckpt.config.get("quantization_config")
     claimed = list((qc or {}).get("producer", {}).get("engines") or ENGINES)
     stated = {k: v for k, v in (qc or {}).items() if k != "producer"} if qc is not None else None
     src = Checkpoint.open(against) if against is not None else None
     if src is not None:
         check_source(src)
-        wanted = v41_quant_config(src.config.get("quantization_config") or {}, variant)
+        wanted = v41_quant_config(src.config.get("quantization_config") or {}, variant, group)
         if stated != wanted:
             problems.append(f"config.json: quantization_config is {stated}; SGLang reads a {variant} DeepSeek-V4.1 "
                             f"by {wanted}")
@@ -115,10 +120,11 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
         "release": v41.NAME, "variant": variant, "against": str(against) if against is not None else None,
         "integrity_ok": not problems, "integrity_problems": problems, "engines": claimed,
         "engine_checks": engine_checks,
-        "families": {e: {f: (why or "runs") for f, why in fams.items()} for e, fams in families.items()},
+        "families": {e: {f: "cannot load it" if engine_checks[e] else (why or "runs") for f, why in fams.items()}
+                     for e, fams in families.items()},
         "tensors": len(ckpt.tensors), "sglang_note": None, "below_threshold": [], "fail_below_snr_db": None,
         "modules": compared["modules"] if compared else 0, "exact_modules": compared["exact"] if compared else 0,
-        "worst_snr_db": math.inf, "kept_identical": compared["kept"] if compared else None,
+        "worst_snr_db": compared["worst_snr_db"] if compared else math.inf, "kept_identical": compared["kept"] if compared else None,
         "engram_sha256": compared["engram"] if compared else None, "seconds": time.monotonic() - t0,
     }
     summary["passed"] = summary["integrity_ok"]
@@ -129,7 +135,7 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
 def _compare(ckpt: Checkpoint, src: Checkpoint, cfg: V41Config, variant: str, progress: bool,
              problems: list[str]) -> dict:
     """Kept tensors byte for byte (hashed in chunks), converted modules decoded and compared exactly."""
-    kept, converted, engram = 0, {}, {}
+    kept, converted, engram, lossy, worst = 0, {}, {}, {}, math.inf
     bar = tqdm(total=src.total_bytes, unit="B", unit_scale=True, desc="validate", disable=not progress,
                file=sys.stderr)
     for name, entry in src.tensors.items():
@@ -139,6 +145,8 @@ def _compare(ckpt: Checkpoint, src: Checkpoint, cfg: V41Config, variant: str, pr
         bar.update(entry.nbytes)
         if action != "keep":
             converted[module] = None
+            if action == "int4":
+                lossy[module] = True
             continue
         out = ckpt.tensors.get(name)
         if out is None:
@@ -153,13 +161,16 @@ def _compare(ckpt: Checkpoint, src: Checkpoint, cfg: V41Config, variant: str, pr
     bar.close()
     exact = 0
     for module in converted:
-        if f"{module}.weight" not in ckpt.tensors:
+        if f"{module}.weight" not in ckpt.tensors and f"{module}.weight_packed" not in ckpt.tensors:
             continue   # named as missing by the integrity check
-        if torch.equal(_decoded(ckpt, module, cfg), _decoded(src, module, cfg)):
+        got, want = _decoded(ckpt, module, cfg), _decoded(src, module, cfg)
+        if torch.equal(got, want):
             exact += 1
-        else:
+        elif module not in lossy:
             problems.append(f"{module}: its {variant} weight decodes to other values than the source's")
-    return {"kept": kept, "modules": len(converted), "exact": exact, "engram": engram}
+        else:
+            worst = min(worst, error_metrics(want, got, name=f"{module}.weight").snr_db)
+    return {"kept": kept, "modules": len(converted), "exact": exact, "engram": engram, "worst_snr_db": worst}
 
 
 def _write(out: Path, summary: dict) -> None:

@@ -247,6 +247,9 @@ def v41_problem(quant_config: dict | None, variant: str) -> str | None:
     V4.1."""
     if variant == "bf16":
         return None if quant_config is None else "a BF16 output must carry no quantization_config"
+    if variant == "w4a16":
+        return (f"{_V} reads DeepSeek-V4.1 only through DeepseekV4FP8Config (models/deepseek_v41/quant_config.py); "
+                "it claims no compressed-tensors config for V4.1")
     if variant == "fp8":
         # Observed, not derived: the real model built on CPU for each family raises in Fp8MoEMethod.__init__
         # (tests/test_v41_convert.py::test_vllm_refuses_fp8_experts_in_32x32_blocks).
