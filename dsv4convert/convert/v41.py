@@ -157,8 +157,8 @@ def _modules(ckpt: Checkpoint, variant: str, targets: dict[str, Target]) -> list
     return shards
 
 
-def action_of(module: str, role: str, linear: bool, variant: str) -> str:
-    """What ``variant`` does with a module (its name without the param, its role, whether a linear with a scale):
+def action_of(role: str, linear: bool, variant: str) -> str:
+    """What ``variant`` does with a module (its role, whether it is a linear with a scale):
     keep (the release's bytes), nvfp4 / fp8 / int4 / bf16 (a routed expert made in that format), dequant (an FP8
     linear to BF16)."""
     if not linear or role in V41_NEVER_QUANTIZED:
@@ -175,7 +175,7 @@ def action_of(module: str, role: str, linear: bool, variant: str) -> str:
 
 def _module(name: str, sources: dict[str, TensorEntry], variant: str, targets: dict[str, Target]) -> _Module:
     role = inventory.role_of(next(iter(sources.values())).name)
-    action = action_of(name, role, set(sources) == {"weight", "scale"}, variant)
+    action = action_of(role, set(sources) == {"weight", "scale"}, variant)
     if action in targets:
         partner = name[:-2] + {"w1": "w3", "w3": "w1"}[name[-2:]] \
             if action == "nvfp4" and name.endswith((".w1", ".w3")) else None
@@ -199,7 +199,7 @@ def expected_outputs(cfg: V41Config, variant: str, group_size: int = 32) -> dict
     for name, spec in native.items():
         module, _, param = name.rpartition(".")
         linear = param in ("weight", "scale") and f"{module}.scale" in native and f"{module}.weight" in native
-        action = action_of(module, inventory.role_of(name), linear, variant)
+        action = action_of(inventory.role_of(name), linear, variant)
         if action == "keep":
             out[name] = (spec.dtype, tuple(spec.shape))
             continue
@@ -324,19 +324,3 @@ def _prepare(dst: Path, overwrite: bool) -> None:
         shutil.rmtree(dst)
     dst.mkdir(parents=True, exist_ok=True)
     fsync_dir(dst.parent)
-
-
-def digest_of(entry: TensorEntry, chunk: int = 64 << 20) -> str:
-    """sha256 of a tensor's bytes, read in chunks (flat memory, whatever its size)."""
-    h = hashlib.sha256()
-    with open(entry.path, "rb") as f:
-        f.seek(entry.start)
-        left = entry.nbytes
-        while left:
-            piece = f.read(min(chunk, left))
-            if not piece:
-                raise DSV4Error("truncated", file=entry.path, tensor=entry.name)
-            h.update(piece)
-            left -= len(piece)
-    return h.hexdigest()
-

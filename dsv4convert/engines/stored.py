@@ -43,10 +43,11 @@ V41_NEVER_QUANTIZED = {
     "engram_table": ("both engines hard-code the Engram table as FP8 E4M3 rows with 1x32 E8M0 scales and copy_ it in "
                      "(SGLang layers/engram.py::EngramEmbedding._load_rows, vLLM models/deepseek_v41/common/engram.py::"
                      "ParallelEngramEmbedding): any other dtype is cast without its scales"),
-    "compressor": ("SGLang builds DeepseekV41Compressor as plain BF16 nn.Linear (layers/attention/dsv4/dsv41_sparse.py), "
-                   "vLLM with quant_config=None (models/deepseek_v41/compressor.py)"),
+    "compressor": ("SGLang builds DeepseekV41Compressor as plain BF16 nn.Linear (layers/attention/dsv4/"
+                   "dsv41_sparse.py), vLLM with quant_config=None (models/deepseek_v41/compressor.py)"),
     "indexer_bf16": ("SGLang builds DeepseekV41Indexer.wk, k_norm and weights_proj in BF16 "
-                     "(layers/attention/dsv4/dsv41_sparse.py), vLLM with quant_config=None (models/deepseek_v41/attention.py)"),
+                     "(layers/attention/dsv4/dsv41_sparse.py), vLLM with quant_config=None "
+                     "(models/deepseek_v41/attention.py)"),
     "vision": "both engines build the vision tower and aligner unquantized (BF16)",
     "router": "the router gate runs in BF16/FP32 in every engine",
     "embed": "an embedding is a lookup table, not a GEMM",

@@ -20,6 +20,7 @@ V4.1 models and DSpark drafts on every output and finds what this says:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
@@ -28,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dsv4convert.checkpoint import Checkpoint, atomic_write_bytes, atomic_write_json, read_tensor
-from dsv4convert.convert.v41 import action_of, check_source, digest_of, expected_outputs, handles
+from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, atomic_write_json, read_tensor
+from dsv4convert.convert.v41 import action_of, check_source, expected_outputs, handles
 from dsv4convert.engines import ENGINES, LABELS
 from dsv4convert.engines.config import v41_families
 from dsv4convert.engines.sglang.quant_config import v41_problem as sglang_problem
@@ -68,7 +69,8 @@ def _decoded(ckpt: Checkpoint, module: str, cfg: V41Config) -> torch.Tensor:
     if "weight_scale" in names:
         return spec(Format.NVFP4).decode(tensors, f"{module}.weight")
     if weight.dtype == "F8_E4M3":
-        return dequantize_fp8_block(tensors["weight"], tensors["scale"], block=cfg.fp8_block[0], name=f"{module}.weight")
+        return dequantize_fp8_block(tensors["weight"], tensors["scale"], block=cfg.fp8_block[0],
+                                    name=f"{module}.weight")
     return spec(Format.MXFP4).decode(tensors, f"{module}.weight")
 
 
@@ -124,7 +126,8 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
                      for e, fams in families.items()},
         "tensors": len(ckpt.tensors), "sglang_note": None, "below_threshold": [], "fail_below_snr_db": None,
         "modules": compared["modules"] if compared else 0, "exact_modules": compared["exact"] if compared else 0,
-        "worst_snr_db": compared["worst_snr_db"] if compared else math.inf, "kept_identical": compared["kept"] if compared else None,
+        "worst_snr_db": compared["worst_snr_db"] if compared else math.inf,
+        "kept_identical": compared["kept"] if compared else None,
         "engram_sha256": compared["engram"] if compared else None, "seconds": time.monotonic() - t0,
     }
     summary["passed"] = summary["integrity_ok"]
@@ -141,7 +144,7 @@ def _compare(ckpt: Checkpoint, src: Checkpoint, cfg: V41Config, variant: str, pr
     for name, entry in src.tensors.items():
         module, _, param = name.rpartition(".")
         linear = param in ("weight", "scale") and f"{module}.scale" in src.tensors
-        action = action_of(module, inventory.role_of(name), linear, variant)
+        action = action_of(inventory.role_of(name), linear, variant)
         bar.update(entry.nbytes)
         if action != "keep":
             converted[module] = None
@@ -153,7 +156,8 @@ def _compare(ckpt: Checkpoint, src: Checkpoint, cfg: V41Config, variant: str, pr
             continue   # named as missing by the integrity check
         digest = digest_of(entry)
         if (out.dtype, out.shape) != (entry.dtype, entry.shape) or digest_of(out) != digest:
-            problems.append(f"{out.path.name}: {name}: kept by a {variant} output but its bytes differ from the source's")
+            problems.append(f"{out.path.name}: {name}: kept by a {variant} output but its bytes differ from the "
+                            "source's")
         else:
             kept += 1
         if inventory.role_of(name) == "engram_table":
@@ -171,6 +175,22 @@ def _compare(ckpt: Checkpoint, src: Checkpoint, cfg: V41Config, variant: str, pr
         else:
             worst = min(worst, error_metrics(want, got, name=f"{module}.weight").snr_db)
     return {"kept": kept, "modules": len(converted), "exact": exact, "engram": engram, "worst_snr_db": worst}
+
+
+def digest_of(entry: TensorEntry, chunk: int = 64 << 20) -> str:
+    """sha256 of a tensor's bytes, read in chunks (flat memory, whatever its size)."""
+    h = hashlib.sha256()
+    with open(entry.path, "rb") as f:
+        f.seek(entry.start)
+        left = entry.nbytes
+        while left:
+            piece = f.read(min(chunk, left))
+            if not piece:
+                raise DSV4Error("truncated", file=entry.path, tensor=entry.name)
+            h.update(piece)
+            left -= len(piece)
+    return h.hexdigest()
+
 
 
 def _write(out: Path, summary: dict) -> None:

@@ -455,10 +455,11 @@ def v41_problem(quant_config: dict | None, variant: str) -> str | None:
     if variant == "bf16":
         return None if quant_config is None else "a BF16 output must carry no quantization_config"
     if variant == "w4a16":
-        linear = (quant_config or {}).get("linear_fp8_config") or {}
-        if (quant_config or {}).get("quant_method") != "compressed-tensors" or linear.get("weight_block_size") != [32, 32]:
-            return (f"{SGLANG_LABEL} reads INT4 experts through CompressedTensorsConfig, V4.1's FP8 linears through its "
-                    "linear_fp8_config in 32x32 blocks")
+        given = quant_config or {}
+        linear = given.get("linear_fp8_config") or {}
+        if given.get("quant_method") != "compressed-tensors" or linear.get("weight_block_size") != [32, 32]:
+            return (f"{SGLANG_LABEL} reads INT4 experts through CompressedTensorsConfig, V4.1's FP8 linears through "
+                    "its linear_fp8_config in 32x32 blocks")
         return None
     if quant_config is None or quant_config.get("quant_method") != "fp8":
         return f"{SGLANG_LABEL} reads DeepSeek-V4.1's FP8 linears through Fp8Config (quant_method fp8)"

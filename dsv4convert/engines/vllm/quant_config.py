@@ -265,7 +265,8 @@ def v41_problem(quant_config: dict | None, variant: str) -> str | None:
     if quant_config.get("expert_dtype", "fp4") != wanted:
         return f"expert_dtype must be {wanted!r} for {_V} (DeepseekV4FP8Config.expert_dtype)"
     if (variant == "nvfp4") != ((quant_config.get("moe_quant_algo") or "").upper() == "NVFP4"):
-        return f"moe_quant_algo NVFP4 is what makes {_V} read NVFP4 experts (DeepseekV4FP8Config._is_nvfp4_expert_layer)"
+        return (f"moe_quant_algo NVFP4 is what makes {_V} read NVFP4 experts "
+                "(DeepseekV4FP8Config._is_nvfp4_expert_layer)")
     return None
 
 
