@@ -246,3 +246,15 @@ def test_bad_v41_input_is_one_error_line_and_nothing_written(tiny_v41, tmp_path,
     err = _one_error(capsys)
     assert file in err and what in err, err
     assert not dst.exists()
+
+
+def test_validate_names_fused_halves_of_two_dtypes(outputs, tmp_path):
+    """SGLang and vLLM load ``wq_a`` and ``wkv`` into one parameter: a BF16 ``wkv`` beside an FP8 ``wq_a`` is named."""
+    broken = tmp_path / "bf16"
+    shutil.copytree(outputs["bf16"], broken)
+    name = "layers.0.attn.wkv.weight"
+    shard = _rewrite(broken, name, lambda t: t.to(torch.float16))
+    assert main(["validate", str(broken), "--report", str(tmp_path / "r"), "--no-progress"]) == 1
+    problems = json.loads((tmp_path / "r" / "validate.json").read_text())["integrity_problems"]
+    assert any(p.startswith(f"{shard.name}: layers.0.attn.wq_a.weight: BF16 but {name} is F16") for p in problems), \
+        problems

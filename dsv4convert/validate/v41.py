@@ -7,7 +7,8 @@ unquantized models) and both ``copy_`` a wrong-dtype Engram table into their FP8
 V4.1 models and DSpark drafts on every output and finds what this says:
 
 * every tensor the variant's layout has, of its dtype and shape, and no other (``convert/v41.py::expected_outputs``):
-  each reaches a parameter, and every parameter is written;
+  each reaches a parameter, and every parameter is written; the halves both engines fuse (``wq_a`` + ``wkv``, shared
+  ``w1`` + ``w3``, the compressor's ``wkv`` + ``wgate``: ``engines/stored.py::V41_FUSED_PAIRS``) of one dtype;
 * the tokenizer beside the weights, whose compressed vocabulary both engines' Engram hashers check
   (``release.check_tokenizer``);
 * the ``quantization_config`` SGLang needs for the variant (``engines/sglang/quant_config.py::v41_quant_config``),
@@ -33,6 +34,7 @@ from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, 
 from dsv4convert.convert.v41 import action_of, check_source, expected_outputs, handles
 from dsv4convert.engines import ENGINES, LABELS
 from dsv4convert.engines.config import v41_families
+from dsv4convert.engines.stored import V41_FUSED_PAIRS
 from dsv4convert.engines.sglang.quant_config import v41_problem as sglang_problem
 from dsv4convert.engines.sglang.quant_config import v41_quant_config
 from dsv4convert.engines.vllm.quant_config import v41_problem as vllm_problem
@@ -94,6 +96,12 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
                             f"stores {want[0]} {list(want[1])} (the engines would cast or refuse it)")
     problems += [f"{name}: missing: its parameter would be left unwritten, silently in both engines"
                  for name in expected if name not in ckpt.tensors]
+    for name, entry in ckpt.tensors.items():   # the halves both engines load into one fused parameter
+        for first, (second, fused) in V41_FUSED_PAIRS.items():
+            other = ckpt.tensors.get(name.replace(f".{first}.", f".{second}.")) if f".{first}." in name else None
+            if other is not None and other.dtype != entry.dtype:
+                problems.append(f"{entry.path.name}: {name}: {entry.dtype} but {other.name} is {other.dtype}; both "
+                                f"engines load them into one {fused}")
     try:
         v41.check_tokenizer(ckpt.root, cfg)
     except DSV4Error as exc:
