@@ -228,3 +228,14 @@ def test_bad_inputs_name_the_tensor():
         mxfp4_to_nvfp4(packed, scale, global_exponent=-130)
     with pytest.raises(FormatError, match=r"scale\[1\]"):
         nvfp4_global_exponent(scale, bad_scale)
+
+
+def test_mxfp4_to_fp8_in_deepseek_v41_32x32_tiles_is_exact():
+    """DeepSeek-V4.1's FP8 blocks are 32x32 (``block=(32, 32)``): one MXFP4 block per tile row, exact while the 32 rows'
+    scales span at most 14 binades (these do); one scale per tile; a tile not a multiple of MXFP4's 32 is refused."""
+    packed, scale = synthetic_expert(64, 96, seed=3)
+    weight, tile_scale, report = mxfp4_to_fp8_block(packed, scale, block=(32, 32))
+    assert tile_scale.shape == (2, 3) and report.exact and report.blocks_total == 6
+    assert torch.equal(dequantize_fp8_block(weight, tile_scale, block=(32, 32)), dequantize_mxfp4(packed, scale))
+    with pytest.raises(FormatError, match="a multiple of 48"):
+        mxfp4_to_fp8_block(packed, scale, block=(48, 48))

@@ -49,12 +49,15 @@ def test_a_v41_checkpoint_is_refused_by_what_does_not_handle_it_yet(tmp_path, ca
     src.mkdir()
     (src / "config.json").write_text(V41_CONFIG.read_text())
     save_file({"embed.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(src / "model.safetensors"))
+    assert main(["inspect", str(src)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and "not yet" in err and "config.json" in err, err
+    # The converters take V4.1 now (tests/test_v41_convert.py): this one-tensor checkpoint is refused by its headers.
     dst = tmp_path / "out"
-    for argv in (["to-fp8", "--src", str(src), "--dst", str(dst)], ["validate", str(src)], ["inspect", str(src)]):
-        assert main(argv) == 2, argv
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("error:") and "\n" not in err and "not yet" in err and "config.json" in err, (argv, err)
-    assert not dst.exists() or not any(dst.iterdir())
+    assert main(["to-fp8", "--src", str(src), "--dst", str(dst)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and "embed.weight" in err, err
+    assert not dst.exists()
 
 
 def test_a_new_release_is_one_module_and_one_registry_entry(tmp_path, capsys, monkeypatch):

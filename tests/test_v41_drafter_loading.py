@@ -46,7 +46,7 @@ def v41_landings(name: str, ckpt: Checkpoint, loaded: sgl.LoadedModel) -> list[L
         weight = loaded.model._remap_dspark_weight_name(f"{module}.weight")
         if kind == "scale":
             return [Landing(weight, (), None, "consumed: wo_a dequantized to BF16 with it")]
-        dequantized = dequantize_fp8_block(ckpt.read(name), ckpt.read(f"{module}.scale"), block=32)
+        dequantized = dequantize_fp8_block(ckpt.read(name), ckpt.read(f"{module}.scale"), block=(32, 32))
         return [Landing(weight, (), dequantized.to(torch.bfloat16), "converted: FP8 wo_a dequantized to BF16")]
     return landings(name, ckpt, loaded)
 

@@ -74,7 +74,7 @@ def unaccounted(ckpt: Path, loaded: sgl.LoadedModel) -> list[str]:
             found = torch.equal(_bits(part), _bits(tensor))
         elif name.endswith(".attn.wo_a.scale"):
             weight = tensors[f"{module}.weight"]
-            want = dequantize_fp8_block(weight, tensor, block=32).to(torch.bfloat16)
+            want = dequantize_fp8_block(weight, tensor, block=(32, 32)).to(torch.bfloat16)
             found = torch.equal(_bits(loaded.params[f"{param}.weight"]), _bits(want))
         else:
             found = bool(loaded.reached.get(name))

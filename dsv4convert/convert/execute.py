@@ -54,7 +54,9 @@ from dsv4convert.convert.model_card import (
 from dsv4convert.convert.pipeline import CONVERT_THREADS, BarFeed, pipeline_memory, run_shard_job
 from dsv4convert.convert.plan import Plan, ShardJob, build_plan, cost_of_both, human_bytes
 from dsv4convert.convert.recipe import Recipe, canonical
+from dsv4convert.convert import v41
 from dsv4convert.convert.state import DestinationLock, RunState, signature
+from dsv4convert.convert.v41 import V41Result
 from dsv4convert.devices import resolve_device
 from dsv4convert.engines.config import build_quant_config, servable_engines
 from dsv4convert.errors import DSV4Error
@@ -201,11 +203,15 @@ def _partners(plan: Plan, shard: ShardJob) -> dict[str, dict]:
     return {m.module: plan.modules[m.partner].sources for m in shard.modules if m.partner}
 
 
-def convert(opts: ConvertOptions) -> ConvertResult:
-    """Plan, validate and run a conversion; see the module docstring."""
+def convert(opts: ConvertOptions) -> ConvertResult | V41Result:
+    """Plan, validate and run a conversion; see the module docstring. A DeepSeek-V4.1 source goes to its own
+    converter (:mod:`dsv4convert.convert.v41`)."""
     t0 = time.monotonic()
     ckpt = Checkpoint.open(opts.src, revision=opts.revision, remote=opts.remote)
     _check_paths(ckpt.root, opts.dst)
+    if v41.handles(ckpt.config, str(ckpt.root / "config.json")):
+        return v41.convert_v41(ckpt, dst=opts.dst, recipe=opts.recipe, engine=opts.engine, overwrite=opts.overwrite,
+                               dry_run=opts.dry_run, progress=opts.progress, unsupported=_not_for_v41(opts))
     check_routing(ckpt)
     asked = opts.engine or opts.recipe.engine
     plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes, engine=asked or eng.DEFAULT_CHOICE,
@@ -271,6 +277,14 @@ def convert(opts: ConvertOptions) -> ConvertResult:
     result = ConvertResult(plan, opts.dst, stats, time.monotonic() - t0, engines)
     print_stats(result)
     return result
+
+
+def _not_for_v41(opts: ConvertOptions) -> list[str]:
+    """The options a DeepSeek-V4.1 conversion does not take yet."""
+    given = {"--resume": opts.resume, "--workers": opts.workers > 1, "--input-scales-from": opts.input_scales_from,
+             "--calibration": opts.calibration, "--gptq": opts.gptq, "--no-mtp": opts.no_mtp,
+             "--delete-source-shards": opts.delete_source_shards, "--device": opts.device != "cpu"}
+    return [flag for flag, value in given.items() if value]
 
 
 def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: RunState,

@@ -9,7 +9,7 @@ made and checked for.
 from __future__ import annotations
 
 from dsv4convert import __version__
-from dsv4convert.engines import ENGINES, SGLANG, VLLM, choice_of
+from dsv4convert.engines import ENGINES, GPU_FAMILIES, SGLANG, VLLM, choice_of, engines_for
 from dsv4convert.engines.sglang import quant_config as sglang
 from dsv4convert.engines.stored import StoredFormats, analyse
 from dsv4convert.engines.vllm import quant_config as vllm
@@ -63,3 +63,30 @@ def output_module(module: str, engines: tuple[str, ...]) -> str:
     """A module's name in an output made for ``engines``: the release's, or vLLM's where its loader reads another
     (both engines then read that one)."""
     return vllm.vllm_module_name(module) if VLLM in engines else module
+
+
+def v41_config(source_config: dict, variant: str, asked: str | None) -> tuple[dict, tuple[str, ...], str | None]:
+    """A DeepSeek-V4.1 output's ``config.json`` (the release's, ``text_config`` and ``vision_config`` as they are,
+    only ``quantization_config`` rewritten for ``variant``: SGLang's, which vLLM must read the same way), the engines
+    it is for, and a note where the default could not be both. An engine asked for (``asked``: sglang, vllm, both)
+    that cannot load the variant is refused, naming it."""
+    qc = sglang.v41_quant_config(source_config.get("quantization_config") or {}, variant)
+    problem = vllm.v41_problem(qc, variant)
+    engines, note = (ENGINES, None) if asked is None else (engines_for(asked), None)
+    if problem and VLLM in engines:
+        if asked is not None:
+            raise RecipeError(f"--engine {asked}: {problem}")
+        engines, note = (SGLANG,), f"engine: sglang only ({problem})"
+    written = {**qc, "producer": {"name": "dsv4convert", "version": __version__, "engines": list(engines)}} \
+        if qc is not None else None
+    config = {k: (written if k == "quantization_config" else v) for k, v in
+              {**source_config, "quantization_config": None}.items()}
+    if written is None:
+        del config["quantization_config"]
+    return config, engines, note
+
+
+def v41_families(variant: str) -> dict[str, dict[str, str | None]]:
+    """Per engine and GPU family: None where the engine runs a V4.1 ``variant`` there, else why not."""
+    return {SGLANG: {f: sglang.v41_family_problem(variant, f) for f in GPU_FAMILIES},
+            VLLM: {f: vllm.v41_family_problem(variant, f) for f in GPU_FAMILIES}}

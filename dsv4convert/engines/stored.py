@@ -38,6 +38,30 @@ CONFIG_LINEARS = frozenset({Role.ATTENTION, Role.INDEXER, Role.SHARED_EXPERT, Ro
 # gate_up_proj (DEEPSEEK_V4_STACKED_PARAMS_MAPPING); vLLM's packed_modules_mapping the same.
 FUSED_PAIRS = {"attn.wq_a": ("attn.wkv", "wqkv_a"), "ffn.shared_experts.w1": ("ffn.shared_experts.w3", "gate_up_proj")}
 
+# DeepSeek-V4.1 (models/deepseek_v41/inventory.py::role_of's roles): what every variant stores exactly as the release
+# does, because both engines build it in one dtype whatever the quant config.
+V41_NEVER_QUANTIZED = {
+    "engram_table": ("both engines hard-code the Engram table as FP8 E4M3 rows with 1x32 E8M0 scales and copy_ it in "
+                     "(SGLang layers/engram.py::EngramEmbedding._load_rows, vLLM models/deepseek_v41/common/engram.py::"
+                     "ParallelEngramEmbedding): any other dtype is cast without its scales"),
+    "compressor": ("SGLang builds DeepseekV41Compressor as plain BF16 nn.Linear (layers/attention/dsv4/"
+                   "dsv41_sparse.py), vLLM with quant_config=None (models/deepseek_v41/compressor.py)"),
+    "indexer_bf16": ("SGLang builds DeepseekV41Indexer.wk, k_norm and weights_proj in BF16 "
+                     "(layers/attention/dsv4/dsv41_sparse.py), vLLM with quant_config=None "
+                     "(models/deepseek_v41/attention.py)"),
+    "vision": "both engines build the vision tower and aligner unquantized (BF16)",
+    "router": "the router gate runs in BF16/FP32 in every engine",
+    "embed": "an embedding is a lookup table, not a GEMM",
+    "head": "the LM head is a ParallelLMHead, which neither engine's fp8 config quantizes",
+    "draft_head": ("a DSpark drafter's Markov and confidence heads are built unquantized by both engines "
+                   "(SGLang models/deepseek_v4_dspark.py, vLLM models/deepseek_v41/nvidia/dspark.py)"),
+}
+# V4.1's pairs both engines load into one fused parameter, so both halves keep one format: wq_a + wkv -> wqkv_a
+# (SGLang SGLANG_OPT_FUSE_WQA_WKV, vLLM fused_wqa_wkv), shared w1 + w3 -> gate_up_proj, and on SGLang sm_100+ /
+# always in vLLM the compressor's wkv + wgate (SGLang dsv41_sparse.py::fused_low_ratio_compress_supported, vLLM
+# nvidia/model.py::DeepseekV41LLMForCausalLM.load_weights: fused_wkv_wgate).
+V41_FUSED_PAIRS = {**FUSED_PAIRS, "attn.compressor.wkv": ("attn.compressor.wgate", "wkv_gate")}
+
 
 @dataclass
 class StoredFormats:

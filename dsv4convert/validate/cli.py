@@ -26,9 +26,9 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
 
     from dsv4convert.checkpoint import Checkpoint
     from dsv4convert.inspection import check_routing, inspect_checkpoint
-    from dsv4convert.models.deepseek_v4.layout import linear_shapes
     from dsv4convert.validate.integrity import check_all_finite, check_integrity
     from dsv4convert.validate.layer_error import layer_errors
+    from dsv4convert.validate import v41
     from dsv4convert.validate.report import write_reports
 
     t0 = time.monotonic()
@@ -36,6 +36,9 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
     if device == "cuda" and not torch.cuda.is_available():
         raise DSV4Error("--device cuda asked for, but torch sees no CUDA GPU")
     ckpt = Checkpoint.open(dst)
+    if v41.handles(ckpt.config, str(ckpt.root / "config.json")):
+        out = Path(report_dir) if report_dir else ckpt.root.parent / f"{ckpt.root.name}-validation"
+        return ValidationResult(v41.validate_v41(ckpt, against=against, report_dir=out, progress=progress), out)
     check_routing(ckpt)
     info = inspect_checkpoint(ckpt)
     src = Checkpoint.open(against) if against is not None else None
@@ -55,11 +58,10 @@ def validate(dst: str | Path, *, against: str | Path | None = None, device: str 
     setting = integrity.fp4_experts
     errors = []
     if src is not None:
-        shapes = linear_shapes(info.config)
         total = sum(1 for m in info.modules if m in src_info.modules)
         bar = tqdm(total=total, unit="module", desc="validate", disable=not progress, file=sys.stderr)
         budget = chunk_bytes or ((8 << 30) if device == "cuda" else (1 << 30))
-        errors = layer_errors(ckpt, src, info, src_info, shapes=shapes, device=device, chunk_bytes=budget,
+        errors = layer_errors(ckpt, src, info, src_info, device=device, chunk_bytes=budget,
                               progress=bar.update)
         bar.close()
     out = Path(report_dir) if report_dir else ckpt.root.parent / f"{ckpt.root.name}-validation"
@@ -112,6 +114,8 @@ def _run(args: argparse.Namespace) -> int:
     if len(s["integrity_problems"]) > 10:
         print(f"  ... and {len(s['integrity_problems']) - 10} more integrity problems (see the report)")
     print(f"  engines: {engine_line(s)}")
+    for engine, families in s.get("families", {}).items():   # DeepSeek-V4.1: what each engine runs per GPU family
+        print(f"  {engine} per GPU family: " + "; ".join(f"{f} {why}" for f, why in families.items()))
     if s["sglang_note"]:
         print(f"  {SGLANG_LABEL}: {s['sglang_note']}")
     if s["below_threshold"]:

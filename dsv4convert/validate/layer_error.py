@@ -21,6 +21,7 @@ from dsv4convert import kernels
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.formats import Format, error_metrics, linear_storage, spec
 from dsv4convert.inspection import Inspection
+from dsv4convert.models.deepseek_v4.layout import linear_shapes
 from dsv4convert.models.deepseek_v4.layout import Role, classify, try_classify
 
 
@@ -126,14 +127,16 @@ def module_groups(dst: Inspection, src: Inspection) -> Iterator[tuple[tuple, lis
 
 
 def layer_errors(dst: Checkpoint, src: Checkpoint, dst_info: Inspection, src_info: Inspection, *,
-                 shapes: dict[str, tuple[int, int]], device: str = "cpu", backend: kernels.Backend = "auto",
+                 shapes: dict[str, tuple[int, int]] | None = None, device: str = "cpu", backend: kernels.Backend = "auto",
                  tokens: int = 8, chunk_bytes: int = 1 << 30,
                  progress: Callable[[int], None] | None = None) -> list[ModuleError]:
     """Errors of every linear module of ``dst`` against ``src`` (see the module docstring).
 
     ``backend="auto"`` means the Triton kernels on a GPU and their torch references on the CPU
-    (Triton's CPU interpreter is a test harness, far too slow for a whole checkpoint).
+    (Triton's CPU interpreter is a test harness, far too slow for a whole checkpoint). ``shapes``: every linear's
+    logical shape (default: the layout's, from ``dst_info``'s config).
     """
+    shapes = shapes if shapes is not None else linear_shapes(dst_info.config)
     dev = torch.device(device)
     dst, src = _ByModule(dst), _ByModule(src)
     if backend == "auto" and dev.type != "cuda":

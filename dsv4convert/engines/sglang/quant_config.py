@@ -374,3 +374,103 @@ def serving_env(source_config: dict, module_formats: dict[str, tuple[Format, dic
     if stored.wo_a_bf16:
         env["SGLANG_OPT_FP8_WO_A_GEMM"] = "0"
     return env
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-V4.1
+
+# What each DeepSeek-V4.1 variant's quantization_config is, as SGLang reads it (the release keeps its own: FP8 32x32
+# linears with E8M0 scales, MXFP4 experts, expert_dtype fp4).
+V41_NVFP4_IGNORE = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]   # NVIDIA's DeepSeek-V4.1-Flash-NVFP4
+
+
+# SGLang's names (remap_weight_name_to_dpsk_hf_format; DSpark: _remap_dspark_weight_name) of what a W4A16 V4.1 keeps.
+V41_CT_IGNORE = [r"re:.*\.self_attn\..*", r"re:.*\.mlp\.shared_experts\..*", r"re:.*\.mlp\.gate$",
+                 r"re:.*\.engram\..*", r"re:^stages\..*", r"re:^vision\..*", r"re:^aligner\..*", "lm_head"]
+
+
+def v41_quant_config(source: dict, variant: str, group_size: int = 32) -> dict | None:
+    """The ``quantization_config`` of a V4.1 output (None: none at all), from the release's own ``source``.
+
+    * ``nvfp4``: ModelOpt's hybrid as NVIDIA published it for V4.1: the release's Fp8Config (``weight_block_size``
+      [32, 32], ``scale_fmt`` ue8m0) plus ``quant_algo`` MIXED_PRECISION, ``moe_quant_algo`` NVFP4 and
+      ``group_size`` 16, which ``configs/model_config.py::ModelConfig.__init__`` turns into ``nvfp4_moe_meta`` and
+      ``model_loader/loader.py::_get_quantization_config`` into ``HybridFp8NvFp4Config``, its ``ignore`` plus
+      ``model.decoder.*`` and ``stages.*`` excluded from NVFP4: the DSpark stages' experts stay MXFP4
+      (``HybridFp8NvFp4Config.get_quant_method``: ``Mxfp4FlashinferTrtllmMoEMethod`` while ``is_fp4_experts``,
+      which ``configs/deepseek_v4.py::try_detect_fp4_experts`` reads off the NVFP4 experts' U8 header).
+    * ``fp8``: the release's Fp8Config with ``expert_dtype`` fp8 (SGLang reads the experts' F8_E4M3 header:
+      ``try_detect_fp4_experts`` False, ``Fp8MoEMethod``); vLLM reads ``expert_dtype``.
+    * ``bf16``: none (every linear BF16; the Engram tables stay FP8, which both engines build whatever the config).
+    * ``w4a16``: ``CompressedTensorsConfig`` (pack-quantized INT4 experts, one group targeting ``Linear``) with the
+      release's FP8 block config as ``linear_fp8_config`` (every other LinearBase ``Fp8LinearMethod``, 32x32), and
+      ``ignore`` naming what stays unquantized in SGLang's names: attention (the indexer's ``wq_b`` included), shared
+      experts, the router, the Engram ``wkv``, the vision tower and aligner, the LM head, and the DSpark stages
+      (``stages.*``: the draft is built with this config, its ignored FusedMoE BF16:
+      ``CompressedTensorsConfig.get_quant_method``).
+    """
+    base = {k: v for k, v in source.items() if k != "expert_dtype"}
+    if variant == "native":
+        return copy.deepcopy(source)
+    if variant == "bf16":
+        return None
+    if variant == "fp8":
+        return {**copy.deepcopy(base), "expert_dtype": "fp8"}
+    if variant == "nvfp4":
+        return {**copy.deepcopy(base), "expert_dtype": source.get("expert_dtype", "fp4"),
+                "quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "group_size": NVFP4_BLOCK,
+                "kv_cache_quant_algo": None, "ignore": list(V41_NVFP4_IGNORE)}
+    if variant == "w4a16":
+        linear = {k: source[k] for k in ("activation_scheme", "weight_block_size", "scale_fmt") if k in source}
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+                   "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                              "output_activations": None, "format": "pack-quantized"}},
+                "ignore": list(V41_CT_IGNORE), "kv_cache_scheme": None,
+                "linear_fp8_config": {**linear, "fmt": "e4m3", "quant_method": "fp8"}}
+    raise RecipeError(f"no {SGLANG_LABEL} quantization_config for a DeepSeek-V4.1 {variant!r} output")
+
+
+def v41_family_problem(variant: str, family: str) -> str | None:
+    """Why SGLang would not run a V4.1 ``variant`` on ``family`` (None: it picks kernels for it there).
+
+    ModelOpt's NVFP4 hybrid takes the ``flashinfer_trtllm_routed`` MoE runner, an SM100 kernel
+    (``arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides``), and its MXFP4 draft experts
+    ``Mxfp4FlashinferTrtllmMoEMethod``, SM100 too; the release, FP8, W4A16 and BF16 run on sm_90, sm_100 and sm_120
+    (fp4 experts on ``flashinfer_mxfp4``, INT4 ones on ``CompressedTensorsWNA16MoE``'s Marlin kernels, FP8 32x32
+    linears on DeepGEMM, FlashInfer's CuTe DSL or Triton: ``layers/quantization/fp8_utils.py::
+    dispatch_w8a8_block_fp8_linear``)."""
+    if variant == "nvfp4" and family != "sm100":
+        return (f"ModelOpt's NVFP4 hybrid runs on {SGLANG_LABEL}'s flashinfer_trtllm_routed MoE runner, an SM100 "
+                "kernel (arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides)")
+    return None
+
+
+def v41_problem(quant_config: dict | None, variant: str) -> str | None:
+    """Why SGLang would not read a V4.1 output's ``quantization_config`` as the ``variant`` it stores (None: it does):
+    BF16 without one; otherwise ``Fp8Config`` (``quant_method`` fp8) in 32x32 blocks, made ``HybridFp8NvFp4Config``
+    exactly when ``quant_algo`` is MIXED_PRECISION, ``moe_quant_algo`` NVFP4 and ``group_size`` is given
+    (``configs/model_config.py::ModelConfig.__init__``'s ``nvfp4_moe_meta``), with ``group_size`` 16
+    (``ModelOptFp4Config``: NVFP4's blocks)."""
+    if variant == "bf16":
+        return None if quant_config is None else "a BF16 output must carry no quantization_config"
+    if variant == "w4a16":
+        given = quant_config or {}
+        linear = given.get("linear_fp8_config") or {}
+        if given.get("quant_method") != "compressed-tensors" or linear.get("weight_block_size") != [32, 32]:
+            return (f"{SGLANG_LABEL} reads INT4 experts through CompressedTensorsConfig, V4.1's FP8 linears through "
+                    "its linear_fp8_config in 32x32 blocks")
+        return None
+    if quant_config is None or quant_config.get("quant_method") != "fp8":
+        return f"{SGLANG_LABEL} reads DeepSeek-V4.1's FP8 linears through Fp8Config (quant_method fp8)"
+    if quant_config.get("weight_block_size") != [32, 32]:
+        return "DeepSeek-V4.1's FP8 linears are 32x32 blocks (quantization_config.weight_block_size)"
+    hybrid = (str(quant_config.get("quant_algo", "")).upper() == "MIXED_PRECISION"
+              and str(quant_config.get("moe_quant_algo", "")).upper() == "NVFP4"
+              and quant_config.get("group_size") is not None)
+    if hybrid != (variant == "nvfp4"):
+        return ("NVFP4 experts are read only through HybridFp8NvFp4Config (quant_algo MIXED_PRECISION, moe_quant_algo "
+                "NVFP4, group_size: configs/model_config.py nvfp4_moe_meta)")
+    if hybrid and quant_config.get("group_size") != NVFP4_BLOCK:
+        return f"NVFP4 experts are groups of {NVFP4_BLOCK} (quantization_config.group_size)"
+    return None

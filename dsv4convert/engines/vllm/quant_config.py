@@ -232,3 +232,46 @@ def add_keys(config: dict, extra: dict[str, dict], stored: StoredFormats, num_la
         for key in ("ignore", "exclude_modules"):
             quant[key] = quant[key] + excludes
         extra[HF_QUANT_CONFIG]["quantization"]["exclude_modules"] += excludes
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-V4.1
+
+def v41_problem(quant_config: dict | None, variant: str) -> str | None:
+    """Why vLLM would not read a V4.1 output's ``quantization_config`` as the ``variant`` it stores (None: it does).
+
+    ``models/deepseek_v41/quant_config.py::DeepseekV4FP8Config.override_quantization_method`` claims ``quant_method``
+    fp8 for ``model_type`` deepseek_v41; its ``get_quant_method`` serves 32x32 linears as MXFP8 while ``expert_dtype``
+    is fp4 (``is_scale_e8m0``), and the routed experts as
+    ``ModelOptNvFp4FusedMoE`` when ``moe_quant_algo`` is NVFP4, those its ``ignore`` matches (``mtp.*``: the DSpark
+    stages) as MXFP4. Without a config every linear is unquantized. vLLM claims no compressed-tensors config for
+    V4.1."""
+    if variant == "bf16":
+        return None if quant_config is None else "a BF16 output must carry no quantization_config"
+    if variant == "w4a16":
+        return (f"{_V} reads DeepSeek-V4.1 only through DeepseekV4FP8Config (models/deepseek_v41/quant_config.py); "
+                "it claims no compressed-tensors config for V4.1")
+    if variant == "fp8":
+        # Observed, not derived: the real model built on CPU for each family raises in Fp8MoEMethod.__init__
+        # (tests/test_v41_convert.py::test_vllm_refuses_fp8_experts_in_32x32_blocks).
+        return (f"{_V} finds no FP8 MoE kernel for V4.1's experts in 32x32 blocks (quantization/fp8.py::"
+                "Fp8MoEMethod.__init__ -> fused_moe/oracle/fp8.py::select_fp8_moe_backend: 'No FP8 MoE backend "
+                "supports the deployment configuration', on sm_90, sm_100 and sm_120)")
+    if quant_config is None or quant_config.get("quant_method") not in ("fp8", "deepseek_v4_fp8"):
+        return (f"{_V} reads DeepSeek-V4.1 only through DeepseekV4FP8Config (quant_method fp8; "
+                "models/deepseek_v41/quant_config.py::override_quantization_method)")
+    if quant_config.get("weight_block_size") != [32, 32]:
+        return f"{_V}'s V4.1 linears are 32x32 blocks (DeepseekV4FP8Config.get_quant_method)"
+    wanted = {"native": "fp4", "nvfp4": "fp4"}[variant]
+    if quant_config.get("expert_dtype", "fp4") != wanted:
+        return f"expert_dtype must be {wanted!r} for {_V} (DeepseekV4FP8Config.expert_dtype)"
+    if (variant == "nvfp4") != ((quant_config.get("moe_quant_algo") or "").upper() == "NVFP4"):
+        return (f"moe_quant_algo NVFP4 is what makes {_V} read NVFP4 experts "
+                "(DeepseekV4FP8Config._is_nvfp4_expert_layer)")
+    return None
+
+
+def v41_family_problem(variant: str, family: str) -> None:
+    """vLLM runs every V4.1 variant on sm_90, sm_100 and sm_120: NVFP4 experts on the backend
+    ``model_executor/layers/fused_moe/oracle/nvfp4.py::select_nvfp4_moe_backend`` picks (Marlin among them, for
+    a GPU without FP4 tensor cores); nothing is refused by family."""
+    return None

@@ -58,6 +58,7 @@ _VISION_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 1 << 16, "num_attent
 # (Mxfp4FlashinferCutlassMoEMethod.create_weights); vLLM's MXFP8 linears need multiples of 32
 # (quantization/modelopt.py::KMxfp8Static.get_scale_weight_loader).
 MOE_MULTIPLE = 128
+RELEASE_FP8_BLOCK = (32, 32)   # the release's quantization_config.weight_block_size
 
 
 @dataclass(frozen=True)
@@ -350,15 +351,21 @@ def _vision(vision: Any, source: str) -> VisionConfig | None:
 
 
 def _quantization(quant: Any, source: str) -> tuple[tuple[int, int], str]:
-    """The release's FP8 block (``weight_block_size``: 32 x 32 with E8M0 ``ue8m0`` scales) and expert dtype."""
+    """The release's FP8 block (``weight_block_size``: 32 x 32 with E8M0 ``ue8m0`` scales) and expert dtype (fp4, fp8;
+    int4 for a compressed-tensors config, its FP8 block in ``linear_fp8_config``; bf16 for a config without
+    ``quantization_config``, which both engines load unquantized)."""
     where = f"{source} (quantization_config)"
+    if quant is None:   # an unquantized (BF16) output: its blocks are the release's, only for planning what it was
+        return RELEASE_FP8_BLOCK, "bf16"
     if not isinstance(quant, dict):
-        raise CheckpointError("DeepSeek-V4.1's config has no 'quantization_config' object", file=source)
+        raise CheckpointError("DeepSeek-V4.1's 'quantization_config' is not an object", file=source)
+    if quant.get("quant_method") == "compressed-tensors":   # a W4A16 output: INT4 experts, FP8 linears beside them
+        quant = {**(quant.get("linear_fp8_config") or {}), "expert_dtype": "int4"}
     block = quant.get("weight_block_size")
     if (not isinstance(block, list) or len(block) != 2
             or any(not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 1024 for b in block)):
         raise CheckpointError(f"'weight_block_size' must be two integers, got {block!r}", file=where)
     expert_dtype = quant.get("expert_dtype", "fp4")
-    if expert_dtype not in ("fp4", "fp8"):
+    if expert_dtype not in ("fp4", "fp8", "int4"):
         raise CheckpointError(f"'expert_dtype' must be fp4 or fp8, got {expert_dtype!r}", file=where)
     return (block[0], block[1]), expert_dtype

@@ -16,7 +16,7 @@ from dsv4convert.models.deepseek_v41.config import V41Config, is_v41
 from dsv4convert.models.deepseek_v41.config import read_config as _read
 
 NAME = "DeepSeek-V4.1-Flash"
-SERVED = frozenset({"serve"})   # the commands that open a V4.1 checkpoint today
+SERVED = frozenset({"serve", "convert", "validate"})   # the commands that open a V4.1 checkpoint today
 
 
 def not_yet(command: str) -> str | None:
@@ -24,8 +24,8 @@ def not_yet(command: str) -> str | None:
     if command in SERVED:
         return None
     return ("DeepSeek-V4.1-Flash checkpoints are planned (inspect --expected --config config.json), sized from their "
-            "config (fit --config config.json) and served (serve), but not yet converted, validated or inspected by "
-            "this version of dsv4convert")
+            "config (fit --config config.json), converted by the shipped recipes nvfp4, fp8 and bf16, validated and "
+            "served, but not yet inspected or compared by this version of dsv4convert")
 
 
 def matches(config: dict) -> bool:
