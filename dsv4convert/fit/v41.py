@@ -23,6 +23,7 @@ from dsv4convert.engines.sglang import memory_v41 as sizing
 from dsv4convert.engines.sglang.server import Server, server_v41
 from dsv4convert.fit.source_v41 import PlannedV41, is_v41_config, planned
 from dsv4convert.fit.verdict import FitError, roles
+from dsv4convert.models.deepseek_v4.layout import Drafter
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class ServerFitV41:
     tp: int
     engram: str
     kv_layout: str
-    weights_bytes_per_rank: int          # what the GPU holds: backbone (+ the tables' shard where on GPU)
+    weights_bytes_per_rank: int          # what the GPU holds: backbone (+ the tables' shard where on GPU) + draft
     engram_gpu_bytes_per_rank: int
     engram_host_bytes_per_server: int
     engram_host_bytes_per_process: int
@@ -47,6 +48,16 @@ class ServerFitV41:
     kv_tokens: int
     requests_at_context: int | None
     fits: bool
+    drafter: str | None = None           # "dspark" when the launch serves the DSpark drafter
+    draft_tokens: int | None = None      # tokens verified per step
+    draft_weights_bytes_per_rank: int = 0
+    draft_kv_bytes: int = 0              # the draft worker's own pool (one SWA layer per stage)
+    draft_kv_budgeted_bytes: int = 0     # what SGLang's sizing set aside for it (one layer's worth)
+
+    @property
+    def draft_kv_unbudgeted_bytes(self) -> int:
+        """Draft cache the engine allocates beyond what its sizing set aside (taken from the activation reserve)."""
+        return max(self.draft_kv_bytes - self.draft_kv_budgeted_bytes, 0)
 
 
 def plan_of(path: Path) -> PlannedV41 | None:
@@ -55,28 +66,39 @@ def plan_of(path: Path) -> PlannedV41 | None:
     return planned(config, str(path)) if is_v41_config(config) else None
 
 
-def launch(gpu: Gpu, role: str, tp: int, placement: str, max_running: int | None) -> Server:
-    """The server ``serve`` starts for V4.1 on ``gpu``'s family, with the Engram tables at ``placement``."""
-    return server_v41("MODEL", gpu.family, role=role, tp=tp, engram=placement, max_running_requests=max_running)
+def launch(gpu: Gpu, role: str, tp: int, placement: str, max_running: int | None, *,
+           plan: PlannedV41 | None = None, mtp: bool = False) -> Server:
+    """The server ``serve`` starts for V4.1 on ``gpu``'s family, with the Engram tables at ``placement`` (and, with
+    ``mtp``, the DSpark drafter ``plan``'s config announces: DSPARK, its block size)."""
+    draft = {}
+    if mtp:
+        dspark = plan.config.dspark if plan is not None else None
+        if dspark is None:
+            raise FitError("--mtp: this DeepSeek-V4.1 config announces no DSpark drafter (no dspark_* keys)")
+        draft = {"mtp": True, "drafter": Drafter.DSPARK, "dspark_block_size": dspark.block_size}
+    return server_v41("MODEL", gpu.family, role=role, tp=tp, engram=placement, max_running_requests=max_running,
+                      **draft)
 
 
 def size(plan: PlannedV41, gpu: Gpu, role: str, tp: int, placement: str, *, context: int | None = None,
-         max_running: int | None = None) -> ServerFitV41:
-    return size_server(plan, gpu, launch(gpu, role, tp, placement, max_running), context=context)
+         max_running: int | None = None, mtp: bool = False) -> ServerFitV41:
+    return size_server(plan, gpu, launch(gpu, role, tp, placement, max_running, plan=plan, mtp=mtp), context=context)
 
 
 def size_server(plan: PlannedV41, gpu: Gpu, server: Server, *, context: int | None = None) -> ServerFitV41:
-    """One V4.1 server as it will run (its role, TP, request cap, Engram placement) on ``gpu``."""
+    """One V4.1 server as it will run (its role, TP, request cap, Engram placement, DSpark draft) on ``gpu``."""
     role, tp, placement = server.role, server.tp, server.engram or "gpu"
     weights = sizing.weights_per_rank(plan.tensors, server)
     engram = sizing.engram_placement(plan.config, tp, placement)
-    on_gpu = weights.target + engram.gpu_bytes_per_rank
+    draft = weights.draft if server.mtp else 0
+    on_gpu = weights.target + engram.gpu_bytes_per_rank + draft
     fraction = v4.memory_fraction(server, gpu.mib)
     held = v4.budget(gpu.mib, fraction.used, on_gpu)
     cost = sizing.kv_cost(plan.config, server, fraction.chunked_prefill_size)
     full = sizing.kv_tokens(held.available_bytes, cost)
     needed = max(context or v4.V4_PAGE_SIZE, v4.V4_PAGE_SIZE)
     running = server.max_running_requests or v4.V4_MAX_RUNNING_REQUESTS
+    stages = plan.config.dspark.stages if server.mtp and plan.config.dspark else 0
     return ServerFitV41(
         role=role, tp=tp, engram=placement, kv_layout=cost.layout, weights_bytes_per_rank=on_gpu,
         engram_gpu_bytes_per_rank=engram.gpu_bytes_per_rank,
@@ -86,7 +108,10 @@ def size_server(plan: PlannedV41, gpu: Gpu, server: Server, *, context: int | No
         kv_terms=cost.terms, swa_tokens=cost.swa_tokens, fixed_bytes=cost.fixed_bytes,
         available_kv_bytes=held.available_bytes, kv_tokens=full,
         requests_at_context=min(full // context, running) if context else None,
-        fits=held.available_bytes > cost.fixed_bytes and full >= needed)
+        fits=held.available_bytes > cost.fixed_bytes and full >= needed,
+        drafter="dspark" if server.mtp else None, draft_tokens=server.draft_tokens, draft_weights_bytes_per_rank=draft,
+        draft_kv_bytes=sizing.draft_kv_bytes(cost, stages) if server.mtp else 0,
+        draft_kv_budgeted_bytes=sizing.draft_kv_budgeted_bytes(cost, full) if server.mtp else 0)
 
 
 @dataclass(frozen=True)
@@ -139,29 +164,67 @@ def _host_line(fits: list[ServerFitV41], pd: bool) -> str:
 
 
 def _choice(plan: PlannedV41, gpu: Gpu, args: argparse.Namespace) -> PlacementChoice:
-    return choose_placement(plan, gpu, [launch(gpu, role, args.tp, "gpu", args.max_running) for role in roles(args.pd)],
-                            context=args.context)
+    servers = [launch(gpu, role, args.tp, "gpu", args.max_running, plan=plan, mtp=args.mtp) for role in roles(args.pd)]
+    return choose_placement(plan, gpu, servers, context=args.context)
+
+
+def _draft_line(fit: ServerFitV41) -> str:
+    """The DSpark drafter's share of a server (nothing without it)."""
+    if not fit.drafter:
+        return ""
+    line = (f"{'':18s} {'':8s} of which draft (DSpark, {fit.draft_tokens} tokens verified per step): "
+            f"{gib(fit.draft_weights_bytes_per_rank)} of weights, its own cache {gib(fit.draft_kv_bytes)}")
+    if fit.draft_kv_unbudgeted_bytes:
+        line += (f" ({gib(fit.draft_kv_unbudgeted_bytes)} beyond the one draft layer SGLang's KV sizing sets aside: "
+                 "taken from the activation reserve)")
+    return "\n" + line
+
+
+def assumptions(plan: PlannedV41, gpu: Gpu, args: argparse.Namespace, rows: list[list[ServerFitV41]]) -> list[str]:
+    """What the table takes for given, one line each: the context and concurrency, the KV cache (dtype and layout
+    on this family), where the Engram tables go, the drafter."""
+    first = rows[0]
+    running = args.max_running or v4.V4_MAX_RUNNING_REQUESTS
+    context = (f"{args.context:,} tokens per request (--context)" if args.context
+               else "not given (--context): KV tokens are the whole pool, concurrent requests x context <= KV tokens")
+    layouts = ", ".join(f"{f.role} {f.kv_layout}" for f in first)
+    dspark = plan.config.dspark
+    if args.mtp:
+        drafter = (f"the DSpark drafter ({dspark.stages} stages, block {dspark.block_size}: "
+                   f"{first[0].draft_tokens} tokens verified per step), its weights and caches counted (--mtp)")
+    else:
+        drafter = ("none (without --mtp; the config's DSpark drafter, served by serve --mtp, is not counted)"
+                   if dspark else "none (the config announces no drafter)")
+    return [f"assumes: context {context}",
+            f"assumes: concurrency up to {running} running requests per server "
+            f"({'--max-running' if args.max_running else 'SGLang V4 default'}); the sliding-window pool is sized "
+            "for all of them",
+            f"assumes: KV cache fp8_e4m3 (SGLang's default for V4.1), layout on {gpu.family}: {layouts} "
+            "(SGLang's select_dsv4_kv_layout; V4.1's packed layouts on sm_100 only)",
+            f"assumes: Engram tables sized in every placement; serve's default: "
+            f"{_choice(plan, gpu, args).placement or 'none fits'}",
+            f"assumes: drafter {drafter}"]
 
 
 def run(args: argparse.Namespace, gpu: Gpu, plan: PlannedV41) -> int:
     """The table (or JSON) for V4.1: every server of the launch, once per Engram placement."""
-    if args.mtp:
-        raise FitError("--mtp: fit does not size DeepSeek-V4.1's DSpark drafter yet (its stages' weights and "
-                       "caches); size the target without --mtp")
     if args.engine != "sglang":
         raise FitError(f"--engine {args.engine}: fit sizes DeepSeek-V4.1 for SGLang only so far")
-    rows = [[size(plan, gpu, role, args.tp, placement, context=args.context, max_running=args.max_running)
-             for role in roles(args.pd)] for placement in sizing.ENGRAM_PLACEMENTS]
+    rows = [[size(plan, gpu, role, args.tp, placement, context=args.context, max_running=args.max_running,
+                  mtp=args.mtp) for role in roles(args.pd)] for placement in sizing.ENGRAM_PLACEMENTS]
+    notes = assumptions(plan, gpu, args, rows)
     if args.json:
         print(json.dumps({"release": "DeepSeek-V4.1-Flash", "engine": "sglang", "gpu": gpu.name, "gpu_mib": gpu.mib,
                           "gpu_family": gpu.family, "count": args.count, "tp": args.tp, "pd": args.pd,
-                          "context": args.context, "engram_table_bytes": sizing.engram_placement(
+                          "mtp": args.mtp, "context": args.context, "engram_table_bytes": sizing.engram_placement(
                               plan.config, args.tp, "gpu").table_bytes,
+                          "assumes": [n.removeprefix("assumes: ") for n in notes],
                           "servers": [asdict(f) for fits in rows for f in fits]}))
     else:
         table = sizing.engram_placement(plan.config, args.tp, "gpu").table_bytes
         print(f"SGLang on {gpu.name} ({gpu.mib} MiB, sm_{gpu.family[2:]}), DeepSeek-V4.1-Flash as released, "
-              f"TP {args.tp}{' PD' if args.pd else ''}, {args.count} GPUs; Engram tables {gib(table)}")
+              f"TP {args.tp}{' PD' if args.pd else ''}{' + draft' if args.mtp else ''}, {args.count} GPUs; "
+              f"Engram tables {gib(table)}")
         print(f"{'engram tables':18s} {'server':8s} {'GPU/rank':>10s}  {'fraction (min)':15s}  {'KV B/token':>10s}  "
               f"{'KV tokens':>11s}  verdict")
         for fits in rows:
@@ -171,15 +234,15 @@ def run(args: argparse.Namespace, gpu: Gpu, plan: PlannedV41) -> int:
                     verdict += f"; {fit.requests_at_context} requests of --context"
                 print(f"{fit.engram:18s} {fit.role:8s} {fit.weights_bytes_per_rank / GIB:6.1f} GiB  "
                       f"{fit.mem_fraction_static:.3f} ({fit.min_mem_fraction_static:.3f})  "
-                      f"{fit.kv_bytes_per_token:10.1f}  {fit.kv_tokens:>11,d}  {verdict}")
+                      f"{fit.kv_bytes_per_token:10.1f}  {fit.kv_tokens:>11,d}  {verdict}{_draft_line(fit)}")
             host = _host_line(fits, args.pd)
             if host:
                 print(host.lstrip("\n"))
-        layouts = sorted({f.kv_layout for fits in rows for f in fits})
         slots = ", ".join(f"{f.role} {f.swa_tokens:,}" for f in rows[0])
-        print(f"KV layout {', '.join(layouts)} (SGLang's select_dsv4_kv_layout); the sliding-window pool is sized from "
-              f"the request cap, not per token ({slots} slots, counted before the KV tokens); fraction: SGLang's "
-              "default --mem-fraction-static, in brackets the smallest that holds the weights")
+        print(f"the sliding-window pool is sized from the request cap, not per token ({slots} slots, counted before "
+              "the KV tokens); fraction: SGLang's default --mem-fraction-static, in brackets the smallest that holds "
+              "the weights")
+        print("\n".join(notes))
         print("estimated: free memory before loading = GPU total - 1536 MiB; the launch is SGLang's defaults, as "
-              f"serve starts it (its default Engram placement: {_choice(plan, gpu, args).placement or 'none fits'})")
+              "serve starts it")
     return 0 if any(all(f.fits for f in fits) for fits in rows) else 1

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dsv4convert.engines import gpu_family_major
-from dsv4convert.engines.sglang.memory import V4_MAX_RUNNING_REQUESTS, V4_PAGE_SIZE
+from dsv4convert.engines.sglang.memory import V4_MAX_RUNNING_REQUESTS, V4_PAGE_SIZE, confidence_head_bytes
 from dsv4convert.engines.sglang.memory import request_slots as v4_request_slots
 from dsv4convert.engines.sglang import ENGRAM_PLACEMENTS
 from dsv4convert.engines.sglang.server import Server
@@ -123,6 +123,7 @@ class KvCostV41:
     terms: dict[str, float] = field(default_factory=dict)
     index_bytes: int = 0
     owners: dict[int, int] = field(default_factory=dict)   # ratio -> layers owning compressed storage
+    spec_inflation: float = 1.0           # (layers + 1) / layers with a draft: the one draft layer SGLang budgets
 
 
 def request_slots(server: Server) -> int:
@@ -136,13 +137,21 @@ def decode_extra_slots(server: Server) -> int:
     return 2 * running if server.role == "decode" and running is not None and running <= 32 else 0
 
 
+def decode_alloc_tokens(server: Server, page_size: int = V4_PAGE_SIZE) -> int:
+    """``compute_swa_request_cap``'s per-request decode allocation (overlap schedule on): a page without a draft;
+    with DSPARK (one step, top-k 1) twice ``mem_cache/allocation_sizing.py::get_alloc_len_per_decode``, which is
+    the draft-token count (``get_alloc_reserve_per_decode``'s double buffer)."""
+    return 2 * server.draft_tokens if server.mtp else page_size
+
+
 def swa_cap_tokens(server: Server, window: int, chunked_prefill_size: int, page_size: int = V4_PAGE_SIZE) -> int:
-    """``_resolve_swa_cap_tokens`` with ``compute_swa_request_cap`` (no speculative decoding, overlap schedule on):
-    the worst-case live window of every running request, two prefill chunks in flight, and headroom for the
-    cached prefixes the radix cache keeps addressable (4 per running request; none on a PD decode server, whose
-    radix cache is off: ``pd_disaggregation_hook.py``)."""
+    """``_resolve_swa_cap_tokens`` with ``compute_swa_request_cap`` (overlap schedule on): the worst-case live
+    window of every running request (the eviction interval once per verified token with a draft), two prefill
+    chunks in flight, and headroom for the cached prefixes the radix cache keeps addressable (4 per running
+    request; none on a PD decode server, whose radix cache is off: ``pd_disaggregation_hook.py``)."""
     running = server.max_running_requests or V4_MAX_RUNNING_REQUESTS
-    per_request = window + SWA_EVICTION_INTERVAL + page_size + page_size
+    per_request = (window + SWA_EVICTION_INTERVAL * (server.draft_tokens or 1) + page_size
+                   + decode_alloc_tokens(server, page_size))
     if server.role == "decode":
         cap = per_request * running + (window + page_size) * decode_extra_slots(server)
         tails = 0
@@ -152,11 +161,17 @@ def swa_cap_tokens(server: Server, window: int, chunked_prefill_size: int, page_
     return -(-(cap + tails * (window + page_size)) // page_size) * page_size
 
 
+def c2_ring_size(server: Server) -> int:
+    """``deepseek_v4_memory_pool.py::get_compress_state_ring_size(2, T)``: a pair (2 rows) without a draft; with
+    one, the power of two above 1 + the draft-token count (the ring must outlast the verified window)."""
+    return 1 << (server.draft_tokens + 1).bit_length() if server.mtp else 2
+
+
 def c2_state_fixed_bytes(server: Server, head_dim: int, layers: int) -> int:
-    """``_get_c2_state_fixed_bytes``: an FP32 (kv, score) pair ring of 2 rows per request slot, per ratio-2 source."""
+    """``_get_c2_state_fixed_bytes``: an FP32 (kv, score) pair ring per request slot, per ratio-2 source."""
     if not layers:
         return 0
-    ring = 2
+    ring = c2_ring_size(server)
     rows = request_slots(server) * ring + ring + 1
     rows = -(-rows // 2) * 2
     return rows * 2 * head_dim * 4 * layers
@@ -164,8 +179,10 @@ def c2_state_fixed_bytes(server: Server, head_dim: int, layers: int) -> int:
 
 def kv_cost(cfg: V41Config, server: Server, chunked_prefill_size: int, page_size: int = V4_PAGE_SIZE) -> KvCostV41:
     """``DSV4PoolConfigurator.__init__``/``_get_bytes_per_swa_token``/``_compressed_bytes_per_full_token``/
-    ``_get_bytes_per_full_token`` for V4.1 without a draft: cap mode (V4.1 sets no ``swa_full_tokens_ratio``), so
-    a full token pays only the compressed caches; V4.1 has no ratio-4 layer, hence no per-slot compressor state."""
+    ``_get_bytes_per_full_token`` for V4.1: cap mode (V4.1 sets no ``swa_full_tokens_ratio``), so a full token pays
+    only the compressed caches; V4.1 has no ratio-4 layer, hence no per-slot compressor state. With the DSpark
+    draft (no encoder replay, SGLang's default) both per-token figures are inflated by (layers + 1) / layers,
+    one draft layer whatever the stage count (``__init__``'s ``_spec_infl``)."""
     layers = cfg.num_hidden_layers
     main = kv_layout(server)
     owners = sources_by_ratio(cfg.compress_ratios, cfg.kv_source_layer_ids, layers)
@@ -174,11 +191,26 @@ def kv_cost(cfg: V41Config, server: Server, chunked_prefill_size: int, page_size
         raise ValueError(f"compress ratios {sorted(set(owners) - {1, 2})}: V4's ratio-4/128 layers are not sized here")
     terms = {f"ratio{r}_kv": len(owners[r]) * paged_bytes_per_token(main, r, page_size) / r for r in sorted(owners)}
     terms.update({f"ratio{r}_index": len(owners[r]) * index / r for r in sorted(owners)})
-    per_swa = paged_bytes_per_token(main, 0, page_size) * layers
+    inflation = (layers + 1) / layers if server.mtp else 1.0
+    per_swa = paged_bytes_per_token(main, 0, page_size) * layers * inflation
     swa = swa_cap_tokens(server, cfg.sliding_window, chunked_prefill_size, page_size)
     fixed = int(swa * per_swa) + c2_state_fixed_bytes(server, cfg.head_dim, len(owners.get(2, ())))
-    return KvCostV41(main, sum(terms.values()), per_swa, swa, fixed, terms, index,
-                     {r: len(v) for r, v in owners.items()})
+    return KvCostV41(main, sum(terms.values()) * inflation, per_swa, swa, fixed, terms, index,
+                     {r: len(v) for r, v in owners.items()}, inflation)
+
+
+def draft_kv_bytes(cost: KvCostV41, stages: int, page_size: int = V4_PAGE_SIZE) -> int:
+    """The DSpark draft worker's own pool (``kv_cache_configurator.py::_build_dsv4_kv_pool``, ``_derive_pool_sizes``):
+    one sliding-window-only layer per stage in the target's main layout, each holding the target's sliding-window
+    token count (the request cap). SGLang's sizing set aside one such layer (:func:`kv_cost`'s inflation); the
+    other stages come out of the activation reserve."""
+    return int(cost.swa_tokens * stages * paged_bytes_per_token(cost.layout, 0, page_size))
+
+
+def draft_kv_budgeted_bytes(cost: KvCostV41, full_tokens: int) -> int:
+    """What the inflation set aside for the draft: the inflated share of the SWA pool and of the full tokens."""
+    share = 1 - 1 / cost.spec_inflation
+    return int((cost.swa_tokens * cost.bytes_per_swa_token + full_tokens * cost.bytes_per_full_token) * share)
 
 
 def padding_bytes(cost: KvCostV41, full_tokens: int, page_size: int = V4_PAGE_SIZE) -> float:
@@ -273,6 +305,8 @@ def engram_placement(cfg: V41Config, tp: int, placement: str) -> EngramPlacement
 # tower (VisionAttention with use_data_parallel=True, nn.Linear MLP and aligner).
 _SPLIT_ROLES = ("embed", "head", "routed_expert", "routed_expert (mtp)", "shared_expert")
 _SPLIT_ATTENTION = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.")
+# quantization/kv_cache.py::BaseKVCacheMethod.create_weights: an F32 k_scale and v_scale per attention layer.
+KV_SCALE_BYTES = 8
 
 
 @dataclass
@@ -294,12 +328,25 @@ def mxfp4_scale_bytes(server: Server) -> int:
 
 def stored_bytes(spec: TensorSpec, role: str, server: Server) -> int:
     """What SGLang stores for one file tensor before any TP split. ``wo_a`` is dequantized to BF16 at load
-    (``_dequant_fp8_wo_a_streaming``; the FP8 wo_a GEMM takes 128x128 blocks only, ``wo_a_fp8_gemm_enabled``):
-    twice its FP8 bytes, its scale consumed. 32x32 FP8 block scales load as F32 (``Fp8LinearMethod``). The Engram
-    table's E8M0 scales stay E8M0 (``EngramEmbedding``)."""
+    (``_dequant_fp8_wo_a_streaming``; the FP8 wo_a GEMM takes 128x128 blocks only, ``wo_a_fp8_gemm_enabled``; the
+    draft's ``DSparkAttention`` builds it unquantized): twice its FP8 bytes, its scale consumed. 32x32 FP8 block
+    scales load as F32 (``Fp8LinearMethod``). The Engram table's E8M0 scales stay E8M0 (``EngramEmbedding``). The
+    vision tower's RMSNorm weights are F32 (``models/deepseek_v41_vit.py::_rms_norm``). Each attention layer's
+    ``attn_sink`` stands also for the F32 ``k_scale``/``v_scale`` its ``RadixAttention`` gets from the FP8 config
+    (``quantization/kv_cache.py::BaseKVCacheMethod.create_weights``). The DSpark draft drops ``gate.bias_vl``
+    (``models/deepseek_v4_dspark.py::_remap_dspark_weight_name``) and builds its confidence head only off
+    ``SGLANG_RAGGED_VERIFY_MODE=static`` (F32, :func:`~dsv4convert.engines.sglang.memory.confidence_head_bytes`)."""
     elements = math.prod(spec.shape) if spec.shape else 1
+    if spec.name.startswith("mtp.") and spec.name.endswith(".gate.bias_vl"):
+        return 0
+    if ".confidence_head." in spec.name:
+        return elements * confidence_head_bytes(server)
     if ".attn.wo_a." in spec.name and spec.dtype in ("F8_E4M3", "F8_E8M0"):
         return 0 if spec.name.endswith(".scale") else elements * 2
+    if spec.name.endswith(".attn.attn_sink"):
+        return spec.nbytes + KV_SCALE_BYTES
+    if spec.name.startswith("vision.") and "norm" in spec.name.rsplit(".", 2)[-2]:
+        return elements * 4
     if spec.dtype == "F8_E8M0" and role == "engram_table":
         return spec.nbytes
     if spec.dtype == "F8_E8M0" and role.startswith("routed_expert"):
