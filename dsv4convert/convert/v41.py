@@ -59,6 +59,7 @@ from dsv4convert.engines.stored import V41_NEVER_QUANTIZED
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.formats import Format, dequantize_fp8_block, linear_storage, mxfp4_to_fp8_block
 from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, Role
+from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.models.deepseek_v41 import inventory
 from dsv4convert.models.deepseek_v41 import release as v41
 from dsv4convert.models.deepseek_v41.config import V41Config
@@ -181,7 +182,7 @@ def _module(name: str, sources: dict[str, TensorEntry], variant: str, targets: d
     if action in targets:
         partner = name[:-2] + {"w1": "w3", "w3": "w1"}[name[-2:]] \
             if action == "nvfp4" and name.endswith((".w1", ".w3")) else None
-        job = ModuleJob(name, Role.ROUTED_EXPERT, name.startswith("mtp."), sources, Format.MXFP4, targets[action],
+        job = ModuleJob(name, Role.ROUTED_EXPERT, in_draft(name), sources, Format.MXFP4, targets[action],
                         block, _mxfp4_shape(sources), partner)
         return _Module(name, role, sources, action, job)
     return _Module(name, role, sources, action)

@@ -110,8 +110,8 @@ def engram_placement(checkpoint: V41Checkpoint, servers: list[Server], family: s
         if choice.placement is None:
             raise LaunchError(f"{checkpoint.source}: on {gpu.name}, {choice.why()} (dsv4convert fit --config "
                               f"{checkpoint.source} shows every term)")
-        unsized = "; the DSpark drafter not sized (fit does not size V4.1's yet)" if any(s.mtp for s in servers) else ""
-        return choice.placement, f"# engram: {choice.placement}, fit's choice on {gpu.name}: {choice.why()}{unsized}"
+        drafter = "; the DSpark drafter counted" if any(s.mtp for s in servers) else ""
+        return choice.placement, f"# engram: {choice.placement}, fit's choice on {gpu.name}: {choice.why()}{drafter}"
     failed = [f for f in choice.fits[requested] if not f.fits]
     if failed:
         raise LaunchError(f"{checkpoint.source}: --engram {requested}: the {failed[0].role} server does not "
