@@ -147,6 +147,7 @@ def test_bad_expert_counts_are_refused_by_every_command(capsys, source, tmp_path
     ("hc_mult", 0), ("o_groups", 3), ("head_dim", -32), ("num_experts_per_tok", 9), ("num_hash_layers", 99),
     ("vocab_size", True), ("num_hidden_layers", 5.0), ("dspark_markov_rank", 10**6), ("index_n_heads", None),
     ("confidence_head_with_markov", "yes"), ("dspark_target_layer_ids", [2, 3, 4.0]), ("dspark_noise_token_id", 512),
+    ("sliding_window", 0), ("index_topk", "64"), ("bos_token_id", 10**9),   # read by compare and the organism
 ])
 def test_every_value_the_layout_reads_is_checked(capsys, source, tmp_path, key, value):
     root = with_config(source, tmp_path / "case", **{key: value})

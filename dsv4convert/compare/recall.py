@@ -40,6 +40,7 @@ from dsv4convert.compare.emulate import Installed
 from dsv4convert.compare.lockstep import Batch, Track
 from dsv4convert.compare.numerics import Numerics
 from dsv4convert.errors import DSV4Error
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.needle import (
     DEFAULT_DEPTHS,
     PromptTemplate,
@@ -84,7 +85,10 @@ class Grid:
 
 
 def build_grid(tokenizer, config: dict, opts: RecallOptions, template: PromptTemplate = PromptTemplate()) -> Grid:
-    threshold = selection_threshold(int(config["index_topk"]))
+    index_topk = ModelConfig.from_dict(config).index_topk
+    if index_topk is None:
+        raise DSV4Error("config.json names no 'index_topk': the recall grid's lengths start from 4 x index_topk + 4")
+    threshold = selection_threshold(index_topk)
     shortest = shortest_prompt(tokenizer, template)
     typical_answer = len(answer_ids(tokenizer, make_needle(random.Random(opts.seed))))
     lengths = opts.lengths or default_lengths(threshold, shortest, opts.longest, typical_answer)

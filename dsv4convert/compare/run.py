@@ -217,7 +217,7 @@ def build_plan(opts: CompareOptions, world: World = World()) -> Plan:
     longest = max(b.ids.shape[1] for b in batches)
     tokens = sum(b.ids.numel() for b in batches)
     track_tokens = sum(tokens if t.rows is None else sum(batches[b].ids.shape[1] for b, _ in t.rows) for t in tracks)
-    estimate = estimate_resources(cfg, base_ckpt.config, longest, track_tokens, dtype, opts,
+    estimate = estimate_resources(cfg, longest, track_tokens, dtype, opts,
                                   (base_ckpt, variant_ckpt))
     return Plan(opts, tracks, subject, batches, device, dtype, estimate, data, grid, world)
 
@@ -248,8 +248,8 @@ def recall_tracks(base: Side, variant: Side, base_numerics: Numerics, variant_nu
     return tracks, subject
 
 
-def estimate_resources(cfg: ModelConfig, config: dict, seq: int, track_tokens: int, dtype: torch.dtype,
-                       opts: CompareOptions, ckpts: tuple[Checkpoint, Checkpoint]) -> dict:
+def estimate_resources(cfg: ModelConfig, seq: int, track_tokens: int, dtype: torch.dtype, opts: CompareOptions,
+                       ckpts: tuple[Checkpoint, Checkpoint]) -> dict:
     """Peak device and host memory and the bytes read, from the layout alone (before anything runs):
     ``seq`` the longest sequence, ``track_tokens`` the tokens of every track together (each runs its own)."""
     item = torch.empty((), dtype=dtype).element_size()
@@ -268,7 +268,7 @@ def estimate_resources(cfg: ModelConfig, config: dict, seq: int, track_tokens: i
     layer = max(per_block.values(), default=0)
     chunk = min(opts.chunk, seq)
     pool = seq // 4 if any(r == 4 for r in cfg.compress_ratios) else seq // 128
-    window = int(config.get("sliding_window", 128))
+    window = cfg.sliding_window
     rows = opts.batch_size
     attention = 3 * rows * cfg.num_attention_heads * chunk * (chunk + window + pool) * item
     indexer = 2 * rows * chunk * cfg.index_n_heads * pool * 4

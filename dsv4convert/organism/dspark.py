@@ -190,7 +190,7 @@ def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, set
     d = drafter.d
     data = Data(tokenizer, TrainSettings(seed=s.seed, tokens_per_step=s.tokens_per_step, min_length=s.min_length,
                                          max_length=s.max_length, needle_fraction=s.needle_fraction),
-                bos_id=int(config.get("bos_token_id", 0)))
+                bos_id=ModelConfig.from_dict(config).bos_token_id)
     generator = torch.Generator().manual_seed(s.seed + 17)
     optimizer = adamw(drafter, s.lr, s.weight_decay)
     held = heldout_sets(tokenizer, text, sequences=s.eval_sequences, seed=s.seed) if s.eval_sequences else {}

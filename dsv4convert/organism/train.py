@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4convert.model.trainable import TrainableModel
+from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.needle import (
     CSA_RATIO,
     DEFAULT_DEPTHS,
@@ -259,13 +260,14 @@ def train(config: dict, tokenizer, settings: TrainSettings, *, device: torch.dev
     ``settings.time_budget`` at the measured speed; the result's settings record it, so ``steps=N`` replays
     the run exactly (nothing before the choice depends on it)."""
     s = settings
+    checked = ModelConfig.from_dict(config)
     torch.manual_seed(s.seed)
     model = TrainableModel(config, initializer_range=s.initializer_range)
     model.fill_hash_tables(torch.Generator().manual_seed(s.seed))
     model.to(device).train()
-    data = Data(tokenizer, s, bos_id=int(config.get("bos_token_id", 0)))
+    data = Data(tokenizer, s, bos_id=checked.bos_token_id)
     optimizer = adamw(model, s.lr, s.weight_decay)
-    window = int(config["sliding_window"])
+    window = checked.sliding_window
 
     def build():
         ids, rows = data.batch()

@@ -142,6 +142,9 @@ class ModelConfig:
     hc_mult: int
     compress_ratios: tuple[int, ...]
     dspark: DSparkConfig | None = None
+    index_topk: int | None = None    # None: the config names none (recall's threshold needs it)
+    sliding_window: int = 128        # transformers' DeepseekV4Config default
+    bos_token_id: int = 0
 
     @property
     def drafter(self) -> Drafter:
@@ -189,7 +192,12 @@ class ModelConfig:
             key = "dspark_n_routed_experts" if dspark and dspark.n_routed_experts == experts else "n_routed_experts"
             raise CheckpointError(f"'{key}' = {experts} over {n_blocks} blocks describes more than {MAX_INVENTORY:,} "
                                   "tensors, far beyond any DeepSeek-V4 release", file=source)
-        return cls(**values, compress_ratios=tuple(ratios[:n_blocks]), dspark=dspark)
+        attention = {}   # what the attention and the organism's data read; absent (or null): the field's default
+        for key, low, high in (("sliding_window", 1, 1 << 24), ("index_topk", 1, 1 << 24),
+                               ("bos_token_id", 0, values["vocab_size"] - 1)):
+            if config.get(key) is not None:
+                attention[key] = checked_int(key, config[key], low, high, source)
+        return cls(**values, compress_ratios=tuple(ratios[:n_blocks]), dspark=dspark, **attention)
 
     def block_prefixes(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.num_hidden_layers)] + [
