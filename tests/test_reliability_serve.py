@@ -69,7 +69,10 @@ def test_router_never_healthy_stops_the_servers_too(tmp_path):
             servers = [group.start(c) for c in commands[:2]]
             for running in servers:
                 group.wait_healthy(running, timeout=STARTUP_TIMEOUT, poll=0.1)
-            group.wait_healthy(group.start(commands[2]), timeout=3.0, poll=0.2)
+            router = group.start(commands[2])
+            log = tmp_path / "logs" / "router.log"   # the tail must not race the router's interpreter start-up
+            assert wait_until(lambda: log.exists() and "stand-in: starting" in log.read_text()), "no router start"
+            group.wait_healthy(router, timeout=3.0, poll=0.2)
     pgids = [int(line.split("pid ")[1].split(")")[0]) for line in started if line.startswith("started")]
     assert len(pgids) == 3
     assert_nothing_left(pgids, ports, [int(f.read_text()) for f in files])
