@@ -1,1 +1,1 @@
-"""DeepSeek-V4.1's forward in plain torch, restated rule by rule from SGLang 0.5.23's V4.1 code."""
+"""DeepSeek-V4.1's forward, restated from SGLang 0.5.23's code (no transformers release has it)."""
