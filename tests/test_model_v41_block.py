@@ -25,7 +25,7 @@ import torch
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.formats import Format, dequantize_fp8_block, dequantize_mxfp4, spec
 from dsv4convert.model.v41 import hyper, moe
-from dsv4convert.model.v41.weights import HYPER_PATHS, WeightSource, block_settings, load_parts
+from dsv4convert.model.v41.weights import HYPER_PATHS, WeightSource, load_parts, v41_config
 
 pytest.importorskip("sglang_oracle")   # imports SGLang as its CPU oracle does (torchvision without ops)
 
@@ -262,8 +262,8 @@ def test_every_block_tensor_loads_and_decodes_as_stored(tiny_v41):
     for suffix, path in HYPER_PATHS.items():
         assert torch.equal(parts.get_parameter(path), ckpt.read(f"layers.3.{suffix}").float())
     assert parts.attn_hc.fn.dtype == torch.float32 and parts.ffn.gate.bias.dtype == torch.float32
-    settings = block_settings(ckpt.config)
-    assert (settings.routed_scaling_factor, settings.swiglu_limit, settings.hc_sinkhorn_iters) == (1.5, 10.0, 20)
+    math = v41_config(ckpt.config).math
+    assert (math.routed_scaling_factor, math.swiglu_limit, math.hc_sinkhorn_iters) == (1.5, 10.0, 20)
     parts = load_parts(WeightSource(ckpt, "cpu", torch.bfloat16), "layers.3")
     assert parts.ffn.experts[0].w1.weight.dtype == torch.bfloat16 and parts.ffn_hc.fn.dtype == torch.float32
 

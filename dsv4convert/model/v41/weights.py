@@ -16,7 +16,6 @@ hyper-connections' ``hc_attn_*``/``attn_norm`` and ``hc_ffn_*``/``ffn_norm`` as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,71 +40,28 @@ HYPER_PATHS = {
 }
 
 
-@dataclass(frozen=True)
-class BlockSettings:
-    """What the MoE and the hyper-connections read from a V4.1 config: :class:`V41Config`'s checked sizes, and the
-    text config's scalars it does not keep, checked here (routing must be ``sqrtsoftplus``/``noaux_tc``, the only
-    one SGLang runs for V4.1)."""
-
-    cfg: V41Config
-    swiglu_limit: float | None
-    routed_scaling_factor: float
-    norm_topk_prob: bool
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    rms_norm_eps: float
-
-    def experts_in(self, block: str) -> tuple[int, int]:
-        """(routed experts, experts per token) of ``block``: a DSpark stage's own (``dspark_n_routed_experts``,
-        SGLang ``models/deepseek_v4_dspark.py::_dspark_stage_config``) or the backbone's."""
-        d = self.cfg.dspark
-        if d is not None and in_draft(block):
-            return d.n_routed_experts, d.num_experts_per_tok
-        return self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
-
-
-def _positive(text: dict, key: str, source: str) -> float:
-    value = text.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise CheckpointError(f"'{key}' must be a positive number, got {value!r}", file=f"{source} (text_config)")
-    return float(value)
-
-
-def block_settings(config: Any, source: str = "config.json") -> BlockSettings:
-    """:class:`BlockSettings` of a V4.1 ``config.json`` (the release's or one our converters wrote)."""
+def v41_config(config: Any, source: str = "config.json") -> V41Config:
+    """The checked :class:`V41Config` of a V4.1 ``config.json`` (the release's or one our converters wrote), read by
+    its release; any other model is refused."""
     release = release_of(config, source)
     cfg = release.read_config(config, source)
     if not isinstance(cfg, V41Config):
         raise CheckpointError(f"not a DeepSeek-V4.1 config ({release.NAME})", file=source)
-    text = config["text_config"]
-    where = f"{source} (text_config)"
-    for key, want in (("scoring_func", "sqrtsoftplus"), ("topk_method", "noaux_tc"), ("hidden_act", "silu")):
-        if text.get(key) != want:
-            raise CheckpointError(f"'{key}' must be {want!r} (DeepSeek-V4.1's routing), got {text.get(key)!r}",
-                                  file=where)
-    if not isinstance(text.get("norm_topk_prob"), bool):
-        raise CheckpointError(f"'norm_topk_prob' must be true or false, got {text.get('norm_topk_prob')!r}", file=where)
-    iters = text.get("hc_sinkhorn_iters")
-    if isinstance(iters, bool) or not isinstance(iters, int) or not 1 <= iters <= 1000:
-        raise CheckpointError(f"'hc_sinkhorn_iters' must be an integer in 1..1000, got {iters!r}", file=where)
-    limit = None if text.get("swiglu_limit") in (None, 0) else _positive(text, "swiglu_limit", source)
-    return BlockSettings(cfg, limit, _positive(text, "routed_scaling_factor", source), text["norm_topk_prob"], iters,
-                         _positive(text, "hc_eps", source), _positive(text, "rms_norm_eps", source))
+    return cfg
 
 
 class BlockParts(nn.Module):
     """A block's non-attention, non-Engram parts: ``ffn`` (:class:`MoE`), ``attn_hc`` and ``ffn_hc``
     (:class:`HyperConnection`, each with its sublayer's input norm)."""
 
-    def __init__(self, settings: BlockSettings, block: str, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: V41Config, block: str, dtype: torch.dtype | None = None):
         super().__init__()
-        cfg = settings.cfg
-        n_experts, top_k = settings.experts_in(block)
+        math = cfg.math
+        n_experts, top_k = cfg.experts_in(block)
         self.ffn = MoE(cfg.hidden_size, cfg.moe_intermediate_size, n_experts, top_k, cfg.n_shared_experts,
-                       swiglu_limit=settings.swiglu_limit, renormalize=settings.norm_topk_prob,
-                       routed_scaling_factor=settings.routed_scaling_factor, dtype=dtype)
-        hc = dict(sinkhorn_iters=settings.hc_sinkhorn_iters, hc_eps=settings.hc_eps, rms_eps=settings.rms_norm_eps,
-                  dtype=dtype)
+                       swiglu_limit=math.swiglu_limit, renormalize=math.norm_topk_prob,
+                       routed_scaling_factor=math.routed_scaling_factor, dtype=dtype)
+        hc = dict(sinkhorn_iters=math.hc_sinkhorn_iters, hc_eps=math.hc_eps, rms_eps=math.rms_norm_eps, dtype=dtype)
         self.attn_hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
         self.ffn_hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
 
@@ -131,9 +87,8 @@ class WeightSource:
     """Reads and dequantizes a V4.1 checkpoint's tensors onto ``device`` in ``dtype`` (module docstring)."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype):
-        source = str(ckpt.root / "config.json")
-        self.settings = block_settings(ckpt.config, source)
-        self.fp8_block = self.settings.cfg.fp8_block   # the release's: release_of(config).fp8_block(cfg)
+        self.cfg = v41_config(ckpt.config, str(ckpt.root / "config.json"))
+        self.fp8_block = self.cfg.fp8_block   # the release's: release_of(config).fp8_block(cfg)
         self.ckpt, self.device, self.dtype = ckpt, torch.device(device), dtype
         self._parts: dict[str, dict[str, str]] = {}   # module -> {weight param: tensor name}
         for name in ckpt.tensors:
@@ -193,5 +148,5 @@ def load_parts(source: WeightSource, block: str) -> BlockParts:
     """``block``'s :class:`BlockParts` (``layers.N`` or a DSpark stage) with the checkpoint's weights on
     ``source.device``, built on the meta device first so only this block is ever resident."""
     with torch.device("meta"):
-        parts = BlockParts(source.settings, block, source.dtype)
+        parts = BlockParts(source.cfg, block, source.dtype)
     return load(parts.eval(), source, {**moe_names(block, parts.ffn), **hyper_names(block)})

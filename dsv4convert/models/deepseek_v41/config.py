@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4convert.errors import CheckpointError
+from dsv4convert.models.deepseek_v4.names import in_draft
 
 MODEL_TYPE = "deepseek_v41"
 ARCHITECTURE = "DeepseekV41ForCausalLM"
@@ -86,6 +87,40 @@ class DSparkV41Config:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """The main attention's YaRN RoPE scaling (``rope_scaling`` with ``rope_type`` "yarn")."""
+
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class V41Math:
+    """The scalars V4.1's forward reads (``dsv4convert/model/v41/``), checked: the routing SGLang runs for V4.1 is
+    ``sqrtsoftplus`` scores with ``noaux_tc`` selection and a SiLU SwiGLU (the only one, so other values are refused),
+    the RoPE of the main attention (YaRN) and of compressed keys, the hyper-connections' Sinkhorn, and the token ids
+    the Engram hash and the vision routing read."""
+
+    rms_norm_eps: float
+    swiglu_limit: float | None          # None: no clamp (absent or 0, as SGLang's swiglu_limit_func reads it)
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    qk_rope_head_dim: int
+    rope_theta: float
+    compress_rope_theta: float
+    rope_scaling: YarnScaling | None
+    max_position_embeddings: int
+    engram_pad_token_id: int
+    image_token_id: int | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+
+@dataclass(frozen=True)
 class V41Config:
     """What V4.1's inventory, sizing and serving read, checked. ``fp8_block`` is the release's
     ``quantization_config.weight_block_size`` (32 x 32)."""
@@ -124,6 +159,15 @@ class V41Config:
     vision: VisionConfig | None
     fp8_block: tuple[int, int]
     expert_dtype: str
+    math: V41Math
+
+    def experts_in(self, block: str) -> tuple[int, int]:
+        """(routed experts, experts per token) of ``block`` (``layers.N`` or ``mtp.S``): a DSpark stage's own
+        (``dspark_n_routed_experts``, SGLang ``models/deepseek_v4_dspark.py::_dspark_stage_config``) or the
+        backbone's."""
+        if self.dspark is not None and in_draft(block):
+            return self.dspark.n_routed_experts, self.dspark.num_experts_per_tok
+        return self.n_routed_experts, self.num_experts_per_tok
 
     def ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
@@ -309,7 +353,69 @@ def read_config(config: Any, source: str = "config.json") -> V41Config:
         compress_ratios=tuple(ratios), kv_source_layer_ids=kv_sources, index_source_layer_ids=index_sources,
         candidate_source_layer_id=candidate, engram_layer_ids=engram_layers, engram_num_embeddings=rows,
         engram_max_ngram_size=ngram, engram_vocab_size=engram_vocab, dspark=dspark, vision=vision,
-        fp8_block=block, expert_dtype=expert_dtype)
+        fp8_block=block, expert_dtype=expert_dtype, math=_math(config, text, v, source))
+
+
+def _number(values: dict, key: str, source: str, level: str, *, low: float = 0.0, allow_zero: bool = False) -> float:
+    value = values.get(key)
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value < float("inf")
+            or not (value >= low if allow_zero else value > low)):
+        raise CheckpointError(f"'{key}' must be a {'non-negative' if allow_zero else 'positive'} finite number, got "
+                              f"{value!r}", file=_where(source, level))
+    return float(value)
+
+
+def _token(values: dict, key: str, vocab: int, source: str, level: str, *, required: bool) -> int | None:
+    if values.get(key) is None and not required:
+        return None
+    return _int(values, key, source, level, low=0, high=vocab - 1)
+
+
+def _math(config: dict, text: dict, v: dict, source: str) -> V41Math:
+    t = "text_config"
+    for key, want in (("scoring_func", "sqrtsoftplus"), ("topk_method", "noaux_tc"), ("hidden_act", "silu")):
+        if text.get(key) != want:
+            raise CheckpointError(f"'{key}' must be {want!r} (the routing SGLang runs for DeepSeek-V4.1), got "
+                                  f"{text.get(key)!r}", file=_where(source, t))
+    if not isinstance(text.get("norm_topk_prob"), bool):
+        raise CheckpointError(f"'norm_topk_prob' must be true or false, got {text.get('norm_topk_prob')!r}",
+                              file=_where(source, t))
+    rope = text.get("qk_rope_head_dim")
+    if isinstance(rope, bool) or not isinstance(rope, int) or not 0 < rope <= v["head_dim"] or rope % 2:
+        raise CheckpointError(f"'qk_rope_head_dim' must be an even integer in 2..head_dim ({v['head_dim']}), got "
+                              f"{rope!r}", file=_where(source, t))
+    scaling = text.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, dict) or scaling.get("rope_type") != "yarn":
+            raise CheckpointError(f"'rope_scaling' must be YaRN's (rope_type 'yarn') or absent, got {scaling!r}",
+                                  file=_where(source, t))
+        unknown = sorted(set(scaling) - {"rope_type", "factor", "beta_fast", "beta_slow",
+                                          "original_max_position_embeddings"})
+        if unknown:
+            raise CheckpointError(f"'rope_scaling' keys DeepSeek-V4.1's config does not have: {', '.join(unknown)}",
+                                  file=_where(source, t))
+        scaling = YarnScaling(*(_number(scaling, key, source, f"{t}.rope_scaling")
+                                for key in ("factor", "beta_fast", "beta_slow")),
+                              _int(scaling, "original_max_position_embeddings", source, f"{t}.rope_scaling",
+                                   high=1 << 24))
+    limit = text.get("swiglu_limit")
+    vocab = v["vocab_size"]
+    return V41Math(
+        rms_norm_eps=_number(text, "rms_norm_eps", source, t),
+        swiglu_limit=None if limit in (None, 0) else _number(text, "swiglu_limit", source, t),
+        routed_scaling_factor=_number(text, "routed_scaling_factor", source, t),
+        norm_topk_prob=text["norm_topk_prob"],
+        hc_sinkhorn_iters=_int(text, "hc_sinkhorn_iters", source, t, high=1000),
+        hc_eps=_number(text, "hc_eps", source, t),
+        qk_rope_head_dim=rope,
+        rope_theta=_number(text, "rope_theta", source, t),
+        compress_rope_theta=_number(text, "compress_rope_theta", source, t),
+        rope_scaling=scaling,
+        max_position_embeddings=_int(text, "max_position_embeddings", source, t, high=1 << 24),
+        engram_pad_token_id=_int(text, "engram_pad_token_id", source, t, low=0, high=vocab - 1),
+        image_token_id=_token(config, "image_token_id", vocab, source, "", required=False),
+        bos_token_id=_token(config, "bos_token_id", vocab, source, "", required=False),
+        eos_token_id=_token(config, "eos_token_id", vocab, source, "", required=False))
 
 
 def _dspark(text: dict, v: dict, source: str) -> DSparkV41Config | None:
