@@ -131,6 +131,15 @@ HOSTILE = {
     "an unaligned hidden size": (_text(hidden_size=5100), "hidden_size"),
     "no FP8 block": (lambda c: c["quantization_config"].pop("weight_block_size"), "weight_block_size"),
     "vision heads not dividing": (_vision(num_attention_heads=7), "num_attention_heads"),
+    "softmax routing": (_text(scoring_func="softmax"), "scoring_func"),
+    "an RMS eps as a word": (_text(rms_norm_eps="tiny"), "rms_norm_eps"),
+    "an infinite SwiGLU limit": (_text(swiglu_limit=float("inf")), "swiglu_limit"),
+    "Sinkhorn a million times": (_text(hc_sinkhorn_iters=1_000_000), "hc_sinkhorn_iters"),
+    "an odd RoPE dim": (_text(qk_rope_head_dim=63), "qk_rope_head_dim"),
+    "an unknown YaRN key": (_text(rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                                                "original_max_position_embeddings": 65536, "mscale": 1}), "mscale"),
+    "an Engram pad past the vocabulary": (_text(engram_pad_token_id=129280), "engram_pad_token_id"),
+    "an image token past the vocabulary": (lambda c: c.update(image_token_id=-1), "image_token_id"),
 }
 
 
