@@ -195,3 +195,34 @@ def test_the_release_recall_grid_reaches_past_the_window_and_the_candidate_level
     (line,) = recall.reach_lines(reach, 4_096)
     assert "candidate level's reach (16,384 tokens)" in line
     assert len(recall.reach_lines(reach, 100)) == 2
+
+
+def test_vllms_v41_commands_resolve_through_vllms_own_parser(capsys, tiny_v41):
+    """``serve --engine vllm --dry-run`` on a V4.1 checkpoint: both commands (with and without the drafter), with
+    vLLM's default Engram placement and with ``--engram gpu``, go through vLLM 0.33.0's ``vllm serve`` parser,
+    ``validate_parsed_serve_args`` and ``create_engine_config`` on CPU (``vllm_oracle``, resolve only): the DSpark
+    draft resolves to ``DSparkV41DraftModel`` (``config/speculative.py`` for model_type deepseek_v41) with the
+    block's tokens, and ``EngramConfig.cpu_offload`` is what the placement says."""
+    import vllm_oracle as vllm
+
+    asked, expected = [], []
+    for engram, offload in (("auto", True), ("gpu", False)):
+        code, out, _ = dry_run(capsys, "--model", str(tiny_v41), "--gpu-family", "sm100", "--gpus", "0,1",
+                               "--engine", "vllm", "--engram", engram)
+        assert code == 0
+        for prefix, draft in (("# server: ", False), ("# with the drafter: ", True)):
+            (line,) = [line for line in out.splitlines() if line.startswith(prefix)]
+            words = shlex.split(line.removeprefix(prefix))
+            assert words[:3] == ["vllm", "serve", str(tiny_v41)]
+            asked.append(vllm.request_v41(tiny_v41, words[3:], gpu="sm100", resolve_only=True))
+            expected.append((offload, draft))
+    for answer, (offload, draft) in zip(vllm.run(asked), expected):
+        assert "raised" not in answer, answer.get("traceback", answer.get("raised"))
+        resolved = answer["resolved"]
+        assert resolved["engram_cpu_offload"] is offload
+        assert (resolved["tensor_parallel_size"], resolved["enable_expert_parallel"]) == (2, True)
+        if draft:
+            assert (resolved["speculative_method"], resolved["num_speculative_tokens"]) == ("dspark", 5)
+            assert resolved["draft_architectures"] == ["DSparkV41DraftModel"]
+        else:
+            assert resolved["speculative_method"] is None
