@@ -22,6 +22,7 @@ from dsv4convert.models import registry
 from dsv4convert.models.deepseek_v4 import release as v4
 from dsv4convert.models.deepseek_v41 import release as v41
 from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
+from dsv4convert.models.deepseek_v4.layout import AttentionReach
 from dsv4convert.synth import preset_config, reference_config
 
 V41_CONFIG = Path(__file__).parent / "data" / "deepseek-v4.1-flash-config.json"
@@ -66,6 +67,7 @@ def test_a_new_release_is_one_module_and_one_registry_entry(tmp_path, capsys, mo
         matches=lambda config: config.get("model_type") == "toy",
         read_config=lambda config, source: config,
         fp8_block=lambda cfg: (64, 64),
+        attention_reach=lambda cfg: AttentionReach(128, (0,), None),
         expected_report=lambda config, source: {
             "release": "Toy-1", "variant": "native", "drafter": "none", "drafter_description": "no drafter",
             "tensor_count": 1, "total_bytes": 2 * config["width"], "shard_bytes": [2 * config["width"]],

@@ -355,18 +355,18 @@ def test_realistic_mxfp4_is_deterministic_and_shaped_like_deepseeks_quantizer():
 
 def test_spawned_workers_get_a_passive_openmp_wait_policy(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    execute.quiet_openmp_for_workers()
-    assert execute.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    pipeline.quiet_openmp_for_workers()
+    assert pipeline.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    execute.quiet_openmp_for_workers()
-    assert execute.os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's choice is kept"
+    pipeline.quiet_openmp_for_workers()
+    assert pipeline.os.environ["OMP_WAIT_POLICY"] == "ACTIVE", "a user's choice is kept"
 
 
 @pytest.mark.parametrize("cores, workers, threads", [(2, 1, 1), (16, 1, 8), (16, 4, 2), (4, 8, 1), (None, 1, 1)])
 def test_torch_threads_leave_one_core_per_converter_thread(monkeypatch, cores, workers, threads):
-    monkeypatch.setattr(execute, "CONVERT_THREADS", 2)
-    monkeypatch.setattr(execute.os, "cpu_count", lambda: cores)
-    assert execute.intra_op_threads(workers) == threads
+    monkeypatch.setattr(pipeline, "CONVERT_THREADS", 2)
+    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: cores)
+    assert pipeline.intra_op_threads(workers) == threads
 
 
 def test_one_worker_converts_with_those_threads_and_gives_the_old_count_back(tiny_ckpt, tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,91 @@ def test_vllm_equivalents(capsys, tiny_v41):
     assert code == 0 and json.loads(shlex.split(out.splitlines()[0])[-1]) == {"cpu_offload": False}
     code, _, err = dry_run(capsys, *base, "--engram", "host-shared")
     assert code == 2 and "dp_shared_memory" in err
+
+
+def test_recall_check_reads_the_nested_config_through_the_release(tiny_v41, tmp_path, capsys, monkeypatch):
+    """``serve --check recall`` on a V4.1 checkpoint against the stand-in server: index_topk, the window and the
+    candidate level's reach come from ``text_config`` (through ``models.registry``), the report records them with the
+    farthest needle, which the grid puts past both; --indexer-topk is refused by name (SGLang captures ratio-4 layers
+    only, and V4.1 has none)."""
+    import argparse
+
+    from test_serve_process import STANDIN_SERVER, free_port
+
+    from dsv4convert.serve import checks
+    from dsv4convert.serve import cli as serve_cli
+    from dsv4convert.serve.launch import Command
+    from dsv4convert.serve.process import ProcessGroup, ServeError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = json.loads((tiny_v41 / "config.json").read_text())["text_config"]
+    reach = text["candidate_topk_blocks"] * text["candidate_block_size"]
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+
+    def args(*extra: str) -> argparse.Namespace:
+        return parser.parse_args(["serve", "--model", str(tiny_v41), "--out", str(tmp_path / "run"), "--check",
+                                  "recall", "--lengths", "1024", "--depths", "0,0.5", "--trials", "1", *extra])
+
+    with pytest.raises(ServeError, match="--indexer-topk: SGLang returns the top-k of ratio-4"):
+        checks.run_recall(args("--indexer-topk"), "http://127.0.0.1:1", {"variant": "native"})
+    port = free_port()
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    with ProcessGroup(tmp_path / "run" / "logs", stop_grace=2.0, echo=lambda line: None) as group:
+        server = group.start(Command("server", (sys.executable, str(STANDIN_SERVER), "--port", str(port)), {},
+                                     f"http://127.0.0.1:{port}", (port,)))
+        group.wait_healthy(server, 60.0, poll=0.1)
+        path = checks.run_recall(args(), server.command.url, {"model": str(tiny_v41), "variant": "native"})
+    saved = json.loads(path.read_text())
+    assert saved["reach"]["index_topk"] == text["index_topk"] and saved["reach"]["candidate_reach"] == reach
+    assert saved["reach"]["sliding_window"] == text["sliding_window"]
+    assert saved["reach"]["farthest_needle"] > max(reach, text["sliding_window"])
+    assert len(saved["trials"]) == 2 and "note:" not in capsys.readouterr().err
+
+
+def test_the_release_recall_grid_reaches_past_the_window_and_the_candidate_level():
+    """The release's config: a 128-token window and a candidate level reaching 2,048 x 8 = 16,384 tokens; the
+    default grid (1K..128K, depths 0..100%) puts needles past both, and a grid that does not is told so."""
+    from dsv4convert.models.registry import attention_reach_of_config
+    from dsv4convert.serve import recall
+    from dsv4convert.serve.defaults import DEFAULT_DEPTHS, DEFAULT_LENGTHS
+
+    reach = attention_reach_of_config(json.loads(V41_CONFIG.read_text()), str(V41_CONFIG))
+    assert (reach.sliding_window, reach.candidate_reach, reach.index_topk) == (128, 16_384, 512)
+    assert recall.indexer_layer_ids(reach.compress_ratios, len(reach.compress_ratios)) == []
+    assert max(DEFAULT_LENGTHS) * (1 - min(DEFAULT_DEPTHS)) > reach.candidate_reach
+    assert recall.reach_lines(reach, 20_000) == []
+    (line,) = recall.reach_lines(reach, 4_096)
+    assert "candidate level's reach (16,384 tokens)" in line
+    assert len(recall.reach_lines(reach, 100)) == 2
+
+
+def test_vllms_v41_commands_resolve_through_vllms_own_parser(capsys, tiny_v41):
+    """``serve --engine vllm --dry-run`` on a V4.1 checkpoint: both commands (with and without the drafter), with
+    vLLM's default Engram placement and with ``--engram gpu``, go through vLLM 0.33.0's ``vllm serve`` parser,
+    ``validate_parsed_serve_args`` and ``create_engine_config`` on CPU (``vllm_oracle``, resolve only): the DSpark
+    draft resolves to ``DSparkV41DraftModel`` (``config/speculative.py`` for model_type deepseek_v41) with the
+    block's tokens, and ``EngramConfig.cpu_offload`` is what the placement says."""
+    import vllm_oracle as vllm
+
+    asked, expected = [], []
+    for engram, offload in (("auto", True), ("gpu", False)):
+        code, out, _ = dry_run(capsys, "--model", str(tiny_v41), "--gpu-family", "sm100", "--gpus", "0,1",
+                               "--engine", "vllm", "--engram", engram)
+        assert code == 0
+        for prefix, draft in (("# server: ", False), ("# with the drafter: ", True)):
+            (line,) = [line for line in out.splitlines() if line.startswith(prefix)]
+            words = shlex.split(line.removeprefix(prefix))
+            assert words[:3] == ["vllm", "serve", str(tiny_v41)]
+            asked.append(vllm.request_v41(tiny_v41, words[3:], gpu="sm100", resolve_only=True))
+            expected.append((offload, draft))
+    for answer, (offload, draft) in zip(vllm.run(asked), expected):
+        assert "raised" not in answer, answer.get("traceback", answer.get("raised"))
+        resolved = answer["resolved"]
+        assert resolved["engram_cpu_offload"] is offload
+        assert (resolved["tensor_parallel_size"], resolved["enable_expert_parallel"]) == (2, True)
+        if draft:
+            assert (resolved["speculative_method"], resolved["num_speculative_tokens"]) == ("dspark", 5)
+            assert resolved["draft_architectures"] == ["DSparkV41DraftModel"]
+        else:
+            assert resolved["speculative_method"] is None

@@ -258,3 +258,72 @@ def test_validate_names_fused_halves_of_two_dtypes(outputs, tmp_path):
     problems = json.loads((tmp_path / "r" / "validate.json").read_text())["integrity_problems"]
     assert any(p.startswith(f"{shard.name}: layers.0.attn.wq_a.weight: BF16 but {name} is F16") for p in problems), \
         problems
+
+
+def _shard_bytes(ckpt: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(ckpt.glob("model*"))}
+
+
+def test_one_output_shard_per_source_shard_the_engram_tables_alone(tiny_v41, outputs):
+    """Every output keeps the source's sharding: each tensor (or the module it was converted from) in the shard of
+    the same number, and each Engram table's shard holds that table alone."""
+    source = json.loads((tiny_v41 / "model.safetensors.index.json").read_text())["weight_map"]
+    for variant, out in outputs.items():
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(set(index.values())) == sorted(set(source.values())), variant
+        for name, shard in index.items():
+            module = name.rsplit(".", 1)[0]
+            origin = source.get(name) or next(s for n, s in source.items() if n.rsplit(".", 1)[0] == module)
+            assert shard == origin, (variant, name)
+        for layer in (1, 2):
+            shard = index[f"layers.{layer}.engram.embed.weight"]
+            assert sorted(n for n, s in index.items() if s == shard) == \
+                [f"layers.{layer}.engram.embed.{kind}" for kind in ("scale", "weight")], variant
+
+
+def test_workers_and_an_interrupted_run_resumed_are_byte_identical(tiny_v41, outputs, tmp_path, monkeypatch, capsys):
+    """--workers 2 writes the same bytes; a run interrupted after three shards says --resume, keeps them, and
+    --resume writes only the rest, byte-identical to an uninterrupted run."""
+    from dsv4convert.convert import v41 as convert_v41
+
+    reference = _shard_bytes(outputs["nvfp4"])
+    argv = ["convert", "--recipe", "nvfp4", "--src", str(tiny_v41), "--no-progress"]
+    assert main([*argv, "--dst", str(tmp_path / "two"), "--workers", "2"]) == 0
+    assert _shard_bytes(tmp_path / "two") == reference
+    original, calls = convert_v41._write_shard, []
+
+    def interrupted(task, bar=None):
+        calls.append(task.name)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return original(task, bar)
+
+    monkeypatch.setattr(convert_v41, "_write_shard", interrupted)
+    dst = tmp_path / "resumed"
+    assert main([*argv, "--dst", str(dst)]) == 2
+    assert "interrupted; 3 of 14 shards are complete. Run the same command with --resume" in _one_error(capsys)
+    assert not (dst / "model.safetensors.index.json").exists() and not list(dst.glob(".*.partial"))
+    finished = {p.name: p.stat().st_mtime_ns for p in dst.glob("model-*.safetensors")}
+    assert sorted(finished) == calls[:3]
+    monkeypatch.setattr(convert_v41, "_write_shard", original)
+    assert main([*argv, "--dst", str(dst)]) == 2                      # not empty: --resume or --overwrite
+    assert main(["convert", "--recipe", "bf16", "--src", str(tiny_v41), "--no-progress", "--dst", str(dst),
+                 "--resume"]) == 2                                     # another recipe: refused
+    assert main([*argv, "--dst", str(dst), "--resume"]) == 0
+    assert _shard_bytes(dst) == reference
+    assert {n: (dst / n).stat().st_mtime_ns for n in finished} == finished
+    for name in ("config.json", "tokenizer.json"):
+        assert (dst / name).read_bytes() == (outputs["nvfp4"] / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--gptq", "--calibration", "calib.json"], "--gptq"), (["--calibration", "calib.json"], "--calibration"),
+    (["--input-scales-from", "other"], "--input-scales-from"), (["--no-mtp"], "--no-mtp"),
+    (["--max-shard-size", "1G"], "--max-shard-size"), (["--max-memory", "4G"], "--max-memory"),
+    (["--device", "cuda"], "--device")])
+def test_what_a_v41_conversion_does_not_take_is_refused_by_name(tiny_v41, tmp_path, capsys, flags, named):
+    dst = tmp_path / "out"
+    assert main(["convert", "--recipe", "w4a16", "--src", str(tiny_v41), "--dst", str(dst), "--no-progress",
+                 *flags]) == 2
+    err = _one_error(capsys)
+    assert f"{named} is not taken for DeepSeek-V4.1 sources: " in err and not dst.exists(), err

@@ -97,11 +97,11 @@ def request(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str = "s
 
 
 def request_v41(model_dir: str | os.PathLike[str], argv: list[str], *, gpu: str = "sm90",
-                draft: bool = False) -> dict[str, Any]:
+                draft: bool = False, resolve_only: bool = False) -> dict[str, Any]:
     """One DeepSeek-V4.1 question (``DeepseekV41ForCausalLM``, or with ``draft`` and a DSpark
     ``--speculative-config`` its ``DSparkDeepseekV4ForCausalLM`` draft): answered under :class:`_FakeCuda` and
     :func:`_v41_host_fakes`, the few more questions V4.1's construction asks a host."""
-    return {**request(model_dir, argv, gpu=gpu, draft=draft), "release": "v41"}
+    return {**request(model_dir, argv, gpu=gpu, draft=draft, resolve_only=resolve_only), "release": "v41"}
 
 
 _ORACLE: subprocess.Popen | None = None
@@ -379,6 +379,7 @@ def _resolved(args, config) -> dict[str, Any]:
         "num_speculative_tokens": spec.num_speculative_tokens if spec is not None else None,
         "draft_architectures": list(spec.draft_model_config.architectures) if spec is not None else None,
         "trust_remote_code": config.model_config.trust_remote_code,
+        "engram_cpu_offload": config.engram_config.cpu_offload if config.engram_config is not None else None,
     }
 
 

@@ -12,10 +12,8 @@ Within a job, reading, converting and writing overlap (:mod:`dsv4convert.convert
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
-import signal
 import sys
 import time
 import traceback
@@ -23,7 +21,6 @@ from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -41,7 +38,6 @@ from dsv4convert.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
 )
-from dsv4convert.checkpoint.reader import CONVERSION_STATE, WORK_DIR
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
 from dsv4convert.convert.model_card import (
     base_model_id,
@@ -51,11 +47,18 @@ from dsv4convert.convert.model_card import (
     source_card_metadata,
     vllm_default_launch,
 )
-from dsv4convert.convert.pipeline import CONVERT_THREADS, BarFeed, pipeline_memory, run_shard_job
+from dsv4convert.convert.pipeline import (
+    BarFeed,
+    init_worker,
+    intra_op_threads,
+    pipeline_memory,
+    quiet_openmp_for_workers,
+    run_shard_job,
+)
 from dsv4convert.convert.plan import Plan, ShardJob, build_plan, cost_of_both, human_bytes
 from dsv4convert.convert.recipe import Recipe, canonical
-from dsv4convert.convert import v41
-from dsv4convert.convert.state import DestinationLock, RunState, signature
+from dsv4convert.convert import DEFAULT_MAX_SHARD_BYTES, v41
+from dsv4convert.convert.state import DestinationLock, RunState, prepare_destination, signature
 from dsv4convert.convert.v41 import V41Result
 from dsv4convert.devices import resolve_device
 from dsv4convert.engines.config import build_quant_config, servable_engines
@@ -76,7 +79,7 @@ class ConvertOptions:
     recipe: Recipe
     workers: int = 1
     max_memory: int | None = None
-    max_shard_bytes: int = 5 * 1024**3
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     resume: bool = False
     overwrite: bool = False
     dry_run: bool = False
@@ -129,55 +132,12 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _init_worker(threads: int) -> None:
-    """A worker process: its torch threads, and Ctrl-C left to the parent (which decides how to stop)."""
-    torch.set_num_threads(threads)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _check_paths(src_root: Path, dst: Path) -> None:
     s, d = src_root.resolve(), dst.resolve()
     if d == s or s in d.parents:
         raise DSV4Error("destination is inside the source checkpoint; choose another directory", file=dst)
     if d in s.parents:
         raise DSV4Error("the source checkpoint is inside the destination; choose another directory", file=dst)
-
-
-def _prepare_destination(opts: ConvertOptions, sig: str) -> RunState:
-    dst = opts.dst
-    state = RunState.load(dst) if dst.exists() else None
-    # Our own state directory alone (a run killed before its first state save) is not user content;
-    # the lock still refuses a live concurrent run.
-    nonempty = dst.exists() and any(p.name != WORK_DIR for p in dst.iterdir())
-    if opts.overwrite and nonempty:
-        DestinationLock(dst).acquire()  # refuse to wipe a directory another run is writing
-        shutil.rmtree(dst)
-        state = None
-    elif nonempty and not opts.resume:
-        raise DSV4Error("destination is not empty; pass --resume to continue an interrupted conversion or "
-                        "--overwrite to start over", file=dst)
-    elif opts.resume and state is not None and state.signature != sig and state.complete:
-        raise DSV4Error(f"--resume refused: this directory holds a finished conversion{_made_with(dst)} from another "
-                        f"source, recipe or options than this command's (recipe '{opts.recipe.name}'), so there is "
-                        "nothing to resume: give another --dst, or --overwrite to replace it", file=dst)
-    elif opts.resume and state is not None and state.signature != sig:
-        raise DSV4Error("--resume refused: the source, recipe or options differ from the interrupted run "
-                        "(use the same command, or --overwrite to start over)", file=dst)
-    elif opts.resume and state is None and nonempty:
-        raise DSV4Error("--resume refused: this directory holds no dsv4convert run state", file=dst)
-    reach("destination: creating it")
-    dst.mkdir(parents=True, exist_ok=True)
-    if state is None:
-        state = RunState(dst / CONVERSION_STATE, sig, datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    return state
-
-
-def _made_with(dst: Path) -> str:
-    """' (recipe NAME)' of a finished conversion, from its provenance.json; '' where that cannot be read."""
-    try:
-        return f" (recipe '{json.loads((dst / 'provenance.json').read_text())['recipe']['name']}')"
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
 
 
 def _check_disk(dst: Path, needed: int) -> None:
@@ -190,9 +150,7 @@ def _check_disk(dst: Path, needed: int) -> None:
 def _remaining(plan: Plan, state: RunState, dst: Path) -> list[ShardJob]:
     todo = []
     for shard in plan.shards:
-        done = state.shards.get(shard.name)
-        path = dst / shard.name
-        if done and path.exists() and path.stat().st_size == done["bytes"]:
+        if state.done(dst, shard.name):
             continue
         state.shards.pop(shard.name, None)
         todo.append(shard)
@@ -211,7 +169,8 @@ def convert(opts: ConvertOptions) -> ConvertResult | V41Result:
     _check_paths(ckpt.root, opts.dst)
     if v41.handles(ckpt.config, str(ckpt.root / "config.json")):
         return v41.convert_v41(ckpt, dst=opts.dst, recipe=opts.recipe, engine=opts.engine, overwrite=opts.overwrite,
-                               dry_run=opts.dry_run, progress=opts.progress, unsupported=_not_for_v41(opts))
+                               resume=opts.resume, workers=opts.workers, dry_run=opts.dry_run, progress=opts.progress,
+                               refused=_not_for_v41(opts))
     check_routing(ckpt)
     asked = opts.engine or opts.recipe.engine
     plan = build_plan(ckpt, opts.recipe, max_shard_bytes=opts.max_shard_bytes, engine=asked or eng.DEFAULT_CHOICE,
@@ -244,7 +203,8 @@ def convert(opts: ConvertOptions) -> ConvertResult | V41Result:
         print_plan(plan, ckpt, opts, max_memory, engines)
         return ConvertResult(plan, opts.dst, engines=engines)
 
-    state = _prepare_destination(opts, sig)
+    state = prepare_destination(opts.dst, sig, resume=opts.resume, overwrite=opts.overwrite,
+                                recipe_name=opts.recipe.name)
     with DestinationLock(opts.dst):
         for stale in opts.dst.glob(".*.partial"):
             stale.unlink()
@@ -280,10 +240,11 @@ def convert(opts: ConvertOptions) -> ConvertResult | V41Result:
 
 
 def _not_for_v41(opts: ConvertOptions) -> list[str]:
-    """The options a DeepSeek-V4.1 conversion does not take yet."""
-    given = {"--resume": opts.resume, "--workers": opts.workers > 1, "--input-scales-from": opts.input_scales_from,
-             "--calibration": opts.calibration, "--gptq": opts.gptq, "--no-mtp": opts.no_mtp,
-             "--delete-source-shards": opts.delete_source_shards, "--device": opts.device != "cpu"}
+    """The options given that a DeepSeek-V4.1 conversion refuses (``v41.REFUSED`` says why)."""
+    given = {"--gptq": opts.gptq, "--calibration": opts.calibration, "--input-scales-from": opts.input_scales_from,
+             "--no-mtp": opts.no_mtp, "--delete-source-shards": opts.delete_source_shards,
+             "--device": opts.device != "cpu", "--max-shard-size": opts.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES,
+             "--max-memory": opts.max_memory is not None}
     return [flag for flag, value in given.items() if value]
 
 
@@ -313,7 +274,7 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
     quiet_openmp_for_workers()
     with ctx.Manager() as manager:
         q = manager.Queue()
-        pool = ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_init_worker,
+        pool = ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=init_worker,
                                    initargs=(intra_op_threads(opts.workers),))
         running: dict[Future, ShardJob] = {}
         pending = list(todo)
@@ -340,13 +301,6 @@ def _run_jobs(plan: Plan, todo: list[ShardJob], opts: ConvertOptions, state: Run
             pool.shutdown(wait=True, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
-
-
-def intra_op_threads(workers: int) -> int:
-    """Torch's threads in each of ``workers`` processes: the cores left once every pipeline runs
-    CONVERT_THREADS modules at once. OpenMP teams on top of those threads oversubscribe the cores:
-    on 2 cores a NaN check of the 1 GB embedding in 8 MB pieces took 1.17 s with 2 threads, 0.39 s with 1."""
-    return max(1, (os.cpu_count() or 1) // (workers * CONVERT_THREADS))
 
 
 def _gptq_hessians(plan: Plan, opts: ConvertOptions) -> CalibrationHessians | None:
@@ -433,17 +387,6 @@ def _download_bytes(ckpt: Checkpoint, todo: list[ShardJob], opts: ConvertOptions
         return sum(sizes.values())
     return max((sum(sizes.get(f, 0) for f in window) for window in source_windows(todo, input_scales, opts.workers)),
                default=0)
-
-
-def quiet_openmp_for_workers() -> None:
-    """Spawned workers inherit ``OMP_WAIT_POLICY=PASSIVE`` unless the user set a policy.
-
-    OpenMP threads that spin while waiting take cores from the reader and writer threads
-    and from the other workers; on a loaded 2-core machine that made scale-only transcodes
-    10x slower. It must be in the environment before a process loads torch, so it can only
-    be given to the workers this process spawns.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _file_digest(path: Path | None) -> str | None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from dsv4convert import __version__
@@ -68,6 +70,50 @@ class RunState:
         atomic_write_json(self.path, {"signature": self.signature, "started": self.started,
                                       "shards": self.shards, "complete": self.complete},
                           point=f"resume state ({done})")
+
+    def done(self, dst: Path, shard: str) -> bool:
+        """Whether ``shard`` was finished by this run: recorded here, and its file in ``dst`` of the recorded size."""
+        record = self.shards.get(shard)
+        path = Path(dst) / shard
+        return bool(record) and path.exists() and path.stat().st_size == record["bytes"]
+
+
+def prepare_destination(dst: Path, sig: str, *, resume: bool, overwrite: bool, recipe_name: str) -> RunState:
+    """The run state to write ``dst`` with: a new one (``dst`` created, emptied under ``overwrite``) or, under
+    ``resume``, the interrupted run's with the same signature ``sig``; anything else is refused in one line."""
+    state = RunState.load(dst) if dst.exists() else None
+    # Our own state directory alone (a run killed before its first state save) is not user content;
+    # the lock still refuses a live concurrent run.
+    nonempty = dst.exists() and any(p.name != WORK_DIR for p in dst.iterdir())
+    if overwrite and nonempty:
+        DestinationLock(dst).acquire()  # refuse to wipe a directory another run is writing
+        shutil.rmtree(dst)
+        state = None
+    elif nonempty and not resume:
+        raise DSV4Error("destination is not empty; pass --resume to continue an interrupted conversion or "
+                        "--overwrite to start over", file=dst)
+    elif resume and state is not None and state.signature != sig and state.complete:
+        raise DSV4Error(f"--resume refused: this directory holds a finished conversion{_made_with(dst)} from another "
+                        f"source, recipe or options than this command's (recipe '{recipe_name}'), so there is "
+                        "nothing to resume: give another --dst, or --overwrite to replace it", file=dst)
+    elif resume and state is not None and state.signature != sig:
+        raise DSV4Error("--resume refused: the source, recipe or options differ from the interrupted run "
+                        "(use the same command, or --overwrite to start over)", file=dst)
+    elif resume and state is None and nonempty:
+        raise DSV4Error("--resume refused: this directory holds no dsv4convert run state", file=dst)
+    reach("destination: creating it")
+    dst.mkdir(parents=True, exist_ok=True)
+    if state is None:
+        state = RunState(dst / CONVERSION_STATE, sig, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return state
+
+
+def _made_with(dst: Path) -> str:
+    """' (recipe NAME)' of a finished conversion, from its provenance.json; '' where that cannot be read."""
+    try:
+        return f" (recipe '{json.loads((dst / 'provenance.json').read_text())['recipe']['name']}')"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _pid_alive(pid: int) -> bool:

@@ -22,11 +22,13 @@ compressor, the indexer's BF16 half, the vision tower: ``engines/stored.py::V41_
 from __future__ import annotations
 
 import hashlib
-import shutil
 import sys
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ from dsv4convert import __version__
 from dsv4convert import engines as eng
 from dsv4convert.calibration import InputScales
 from dsv4convert.checkpoint import (
+    INDEX_NAME,
     Checkpoint,
     PlannedTensor,
     ShardWriter,
@@ -44,7 +47,7 @@ from dsv4convert.checkpoint import (
     atomic_write_json,
     read_tensor,
 )
-from dsv4convert.checkpoint.writer import copy_small_files, fsync_dir, write_index
+from dsv4convert.checkpoint.writer import copy_small_files, write_index
 from dsv4convert.convert.modules import (
     ModuleContext,
     check_finite,
@@ -52,8 +55,10 @@ from dsv4convert.convert.modules import (
     convert_module,
     read_module,
 )
+from dsv4convert.convert.pipeline import init_worker, intra_op_threads, quiet_openmp_for_workers
 from dsv4convert.convert.plan import ModuleJob
-from dsv4convert.convert.recipe import Recipe, Target, load_recipe
+from dsv4convert.convert.recipe import Recipe, Target, canonical, load_recipe
+from dsv4convert.convert.state import DestinationLock, prepare_destination, signature
 from dsv4convert.engines.config import v41_config
 from dsv4convert.engines.stored import V41_NEVER_QUANTIZED
 from dsv4convert.errors import DSV4Error, RecipeError
@@ -248,14 +253,97 @@ def _read(entry: TensorEntry) -> torch.Tensor:
     return t
 
 
-def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | None, overwrite: bool, dry_run: bool,
-                progress: bool, unsupported: list[str]) -> V41Result:
+# The options a V4.1 conversion refuses, and why (one line each, before anything is read or written).
+REFUSED = {
+    "--calibration": "calibration files come from 'dsv4convert calibrate', which runs dsv4convert's DeepSeek-V4 "
+                     "forward; there is no DeepSeek-V4.1 forward to calibrate with. V4.1's expert casts are exact "
+                     "(MXFP4 codes kept) and its NVFP4 input_scales are the data-free bound",
+    "--gptq": "GPTQ needs Hessians of the experts' inputs from a calibration run of DeepSeek-V4.1's forward, which "
+              "dsv4convert does not have; to-w4a16 rounds V4.1's experts to nearest",
+    "--input-scales-from": "another checkpoint's input_scales are not read for DeepSeek-V4.1 by this version; its "
+                           "NVFP4 experts get the data-free input_scale bound",
+    "--no-mtp": "the DSpark drafter is announced by text_config (num_nextn_predict_layers, dspark_*, the last "
+                "compress_ratios), which a V4.1 conversion keeps as released; both engines would build the stages",
+    "--delete-source-shards": "the V4.1 converter reads a local checkpoint; download it first (hf download)",
+    "--device": "the V4.1 converter runs its numerics on the CPU (the outputs' bytes are the same)",
+    "--max-shard-size": "a V4.1 output keeps the source's sharding: one output shard per source shard, so each "
+                        "Engram table (one tensor of up to 98 GB, larger than any shard limit) stays alone in its own",
+    "--max-memory": "a V4.1 conversion holds one module per worker (kept tensors, the Engram tables included, are "
+                    "copied file to file): --workers is what sets its memory",
+}
+
+
+def refuse(flags: list[str], dst: Path) -> None:
+    """The first of ``flags`` (options given on the command line) a V4.1 conversion does not take, in one line."""
+    if flags:
+        raise DSV4Error(f"{flags[0]} is not taken for DeepSeek-V4.1 sources: {REFUSED[flags[0]]}", file=dst)
+
+
+@dataclass(frozen=True)
+class _ShardTask:
+    """One output shard: what a (worker) process needs to write it."""
+
+    dst: str
+    name: str
+    modules: list[_Module]
+    planned: list[PlannedTensor]
+    cfg: V41Config
+    input_scales: InputScales
+    partners: dict[str, dict]
+
+
+def _write_shard(task: _ShardTask, bar: tqdm | None = None) -> dict:
+    """Write one output shard (to a temporary name, renamed when complete); its record for the resume state."""
+    ctx = ModuleContext(input_scale=task.input_scales)
+    record = {"converted": 0, "kept": 0, "blocks_total": 0, "blocks_exact": 0}
+    path = Path(task.dst) / task.name
+    with ShardWriter(path, task.planned, metadata={"format": "pt"}) as writer:
+        for module in task.modules:
+            tensors, report = _produce(module, task.cfg, ctx, task.partners)
+            for tensor_name, tensor in tensors:
+                writer.write(tensor_name, tensor)
+            record["kept" if module.action == "keep" else "converted"] += 1
+            if report is not None:
+                record["blocks_total"] += report.blocks_total
+                record["blocks_exact"] += report.blocks_exact
+            if bar is not None:
+                bar.update(sum(e.nbytes for e in module.sources.values()))
+    record["bytes"] = path.stat().st_size
+    return record
+
+
+def _run_shards(tasks: list[_ShardTask], workers: int, finished, bar: tqdm) -> None:
+    """Every task, in order in this process or on ``workers`` spawned processes; ``finished(task, record)`` after
+    each shard is renamed into place (the order shards finish in changes no byte)."""
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            finished(task, _write_shard(task, bar))
+        return
+    quiet_openmp_for_workers()
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=init_worker,
+                               initargs=(intra_op_threads(workers),))
+    try:
+        running = {pool.submit(_write_shard, task): task for task in tasks}
+        for future in as_completed(running):
+            task = running[future]
+            finished(task, future.result())
+            bar.update(sum(e.nbytes for m in task.modules for e in m.sources.values()))
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | None, overwrite: bool, resume: bool,
+                workers: int, dry_run: bool, progress: bool, refused: list[str]) -> V41Result:
     """Convert a V4.1 checkpoint by a shipped recipe (module docstring); every check runs before anything is
-    written, and a refusal is one line naming the file and tensor."""
+    written, and a refusal is one line naming the file and tensor. One output shard per source shard, each
+    written to a temporary name and renamed when complete, on ``workers`` processes; the resume state
+    (:mod:`dsv4convert.convert.state`) records each, so ``resume`` after an interrupted run (kill -9 included)
+    writes only the shards left and finishes byte-identical to an uninterrupted run."""
     t0 = time.monotonic()
     variant = _shipped_variant(recipe)
-    if unsupported:
-        raise DSV4Error(f"{', '.join(unsupported)}: not handled for DeepSeek-V4.1 sources by this version", file=dst)
+    refuse(refused, dst)
     cfg = check_source(ckpt)
     config, engines, note = v41_config(ckpt.config, variant, engine or recipe.engine)
     if note:
@@ -270,31 +358,46 @@ def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | No
     if dry_run:
         counts = Counter(f"{m.role}: {m.action}" for mods in shards for m in mods)
         print(f"plan: {ckpt.root} -> {dst}, DeepSeek-V4.1 variant {variant} for {eng.choice_of(engines)}: read "
-              f"{ckpt.total_bytes:,} bytes, write {total_out:,} in {len(shards)} shards")
+              f"{ckpt.total_bytes:,} bytes, write {total_out:,} in {len(shards)} shards (one per source shard)")
         for key, n in sorted(counts.items()):
             print(f"  {key} x{n}")
         print("dry run: nothing written")
         return V41Result(dst, variant, engines=engines)
-    _prepare(dst, overwrite)
+    sig = signature(ckpt, canonical(recipe), {"release": v41.NAME, "engines": list(engines)})
+    state = prepare_destination(dst, sig, resume=resume, overwrite=overwrite, recipe_name=recipe.name)
     partners = {m.name: m.sources for mods in shards for m in mods if m.job is not None}
-    ctx = ModuleContext(input_scale=input_scales)
-    stats: dict = {"converted": 0, "kept": 0, "blocks_total": 0, "blocks_exact": 0}
-    weight_map = {}
-    try:
-        with tqdm(total=ckpt.total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress,
-                  file=sys.stderr) as bar:
-            for name, mods, plan in zip(names, shards, planned):
-                with ShardWriter(dst / name, plan, metadata={"format": "pt"}) as writer:
-                    for module in mods:
-                        tensors, report = _produce(module, cfg, ctx, partners)
-                        for tensor_name, tensor in tensors:
-                            writer.write(tensor_name, tensor)
-                        stats["kept" if module.action == "keep" else "converted"] += 1
-                        if report is not None:
-                            stats["blocks_total"] += report.blocks_total
-                            stats["blocks_exact"] += report.blocks_exact
-                        bar.update(sum(e.nbytes for e in module.sources.values()))
-                weight_map.update({p.name: name for p in plan})
+    tasks = [_ShardTask(str(dst), name, mods, plan, cfg, input_scales,
+                        {m.job.partner: partners[m.job.partner] for m in mods if m.job is not None and m.job.partner})
+             for name, mods, plan in zip(names, shards, planned)]
+    with DestinationLock(dst):
+        for stale in dst.glob(".*.partial"):
+            stale.unlink()
+        todo = [t for t in tasks if not state.done(dst, t.name)]
+        if state.complete and not todo and (dst / INDEX_NAME).is_file():   # --resume of a finished run
+            print(f"{dst}: already complete (DeepSeek-V4.1 variant {variant}, {len(tasks)} shards): nothing to do")
+            return V41Result(dst, variant, engines=engines)
+        for task in todo:
+            state.shards.pop(task.name, None)
+        state.complete = False
+        state.save()
+
+        def finished(task: _ShardTask, record: dict) -> None:
+            state.shards[task.name] = record
+            state.save()
+
+        try:
+            with tqdm(total=sum(e.nbytes for t in todo for m in t.modules for e in m.sources.values()), unit="B",
+                      unit_scale=True, desc="convert", disable=not progress, file=sys.stderr) as bar:
+                _run_shards(todo, workers, finished, bar)
+        except KeyboardInterrupt:
+            raise DSV4Error(f"interrupted; {len(state.shards)} of {len(tasks)} shards are complete. Run the same "
+                            "command with --resume to continue", file=dst) from None
+        except (BrokenProcessPool, EOFError, ConnectionError) as exc:
+            raise DSV4Error(f"a worker process died ({type(exc).__name__}: killed by the system, out of memory?); "
+                            f"{len(state.shards)} of {len(tasks)} shards are complete. Run the same command with "
+                            "--resume to continue (fewer --workers use less memory)", file=dst) from None
+        stats = {key: sum(r[key] for r in state.shards.values())
+                 for key in ("converted", "kept", "blocks_total", "blocks_exact")}
         copy_small_files(ckpt.small_files(), dst, skip=GENERATED)
         atomic_write_json(dst / "config.json", config)
         atomic_write_json(dst / "provenance.json", {
@@ -302,21 +405,11 @@ def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | No
             "recipe": {"name": recipe.name, "sha256": recipe.digest}, "engines": list(engines), "stats": stats,
             "source_index_sha256": hashlib.sha256(ckpt.index_file.read_bytes()).hexdigest()
             if ckpt.index_file else None})
-        write_index(dst, weight_map, total_out)   # last: until it exists no loader takes the directory
-    except BaseException:
-        shutil.rmtree(dst, ignore_errors=True)
-        raise
+        write_index(dst, {p.name: t.name for t in tasks for p in t.planned}, total_out)   # last: until it exists
+        state.complete = True                                                             # no loader takes dst
+        state.save()
     seconds = time.monotonic() - t0
     lossless = f", lossless blocks {stats['blocks_exact']}/{stats['blocks_total']}" if stats["blocks_total"] else ""
     print(f"converted DeepSeek-V4.1 to {dst} (variant {variant}, for {eng.choice_of(engines)}) in {seconds:.1f} s: "
           f"{stats['converted']} modules converted, {stats['kept']} kept byte for byte{lossless}")
     return V41Result(dst, variant, stats, seconds, engines)
-
-
-def _prepare(dst: Path, overwrite: bool) -> None:
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise DSV4Error("destination is not empty; pass --overwrite to start over", file=dst)
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    fsync_dir(dst.parent)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from dsv4convert.errors import CheckpointError
 from dsv4convert.models.deepseek_v4 import release as deepseek_v4
+from dsv4convert.models.deepseek_v4.layout import AttentionReach
 from dsv4convert.models.deepseek_v41 import release as deepseek_v41
 
 
@@ -25,6 +26,7 @@ class Release(Protocol):
     def matches(self, config: dict) -> bool: ...
     def read_config(self, config: dict, source: str) -> Any: ...
     def fp8_block(self, cfg: Any) -> tuple[int, int]: ...
+    def attention_reach(self, cfg: Any) -> AttentionReach: ...
     def expected_report(self, config: dict, source: str) -> dict: ...
 
 
@@ -48,3 +50,9 @@ def fp8_block_of_config(config: Any, source: str = "config.json") -> tuple[int, 
     """The (rows, cols) FP8 block of the release ``config`` belongs to, for a caller that holds only the config."""
     release = release_of(config, source)
     return release.fp8_block(release.read_config(config, source))
+
+
+def attention_reach_of_config(config: Any, source: str = "config.json") -> AttentionReach:
+    """How far the attention of the release ``config`` belongs to reaches (a flat V4 config or V4.1's nested one)."""
+    release = release_of(config, source)
+    return release.attention_reach(release.read_config(config, source))

@@ -16,6 +16,7 @@ from typing import Any
 
 from dsv4convert.checkpoint import read_small_json
 from dsv4convert.errors import FormatError
+from dsv4convert.models.registry import attention_reach_of_config
 from dsv4convert.serve import accuracy, defaults, launch, mtp, recall, report, speed
 from dsv4convert.serve.process import ProcessGroup, ServeError, http_get_json, http_post_json, log_tail
 
@@ -25,21 +26,33 @@ def run_recall(args: argparse.Namespace, url: str, meta: dict[str, Any]) -> Path
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise ServeError("--check recall needs the model's tokenizer through transformers (installed with SGLang)") from exc
-    config = read_small_json(args.model / "config.json")
+    path = args.model / "config.json"
+    reach = attention_reach_of_config(read_small_json(path), str(path))
+    layer_ids = recall.indexer_layer_ids(reach.compress_ratios, len(reach.compress_ratios))
+    if args.indexer_topk and not layer_ids:
+        raise ServeError(f"{path}: --indexer-topk: SGLang returns the top-k of ratio-4 (CSA) layers only "
+                         "(configs/model_config.py::get_num_indexer_layers) and this model has none; run "
+                         "--check recall without it")
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
-    layer_ids = recall.indexer_layer_ids(config["compress_ratios"], config["num_hidden_layers"])
     sweep = recall.RecallSweep(lengths=args.lengths, depths=args.depths, trials=args.trials,
                                indexer_topk=args.indexer_topk, indexer_layers=len(layer_ids),
-                               index_topk=config["index_topk"])
+                               index_topk=reach.index_topk or 0)
+    prompts = sweep.prompts(tokenizer)
+    farthest = recall.farthest_needle(prompts)
+    for line in recall.reach_lines(reach, farthest):
+        print(line, file=sys.stderr)
 
     def show(trial: recall.RecallTrial) -> None:
         print(f"recall {trial.length:>7} tokens depth {trial.depth:4.0%}: {'ok ' if trial.correct else 'MISS'} "
               f"{trial.output.strip()[:40]!r}", flush=True)
 
-    trials = sweep.run(tokenizer, lambda payload: http_post_json(url + "/generate", payload, 1800.0), show)
+    trials = sweep.run(tokenizer, lambda payload: http_post_json(url + "/generate", payload, 1800.0), show, prompts)
     summary = recall.summarize(trials, layer_ids)
+    reached = {"sliding_window": reach.sliding_window, "index_topk": reach.index_topk,
+               "candidate_reach": reach.candidate_reach, "farthest_needle": farthest}
     path = args.out / "recall.json"
-    report.write_report(path, "recall", meta, {"summary": summary, "trials": [t.to_json() for t in trials]})
+    report.write_report(path, "recall", meta, {"summary": summary, "reach": reached,
+                                               "trials": [t.to_json() for t in trials]})
     report.write_heatmap(summary, args.out / "recall.png", f"{args.model.name} ({meta['variant']})")
     print(f"recall accuracy {summary['accuracy']:.3f}; wrote {path} and {args.out / 'recall.png'}")
     return path

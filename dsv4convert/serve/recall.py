@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from dsv4convert.errors import FormatError
+from dsv4convert.models.deepseek_v4.layout import AttentionReach
 from dsv4convert.needle import (
     CSA_RATIO,
     Needle,
@@ -124,18 +125,37 @@ class RecallSweep:
         return RecallTrial(prompt.length, prompt.depth, prompt.needle, output,
                            answer_is_correct(output, prompt.needle), ranks)
 
+    def prompts(self, tokenizer: Tokenizer) -> list[RecallPrompt]:
+        return recall_grid(tokenizer, self.lengths, self.depths, self.trials, self.seed, self.template)
+
     def run(
         self,
         tokenizer: Tokenizer,
         generate: Callable[[dict[str, Any]], dict[str, Any]],
         progress: Callable[[RecallTrial], None] = lambda trial: None,
+        prompts: Sequence[RecallPrompt] | None = None,
     ) -> list[RecallTrial]:
+        """One trial per prompt (``prompts``: the sweep's own, built once by the caller; default built here)."""
         results = []
-        for prompt in recall_grid(tokenizer, self.lengths, self.depths, self.trials, self.seed, self.template):
+        for prompt in self.prompts(tokenizer) if prompts is None else prompts:
             trial = self.score(prompt, generate(self.request(prompt)), answer_ids(tokenizer, prompt.needle))
             progress(trial)
             results.append(trial)
         return results
+
+
+def farthest_needle(prompts: Sequence[RecallPrompt]) -> int:
+    """Tokens from the grid's farthest needle to the end of its prompt, where the answer's query sits."""
+    return max((p.length - p.needle_span[0] for p in prompts), default=0)
+
+
+def reach_lines(reach: AttentionReach, farthest: int) -> list[str]:
+    """What a grid whose farthest needle lies ``farthest`` tokens back tests of the release's attention: one line
+    per level (the sliding window, a candidate level) the needles never pass, whose selection goes untested."""
+    levels = {"sliding window": reach.sliding_window, "candidate level's reach": reach.candidate_reach}
+    return [f"note: the farthest needle is {farthest:,} tokens back, within the {what} ({tokens:,} tokens): the "
+            f"selection beyond it is not tested (longer --lengths or smaller --depths reach past it)"
+            for what, tokens in levels.items() if tokens is not None and farthest <= tokens]
 
 
 def summarize(trials: Sequence[RecallTrial], layer_ids: Sequence[int] | None = None) -> dict[str, Any]:

@@ -120,6 +120,20 @@ def is_v4_config(config: dict) -> bool:
 
 
 @dataclass(frozen=True)
+class AttentionReach:
+    """How far a release's attention reaches, for a recall grid: the sliding window every layer sees, the
+    compressed layers' ratios (one per backbone layer), the indexer's top-k, and the reach of a candidate level
+    that picks blocks before the indexer does (DeepSeek-V4.1: ``candidate_topk_blocks`` x ``candidate_block_size``
+    tokens; None where there is none). A needle farther from the question than every one of these is found only
+    through the sparse selection."""
+
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_topk: int | None
+    candidate_reach: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The config fields the layout depends on, checked to be a DeepSeek-V4 config."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dsv4convert import models
 from dsv4convert.models.deepseek_v4.layout import (
     FP8_BLOCK,
+    AttentionReach,
     ModelConfig,
     Role,
     is_v4_config,
@@ -31,6 +32,11 @@ def matches(config: dict) -> bool:
 
 def read_config(config: dict, source: str) -> ModelConfig:
     return ModelConfig.from_dict(config, source=source)
+
+
+def attention_reach(cfg: ModelConfig) -> AttentionReach:
+    """The window, the backbone's CSA/HCA ratios and the indexer's top-k; V4 has no candidate level."""
+    return AttentionReach(cfg.sliding_window, cfg.compress_ratios[:cfg.num_hidden_layers], cfg.index_topk)
 
 
 def fp8_block(cfg: ModelConfig) -> tuple[int, int]:

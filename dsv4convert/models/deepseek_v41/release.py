@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dsv4convert.checkpoint.reader import TensorEntry
+from dsv4convert.models.deepseek_v4.layout import AttentionReach
 from dsv4convert.models.deepseek_v41 import inventory, tokenizer
 from dsv4convert.models.deepseek_v41.config import V41Config, is_v41
 from dsv4convert.models.deepseek_v41.config import read_config as _read
@@ -34,6 +35,14 @@ def matches(config: dict) -> bool:
 
 def read_config(config: dict, source: str) -> V41Config:
     return _read(config, source)
+
+
+def attention_reach(cfg: V41Config) -> AttentionReach:
+    """The window, the backbone's compress ratios (2 and 1: no ratio-4 layer), the fine indexer's top-k, and the
+    candidate level's reach: ``candidate_topk_blocks`` blocks of ``candidate_block_size`` tokens chosen once at
+    ``candidate_source_layer_id`` (16,384 tokens in the release)."""
+    return AttentionReach(cfg.sliding_window, cfg.compress_ratios[:cfg.num_hidden_layers], cfg.index_topk,
+                          cfg.candidate_topk_blocks * cfg.candidate_block_size)
 
 
 def fp8_block(cfg: V41Config) -> tuple[int, int]:
