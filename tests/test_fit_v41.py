@@ -283,9 +283,6 @@ def vllm_v41() -> dict:
     return json.loads(done.stdout.split("V41 ", 1)[1])
 
 
-FAMILY_GPUS = {9: "h200", 10: "b200", 12: "rtx-pro-6000"}
-
-
 def test_vllm_v41_cache_pages_are_vllms(vllm_v41, plan) -> None:
     """The page of every cache fit counts, per family and packed record, equals vLLM's spec class's; on SM100 the
     mega-attention TP (nvfp4_ds_mla) and FlashMLA's (fp8_ds_mla) both. Per token the release's growing caches cost
@@ -336,6 +333,7 @@ def test_vllm_v41_weights_are_vllms_model(tiny_v41: Path) -> None:
     import vllm_oracle
 
     from dsv4convert.engines.vllm import memory_v41 as vsz
+    from dsv4convert.models.deepseek_v41.inventory import role_of
 
     text = json.loads((tiny_v41 / "config.json").read_text())["text_config"]
     dspark = json.dumps({"method": "dspark", "num_speculative_tokens": text["dspark_block_size"]})
@@ -348,7 +346,7 @@ def test_vllm_v41_weights_are_vllms_model(tiny_v41: Path) -> None:
 
     def ours(draft_part: bool) -> tuple[int, int]:
         specs = [s for s in tiny.tensors if s.name.startswith("mtp.") == draft_part]
-        stored = [(s, vsz.stored_bytes(s, sizing_role(s.name))) for s in specs]
+        stored = [(s, vsz.stored_bytes(s, role_of(s.name))) for s in specs]
         f32 = [s.dtype == "F32" or s.name.startswith("image_") or ".confidence_head." in s.name for s, _ in stored]
         return (sum(b for s, b in stored if s.dtype in one_byte),
                 sum(b if s.dtype in one_byte else b // (4 if wide else 2) for (s, b), wide in zip(stored, f32)))
@@ -359,12 +357,6 @@ def test_vllm_v41_weights_are_vllms_model(tiny_v41: Path) -> None:
 
     assert ours(False) == theirs(target, set())
     assert ours(True) == theirs(draft, {"model.embed_tokens.weight", "lm_head.weight"})
-
-
-def sizing_role(name: str) -> str:
-    from dsv4convert.models.deepseek_v41.inventory import role_of
-
-    return role_of(name)
 
 
 def test_fit_vllm_for_a_v41_config(capsys) -> None:
