@@ -215,3 +215,197 @@ def test_fit_command_for_a_v41_config(capsys) -> None:
     assert out["engram_table_bytes"] == sum(CONFIG["text_config"]["engram_head_dim"] * 33 // 32 * rows
                                             for rows in CONFIG["text_config"]["engram_num_embeddings"])
     assert "assumes" in out and any(line.startswith("drafter none") for line in out["assumes"])
+
+
+# ---------------------------------------------------------------------------------------------------- vLLM 0.33.0
+
+_VLLM_V41 = """
+import json, sys, torch
+from types import SimpleNamespace
+from unittest import mock
+from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec, SlidingWindowMLASpec
+from vllm.models.deepseek_v41 import attention
+from vllm.models.deepseek_v41.common import engram
+from vllm.platforms import current_platform
+text = json.loads(sys.argv[1])["text_config"]
+out = {"indexer": attention._indexer_k_cache_head_dim(text["index_head_dim"], False), "pages": {}}
+for major in (9, 10, 12):
+    with mock.patch.object(type(current_platform), "is_device_capability_family",
+                           lambda self, family, *a, **k: family // 10 == major, create=True):
+        mxfp8 = attention._use_v41_mxfp8_kv_record()
+    swa = 528 if mxfp8 else 584                              # DeepseekV4Attention.__init__
+    align = 512 if mxfp8 else 576
+    for dtype in (("fp8_ds_mla", "nvfp4_ds_mla") if mxfp8 else ("fp8_ds_mla",)):
+        compressed = 288 if dtype == "nvfp4_ds_mla" else swa
+        pages = {"sliding_window": SlidingWindowMLASpec(block_size=32, num_kv_heads=1, max_tp_shards=1,
+                    head_size=512, dtype=torch.uint8, sliding_window=text["sliding_window"], cache_dtype_str=dtype,
+                    state_content_bytes=swa, alignment=align, model_version="deepseek_v4").page_size_bytes}
+        for ratio in (1, 2):
+            pages[f"ratio{ratio}_kv"] = MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=512,
+                dtype=torch.uint8, tokens_per_state=ratio, cache_dtype_str=dtype, alignment=align,
+                model_version="deepseek_v4", state_content_bytes=compressed).page_size_bytes
+            pages[f"ratio{ratio}_indexer"] = MLAAttentionSpec(block_size=256, num_kv_heads=1,
+                head_size=out["indexer"], dtype=torch.uint8, tokens_per_state=ratio, alignment=align).page_size_bytes
+        pages["ratio2_compressor_state"] = CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=2 * 512,
+                                                              head_size_v=0, dtype=torch.float32).page_size_bytes
+        out["pages"][f"{major}/{dtype}"] = pages
+layout = engram.EngramLayout(SimpleNamespace(**text))
+out["heads"] = [[p for order in layer for p in order] for layer in layout.primes]
+out["shards"] = {}
+props = SimpleNamespace(multi_processor_count=132)
+torch.set_default_device("meta")
+for tp in (1, 2, 4, 8):
+    for rank in range(tp):
+        with mock.patch.object(engram, "get_tensor_model_parallel_world_size", lambda: tp), \\
+                mock.patch.object(engram, "get_tensor_model_parallel_rank", lambda: rank), \\
+                mock.patch.object(engram, "get_engram_dp_size", lambda: 1), \\
+                mock.patch.object(torch.accelerator, "current_device_index", lambda: 0), \\
+                mock.patch.object(torch.cuda, "get_device_properties", lambda *a: props):
+            rows = [engram.ParallelEngramEmbedding(n, text["engram_head_dim"], tuple(h)).part_num_embeddings
+                    for n, h in zip(text["engram_num_embeddings"], out["heads"])]
+        out["shards"][f"{tp}/{rank}"] = rows
+print("V41 " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_v41() -> dict:
+    """vLLM 0.33.0's own V4.1 cache spec classes, built with the arguments V4.1's layers pass for the release's
+    config (its ``_use_v41_mxfp8_kv_record`` asked per family), its indexer K width, ``EngramLayout``'s buckets and
+    ``ParallelEngramEmbedding``'s rows per rank (built on the meta device as rank r of TP t)."""
+    import os
+    import subprocess
+
+    import vllm_oracle
+
+    done = subprocess.run([str(vllm_oracle.vllm_python()), "-c", _VLLM_V41, json.dumps(CONFIG)], capture_output=True,
+                          text=True, check=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    return json.loads(done.stdout.split("V41 ", 1)[1])
+
+
+def test_vllm_v41_cache_pages_are_vllms(vllm_v41, plan) -> None:
+    """The page of every cache fit counts, per family and packed record, equals vLLM's spec class's; on SM100 the
+    mega-attention TP (nvfp4_ds_mla) and FlashMLA's (fp8_ds_mla) both. Per token the release's growing caches cost
+    1,050 B under nvfp4_ds_mla (288 B compressed records, 132 B FP8 index keys), 1,650 B under fp8_ds_mla with V4.1's
+    528 B records (SM100, FlashMLA) and 1,797.75 B under V4's 584 B ones."""
+    from dsv4convert.engines.vllm import memory_v41 as vsz
+
+    assert vllm_v41["indexer"] == vsz.indexer_entry_bytes(plan.config.index_head_dim) == 132
+    cases = {"9/fp8_ds_mla": ("sm90", "flashmla"), "10/fp8_ds_mla": ("sm100", "flashmla"),
+             "10/nvfp4_ds_mla": ("sm100", "flashmla_mega"), "12/fp8_ds_mla": ("sm120", "flashinfer_sm120")}
+    assert set(cases) == set(vllm_v41["pages"])
+    for key, (family, attention) in cases.items():
+        records = vsz.kv_records(family, attention)
+        specs = {s.name: s for s in vsz.cache_specs(plan.config, records, block_size=256)}
+        assert records.cache_dtype == key.split("/")[1]
+        assert {n: s.page_bytes for n, s in specs.items()} == vllm_v41["pages"][key], key
+        per_token = sum(s.bytes_per_token for s in specs.values())
+        assert per_token == {"nvfp4_ds_mla": 1050, "fp8_ds_mla": 1797.75 if family != "sm100" else 1650}[
+            records.cache_dtype], key
+    tp8 = vsz.attention_class("sm100", 8, plan.config)
+    assert tp8 == "flashmla_mega" and vsz.attention_class("sm90", 8, plan.config) == "flashmla"
+
+
+def test_vllm_v41_engram_shards_are_vllms(vllm_v41, plan) -> None:
+    """Hash-head buckets and each rank's rows equal vLLM's ``EngramLayout`` and ``ParallelEngramEmbedding``; the
+    host bytes per server are every rank's shard (the head buckets, not the table's padding rows)."""
+    from dsv4convert.engines.vllm import memory_v41 as vsz
+
+    cfg = plan.config
+    assert vsz.engram_head_sizes(cfg) == vllm_v41["heads"]
+    for key, rows in vllm_v41["shards"].items():
+        tp, rank = map(int, key.split("/"))
+        assert [vsz.engram_shard_rows(h, tp, rank) for h in vsz.engram_head_sizes(cfg)] == rows, key
+    host = vsz.engram_placement(cfg, 8, "host-per-rank")
+    row = cfg.engram_head_dim * 33 // 32
+    assert host.host_bytes_per_server == sum(map(sum, vllm_v41["heads"])) * row <= host.table_bytes
+    assert host.gpu_bytes_per_rank == 0 and vsz.engram_placement(cfg, 8, "gpu").host_bytes_per_server == 0
+    with pytest.raises(ValueError, match="without hash heads"):
+        vsz.engram_shard_rows(vllm_v41["heads"][0][:3], 4, 0)
+
+
+def test_vllm_v41_weights_are_vllms_model(tiny_v41: Path) -> None:
+    """vLLM's own V4.1 model and DSpark draft built for the tiny V4.1 (TP 1, sm_100): the bytes of their one-byte
+    parameters (FP8 weights, per-row 32x32 scales, MXFP4 experts, the Engram rows and scales) equal fit's restatement,
+    and their element counts match the file's under fit's rules (the CPU build keeps some BF16 tensors in F32)."""
+    import math
+
+    import vllm_oracle
+
+    from dsv4convert.engines.vllm import memory_v41 as vsz
+    from dsv4convert.models.deepseek_v41.inventory import role_of
+
+    text = json.loads((tiny_v41 / "config.json").read_text())["text_config"]
+    dspark = json.dumps({"method": "dspark", "num_speculative_tokens": text["dspark_block_size"]})
+    argv = ["--kv-cache-dtype", "fp8", "--block-size", "256"]
+    target, draft = vllm_oracle.run([vllm_oracle.request_v41(tiny_v41, argv, gpu="sm100"),
+                                     vllm_oracle.request_v41(tiny_v41, [*argv, "--speculative-config", dspark],
+                                                             gpu="sm100", draft=True)])
+    tiny = source_v41.planned(json.loads((tiny_v41 / "config.json").read_text()), str(tiny_v41))
+    one_byte = {"F8_E4M3", "F8_E8M0", "I8", "U8"}
+
+    def ours(draft_part: bool) -> tuple[int, int]:
+        specs = [s for s in tiny.tensors if s.name.startswith("mtp.") == draft_part]
+        stored = [(s, vsz.stored_bytes(s, role_of(s.name))) for s in specs]
+        f32 = [s.dtype == "F32" or s.name.startswith("image_") or ".confidence_head." in s.name for s, _ in stored]
+        return (sum(b for s, b in stored if s.dtype in one_byte),
+                sum(b if s.dtype in one_byte else b // (4 if wide else 2) for (s, b), wide in zip(stored, f32)))
+
+    def theirs(report: dict, aliased: set[str]) -> tuple[int, int]:
+        params = [(n, d, math.prod(s)) for n, (d, s) in report["params"].items() if n not in aliased]
+        return (sum(e for _, d, e in params if d in ("float8_e4m3fn", "uint8", "int8")), sum(e for *_, e in params))
+
+    assert ours(False) == theirs(target, set())
+    assert ours(True) == theirs(draft, {"model.embed_tokens.weight", "lm_head.weight"})
+
+
+def test_fit_vllm_for_a_v41_config(capsys) -> None:
+    """Every variant vLLM loads sized in both Engram placements, fp8 and w4a16 named as refused with vLLM's reason;
+    the tables in host memory free each GPU their shard."""
+    argv = ["fit", "--config", str(CONFIG_PATH), "--gpu", "b200", "--count", "8", "--tp", "4", "--engine", "vllm",
+            "--context", "65536", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {(s["variant"], s["engram"]) for s in out["servers"]} == {
+        (v, p) for v in ("native", "nvfp4", "bf16") for p in ("host-per-rank", "gpu")}
+    assert {r["variant"] for r in out["not_served"]} == {"fp8", "w4a16"}
+    assert "FP8 MoE" in next(r["why"] for r in out["not_served"] if r["variant"] == "fp8")
+    rows = {(s["variant"], s["engram"]): s for s in out["servers"]}
+    native, on_gpu = rows["native", "host-per-rank"], rows["native", "gpu"]
+    assert native["kv_bytes_per_token"] == 1050 and native["kv_layout"].startswith("nvfp4_ds_mla")
+    assert on_gpu["weights_bytes_per_rank"] - native["weights_bytes_per_rank"] == on_gpu["engram_gpu_bytes_per_rank"]
+    assert native["engram_host_bytes_per_process"] == on_gpu["engram_gpu_bytes_per_rank"] > 0
+    assert native["kv_tokens"] > on_gpu["kv_tokens"]
+    assert any("cpu_offload" in a for a in out["assumes"]) and out["estimated"]
+
+
+def test_fit_model_v41_both_engines(tiny_v41: Path, tmp_path: Path, capsys) -> None:
+    """``fit --model`` on the tiny V4.1 and on its conversions (headers only): the variant is the checkpoint's, vLLM
+    refuses the FP8-expert one in one error line, and a config that lies about its experts is named."""
+    from conftest import run
+
+    for engine in ("sglang", "vllm"):
+        assert main(["fit", "--model", str(tiny_v41), "--gpu", "b200", "--count", "1", "--tp", "1", "--engine",
+                     engine, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["engine"] == engine and out["servers"] and all(s["fits"] for s in out["servers"])
+    nvfp4, fp8 = tmp_path / "nvfp4", tmp_path / "fp8"
+    run(tiny_v41, nvfp4, "nvfp4")
+    run(tiny_v41, fp8, "fp8", engine="sglang")
+    capsys.readouterr()
+    assert main(["fit", "--model", str(nvfp4), "--gpu", "b200", "--count", "1", "--tp", "1", "--engine", "vllm",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {s["variant"] for s in out["servers"]} == {str(nvfp4)} and not out["not_served"]
+    assert main(["fit", "--model", str(fp8), "--gpu", "b200", "--count", "1", "--tp", "1", "--engine", "sglang",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["variant"] == "fp8"
+    assert main(["fit", "--model", str(fp8), "--gpu", "b200", "--count", "1", "--tp", "1", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not load this fp8 checkpoint" in err[0] and "FP8 MoE" in err[0]
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["expert_dtype"] = "fp4"
+    (fp8 / "config.json").write_text(json.dumps(config))
+    assert main(["fit", "--model", str(fp8), "--gpu", "b200", "--count", "1", "--tp", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "F8_E4M3" in err and "native variant" in err

@@ -188,9 +188,9 @@ def run(args: argparse.Namespace) -> int:
     verdict.check_launch(gpu, args.count, args.tp, args.pd)
     sizing = verdict.SIZINGS[args.engine]
     _refuse(args, sizing)
-    plan = None if args.model else v41.plan_of(args.config)
+    plan = v41.plan_of(args.config, args.model)
     if plan is not None:
-        return v41.run(args, gpu, plan)
+        return v41.run(args, gpu, plan, sizing.name)
     options = {"mtp": args.mtp, "context": args.context, "max_running": args.max_running}
     rows, skipped = [], []
     for src in _sources(args):
