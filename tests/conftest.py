@@ -104,12 +104,13 @@ SHARD = 1_000_000  # small output shards, so every variant spans many
 
 
 def run(src: Path, dst: Path, recipe: str, **kw):
-    """Convert ``src`` into ``dst`` with a shipped recipe name or a recipe file."""
+    """Convert ``src`` into ``dst`` with a shipped recipe name or a recipe file (small shards, unless ``kw`` names
+    ``max_shard_bytes``: a V4.1 conversion keeps its source's sharding and refuses a shard limit)."""
     from dsv4convert.convert.execute import ConvertOptions, convert
     from dsv4convert.convert.recipe import load_recipe
 
-    return convert(ConvertOptions(src=str(src), dst=dst, recipe=load_recipe(recipe), max_shard_bytes=SHARD,
-                                  progress=False, **kw))
+    kw.setdefault("max_shard_bytes", SHARD)
+    return convert(ConvertOptions(src=str(src), dst=dst, recipe=load_recipe(recipe), progress=False, **kw))
 
 
 # Outputs whose layout depends on the engine: "<recipe>@<engine>" (the plain name is --engine both, the default).

@@ -384,14 +384,16 @@ def test_fit_model_v41_both_engines(tiny_v41: Path, tmp_path: Path, capsys) -> N
     refuses the FP8-expert one in one error line, and a config that lies about its experts is named."""
     from conftest import run
 
+    from dsv4convert.convert import DEFAULT_MAX_SHARD_BYTES
+
     for engine in ("sglang", "vllm"):
         assert main(["fit", "--model", str(tiny_v41), "--gpu", "b200", "--count", "1", "--tp", "1", "--engine",
                      engine, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["engine"] == engine and out["servers"] and all(s["fits"] for s in out["servers"])
     nvfp4, fp8 = tmp_path / "nvfp4", tmp_path / "fp8"
-    run(tiny_v41, nvfp4, "nvfp4")
-    run(tiny_v41, fp8, "fp8", engine="sglang")
+    run(tiny_v41, nvfp4, "nvfp4", max_shard_bytes=DEFAULT_MAX_SHARD_BYTES)
+    run(tiny_v41, fp8, "fp8", engine="sglang", max_shard_bytes=DEFAULT_MAX_SHARD_BYTES)
     capsys.readouterr()
     assert main(["fit", "--model", str(nvfp4), "--gpu", "b200", "--count", "1", "--tp", "1", "--engine", "vllm",
                  "--json"]) == 0
