@@ -100,6 +100,23 @@ def tiny_v41_missing_vision(tiny_v41, tmp_path_factory) -> Path:
     return dst
 
 
+# The variants `convert` writes from a DeepSeek-V4.1 release (convert/v41.py::VARIANTS).
+V41_VARIANTS = ("nvfp4", "fp8", "bf16", "w4a16")
+
+
+@pytest.fixture(scope="session")
+def v41_outputs(tiny_v41, tmp_path_factory) -> dict[str, Path]:
+    """tiny-v41 converted by each V4.1 recipe (``convert --recipe VARIANT``, the engines' default: both where both
+    load it), once per session, each with its model card; tests must not modify them (copy one to change it)."""
+    from dsv4convert.cli import main
+
+    root = tmp_path_factory.mktemp("v41-variants")
+    for variant in V41_VARIANTS:
+        argv = ["convert", "--recipe", variant, "--src", str(tiny_v41), "--dst", str(root / variant), "--no-progress"]
+        assert main(argv) == 0, variant
+    return {variant: root / variant for variant in V41_VARIANTS}
+
+
 SHARD = 1_000_000  # small output shards, so every variant spans many
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import sglang_oracle as sgl
+from conftest import V41_VARIANTS
 
 from dsv4convert.cli import main
 from dsv4convert.engines.sglang import ENGRAM_PLACEMENTS
@@ -226,3 +227,91 @@ def test_vllms_v41_commands_resolve_through_vllms_own_parser(capsys, tiny_v41):
             assert resolved["draft_architectures"] == ["DSparkV41DraftModel"]
         else:
             assert resolved["speculative_method"] is None
+
+
+# The MoE runner SGLang 0.5.23's own resolution gives each V4.1 variant's experts under serve's environment
+# (arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides): FP4 experts flashinfer_mxfp4, ModelOpt's hybrid
+# flashinfer_trtllm_routed, the rest SGLang's per-method default ("auto").
+RUNNERS = {"nvfp4": "flashinfer_trtllm_routed", "fp8": "auto", "bf16": "auto", "w4a16": "auto"}
+
+
+@pytest.mark.parametrize("variant", V41_VARIANTS)
+def test_every_converted_variant_launches_as_sglang_resolves_it(capsys, v41_outputs, variant):
+    """``serve --dry-run`` on each V4.1 output ``convert`` writes, on each family: the variant ``fit --model`` reads,
+    SGLang's own resolution of the command (DSPARK, the runner for its experts, ``is_fp4_experts`` as its loader will
+    see it under the command's environment), the Engram placement sized from the output's own tensors; where SGLang
+    has no kernel for it (ModelOpt's NVFP4 hybrid off sm_100) one error line, exit 2, nothing printed."""
+    from dsv4convert.engines.sglang.quant_config import v41_family_problem
+
+    model = v41_outputs[variant]
+    for family in ("sm90", "sm100", "sm120"):
+        code, out, err = dry_run(capsys, "--model", str(model), "--gpu-family", family, "--gpus", "0,1")
+        if v41_family_problem(variant, family):
+            assert code == 2 and out == "" and err.startswith("error:") and err.count("\n") == 1
+            assert f"this DeepSeek-V4.1 {variant} checkpoint on {family}" in err and "flashinfer_trtllm_routed" in err
+            continue
+        assert code == 0 and "# engram: gpu, fit's choice" in out, err
+        ((env, argv),) = servers(out)
+        resolved = sgl.resolve_server_args(argv, gpu=family, env=env).resolved_dict()
+        assert (resolved["speculative_algorithm"], resolved["moe_runner_backend"]) == ("DSPARK", RUNNERS[variant])
+        assert sgl.is_fp4_experts(model, gpu=family, env=env) is (variant == "nvfp4")
+    family = "sm100" if variant == "nvfp4" else "sm90"
+    code, out, _ = dry_run(capsys, "--model", str(model), "--gpu-family", family, "--pd", "--prefill-gpus", "0",
+                           "--decode-gpus", "1")
+    planned = servers(out)
+    assert code == 0 and len(planned) == 2
+    for (env, argv), role in zip(planned, ("prefill", "decode")):
+        resolved = sgl.resolve_server_args(argv, gpu=family, env=env).resolved_dict()
+        assert resolved["disaggregation_mode"] == role and resolved["moe_runner_backend"] == RUNNERS[variant]
+
+
+def test_the_engram_placement_is_sized_for_the_variant(capsys, tmp_path):
+    """The release's config, and the same config as each conversion rewrites it (no shards: planned from config.json
+    as ``fit --config`` plans that variant): on 8x RTX PRO 6000 the release keeps its tables on the GPUs at TP8, while
+    BF16 (1 TB of weights) fits in no placement, named with fit's numbers; NVFP4 is sized on 8x B200."""
+    from dsv4convert.engines.config import v41_config
+
+    release = json.loads(V41_CONFIG.read_text())
+    answers = {}
+    for variant, family in (("bf16", "sm120"), ("nvfp4", "sm100"), ("w4a16", "sm120")):
+        (tmp_path / variant).mkdir()
+        (tmp_path / variant / "config.json").write_text(json.dumps(v41_config(release, variant, "sglang")[0]))
+        answers[variant] = dry_run(capsys, "--model", str(tmp_path / variant), "--gpu-family", family, "--gpus",
+                                   "0,1,2,3,4,5,6,7")
+    code, out, err = answers["bf16"]
+    assert code == 2 and out == "" and "no Engram placement fits every server" in err and err.count("\n") == 1
+    assert "fit --config" in err
+    for variant, card in (("nvfp4", "B200"), ("w4a16", "RTX PRO 6000")):
+        code, out, err = answers[variant]
+        assert code == 0 and f"fit's choice on {card}" in out, err
+
+
+def test_vllm_commands_for_every_converted_variant(capsys, v41_outputs):
+    """``--engine vllm --dry-run`` on each V4.1 output: NVFP4 and BF16 resolve through vLLM 0.33.0's own parser and
+    engine config (the draft as ``DSparkV41DraftModel``); FP8 experts in 32x32 blocks and compressed-tensors W4A16,
+    which vLLM does not load, are one error line naming why."""
+    import vllm_oracle as vllm
+
+    asked = []
+    for variant in V41_VARIANTS:
+        code, out, err = dry_run(capsys, "--model", str(v41_outputs[variant]), "--gpu-family", "sm100", "--gpus",
+                                 "0,1", "--engine", "vllm")
+        if variant in ("fp8", "w4a16"):
+            assert code == 2 and out == "" and err.count("\n") == 1
+            assert f"does not load this DeepSeek-V4.1 {variant} checkpoint" in err
+            assert ("FP8 MoE" if variant == "fp8" else "compressed-tensors") in err
+            continue
+        assert code == 0
+        for prefix in ("# server: ", "# with the drafter: "):
+            (line,) = [line for line in out.splitlines() if line.startswith(prefix)]
+            words = shlex.split(line.removeprefix(prefix))
+            asked.append(vllm.request_v41(v41_outputs[variant], words[3:], gpu="sm100", resolve_only=True))
+    answers = vllm.run(asked)
+    assert len(answers) == 4
+    for answer, draft in zip(answers, (False, True, False, True)):
+        assert "raised" not in answer, answer.get("traceback", answer.get("raised"))
+        assert answer["resolved"]["engram_cpu_offload"] is True
+        if draft:
+            assert answer["resolved"]["draft_architectures"] == ["DSparkV41DraftModel"]
+        else:
+            assert answer["resolved"]["speculative_method"] is None

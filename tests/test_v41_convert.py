@@ -1,10 +1,10 @@
 """tiny-v41 (``synth --preset tiny-v41``) through every DeepSeek-V4.1 variant, ``validate``, and both engines' real
 V4.1 models and DSpark drafts on CPU, #53.
 
-Each output is made once for the module (``convert --recipe nvfp4|fp8|bf16|w4a16``). Asserted: the Engram tables'
-bytes are the source's in every output (hashed); ``text_config`` and ``vision_config`` are the source's and only
-``quantization_config`` changes; the tokenizer ships; ``validate --against`` passes each and names the same Engram
-hashes; SGLang 0.5.23's V4.1 model and DSpark draft load every output where SGLang runs it (NVFP4 on sm_100, its
+Each output is made once for the session (``convert --recipe nvfp4|fp8|bf16|w4a16``: conftest's ``v41_outputs``).
+Asserted: the Engram tables' bytes are the source's in every output (hashed); ``text_config`` and ``vision_config``
+are the source's and only ``quantization_config`` changes; the tokenizer ships; ``validate --against`` passes each
+and names the same Engram hashes; SGLang 0.5.23's V4.1 model and DSpark draft load every output where SGLang runs it (NVFP4 on sm_100, its
 only family), every tensor reaching a parameter and every parameter written (``test_v41_loading.unaccounted``,
 ``unwritten``); vLLM 0.33.0's loads NVFP4 and BF16, and fails to build FP8 experts in 32x32 blocks, the reason the
 converter names; an engine asked for that cannot load a variant, and each bad input, is one ``error:`` line naming
@@ -25,28 +25,18 @@ import torch
 import vllm_oracle as vllm
 from safetensors import safe_open
 from safetensors.torch import save_file
+from conftest import V41_VARIANTS as VARIANTS
 from test_v41_loading import unaccounted
 
 from dsv4convert.cli import main
+from dsv4convert.engines.sglang.quant_config import v41_serving_env
 
-VARIANTS = ("nvfp4", "fp8", "bf16", "w4a16")
 ENGRAM = [f"layers.{layer}.engram.embed.{kind}" for layer in (1, 2) for kind in ("weight", "scale")]
 # What each variant's routed experts are built as in SGLang's V4.1 model.
 SGLANG_EXPERTS = {"nvfp4": "ModelOptNvFp4FusedMoEMethod", "fp8": "Fp8MoEMethod", "bf16": "UnquantizedFusedMoEMethod",
                   "w4a16": "CompressedTensorsFusedMoEMethod"}
 # A family SGLang runs each variant on (nvfp4: sm_100 only, engines/sglang/quant_config.py::v41_family_problem).
 SGLANG_FAMILY = {"nvfp4": "sm100", "fp8": "sm120", "bf16": "sm90", "w4a16": "sm90"}
-
-
-@pytest.fixture(scope="module")
-def outputs(tiny_v41, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("v41-variants")
-    made = {}
-    for variant in VARIANTS:
-        made[variant] = root / variant
-        argv = ["convert", "--recipe", variant, "--src", str(tiny_v41), "--dst", str(made[variant]), "--no-progress"]
-        assert main(argv) == 0, variant
-    return made
 
 
 def _entry_bytes(ckpt: Path, name: str) -> bytes:
@@ -63,48 +53,48 @@ def _config(ckpt: Path) -> dict:
     return json.loads((ckpt / "config.json").read_text())
 
 
-def test_the_engram_tables_are_the_sources_bytes_in_every_output(tiny_v41, outputs):
+def test_the_engram_tables_are_the_sources_bytes_in_every_output(tiny_v41, v41_outputs):
     source = {name: _sha(tiny_v41, name) for name in ENGRAM}
-    for variant, out in outputs.items():
+    for variant, out in v41_outputs.items():
         assert {name: _sha(out, name) for name in ENGRAM} == source, variant
 
 
-def test_only_the_quantization_config_changes(tiny_v41, outputs):
+def test_only_the_quantization_config_changes(tiny_v41, v41_outputs):
     src = _config(tiny_v41)
-    for variant, out in outputs.items():
+    for variant, out in v41_outputs.items():
         cfg = _config(out)
         assert {k: v for k, v in cfg.items() if k != "quantization_config"} == \
             {k: v for k, v in src.items() if k != "quantization_config"}, variant
         assert (out / "tokenizer.json").read_bytes() == (tiny_v41 / "tokenizer.json").read_bytes()
-    nvfp4 = _config(outputs["nvfp4"])["quantization_config"]
+    nvfp4 = _config(v41_outputs["nvfp4"])["quantization_config"]
     assert {k: nvfp4[k] for k in ("quant_method", "quant_algo", "moe_quant_algo", "group_size", "weight_block_size",
                                   "scale_fmt")} == {"quant_method": "fp8", "quant_algo": "MIXED_PRECISION",
                                                     "moe_quant_algo": "NVFP4", "group_size": 16,
                                                     "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
     assert "mtp.*" in nvfp4["ignore"] and nvfp4["producer"]["engines"] == ["sglang", "vllm"]
-    assert _config(outputs["fp8"])["quantization_config"]["expert_dtype"] == "fp8"
-    assert _config(outputs["fp8"])["quantization_config"]["producer"]["engines"] == ["sglang"]
-    assert "quantization_config" not in _config(outputs["bf16"])
-    w4a16 = _config(outputs["w4a16"])["quantization_config"]
+    assert _config(v41_outputs["fp8"])["quantization_config"]["expert_dtype"] == "fp8"
+    assert _config(v41_outputs["fp8"])["quantization_config"]["producer"]["engines"] == ["sglang"]
+    assert "quantization_config" not in _config(v41_outputs["bf16"])
+    w4a16 = _config(v41_outputs["w4a16"])["quantization_config"]
     assert w4a16["quant_method"] == "compressed-tensors" and w4a16["linear_fp8_config"]["weight_block_size"] == [32, 32]
 
 
-def test_what_each_variant_converts_and_keeps(tiny_v41, outputs):
+def test_what_each_variant_converts_and_keeps(tiny_v41, v41_outputs):
     """NVFP4 keeps the MXFP4 codes and the drafter's MXFP4 experts; every variant keeps the compressor, the indexer's
     BF16 half and the vision tower byte for byte."""
     kept = ["layers.2.attn.compressor.wkv.weight", "layers.2.attn.indexer.wk.weight", "vision.blocks.1.mlp.w2.weight",
             "layers.1.engram.q_weight"]
-    for variant, out in outputs.items():
+    for variant, out in v41_outputs.items():
         assert [_sha(out, n) for n in kept] == [_sha(tiny_v41, n) for n in kept], variant
     codes = "layers.0.ffn.experts.0.w1.weight"
-    assert _entry_bytes(outputs["nvfp4"], codes) == _entry_bytes(tiny_v41, codes)
-    assert _sha(outputs["nvfp4"], "mtp.0.ffn.experts.0.w1.scale") == _sha(tiny_v41, "mtp.0.ffn.experts.0.w1.scale")
-    index = json.loads((outputs["bf16"] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert _entry_bytes(v41_outputs["nvfp4"], codes) == _entry_bytes(tiny_v41, codes)
+    assert _sha(v41_outputs["nvfp4"], "mtp.0.ffn.experts.0.w1.scale") == _sha(tiny_v41, "mtp.0.ffn.experts.0.w1.scale")
+    index = json.loads((v41_outputs["bf16"] / "model.safetensors.index.json").read_text())["weight_map"]
     assert not any(n.endswith(".scale") and ".engram.embed." not in n for n in index)   # every linear BF16
 
 
-def test_validate_passes_every_output_and_names_the_engram_hashes(tiny_v41, outputs, tmp_path, capsys):
-    for variant, out in outputs.items():
+def test_validate_passes_every_output_and_names_the_engram_hashes(tiny_v41, v41_outputs, tmp_path, capsys):
+    for variant, out in v41_outputs.items():
         report = tmp_path / variant
         assert main(["validate", str(out), "--against", str(tiny_v41), "--report", str(report), "--no-progress"]) == 0
         summary = json.loads((report / "validate.json").read_text())
@@ -115,9 +105,9 @@ def test_validate_passes_every_output_and_names_the_engram_hashes(tiny_v41, outp
     assert "sm100 runs" in capsys.readouterr().out
 
 
-def test_validate_names_a_tensor_whose_bytes_changed(tiny_v41, outputs, tmp_path):
+def test_validate_names_a_tensor_whose_bytes_changed(tiny_v41, v41_outputs, tmp_path):
     broken = tmp_path / "nvfp4"
-    shutil.copytree(outputs["nvfp4"], broken)
+    shutil.copytree(v41_outputs["nvfp4"], broken)
     name = "layers.1.engram.embed.scale"
     shard = broken / json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"][name]
     with safe_open(shard, "pt") as f:
@@ -131,9 +121,10 @@ def test_validate_names_a_tensor_whose_bytes_changed(tiny_v41, outputs, tmp_path
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_sglang_v41_model_and_draft_load_every_output(outputs, variant):
-    out, gpu = outputs[variant], SGLANG_FAMILY[variant]
-    loaded = v41.load_checkpoint(out, gpu=gpu)
+def test_sglang_v41_model_and_draft_load_every_output(v41_outputs, variant):
+    out, gpu = v41_outputs[variant], SGLANG_FAMILY[variant]
+    env = v41_serving_env(variant)   # as serve launches it
+    loaded = v41.load_checkpoint(out, gpu=gpu, env=env)
     assert loaded.error is None and loaded.not_found == [], (loaded.error, loaded.error_tensor, loaded.not_found)
     assert unaccounted(out, loaded) == []
     never = tuple(f".{suffix}" for suffix in sgl.NEVER_LOADED)
@@ -143,30 +134,30 @@ def test_sglang_v41_model_and_draft_load_every_output(outputs, variant):
     methods = {type(m.quant_method).__name__ for n, m in loaded.model.named_modules()
                if n.endswith("mlp.experts") and hasattr(m, "quant_method")}
     assert methods == {SGLANG_EXPERTS[variant]}
-    draft = v41.load_draft(out, gpu=gpu)
+    draft = v41.load_draft(out, gpu=gpu, env=env)
     assert draft.error is None and draft.not_found == [], (draft.error, draft.error_tensor, draft.not_found)
     left = {n for n, w in draft.written.items() if not w.all()}
     assert all(n.endswith(tuple(sgl.DSPARK_NEVER_LOADED)) for n in left), left
 
 
 @pytest.fixture(scope="module")
-def vllm_answers(outputs) -> dict[tuple[str, str, str], dict]:
-    text = _config(outputs["nvfp4"])["text_config"]
+def vllm_answers(v41_outputs) -> dict[tuple[str, str, str], dict]:
+    text = _config(v41_outputs["nvfp4"])["text_config"]
     dspark = json.dumps({"method": "dspark", "num_speculative_tokens": text["dspark_block_size"]})
     asked = {}
     for variant, gpu in (("nvfp4", "sm100"), ("bf16", "sm120")):
-        asked[variant, gpu, "target"] = vllm.request_v41(outputs[variant], [], gpu=gpu)
-        asked[variant, gpu, "draft"] = vllm.request_v41(outputs[variant], ["--speculative-config", dspark], gpu=gpu,
+        asked[variant, gpu, "target"] = vllm.request_v41(v41_outputs[variant], [], gpu=gpu)
+        asked[variant, gpu, "draft"] = vllm.request_v41(v41_outputs[variant], ["--speculative-config", dspark], gpu=gpu,
                                                         draft=True)
     for gpu in ("sm90", "sm100", "sm120"):
-        asked["fp8", gpu, "target"] = vllm.request_v41(outputs["fp8"], [], gpu=gpu)
+        asked["fp8", gpu, "target"] = vllm.request_v41(v41_outputs["fp8"], [], gpu=gpu)
     keys = list(asked)
     return dict(zip(keys, vllm.run([asked[k] for k in keys])))
 
 
 @pytest.mark.parametrize("variant,gpu", [("nvfp4", "sm100"), ("bf16", "sm120")])
-def test_vllm_v41_model_and_draft_load_nvfp4_and_bf16(vllm_answers, outputs, variant, gpu):
-    names = set(json.loads((outputs[variant] / "model.safetensors.index.json").read_text())["weight_map"])
+def test_vllm_v41_model_and_draft_load_nvfp4_and_bf16(vllm_answers, v41_outputs, variant, gpu):
+    names = set(json.loads((v41_outputs[variant] / "model.safetensors.index.json").read_text())["weight_map"])
     target, draft = vllm_answers[variant, gpu, "target"], vllm_answers[variant, gpu, "draft"]
     for answer in (target, draft):
         assert "raised" not in answer, answer.get("traceback", answer.get("raised"))
@@ -248,10 +239,10 @@ def test_bad_v41_input_is_one_error_line_and_nothing_written(tiny_v41, tmp_path,
     assert not dst.exists()
 
 
-def test_validate_names_fused_halves_of_two_dtypes(outputs, tmp_path):
+def test_validate_names_fused_halves_of_two_dtypes(v41_outputs, tmp_path):
     """SGLang and vLLM load ``wq_a`` and ``wkv`` into one parameter: a BF16 ``wkv`` beside an FP8 ``wq_a`` is named."""
     broken = tmp_path / "bf16"
-    shutil.copytree(outputs["bf16"], broken)
+    shutil.copytree(v41_outputs["bf16"], broken)
     name = "layers.0.attn.wkv.weight"
     shard = _rewrite(broken, name, lambda t: t.to(torch.float16))
     assert main(["validate", str(broken), "--report", str(tmp_path / "r"), "--no-progress"]) == 1
@@ -264,11 +255,11 @@ def _shard_bytes(ckpt: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(ckpt.glob("model*"))}
 
 
-def test_one_output_shard_per_source_shard_the_engram_tables_alone(tiny_v41, outputs):
+def test_one_output_shard_per_source_shard_the_engram_tables_alone(tiny_v41, v41_outputs):
     """Every output keeps the source's sharding: each tensor (or the module it was converted from) in the shard of
     the same number, and each Engram table's shard holds that table alone."""
     source = json.loads((tiny_v41 / "model.safetensors.index.json").read_text())["weight_map"]
-    for variant, out in outputs.items():
+    for variant, out in v41_outputs.items():
         index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
         assert sorted(set(index.values())) == sorted(set(source.values())), variant
         for name, shard in index.items():
@@ -281,12 +272,12 @@ def test_one_output_shard_per_source_shard_the_engram_tables_alone(tiny_v41, out
                 [f"layers.{layer}.engram.embed.{kind}" for kind in ("scale", "weight")], variant
 
 
-def test_workers_and_an_interrupted_run_resumed_are_byte_identical(tiny_v41, outputs, tmp_path, monkeypatch, capsys):
+def test_workers_and_an_interrupted_run_resumed_are_byte_identical(tiny_v41, v41_outputs, tmp_path, monkeypatch, capsys):
     """--workers 2 writes the same bytes; a run interrupted after three shards says --resume, keeps them, and
     --resume writes only the rest, byte-identical to an uninterrupted run."""
     from dsv4convert.convert import v41 as convert_v41
 
-    reference = _shard_bytes(outputs["nvfp4"])
+    reference = _shard_bytes(v41_outputs["nvfp4"])
     argv = ["convert", "--recipe", "nvfp4", "--src", str(tiny_v41), "--no-progress"]
     assert main([*argv, "--dst", str(tmp_path / "two"), "--workers", "2"]) == 0
     assert _shard_bytes(tmp_path / "two") == reference
@@ -313,7 +304,7 @@ def test_workers_and_an_interrupted_run_resumed_are_byte_identical(tiny_v41, out
     assert _shard_bytes(dst) == reference
     assert {n: (dst / n).stat().st_mtime_ns for n in finished} == finished
     for name in ("config.json", "tokenizer.json"):
-        assert (dst / name).read_bytes() == (outputs["nvfp4"] / name).read_bytes(), name
+        assert (dst / name).read_bytes() == (v41_outputs["nvfp4"] / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("flags,named", [

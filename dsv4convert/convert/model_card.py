@@ -185,14 +185,14 @@ def source_card_metadata(root: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def base_model_id(src: str, root: Path) -> str:
-    """The Hub id of the model converted: ``src`` when it is one, the id of a Hub cache snapshot, else V4-Flash."""
+def base_model_id(src: str, root: Path, default: str = DEFAULT_BASE_MODEL) -> str:
+    """The Hub id of the model converted: ``src`` when it is one, the id of a Hub cache snapshot, else ``default``."""
     if not Path(src).exists() and src.count("/") == 1:
         return src
     for part in Path(root).resolve().parts:
         if part.startswith("models--"):
             return part.removeprefix("models--").replace("--", "/", 1)
-    return DEFAULT_BASE_MODEL
+    return default
 
 
 def _percent(part: int, whole: int) -> str:
@@ -336,7 +336,7 @@ def upload_command(model_dir: str | Path) -> list[str]:
     return ["hf", "upload", "<your-namespace>/<repo-name>", str(model_dir), ".", "--repo-type", "model"]
 
 
-def _upload_lines(model_dir: str | Path | None) -> list[str]:
+def upload_lines(model_dir: str | Path | None) -> list[str]:
     target = model_dir if model_dir is not None else "<this directory>"
     return [
         "## Upload", "",
@@ -401,7 +401,7 @@ def render_model_card(*, variant: str, base_model: str, recipe_name: str, recipe
         *serves,
         *(model_card_lines(variant, next((spec["env"] for spec in launch.values() if spec.get("argv")), {}))
           if eng.SGLANG in engines else []),
-        *_upload_lines(model_dir),
+        *upload_lines(model_dir),
         "## Recipe",
         "",
         "```yaml",

@@ -44,10 +44,12 @@ from dsv4convert.checkpoint import (
     ShardWriter,
     SourceBytes,
     TensorEntry,
+    atomic_write_bytes,
     atomic_write_json,
     read_tensor,
 )
 from dsv4convert.checkpoint.writer import copy_small_files, write_index
+from dsv4convert.convert.model_card_v41 import V41Card, render
 from dsv4convert.convert.modules import (
     ModuleContext,
     check_finite,
@@ -61,9 +63,10 @@ from dsv4convert.convert.recipe import Recipe, Target, canonical, load_recipe
 from dsv4convert.convert.state import DestinationLock, prepare_destination, signature
 from dsv4convert.engines.config import v41_config
 from dsv4convert.engines.stored import V41_NEVER_QUANTIZED
+from dsv4convert.engines.vllm.quant_config import v41_problem as vllm_v41_problem
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.formats import Format, dequantize_fp8_block, linear_storage, mxfp4_to_fp8_block
-from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, Role
+from dsv4convert.models.deepseek_v4.layout import MXFP4_GROUP, Role, TensorSpec
 from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.models.deepseek_v41 import inventory
 from dsv4convert.models.deepseek_v41 import release as v41
@@ -334,6 +337,22 @@ def _run_shards(tasks: list[_ShardTask], workers: int, finished, bar: tqdm) -> N
     pool.shutdown(wait=True)
 
 
+def _write_card(ckpt: Checkpoint, dst: Path, recipe: Recipe, variant: str, engines: tuple[str, ...], config: dict,
+                cfg: V41Config, shards: list[list[_Module]], planned: list[list[PlannedTensor]], stats: dict) -> None:
+    """README.md: the model card (:mod:`dsv4convert.convert.model_card_v41`), from what this run planned and wrote."""
+    quant = config.get("quantization_config")
+    not_for = {e: (vllm_v41_problem(quant, variant) if e == eng.VLLM else None)
+               or f"not asked for (--engine {eng.choice_of(engines)})" for e in eng.ENGINES if e not in engines}
+    stored: dict[str, Counter] = defaultdict(Counter)
+    for p in (p for ps in planned for p in ps):
+        stored[inventory.role_of(p.name)][p.dtype] += 1
+    card = V41Card(dst=dst, src=str(ckpt.root), variant=variant, recipe=recipe.name, engines=engines, config=config,
+                   cfg=cfg, tensors=[TensorSpec(p.name, p.dtype, tuple(p.shape)) for ps in planned for p in ps],
+                   actions=Counter((m.role, m.action) for mods in shards for m in mods), stored=dict(stored),
+                   stats=stats, not_for=not_for)
+    atomic_write_bytes(dst / "README.md", render(card).encode())
+
+
 def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | None, overwrite: bool, resume: bool,
                 workers: int, dry_run: bool, progress: bool, refused: list[str]) -> V41Result:
     """Convert a V4.1 checkpoint by a shipped recipe (module docstring); every check runs before anything is
@@ -406,7 +425,8 @@ def convert_v41(ckpt: Checkpoint, *, dst: Path, recipe: Recipe, engine: str | No
             "source_index_sha256": hashlib.sha256(ckpt.index_file.read_bytes()).hexdigest()
             if ckpt.index_file else None})
         write_index(dst, {p.name: t.name for t in tasks for p in t.planned}, total_out)   # last: until it exists
-        state.complete = True                                                             # no loader takes dst
+        _write_card(ckpt, dst, recipe, variant, engines, config, cfg, shards, planned, stats)  # no loader takes dst
+        state.complete = True
         state.save()
     seconds = time.monotonic() - t0
     lossless = f", lossless blocks {stats['blocks_exact']}/{stats['blocks_total']}" if stats["blocks_total"] else ""

@@ -86,6 +86,21 @@ def v41_config(source_config: dict, variant: str, asked: str | None) -> tuple[di
     return config, engines, note
 
 
+def v41_variant_of(config: dict) -> str:
+    """The V4.1 variant a checkpoint's ``quantization_config`` describes (:func:`v41_config`'s inverse): the release
+    (MXFP4 experts), fp8 (``expert_dtype`` fp8), nvfp4 (ModelOpt's hybrid: ``moe_quant_algo`` NVFP4), w4a16
+    (compressed-tensors) or bf16 (none at all). ``fit --model``, ``serve`` and ``validate`` read a checkpoint's variant
+    here, and ``fit`` checks it against the experts' stored dtype."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return "bf16"
+    if qc.get("quant_method") == "compressed-tensors":
+        return "w4a16"
+    if str(qc.get("moe_quant_algo") or "").upper() == "NVFP4":
+        return "nvfp4"
+    return "fp8" if qc.get("expert_dtype") == "fp8" else "native"
+
+
 def v41_families(variant: str) -> dict[str, dict[str, str | None]]:
     """Per engine and GPU family: None where the engine runs a V4.1 ``variant`` there, else why not."""
     return {SGLANG: {f: sglang.v41_family_problem(variant, f) for f in GPU_FAMILIES},

@@ -15,12 +15,11 @@ from pathlib import Path
 
 from dsv4convert.checkpoint import Checkpoint, read_small_json
 from dsv4convert.convert.v41 import VARIANTS, expected_outputs
-from dsv4convert.engines.config import v41_config
+from dsv4convert.engines.config import v41_config, v41_variant_of
 from dsv4convert.errors import CheckpointError
 from dsv4convert.models.deepseek_v4.layout import TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config, is_v41, read_config
 from dsv4convert.models.deepseek_v41.inventory import native_inventory, role_of
-from dsv4convert.validate.v41 import variant_of
 
 LABEL = "native"
 # The variants fit plans from a V4.1 config: the release, then what each shipped recipe writes.
@@ -68,7 +67,7 @@ def from_checkpoint(model: str | Path) -> PlannedV41 | None:
         return None
     source = str(ckpt.root / "config.json")
     cfg = read_config(ckpt.config, source)
-    variant = variant_of(ckpt.config)
+    variant = v41_variant_of(ckpt.config)
     expert = next((e for e in ckpt.tensors.values() if role_of(e.name) == "routed_expert"
                    and e.name.endswith((".weight", ".weight_packed"))), None)
     if expert is None:
@@ -79,3 +78,25 @@ def from_checkpoint(model: str | Path) -> PlannedV41 | None:
                               f"describes the {variant} variant ({' or '.join(_EXPERT_WEIGHTS[variant])} experts)")
     tensors = [TensorSpec(e.name, e.dtype, tuple(e.shape)) for e in ckpt.tensors.values()]
     return PlannedV41(cfg, tensors, variant, str(model), ckpt.config)
+
+
+def of_directory(model: Path) -> PlannedV41 | None:
+    """A V4.1 checkpoint as ``serve`` plans its launch: from its shard headers where they are here, exactly as
+    ``fit --model`` reads it (:func:`from_checkpoint`), else from its config.json alone (a host given only the config,
+    or the release's config to plan with): the variant its ``quantization_config`` names
+    (``engines/config.py::v41_variant_of``), its tensors those ``convert`` writes for that variant. None when the
+    config is another release's."""
+    path = Path(model) / "config.json"
+    config = read_small_json(path)
+    if not is_v41(config):
+        return None
+    if any(Path(model).glob("*.safetensors")):
+        return from_checkpoint(model)
+    cfg = read_config(config, str(path))
+    variant = v41_variant_of(config)
+    if variant == LABEL:
+        return PlannedV41(cfg, native_inventory(cfg), raw=config)
+    groups = (config["quantization_config"].get("config_groups") or {}) if variant == "w4a16" else {}
+    group = ((groups.get("group_0") or {}).get("weights") or {}).get("group_size", 32)
+    outputs = expected_outputs(cfg, variant, group)
+    return PlannedV41(cfg, [TensorSpec(n, d, s) for n, (d, s) in outputs.items()], variant, str(model), config)

@@ -3,8 +3,9 @@ sized as SGLang 0.5.23 sizes it (:mod:`dsv4convert.engines.sglang.memory_v41`) o
 (:mod:`dsv4convert.engines.vllm.memory_v41`).
 
 SGLang: the launch is the one ``serve`` starts (:func:`dsv4convert.engines.sglang.server.server_v41`): SGLang's
-defaults for V4.1, no ``--mem-fraction-static``, the default KV layout and attention backend, the ``flashinfer_mxfp4``
-MoE runner SGLang picks for FP4 experts. :func:`choose_placement` is the Engram placement ``serve`` uses by default.
+defaults for V4.1 and the checkpoint's variant, no ``--mem-fraction-static``, the default KV layout and attention
+backend, the MoE runner SGLang picks for the variant's experts. ``engines/sglang/memory_v41.py::choose_placement`` is
+the Engram placement ``serve`` uses by default and the model card prints.
 vLLM: one server, ``serve``'s ``vllm serve`` command (``--kv-cache-dtype fp8 --block-size 256``, expert parallel at
 TP > 1), each variant vLLM loads sized and each it refuses named with the reason (:func:`run_vllm`).
 """
@@ -13,60 +14,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from dsv4convert.checkpoint import read_small_json
 
 from dsv4convert.engines import SGLANG, VLLM, VLLM_LABEL, Gpu
-from dsv4convert.engines.config import v41_config, v41_families
-from dsv4convert.engines.memory import GIB, RUNTIME_OVERHEAD_MIB, gib
+from dsv4convert.engines.config import v41_families
+from dsv4convert.engines.memory import GIB, gib
 from dsv4convert.engines.sglang import memory as v4
 from dsv4convert.engines.sglang import memory_v41 as sizing
+from dsv4convert.engines.sglang.memory_v41 import PlacementChoice, ServerFitV41, choose_placement, size_server
 from dsv4convert.engines.sglang.server import Server, server_v41
-from dsv4convert.engines.vllm import memory as vllm_memory
 from dsv4convert.engines.vllm import memory_v41 as vllm_sizing
 from dsv4convert.engines.vllm import quant_config as vllm_quant
-from dsv4convert.engines.vllm.server import BLOCK_SIZE, VLLM_ENGRAM_DEFAULT
+from dsv4convert.engines.vllm.server import VLLM_ENGRAM_DEFAULT
 from dsv4convert.fit.source_v41 import PLANNED, PlannedV41, from_checkpoint, is_v41_config, planned
 from dsv4convert.fit.verdict import FitError, SglangSizing, roles
 from dsv4convert.models.deepseek_v4.layout import Drafter
-
-
-@dataclass(frozen=True)
-class ServerFitV41:
-    """One V4.1 server with one Engram placement (the JSON keys are these field names)."""
-
-    role: str
-    tp: int
-    engram: str
-    kv_layout: str
-    weights_bytes_per_rank: int          # what the GPU holds: backbone (+ the tables' shard where on GPU) + draft
-    engram_gpu_bytes_per_rank: int
-    engram_host_bytes_per_server: int
-    engram_host_bytes_per_process: int
-    mem_fraction_static: float
-    min_mem_fraction_static: float
-    kv_bytes_per_token: float
-    kv_terms: dict
-    swa_tokens: int
-    fixed_bytes: int
-    available_kv_bytes: int
-    kv_tokens: int
-    requests_at_context: int | None
-    fits: bool
-    drafter: str | None = None           # "dspark" when the launch serves the DSpark drafter
-    draft_tokens: int | None = None      # tokens verified per step
-    draft_weights_bytes_per_rank: int = 0
-    draft_kv_bytes: int = 0              # the draft worker's own pool (one SWA layer per stage)
-    draft_kv_budgeted_bytes: int = 0     # what SGLang's sizing set aside for it (one layer's worth)
-
-    @property
-    def draft_kv_unbudgeted_bytes(self) -> int:
-        """Draft cache the engine allocates beyond what its sizing set aside (taken from the activation reserve)."""
-        return max(self.draft_kv_bytes - self.draft_kv_budgeted_bytes, 0)
 
 
 def plan_of(path: Path, model: str | None = None) -> PlannedV41 | None:
@@ -88,75 +53,14 @@ def launch(gpu: Gpu, role: str, tp: int, placement: str, max_running: int | None
         if dspark is None:
             raise FitError("--mtp: this DeepSeek-V4.1 config announces no DSpark drafter (no dspark_* keys)")
         draft = {"mtp": True, "drafter": Drafter.DSPARK, "dspark_block_size": dspark.block_size}
-    return server_v41("MODEL", gpu.family, role=role, tp=tp, engram=placement, max_running_requests=max_running,
-                      **draft)
+    return server_v41("MODEL", gpu.family, variant=plan.variant if plan is not None else "native", role=role, tp=tp,
+                      engram=placement, max_running_requests=max_running, **draft)
 
 
 def size(plan: PlannedV41, gpu: Gpu, role: str, tp: int, placement: str, *, context: int | None = None,
          max_running: int | None = None, mtp: bool = False) -> ServerFitV41:
-    return size_server(plan, gpu, launch(gpu, role, tp, placement, max_running, plan=plan, mtp=mtp), context=context)
-
-
-def size_server(plan: PlannedV41, gpu: Gpu, server: Server, *, context: int | None = None) -> ServerFitV41:
-    """One V4.1 server as it will run (its role, TP, request cap, Engram placement, DSpark draft) on ``gpu``."""
-    role, tp, placement = server.role, server.tp, server.engram or "gpu"
-    weights = sizing.weights_per_rank(plan.tensors, server)
-    engram = sizing.engram_placement(plan.config, tp, placement)
-    draft = weights.draft if server.mtp else 0
-    on_gpu = weights.target + engram.gpu_bytes_per_rank + draft
-    fraction = v4.memory_fraction(server, gpu.mib)
-    held = v4.budget(gpu.mib, fraction.used, on_gpu)
-    cost = sizing.kv_cost(plan.config, server, fraction.chunked_prefill_size)
-    full = sizing.kv_tokens(held.available_bytes, cost)
-    needed = max(context or v4.V4_PAGE_SIZE, v4.V4_PAGE_SIZE)
-    running = server.max_running_requests or v4.V4_MAX_RUNNING_REQUESTS
-    stages = plan.config.dspark.stages if server.mtp and plan.config.dspark else 0
-    return ServerFitV41(
-        role=role, tp=tp, engram=placement, kv_layout=cost.layout, weights_bytes_per_rank=on_gpu,
-        engram_gpu_bytes_per_rank=engram.gpu_bytes_per_rank,
-        engram_host_bytes_per_server=engram.host_bytes_per_server,
-        engram_host_bytes_per_process=engram.host_bytes_per_process, mem_fraction_static=fraction.used,
-        min_mem_fraction_static=held.min_mem_fraction_static, kv_bytes_per_token=cost.bytes_per_full_token,
-        kv_terms=cost.terms, swa_tokens=cost.swa_tokens, fixed_bytes=cost.fixed_bytes,
-        available_kv_bytes=held.available_bytes, kv_tokens=full,
-        requests_at_context=min(full // context, running) if context else None,
-        fits=held.available_bytes > cost.fixed_bytes and full >= needed,
-        drafter="dspark" if server.mtp else None, draft_tokens=server.draft_tokens, draft_weights_bytes_per_rank=draft,
-        draft_kv_bytes=sizing.draft_kv_bytes(cost, stages) if server.mtp else 0,
-        draft_kv_budgeted_bytes=sizing.draft_kv_budgeted_bytes(cost, full) if server.mtp else 0)
-
-
-@dataclass(frozen=True)
-class PlacementChoice:
-    """The Engram placement a launch gets by default, and every placement's servers as sized."""
-
-    placement: str | None                # None: no placement fits every server
-    fits: dict[str, list[ServerFitV41]]  # placement -> its servers, in the launch's order
-
-    def why(self) -> str:
-        """The choice in a sentence, with the numbers that made it."""
-        def tokens(placement: str) -> str:
-            return ", ".join(f"{f.role} {f.kv_tokens:,} KV tokens" if f.fits else f"{f.role} does not fit"
-                             for f in self.fits[placement])
-        if self.placement is None:
-            return "no Engram placement fits every server: " + "; ".join(
-                f"{p}: {tokens(p)}" for p in self.fits)
-        if self.placement == "gpu":
-            return f"the tables fit on the GPUs, SGLang's default ({tokens('gpu')})"
-        return (f"the tables do not fit on the GPUs ({tokens('gpu')}); in host memory, one buffer per TP group "
-                f"(SGLang's default host layout): {tokens(self.placement)}")
-
-
-def choose_placement(plan: PlannedV41, gpu: Gpu, servers: Sequence[Server], *,
-                     context: int | None = None) -> PlacementChoice:
-    """Where ``serve`` puts the Engram tables unless told: on the GPUs (SGLang's default: no host memory, no
-    lookups over PCIe) when every server of the launch fits there, else in host memory shared per TP group
-    (the host table's default layout; per rank holds the same GPU memory, so it never fits where shared does not),
-    else nowhere (the launch is refused with every placement's numbers)."""
-    fits = {p: [size_server(plan, gpu, replace(s, engram=p), context=context) for s in servers]
-            for p in sizing.ENGRAM_PLACEMENTS}
-    chosen = next((p for p in ("gpu", "host-shared") if all(f.fits for f in fits[p])), None)
-    return PlacementChoice(chosen, fits)
+    return size_server(plan.config, plan.tensors, gpu, launch(gpu, role, tp, placement, max_running, plan=plan, mtp=mtp),
+                       context=context)
 
 
 def _host_line(fits: list[ServerFitV41], pd: bool) -> str:
@@ -177,7 +81,7 @@ def _host_line(fits: list[ServerFitV41], pd: bool) -> str:
 
 def _choice(plan: PlannedV41, gpu: Gpu, args: argparse.Namespace) -> PlacementChoice:
     servers = [launch(gpu, role, args.tp, "gpu", args.max_running, plan=plan, mtp=args.mtp) for role in roles(args.pd)]
-    return choose_placement(plan, gpu, servers, context=args.context)
+    return choose_placement(plan.config, plan.tensors, gpu, servers, context=args.context)
 
 
 def _draft_line(fit: ServerFitV41) -> str:
@@ -274,40 +178,6 @@ def vllm_refusal(plan: PlannedV41, gpu: Gpu) -> str | None:
     return vllm_quant.v41_problem(quant, plan.variant) or v41_families(plan.variant)[VLLM][gpu.family]
 
 
-def size_vllm(plan: PlannedV41, gpu: Gpu, tp: int, placement: str, *, context: int | None = None,
-              mtp: bool = False) -> ServerFitV41:
-    """One vLLM server of ``tp`` GPUs for ``plan`` with the Engram tables at ``placement``, as far as vLLM's code
-    sizes it without a GPU (:data:`dsv4convert.engines.vllm.memory_v41.ESTIMATES`)."""
-    cfg = plan.config
-    if mtp and cfg.dspark is None:
-        raise FitError("--mtp: this DeepSeek-V4.1 config announces no DSpark drafter (no dspark_* keys)")
-    weights = vllm_sizing.weights_per_rank(plan.tensors, tp)
-    engram = vllm_sizing.engram_placement(cfg, tp, placement)
-    draft = weights.draft if mtp else 0
-    on_gpu = weights.target + engram.gpu_bytes_per_rank + draft
-    attention = vllm_sizing.attention_class(gpu.family, tp, cfg)
-    records = vllm_sizing.kv_records(gpu.family, attention)
-    spec_tokens = cfg.dspark.block_size if mtp else 0
-    specs = vllm_sizing.cache_specs(cfg, records, block_size=BLOCK_SIZE,
-                                    draft_layers=cfg.dspark.stages if mtp else 0, num_speculative_tokens=spec_tokens)
-    per_token = sum(spec.bytes_per_token for spec in specs)
-    available = vllm_memory.kv_budget(gpu.mib, vllm_memory.GPU_MEMORY_UTILIZATION, on_gpu, RUNTIME_OVERHEAD_MIB)
-    tokens = max(int(available / per_token) // BLOCK_SIZE * BLOCK_SIZE, 0)
-    needed = max(context or BLOCK_SIZE, BLOCK_SIZE)
-    minimum = (on_gpu + (RUNTIME_OVERHEAD_MIB << 20)) / (gpu.mib << 20)
-    return ServerFitV41(
-        role="server", tp=tp, engram=placement, kv_layout=f"{records.cache_dtype} ({attention})",
-        weights_bytes_per_rank=on_gpu, engram_gpu_bytes_per_rank=engram.gpu_bytes_per_rank,
-        engram_host_bytes_per_server=engram.host_bytes_per_server,
-        engram_host_bytes_per_process=engram.host_bytes_per_rank,
-        mem_fraction_static=vllm_memory.GPU_MEMORY_UTILIZATION, min_mem_fraction_static=math.ceil(minimum * 1000) / 1000,
-        kv_bytes_per_token=per_token, kv_terms={s.name: s.bytes_per_token for s in specs if s.bytes_per_token},
-        swa_tokens=0, fixed_bytes=0, available_kv_bytes=available, kv_tokens=tokens,
-        requests_at_context=tokens // context if context else None, fits=tokens >= needed,
-        drafter="dspark" if mtp else None, draft_tokens=spec_tokens + 1 if mtp else None,
-        draft_weights_bytes_per_rank=draft)
-
-
 def _vllm_assumptions(plan: PlannedV41, gpu: Gpu, args: argparse.Namespace) -> list[str]:
     """What the vLLM table takes for given, one line each."""
     attention = vllm_sizing.attention_class(gpu.family, args.tp, plan.config)
@@ -338,7 +208,8 @@ def run_vllm(args: argparse.Namespace, gpu: Gpu, plan: PlannedV41) -> int:
     for item in plans:
         why = vllm_refusal(item, gpu)
         if why is None:
-            rows += [(item, size_vllm(item, gpu, args.tp, p, context=args.context, mtp=args.mtp))
+            rows += [(item, vllm_sizing.size_server(item.config, item.tensors, gpu, args.tp, p, context=args.context,
+                                                     mtp=args.mtp))
                      for p in vllm_sizing.ENGRAM_PLACEMENTS]
         elif args.model:
             raise FitError(f"{item.label}: {VLLM_LABEL} does not load this {item.variant} checkpoint: "

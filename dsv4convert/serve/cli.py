@@ -403,7 +403,6 @@ def run(args: argparse.Namespace) -> int:
     engram_line = ""
     if getattr(config, "is_v41", False) and args.role != "router":
         family = _gpu_family(args, topology)
-        served.check_v41_family(config, family)
         args.engram_placement, engram_line = served.engram_placement(
             config, [c.server for c in commands if c.server is not None], family, args.engram_placement)
         commands, warnings = plan(args, topology, config)

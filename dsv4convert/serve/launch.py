@@ -96,7 +96,8 @@ def server_settings(options: LaunchOptions, role: str, tp_size: int, port: int, 
                   dspark_block_size=options.dspark_block_size, host=options.host, port=port, nccl_port=nccl_port,
                   indexer_topk=options.indexer_topk, enable_metrics=options.enable_metrics)
     try:
-        settings = (server_v41(options.model, options.gpu_family, engram=options.engram, **common)
+        settings = (server_v41(options.model, options.gpu_family, variant=options.variant, engram=options.engram,
+                               **common)
                     if options.engram is not None else
                     server(options.model, options.variant, options.gpu_family, **common))
         if role in ("prefill", "decode"):

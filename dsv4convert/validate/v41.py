@@ -33,7 +33,7 @@ from tqdm import tqdm
 from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, atomic_write_json, read_tensor
 from dsv4convert.convert.v41 import action_of, check_source, expected_outputs, handles
 from dsv4convert.engines import ENGINES, LABELS
-from dsv4convert.engines.config import v41_families
+from dsv4convert.engines.config import v41_families, v41_variant_of
 from dsv4convert.engines.stored import V41_FUSED_PAIRS
 from dsv4convert.engines.sglang.quant_config import v41_problem as sglang_problem
 from dsv4convert.engines.sglang.quant_config import v41_quant_config
@@ -44,19 +44,7 @@ from dsv4convert.models.deepseek_v41 import inventory
 from dsv4convert.models.deepseek_v41 import release as v41
 from dsv4convert.models.deepseek_v41.config import V41Config
 
-__all__ = ["handles", "validate_v41", "variant_of"]
-
-
-def variant_of(config: dict) -> str:
-    """The V4.1 variant an output's ``quantization_config`` describes (:func:`v41_quant_config`'s inverse)."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return "bf16"
-    if qc.get("quant_method") == "compressed-tensors":
-        return "w4a16"
-    if str(qc.get("moe_quant_algo") or "").upper() == "NVFP4":
-        return "nvfp4"
-    return "fp8" if qc.get("expert_dtype") == "fp8" else "native"
+__all__ = ["handles", "validate_v41"]
 
 
 def _decoded(ckpt: Checkpoint, module: str, cfg: V41Config) -> torch.Tensor:
@@ -81,7 +69,7 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
     t0 = time.monotonic()
     source = str(ckpt.root / "config.json")
     cfg = v41.read_config(ckpt.config, source)
-    variant = variant_of(ckpt.config)
+    variant = v41_variant_of(ckpt.config)
     problems: list[str] = []
     qc = ckpt.config.get("quantization_config")
     group = (((qc or {}).get("config_groups") or {}).get("group_0") or {}).get("weights", {}).get("group_size", 32)

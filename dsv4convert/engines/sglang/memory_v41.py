@@ -20,11 +20,17 @@ differs, each function restating one piece of SGLang's code (paths relative to `
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
-from dsv4convert.engines import gpu_family_major
-from dsv4convert.engines.sglang.memory import V4_MAX_RUNNING_REQUESTS, V4_PAGE_SIZE, confidence_head_bytes
+from dsv4convert.engines import Gpu, gpu_family_major
+from dsv4convert.engines.sglang.memory import (
+    V4_MAX_RUNNING_REQUESTS,
+    V4_PAGE_SIZE,
+    budget,
+    confidence_head_bytes,
+    memory_fraction,
+)
 from dsv4convert.engines.sglang.memory import request_slots as v4_request_slots
 from dsv4convert.engines.sglang import ENGRAM_PLACEMENTS
 from dsv4convert.engines.sglang.server import Server
@@ -374,3 +380,104 @@ def weights_per_rank(specs: Iterable[TensorSpec], server: Server) -> RankWeights
             out.target += per_rank
         out.by_role[role] = out.by_role.get(role, 0) + per_rank
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One server, sized whole: what `fit`, `serve`'s Engram placement and the model card read.
+
+@dataclass(frozen=True)
+class ServerFitV41:
+    """One V4.1 server with one Engram placement (the JSON keys are these field names)."""
+
+    role: str
+    tp: int
+    engram: str
+    kv_layout: str
+    weights_bytes_per_rank: int          # what the GPU holds: backbone (+ the tables' shard where on GPU) + draft
+    engram_gpu_bytes_per_rank: int
+    engram_host_bytes_per_server: int
+    engram_host_bytes_per_process: int
+    mem_fraction_static: float
+    min_mem_fraction_static: float
+    kv_bytes_per_token: float
+    kv_terms: dict
+    swa_tokens: int
+    fixed_bytes: int
+    available_kv_bytes: int
+    kv_tokens: int
+    requests_at_context: int | None
+    fits: bool
+    drafter: str | None = None           # "dspark" when the launch serves the DSpark drafter
+    draft_tokens: int | None = None      # tokens verified per step
+    draft_weights_bytes_per_rank: int = 0
+    draft_kv_bytes: int = 0              # the draft worker's own pool (one SWA layer per stage)
+    draft_kv_budgeted_bytes: int = 0     # what SGLang's sizing set aside for it (one layer's worth)
+
+    @property
+    def draft_kv_unbudgeted_bytes(self) -> int:
+        """Draft cache the engine allocates beyond what its sizing set aside (taken from the activation reserve)."""
+        return max(self.draft_kv_bytes - self.draft_kv_budgeted_bytes, 0)
+
+
+def size_server(cfg: V41Config, tensors: Iterable[TensorSpec], gpu: Gpu, server: Server, *,
+                context: int | None = None) -> ServerFitV41:
+    """One V4.1 server as it will run (its role, TP, request cap, Engram placement, DSpark draft) on ``gpu``, holding
+    ``tensors`` (the release planned from ``cfg``, a converted variant, or a checkpoint's headers)."""
+    role, tp, placement = server.role, server.tp, server.engram or "gpu"
+    weights = weights_per_rank(tensors, server)
+    engram = engram_placement(cfg, tp, placement)
+    draft = weights.draft if server.mtp else 0
+    on_gpu = weights.target + engram.gpu_bytes_per_rank + draft
+    fraction = memory_fraction(server, gpu.mib)
+    held = budget(gpu.mib, fraction.used, on_gpu)
+    cost = kv_cost(cfg, server, fraction.chunked_prefill_size)
+    full = kv_tokens(held.available_bytes, cost)
+    needed = max(context or V4_PAGE_SIZE, V4_PAGE_SIZE)
+    running = server.max_running_requests or V4_MAX_RUNNING_REQUESTS
+    stages = cfg.dspark.stages if server.mtp and cfg.dspark else 0
+    return ServerFitV41(
+        role=role, tp=tp, engram=placement, kv_layout=cost.layout, weights_bytes_per_rank=on_gpu,
+        engram_gpu_bytes_per_rank=engram.gpu_bytes_per_rank,
+        engram_host_bytes_per_server=engram.host_bytes_per_server,
+        engram_host_bytes_per_process=engram.host_bytes_per_process, mem_fraction_static=fraction.used,
+        min_mem_fraction_static=held.min_mem_fraction_static, kv_bytes_per_token=cost.bytes_per_full_token,
+        kv_terms=cost.terms, swa_tokens=cost.swa_tokens, fixed_bytes=cost.fixed_bytes,
+        available_kv_bytes=held.available_bytes, kv_tokens=full,
+        requests_at_context=min(full // context, running) if context else None,
+        fits=held.available_bytes > cost.fixed_bytes and full >= needed,
+        drafter="dspark" if server.mtp else None, draft_tokens=server.draft_tokens, draft_weights_bytes_per_rank=draft,
+        draft_kv_bytes=draft_kv_bytes(cost, stages) if server.mtp else 0,
+        draft_kv_budgeted_bytes=draft_kv_budgeted_bytes(cost, full) if server.mtp else 0)
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """The Engram placement a launch gets by default, and every placement's servers as sized."""
+
+    placement: str | None                # None: no placement fits every server
+    fits: dict[str, list[ServerFitV41]]  # placement -> its servers, in the launch's order
+
+    def why(self) -> str:
+        """The choice in a sentence, with the numbers that made it."""
+        def tokens(placement: str) -> str:
+            return ", ".join(f"{f.role} {f.kv_tokens:,} KV tokens" if f.fits else f"{f.role} does not fit"
+                             for f in self.fits[placement])
+        if self.placement is None:
+            return "no Engram placement fits every server: " + "; ".join(
+                f"{p}: {tokens(p)}" for p in self.fits)
+        if self.placement == "gpu":
+            return f"the tables fit on the GPUs, SGLang's default ({tokens('gpu')})"
+        return (f"the tables do not fit on the GPUs ({tokens('gpu')}); in host memory, one buffer per TP group "
+                f"(SGLang's default host layout): {tokens(self.placement)}")
+
+
+def choose_placement(cfg: V41Config, tensors: Sequence[TensorSpec], gpu: Gpu, servers: Sequence[Server], *,
+                     context: int | None = None) -> PlacementChoice:
+    """Where ``serve`` puts the Engram tables unless told: on the GPUs (SGLang's default: no host memory, no
+    lookups over PCIe) when every server of the launch fits there, else in host memory shared per TP group
+    (the host table's default layout; per rank holds the same GPU memory, so it never fits where shared does not),
+    else nowhere (the launch is refused with every placement's numbers)."""
+    fits = {p: [size_server(cfg, tensors, gpu, replace(s, engram=p), context=context) for s in servers]
+            for p in ENGRAM_PLACEMENTS}
+    chosen = next((p for p in ("gpu", "host-shared") if all(f.fits for f in fits[p])), None)
+    return PlacementChoice(chosen, fits)

@@ -431,6 +431,20 @@ def v41_quant_config(source: dict, variant: str, group_size: int = 32) -> dict |
     raise RecipeError(f"no {SGLANG_LABEL} quantization_config for a DeepSeek-V4.1 {variant!r} output")
 
 
+def v41_serving_env(variant: str) -> dict[str, str]:
+    """Environment SGLang 0.5.23 needs to serve a V4.1 ``variant``: ``SGLANG_DSV4_FP4_EXPERTS`` stated, as for V4
+    (:func:`serving_env`). Unset, ``configs/model_config.py::ModelConfig.__init__`` asks
+    ``configs/deepseek_v4.py::try_detect_fp4_experts``, which reads the first ``experts.N.wK.weight`` header: a W4A16
+    output's is a DSpark stage's BF16 expert (the backbone's are ``weight_packed``), a BF16 output's BF16, neither
+    U8/I8/F4 nor F8_E4M3, so it answers None and ``is_fp4_experts`` falls back to the variable's default, True; then
+    ``arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides`` gives those BF16 and INT4 experts the
+    ``flashinfer_mxfp4`` MoE runner. "0" for FP8, BF16 and W4A16 experts (the runner stays ``auto``: Triton or
+    DeepGEMM for FP8 and BF16, ``CompressedTensorsWNA16MoE``'s Marlin kernels for INT4); "1" for the release's MXFP4
+    experts and ModelOpt's hybrid, whose MXFP4 DSpark experts need it (``HybridFp8NvFp4Config.get_quant_method``); its
+    NVFP4 experts get ``flashinfer_trtllm_routed`` from ``nvfp4_moe_meta`` whatever the variable says."""
+    return {"SGLANG_DSV4_FP4_EXPERTS": "1" if variant in ("native", "nvfp4") else "0"}
+
+
 def v41_family_problem(variant: str, family: str) -> str | None:
     """Why SGLang would not run a V4.1 ``variant`` on ``family`` (None: it picks kernels for it there).
 

@@ -15,6 +15,7 @@ import argparse
 from dataclasses import dataclass, field, replace
 
 from dsv4convert.engines import NO_DRAFT, SGLANG_LABEL, EngineError, gpu_family_major
+from dsv4convert.engines.sglang.quant_config import v41_family_problem, v41_serving_env
 from dsv4convert.engines.sglang.rules import (
     EAGLE_DRAFT_TOKENS,
     EAGLE_STEPS,
@@ -57,7 +58,7 @@ class Server:
     """One SGLang server: what it loads, where, and every setting the tool decides or reads."""
 
     model: str
-    variant: str                       # the variant whose rules apply (variants.served_like)
+    variant: str                       # the variant whose rules apply (variants.served_like; V4.1: v41_variant_of)
     gpu_family: str
     role: str = "server"               # prefill, decode, or server (no disaggregation)
     tp: int = 1
@@ -304,11 +305,14 @@ def server(model: str, variant: str, gpu_family: str, *, role: str = "server", t
     return served
 
 
-def server_v41(model: str, gpu_family: str, *, role: str = "server", tp: int = 1, engram: str = "gpu",
-               mtp: bool = False, drafter: Drafter = Drafter.NONE, **settings) -> Server:
-    """The server ``serve`` launches for DeepSeek-V4.1 and ``fit`` sizes: SGLang's own defaults for it on every
-    family, the Engram tables where ``engram`` says, and the DSpark drafter (its only speculative algorithm) when
-    ``mtp``. Nothing per family is set here: for ``DeepseekV4ForCausalLM`` with ``model_type`` deepseek_v41 SGLang
+def server_v41(model: str, gpu_family: str, *, variant: str = "native", role: str = "server", tp: int = 1,
+               engram: str = "gpu", mtp: bool = False, drafter: Drafter = Drafter.NONE, **settings) -> Server:
+    """The server ``serve`` launches for a DeepSeek-V4.1 ``variant`` (the release or what ``convert`` writes:
+    ``engines/config.py::v41_variant_of``) and ``fit`` sizes: SGLang's own defaults for it on every family, the
+    variant's environment (:func:`~dsv4convert.engines.sglang.quant_config.v41_serving_env`), the Engram tables where
+    ``engram`` says, and the DSpark drafter (its only speculative algorithm) when ``mtp``. A variant SGLang has no
+    kernel for on ``gpu_family`` is refused (``v41_family_problem``: ModelOpt's NVFP4 hybrid off sm_100). Nothing
+    per family is set here: for ``DeepseekV4ForCausalLM`` with ``model_type`` deepseek_v41 SGLang
     picks the attention backend (``deepseek_v4_hook.py::_default_dsv4_attention_backend``: FlashMLA's mega kernels
     on sm_100), the MoE runner (``model_overrides/deepseek_v4.py``: ``flashinfer_mxfp4`` for FP4 experts on
     sm_90/sm_100/sm_120), the MXFP8 dense GEMMs on sm_100 (``flashinfer_cutedsl``, same file), leaves the sliding
@@ -323,8 +327,12 @@ def server_v41(model: str, gpu_family: str, *, role: str = "server", tp: int = 1
     if mtp and drafter is not Drafter.DSPARK:
         raise EngineError(f"no draft to serve: DeepSeek-V4.1 drafts with a DSpark drafter only, and this checkpoint's "
                           f"config announces {'none' if drafter is Drafter.NONE else DRAFT_LABELS[drafter]}")
-    served = replace(Server(model=model, variant="native", gpu_family=gpu_family, role=role, tp=tp, mtp=mtp,
-                            drafter=drafter, engram=engram,
+    problem = v41_family_problem(variant, gpu_family)
+    if problem:
+        raise EngineError(f"{SGLANG_LABEL} does not run this DeepSeek-V4.1 {variant} checkpoint on {gpu_family}: "
+                          f"{problem}")
+    served = replace(Server(model=model, variant=variant, gpu_family=gpu_family, role=role, tp=tp, mtp=mtp,
+                            drafter=drafter, engram=engram, env=v41_serving_env(variant),
                             disaggregation=Disaggregation() if role in ("prefill", "decode") else None), **settings)
     served.check_v41()
     if mtp:

@@ -21,9 +21,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dsv4convert.engines import gpu_family_major
+from dsv4convert.engines import EngineError, Gpu, gpu_family_major
+from dsv4convert.engines.memory import RUNTIME_OVERHEAD_MIB
+from dsv4convert.engines.sglang.memory_v41 import ServerFitV41
 from dsv4convert.engines.vllm.memory import ESTIMATES as V4_ESTIMATES
-from dsv4convert.engines.vllm.memory import CacheSpec, _page
+from dsv4convert.engines.vllm.memory import GPU_MEMORY_UTILIZATION, CacheSpec, _page, kv_budget
+from dsv4convert.engines.vllm.server import BLOCK_SIZE
 from dsv4convert.models.deepseek_v4.layout import TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config, engram_primes
 from dsv4convert.models.deepseek_v41.inventory import role_of
@@ -139,7 +142,9 @@ def engram_shard_rows(head_sizes: list[int], tp: int, rank: int) -> int:
     their buckets; vLLM refuses a TP that leaves a rank without heads."""
     per = -(-len(head_sizes) // tp)
     if (tp - 1) * per >= len(head_sizes):
-        raise ValueError(f"Engram sharding leaves ranks without hash heads: {len(head_sizes)} heads over {tp} shards")
+        raise EngineError(f"vLLM 0.33.0 shards the Engram tables by whole hash heads and leaves ranks without any at "
+                          f"TP {tp}: {len(head_sizes)} heads over {tp} shards (common/engram.py::"
+                          "ParallelEngramEmbedding.__init__)")
     return sum(head_sizes[rank * per:(rank + 1) * per])
 
 
@@ -238,3 +243,36 @@ def weights_per_rank(specs: Iterable[TensorSpec], tp: int) -> RankWeightsV41:
             out.target += per_rank
         out.by_role[role] = out.by_role.get(role, 0) + per_rank
     return out
+
+
+def size_server(cfg: V41Config, tensors: Iterable[TensorSpec], gpu: Gpu, tp: int, placement: str, *,
+                context: int | None = None, mtp: bool = False) -> ServerFitV41:
+    """One vLLM server of ``tp`` GPUs holding ``tensors`` with the Engram tables at ``placement``, as far as vLLM's
+    code sizes it without a GPU (:data:`ESTIMATES`)."""
+    if mtp and cfg.dspark is None:
+        raise EngineError("--mtp: this DeepSeek-V4.1 config announces no DSpark drafter (no dspark_* keys)")
+    weights = weights_per_rank(tensors, tp)
+    engram = engram_placement(cfg, tp, placement)
+    draft = weights.draft if mtp else 0
+    on_gpu = weights.target + engram.gpu_bytes_per_rank + draft
+    attention = attention_class(gpu.family, tp, cfg)
+    records = kv_records(gpu.family, attention)
+    spec_tokens = cfg.dspark.block_size if mtp else 0
+    specs = cache_specs(cfg, records, block_size=BLOCK_SIZE,
+                                    draft_layers=cfg.dspark.stages if mtp else 0, num_speculative_tokens=spec_tokens)
+    per_token = sum(spec.bytes_per_token for spec in specs)
+    available = kv_budget(gpu.mib, GPU_MEMORY_UTILIZATION, on_gpu, RUNTIME_OVERHEAD_MIB)
+    tokens = max(int(available / per_token) // BLOCK_SIZE * BLOCK_SIZE, 0)
+    needed = max(context or BLOCK_SIZE, BLOCK_SIZE)
+    minimum = (on_gpu + (RUNTIME_OVERHEAD_MIB << 20)) / (gpu.mib << 20)
+    return ServerFitV41(
+        role="server", tp=tp, engram=placement, kv_layout=f"{records.cache_dtype} ({attention})",
+        weights_bytes_per_rank=on_gpu, engram_gpu_bytes_per_rank=engram.gpu_bytes_per_rank,
+        engram_host_bytes_per_server=engram.host_bytes_per_server,
+        engram_host_bytes_per_process=engram.host_bytes_per_rank,
+        mem_fraction_static=GPU_MEMORY_UTILIZATION, min_mem_fraction_static=math.ceil(minimum * 1000) / 1000,
+        kv_bytes_per_token=per_token, kv_terms={s.name: s.bytes_per_token for s in specs if s.bytes_per_token},
+        swa_tokens=0, fixed_bytes=0, available_kv_bytes=available, kv_tokens=tokens,
+        requests_at_context=tokens // context if context else None, fits=tokens >= needed,
+        drafter="dspark" if mtp else None, draft_tokens=spec_tokens + 1 if mtp else None,
+        draft_weights_bytes_per_rank=draft)

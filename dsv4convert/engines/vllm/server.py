@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from dsv4convert.engines import NO_DRAFT, EngineError, gpu_family_major
+from dsv4convert.engines import NO_DRAFT, VLLM_LABEL, EngineError, gpu_family_major
+from dsv4convert.engines.vllm.quant_config import v41_family_problem, v41_problem
 from dsv4convert.models.deepseek_v4.layout import Drafter
 
 KV_CACHE_DTYPE = "fp8"
@@ -143,3 +144,22 @@ def vllm_launch(model: str, variant: str, gpu_family: str, tp: int, *, drafter: 
     if drafter is Drafter.DSPARK:   # V4.1's own draft (DSparkV41DraftModel) has none of V4's loader limits
         limits += DSPARK_LIMITS if engram is None else [DSPARK_RUNNER]
     return VllmLaunch(argv, {}, mtp_argv, note, moe, draft_method, tuple(limits))
+
+
+# A DeepSeek-V4.1 variant as the layout :data:`VLLM_MOE_METHODS` names: ModelOpt's hybrid ignores ``mtp.*``, so its
+# DSpark stages' experts stay MXFP4 (``models/deepseek_v41/quant_config.py::DeepseekV4FP8Config``).
+V41_LAYOUTS = {"native": "native", "nvfp4": "nvfp4-mtp-mxfp4", "bf16": "bf16", "fp8": "fp8", "w4a16": "w4a16"}
+
+
+def vllm_launch_v41(model: str, variant: str, quant_config: dict | None, gpu_family: str, tp: int, *,
+                    dspark_block_size: int | None, engram: str) -> VllmLaunch:
+    """The vLLM command for a DeepSeek-V4.1 checkpoint of ``variant`` (its ``quantization_config`` as stored), with its
+    DSpark drafter where the config announces one (``dspark_block_size``) and the Engram tables at ``engram``; a
+    variant vLLM 0.33.0 does not load (``quant_config.py::v41_problem``: FP8 experts in 32x32 blocks,
+    compressed-tensors) or not on this family is refused, naming why."""
+    problem = v41_problem(quant_config, variant) or v41_family_problem(variant, gpu_family)
+    if problem:
+        raise EngineError(f"{VLLM_LABEL} does not load this DeepSeek-V4.1 {variant} checkpoint: {problem}")
+    drafter = Drafter.DSPARK if dspark_block_size else Drafter.NONE
+    return vllm_launch(model, V41_LAYOUTS[variant], gpu_family, tp, drafter=drafter,
+                       dspark_block_size=dspark_block_size, engram=engram)
