@@ -31,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from dsv4convert.checkpoint import Checkpoint, read_small_json
     from dsv4convert.inspection import check_routing, describe_drafter, expected_report, inspect_checkpoint, role_table
+    from dsv4convert.inspection_v41 import inspect_v41, is_v41_checkpoint
 
     if args.expected:
         if not args.config:
@@ -47,6 +48,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.src:
         raise CheckpointError("inspect needs a checkpoint (or --config CONFIG --expected)")
     ckpt = Checkpoint.open(args.src)
+    if is_v41_checkpoint(ckpt):
+        return _print_v41(inspect_v41(ckpt), args.json)
     check_routing(ckpt)
     result = inspect_checkpoint(ckpt)
     entries = [(n, e.dtype, e.shape, e.nbytes) for n, e in ckpt.tensors.items()]
@@ -85,6 +88,26 @@ def _run(args: argparse.Namespace) -> int:
         if result.ok:
             print("\nlayout check: OK")
     return 0 if result.ok else 1
+
+
+def _print_v41(report: dict, as_json: bool) -> int:
+    """A V4.1 checkpoint's report (:func:`dsv4convert.inspection_v41.inspect_v41`): 0 when its layout holds."""
+    if as_json:
+        print(json.dumps(report))
+        return 0 if report["ok"] else 1
+    print(f"{report['source']}: {report['release']}, variant {report['variant']}, {report['tensor_count']:,} tensors, "
+          f"{report['total_bytes']:,} bytes in {report['shards']} shard(s), of which Engram tables "
+          f"{report['engram_table_bytes']:,}; {report['drafter_description']}")
+    _print_table(report["roles"])
+    if report["problems"]:
+        print(f"\nproblems ({len(report['problems'])}):")
+        for item in report["problems"][:20]:
+            print(f"  {item}")
+        if len(report["problems"]) > 20:
+            print(f"  ... and {len(report['problems']) - 20} more (see --json)")
+    else:
+        print(f"\nlayout check: OK (every tensor of a DeepSeek-V4.1 {report['variant']} checkpoint, nothing else)")
+    return 0 if report["ok"] else 1
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -318,3 +318,24 @@ def test_what_a_v41_conversion_does_not_take_is_refused_by_name(tiny_v41, tmp_pa
                  *flags]) == 2
     err = _one_error(capsys)
     assert f"{named} is not taken for DeepSeek-V4.1 sources: " in err and not dst.exists(), err
+
+
+def test_inspect_reads_the_release_and_every_output(tiny_v41, v41_outputs, capsys):
+    """``inspect DIR`` on a V4.1 checkpoint: its variant, the Engram bytes, the layout check of that variant."""
+    for variant, path in {"native": tiny_v41, **v41_outputs}.items():
+        assert main(["inspect", str(path), "--json"]) == 0, variant
+        report = json.loads(capsys.readouterr().out)
+        assert report["variant"] == variant and report["ok"] and not report["problems"], report["problems"]
+        assert report["engram_table_bytes"] == sum(r["bytes"] for r in report["roles"] if r["role"] == "engram_table")
+        assert report["engram_table_bytes"] > 0 and report["drafter"] == "dspark"
+
+
+def test_inspect_names_an_engram_table_the_engines_would_cast(v41_outputs, tmp_path, capsys):
+    """An Engram table stored as BF16 (as community NVFP4 builds store theirs re-quantized): named, exit 1."""
+    broken = tmp_path / "nvfp4"
+    shutil.copytree(v41_outputs["nvfp4"], broken)
+    name = "layers.2.engram.embed.weight"
+    shard = _rewrite(broken, name, lambda t: t.float().to(torch.bfloat16))
+    assert main(["inspect", str(broken)]) == 1
+    out = capsys.readouterr().out
+    assert f"{shard.name}: {name}: is BF16" in out and "layout check: OK" not in out

@@ -35,7 +35,7 @@ from dsv4convert.models.deepseek_v41.config import V41Config
 
 GPUS_PER_MACHINE = 8
 BASE_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"   # what the front matter names where the source is no Hub id
-# What each of the converter's actions (convert/v41.py::action_of) does to a module, in a reader's words.
+# What each of the converter's actions (engines/outputs_v41.py::action_of) does to a module, in a reader's words.
 ACTIONS = {
     "keep": "the release's bytes",
     "nvfp4": "MXFP4 -> NVFP4 group 16 (E2M1 codes kept, scales rewritten), ModelOpt's layout",

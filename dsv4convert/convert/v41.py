@@ -62,7 +62,7 @@ from dsv4convert.convert.plan import ModuleJob
 from dsv4convert.convert.recipe import Recipe, Target, canonical, load_recipe
 from dsv4convert.convert.state import DestinationLock, prepare_destination, signature
 from dsv4convert.engines.config import v41_config
-from dsv4convert.engines.stored import V41_NEVER_QUANTIZED
+from dsv4convert.engines.outputs_v41 import VARIANTS, action_of, expected_outputs
 from dsv4convert.engines.vllm.quant_config import v41_problem as vllm_v41_problem
 from dsv4convert.errors import DSV4Error, RecipeError
 from dsv4convert.formats import Format, dequantize_fp8_block, linear_storage, mxfp4_to_fp8_block
@@ -73,7 +73,6 @@ from dsv4convert.models.deepseek_v41 import release as v41
 from dsv4convert.models.deepseek_v41.config import V41Config
 from dsv4convert.models.registry import release_of
 
-VARIANTS = ("nvfp4", "fp8", "bf16", "w4a16")
 GENERATED = {"config.json", "provenance.json", "README.md", "hf_quant_config.json", "model.safetensors.index.json"}
 
 
@@ -167,22 +166,6 @@ def _modules(ckpt: Checkpoint, variant: str, targets: dict[str, Target], block: 
     return shards
 
 
-def action_of(role: str, linear: bool, variant: str) -> str:
-    """What ``variant`` does with a module (its role, whether it is a linear with a scale):
-    keep (the release's bytes), nvfp4 / fp8 / int4 / bf16 (a routed expert made in that format), dequant (an FP8
-    linear to BF16)."""
-    if not linear or role in V41_NEVER_QUANTIZED:
-        return "keep"
-    expert = role.startswith("routed_expert")
-    if variant == "nvfp4":   # backbone experts only: mtp.* stays MXFP4 (NVIDIA's ignore list, both engines' rule)
-        return "nvfp4" if role == "routed_expert" else "keep"
-    if variant == "bf16":
-        return "bf16" if expert else "dequant"
-    if variant == "w4a16":   # the DSpark draft's experts BF16: SGLang builds its stages with the INT4 config ignored
-        return ("int4" if role == "routed_expert" else "bf16") if expert else "keep"
-    return "fp8" if expert else "keep"
-
-
 def _module(name: str, sources: dict[str, TensorEntry], variant: str, targets: dict[str, Target],
             block: tuple[int, int]) -> _Module:
     role = inventory.role_of(next(iter(sources.values())).name)
@@ -200,33 +183,6 @@ def _targets(recipe: Recipe) -> dict[str, Target]:
     """The registry's targets of the expert actions; INT4's group and scale rule are the shipped recipe's (its
     first rule: the routed experts)."""
     return {"nvfp4": Target(Format.NVFP4), "bf16": Target(Format.BF16), "int4": recipe.rules[0].target}
-
-
-def expected_outputs(cfg: V41Config, variant: str, group_size: int = 32) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor a ``variant`` output of a release with this config holds: name -> (dtype, shape) (``group_size``:
-    INT4's)."""
-    native = {s.name: s for s in inventory.native_inventory(cfg)}
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, spec in native.items():
-        module, _, param = name.rpartition(".")
-        linear = param in ("weight", "scale") and f"{module}.scale" in native and f"{module}.weight" in native
-        action = action_of(inventory.role_of(name), linear, variant)
-        if action == "keep":
-            out[name] = (spec.dtype, tuple(spec.shape))
-            continue
-        if param == "scale":
-            continue
-        weight, scale = native[f"{module}.weight"], native[f"{module}.scale"]
-        n, k = (weight.shape if action == "dequant" else (weight.shape[0], scale.shape[1] * MXFP4_GROUP))
-        if action == "fp8":
-            b = cfg.fp8_block
-            out[name] = ("F8_E4M3", (n, k))
-            out[f"{module}.scale"] = ("F8_E8M0", (-(-n // b[0]), -(-k // b[1])))
-            continue
-        fmt = {"nvfp4": Format.NVFP4, "int4": Format.INT4}.get(action, Format.BF16)
-        out.update({f"{module}.{p.suffix}": (p.dtype, tuple(p.shape))
-                    for p in linear_storage(fmt, n, k, group_size=group_size)})
-    return out
 
 
 def _produce(module: _Module, cfg: V41Config, ctx: ModuleContext, partners: dict[str, dict]

@@ -3,7 +3,7 @@
 
 The native release's tensors are the inventory ``inspect --expected`` plans
 (:mod:`dsv4convert.models.deepseek_v41.inventory`, 96,085 tensors for the release); a converted variant's are what
-:func:`dsv4convert.convert.v41.expected_outputs` says the converter writes; a checkpoint's are its shard headers
+:func:`dsv4convert.engines.outputs_v41.expected_outputs` says the converter writes; a checkpoint's are its shard headers
 (``Checkpoint.open`` reads no tensor data), its variant the one its ``quantization_config`` names, checked against
 the dtype its routed experts are stored in.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4convert.checkpoint import Checkpoint, read_small_json
-from dsv4convert.convert.v41 import VARIANTS, expected_outputs
+from dsv4convert.engines.outputs_v41 import VARIANTS, expected_outputs
 from dsv4convert.engines.config import v41_config, v41_variant_of
 from dsv4convert.errors import CheckpointError
 from dsv4convert.models.deepseek_v4.layout import TensorSpec

@@ -6,7 +6,7 @@ unquantized models) and both ``copy_`` a wrong-dtype Engram table into their FP8
 ``validate/sglang_load.py`` does for V4; ``tests/test_v41_convert.py`` runs SGLang 0.5.23's and vLLM 0.33.0's real
 V4.1 models and DSpark drafts on every output and finds what this says:
 
-* every tensor the variant's layout has, of its dtype and shape, and no other (``convert/v41.py::expected_outputs``):
+* every tensor the variant's layout has, of its dtype and shape, and no other (``engines/outputs_v41.py::expected_outputs``):
   each reaches a parameter, and every parameter is written; the halves both engines fuse (``wq_a`` + ``wkv``, shared
   ``w1`` + ``w3``, the compressor's ``wkv`` + ``wgate``: ``engines/stored.py::V41_FUSED_PAIRS``) of one dtype;
 * the tokenizer beside the weights, whose compressed vocabulary both engines' Engram hashers check
@@ -31,10 +31,10 @@ import torch
 from tqdm import tqdm
 
 from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, atomic_write_json, read_tensor
-from dsv4convert.convert.v41 import action_of, check_source, expected_outputs, handles
+from dsv4convert.convert.v41 import check_source, handles
 from dsv4convert.engines import ENGINES, LABELS
 from dsv4convert.engines.config import v41_families, v41_variant_of
-from dsv4convert.engines.stored import V41_FUSED_PAIRS
+from dsv4convert.engines.outputs_v41 import action_of, layout_problems
 from dsv4convert.engines.sglang.quant_config import v41_problem as sglang_problem
 from dsv4convert.engines.sglang.quant_config import v41_quant_config
 from dsv4convert.engines.vllm.quant_config import v41_problem as vllm_problem
@@ -73,23 +73,7 @@ def validate_v41(ckpt: Checkpoint, *, against: str | Path | None, report_dir: Pa
     problems: list[str] = []
     qc = ckpt.config.get("quantization_config")
     group = (((qc or {}).get("config_groups") or {}).get("group_0") or {}).get("weights", {}).get("group_size", 32)
-    expected = expected_outputs(cfg, variant, group)
-    for name, entry in ckpt.tensors.items():
-        want = expected.get(name)
-        if want is None:
-            problems.append(f"{entry.path.name}: {name}: not a tensor of a DeepSeek-V4.1 {variant} output; no "
-                            "engine parameter takes it")
-        elif want != (entry.dtype, tuple(entry.shape)):
-            problems.append(f"{entry.path.name}: {name}: is {entry.dtype} {list(entry.shape)}, a {variant} output "
-                            f"stores {want[0]} {list(want[1])} (the engines would cast or refuse it)")
-    problems += [f"{name}: missing: its parameter would be left unwritten, silently in both engines"
-                 for name in expected if name not in ckpt.tensors]
-    for name, entry in ckpt.tensors.items():   # the halves both engines load into one fused parameter
-        for first, (second, fused) in V41_FUSED_PAIRS.items():
-            other = ckpt.tensors.get(name.replace(f".{first}.", f".{second}.")) if f".{first}." in name else None
-            if other is not None and other.dtype != entry.dtype:
-                problems.append(f"{entry.path.name}: {name}: {entry.dtype} but {other.name} is {other.dtype}; both "
-                                f"engines load them into one {fused}")
+    problems += layout_problems(ckpt.tensors.values(), cfg, variant, group)
     try:
         v41.check_tokenizer(ckpt.root, cfg)
     except DSV4Error as exc:
