@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -166,15 +167,17 @@ def disk_bytes(path: Path) -> tuple[int, int] | None:
     return int(fields[5]) * 512, int(fields[9]) * 512
 
 
-def timed(cmd: list[str], src: Path, dst: Path, *, then_sync: bool = False) -> dict:
-    """Run ``cmd`` on a cold ``src`` into a fresh ``dst``; wall and CPU time, disk I/O, peak RSS, output size."""
+def timed(cmd: list[str], src: Path, dst: Path, *, then_sync: bool = False,
+          after: Callable[[Path], dict] | None = None) -> dict:
+    """Run ``cmd`` on a cold ``src`` into a fresh ``dst``; wall and CPU time, disk I/O, peak RSS, output size, and
+    what ``after`` finds in ``dst`` (before it is deleted)."""
     if dst.exists():
         shutil.rmtree(dst)
     resident = evict(src)
     load = os.getloadavg()[0]
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     disk0 = disk_bytes(src)
-    t0 = time.monotonic()
+    started, t0 = time.time(), time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rss = PeakRSS(proc.pid)
     output, _ = proc.communicate()
@@ -192,7 +195,8 @@ def timed(cmd: list[str], src: Path, dst: Path, *, then_sync: bool = False) -> d
            "cpu_system_seconds": round(cpu1.ru_stime - cpu0.ru_stime, 2),
            "disk_read_bytes": None if disk0 is None else disk1[0] - disk0[0],
            "disk_written_bytes": None if disk0 is None else disk1[1] - disk0[1],
-           "source_resident_fraction_before": None if resident is None else round(resident, 4)}
+           "source_resident_fraction_before": None if resident is None else round(resident, 4),
+           "started_unix": started, **(after(dst) if after else {})}
     shutil.rmtree(dst)
     return row
 
@@ -293,21 +297,20 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def extrapolate(runs: list[dict], cores: int | None = None) -> dict:
-    """Full-model seconds per (variant, workers), from what the worker count cannot hide.
+def layer_costs(runs: list[dict], cores: int | None = None, counted=lambda row: row["source_bytes"]) -> dict:
+    """What one more layer costs each command (``variant/wN``), from what the worker count cannot hide.
 
     The converter runs one shard per worker: with as many workers as layer shards, the wall time of one more
     layer is about 0 (its shard runs beside the others), and the difference between layer counts, multiplied by
-    the 44 layers to go, says nothing. What no worker count hides is the work: the CPU seconds (user + system,
+    the layers to go, says nothing. What no worker count hides is the work: the CPU seconds (user + system,
     the process tree) each added layer costs. So for every command the per-layer cost is the difference between
-    layer counts of the median CPU seconds (and, with one worker, of the wall seconds too), and the full model is
-    ``t(L_lo) + layers to go (by bytes) x per-layer wall``, the per-layer wall being the one-worker wall difference where
-    one worker ran, else the CPU difference shared by ``min(workers, cores)`` busy processes (a bound its disk
-    may not meet: the figure says which it used). Each estimate prints the per-layer cost it rests on."""
-    full_bytes, shards = full_model_bytes()
+    the lowest and highest layer counts of the median CPU seconds (and, with one worker, of the wall seconds too):
+    the one-worker wall difference where one worker ran, else the CPU difference shared by ``min(workers, cores)``
+    busy processes (a bound its disk may not meet: ``basis`` says which). ``counted`` gives the bytes of a row's
+    source that layers are made of (the per-layer bytes are its difference between the counts). Returns the counts
+    (``lo``, ``hi``; equal where one count ran: no costs), ``lo_bytes``, ``layer_bytes`` and per command its median
+    seconds at ``lo`` and its per-layer cost."""
     cores = cores or os.cpu_count() or 1
-    out: dict = {"full_model_bytes": full_bytes, "full_model_shards": shards, "method": None, "seconds": {},
-                 "per_layer": {}}
     wall: dict[tuple[str, int], dict[int, list[float]]] = {}
     cpu: dict[tuple[str, int], dict[int, list[float]]] = {}
     source_bytes: dict[int, int] = {}
@@ -316,36 +319,52 @@ def extrapolate(runs: list[dict], cores: int | None = None) -> dict:
         wall.setdefault(key, {}).setdefault(row["layers"], []).append(row["seconds"])
         cpu.setdefault(key, {}).setdefault(row["layers"], []).append(
             row.get("cpu_user_seconds", 0.0) + row.get("cpu_system_seconds", 0.0))
-        source_bytes[row["layers"]] = row["source_bytes"]
+        source_bytes[row["layers"]] = counted(row)
     counts = sorted(source_bytes)
-    if len(counts) < 2:
-        out["method"] = (f"none: one layer count (L={counts[0]}) cannot separate the per-layer cost from the "
-                         f"once-per-run cost; run --layers with two counts")
-        return out
     lo, hi = counts[0], counts[-1]
-    # the layers still to convert, counted in bytes (the drafter and the last layers weigh what they weigh)
-    layers_to_go = (full_bytes - source_bytes[lo]) / ((source_bytes[hi] - source_bytes[lo]) / (hi - lo))
-    out["method"] = (f"t(L={lo}) + {layers_to_go:.1f} layer-equivalents of bytes x per-layer wall; per-layer wall = "
-                     f"the one-worker wall "
-                     f"difference between L={lo} and L={hi}, or, for more workers, the CPU-seconds difference / "
-                     f"min(workers, {cores} cores)")
-    for key in wall:
-        variant, workers = key
-        median = {layers: statistics.median(values) for layers, values in wall[key].items()}
-        median_cpu = {layers: statistics.median(values) for layers, values in cpu[key].items()}
-        if lo not in median or hi not in median:
+    out = {"lo": lo, "hi": hi, "lo_bytes": source_bytes[lo], "cores": cores, "per_layer": {},
+           "layer_bytes": (source_bytes[hi] - source_bytes[lo]) / (hi - lo) if hi > lo else None}
+    if hi == lo:
+        return out
+    for (variant, workers), by_count in wall.items():
+        if lo not in by_count or hi not in by_count:
             continue
+        median = {layers: statistics.median(values) for layers, values in by_count.items()}
+        median_cpu = {layers: statistics.median(values) for layers, values in cpu[variant, workers].items()}
         cpu_per_layer = (median_cpu[hi] - median_cpu[lo]) / (hi - lo)
         wall_per_layer = (median[hi] - median[lo]) / (hi - lo)
         if workers == 1 or variant == "cp":
             per_layer, basis = wall_per_layer, "one-worker wall difference"
         else:
             per_layer, basis = cpu_per_layer / min(workers, cores), f"CPU difference / {min(workers, cores)}"
-        name = f"{variant}/w{workers}"
-        out["per_layer"][name] = {"wall_seconds_difference": round(wall_per_layer, 2),
-                                  "cpu_seconds_difference": round(cpu_per_layer, 2),
-                                  "used_seconds": round(per_layer, 2), "basis": basis}
-        out["seconds"][name] = round(median[lo] + layers_to_go * per_layer, 1)
+        out["per_layer"][f"{variant}/w{workers}"] = {
+            "lo_seconds": median[lo], "wall_seconds_difference": wall_per_layer,
+            "cpu_seconds_difference": cpu_per_layer, "used_seconds": per_layer, "basis": basis}
+    return out
+
+
+def extrapolate(runs: list[dict], cores: int | None = None) -> dict:
+    """Full-model seconds per (variant, workers): ``t(L_lo) + layers to go (by bytes) x per-layer wall``, the
+    per-layer wall from :func:`layer_costs` (what the worker count cannot hide). Each estimate prints the
+    per-layer cost it rests on."""
+    full_bytes, shards = full_model_bytes()
+    costs = layer_costs(runs, cores)
+    out: dict = {"full_model_bytes": full_bytes, "full_model_shards": shards, "method": None, "seconds": {},
+                 "per_layer": {}}
+    lo, hi = costs["lo"], costs["hi"]
+    if hi == lo:
+        out["method"] = (f"none: one layer count (L={lo}) cannot separate the per-layer cost from the "
+                         f"once-per-run cost; run --layers with two counts")
+        return out
+    # the layers still to convert, counted in bytes (the drafter and the last layers weigh what they weigh)
+    layers_to_go = (full_bytes - costs["lo_bytes"]) / costs["layer_bytes"]
+    out["method"] = (f"t(L={lo}) + {layers_to_go:.1f} layer-equivalents of bytes x per-layer wall; per-layer wall = "
+                     f"the one-worker wall "
+                     f"difference between L={lo} and L={hi}, or, for more workers, the CPU-seconds difference / "
+                     f"min(workers, {costs['cores']} cores)")
+    for name, cost in costs["per_layer"].items():
+        out["per_layer"][name] = {k: v if k == "basis" else round(v, 2) for k, v in cost.items() if k != "lo_seconds"}
+        out["seconds"][name] = round(cost["lo_seconds"] + layers_to_go * cost["used_seconds"], 1)
     return out
 
 

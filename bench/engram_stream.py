@@ -13,8 +13,10 @@ size, in one run, on a cold source (evicted from the page cache, ``bench/convert
 * ``read whole``: the shard's tensors read into memory and held (``checkpoint.read_tensor``), what not streaming
   costs.
 
-Peak RSS is the process's (polled every 50 ms). The V4.1 converters do not exist yet, so real-size layers are not
-converted here; only the Engram carry is measured. Results: ``<out-dir>/engram-stream-<name>.json`` and ``.md``.
+Peak RSS is the process's (polled every 50 ms). ``carry`` is the writer's copy alone: a V4.1 converter first reads
+a kept table through its NaN check (``convert/v41.py::_produce``), then copies it; ``bench/convert_v41.py`` times
+real-size layers converted end to end, the table's shard included, against ``cp``. Results:
+``<out-dir>/engram-stream-<name>.json`` and ``.md``.
 
     python bench/engram_stream.py --gb 0.5 1 2 4 --work /tmp/engram-bench
 """

@@ -52,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "its own MTP block, dspark its trained DSpark drafter (0731's layout), none neither")
     p.add_argument("--no-mtp", action="store_true", help="leave out the drafter (same as --drafter none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="DeepSeek-V4.1 (--config or --preset tiny-v41): write N shards at once in spawned processes, "
+                        "the same bytes (its real-size layers are drawn on one core each: about 30 s per layer)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     p.set_defaults(func=_run)
 
@@ -66,10 +69,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.no_mtp and args.drafter not in (None, "none"):
         raise DSV4Error(f"--no-mtp and --drafter {args.drafter} contradict each other")
     drafter = "none" if args.no_mtp else args.drafter
+    if args.workers < 1:
+        raise DSV4Error(f"--workers must be at least 1, got {args.workers}")
     if args.preset == ORGANISM:
-        if args.config or args.num_layers is not None or args.seed or args.engram_rows is not None:
-            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --engram-rows and "
-                            "--seed do not apply")
+        if (args.config or args.num_layers is not None or args.seed or args.engram_rows is not None
+                or args.workers != 1):
+            raise DSV4Error("--preset organism is a trained checkpoint: --config, --num-layers, --engram-rows, "
+                            "--seed and --workers do not apply")
         dst = write_organism(args.dst, drafter=drafter or "mtp", overwrite=args.overwrite)
         size = sum(p.stat().st_size for p in dst.iterdir())
         what = {"mtp": "its MTP block", "dspark": "its DSpark drafter, 0731's layout", "none": "no drafter"}
@@ -81,7 +87,8 @@ def _run(args: argparse.Namespace) -> int:
                 or drafter not in (None, "dspark")):
             raise DSV4Error(f"--preset {args.preset} is V4.1's release layout with its DSpark drafter: --config, "
                             "--num-layers, --engram-rows and other drafters do not apply")
-        dst = v41_synth.synthesize(args.dst, V41_PRESETS[args.preset], seed=args.seed, overwrite=args.overwrite)
+        dst = v41_synth.synthesize(args.dst, V41_PRESETS[args.preset], seed=args.seed, overwrite=args.overwrite,
+                                   workers=args.workers)
         print(f"wrote {dst}")
         return 0
     config = read_small_json(args.config) if args.config else preset_config(args.preset)
@@ -92,7 +99,8 @@ def _run(args: argparse.Namespace) -> int:
         rows = DEFAULT_ENGRAM_ROWS if args.engram_rows is None else args.engram_rows
         config = v41_synth.scaled_config(config, args.num_layers, rows, drafter=drafter != "none")
         text = config["text_config"]
-        dst = v41_synth.synthesize(args.dst, config, seed=args.seed, overwrite=args.overwrite, progress=True)
+        dst = v41_synth.synthesize(args.dst, config, seed=args.seed, overwrite=args.overwrite, progress=True,
+                                   workers=args.workers)
         tables = ", ".join(f"layer {i}: {r:,} rows" for i, r in zip(text["engram_layer_ids"],
                                                                     text["engram_num_embeddings"]))
         print(f"wrote {dst}: {text['num_hidden_layers']} real-size DeepSeek-V4.1 layers, Engram tables scaled to "
@@ -100,6 +108,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.engram_rows is not None:
         raise DSV4Error("--engram-rows applies to a DeepSeek-V4.1 --config (V4 has no Engram tables)")
+    if args.workers != 1:
+        raise DSV4Error("--workers applies to DeepSeek-V4.1 (--config or --preset tiny-v41); V4 is written in one "
+                        "process")
     cfg = ModelConfig.from_dict(config, source=str(args.config or f"preset {args.preset}"))
     if drafter == "dspark" and cfg.dspark is None:
         config = with_dspark(with_num_layers(config, cfg.num_hidden_layers, mtp=False))

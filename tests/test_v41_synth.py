@@ -113,8 +113,9 @@ def test_values_are_realistic(tiny):
 
 
 def test_same_seed_same_bytes_other_seed_other_values(tiny, tmp_path):
+    """... and the same bytes whether the shards are written in one process or side by side (--workers)."""
     again, other = tmp_path / "again", tmp_path / "other"
-    assert main(["synth", "--preset", "tiny-v41", "--dst", str(again)]) == 0
+    assert main(["synth", "--preset", "tiny-v41", "--dst", str(again), "--workers", "2"]) == 0
     assert main(["synth", "--preset", "tiny-v41", "--dst", str(other), "--seed", "1"]) == 0
 
     def digests(d: Path) -> dict[str, str]:
@@ -222,9 +223,10 @@ def test_bad_scaling_is_one_error_line(args, named, tmp_path, capsys):
     assert not (tmp_path / "ck").exists()
 
 
-def test_engram_rows_are_refused_for_v4(tmp_path, capsys):
-    assert main(["synth", "--preset", "tiny", "--engram-rows", "1000", "--dst", str(tmp_path / "ck")]) == 2
-    assert "V4.1" in capsys.readouterr().err
+@pytest.mark.parametrize("flag", [["--engram-rows", "1000"], ["--workers", "2"]])
+def test_engram_rows_and_workers_are_refused_for_v4(flag, tmp_path, capsys):
+    assert main(["synth", "--preset", "tiny", *flag, "--dst", str(tmp_path / "ck")]) == 2
+    assert "V4.1" in capsys.readouterr().err and not (tmp_path / "ck").exists()
 
 
 # -- the tokenizer: the compressed map both engines build, and the release's check ---------------------------------

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -266,10 +269,21 @@ def _byte_char(b: int) -> str:
     return chr(b) if b in printable else chr(256 + sum(1 for c in range(b) if c not in printable))
 
 
-def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = False, progress: bool = False) -> Path:
+def _write_shard(path: Path, group: list[TensorSpec], cfg: V41Config, seed: int) -> int:
+    """One inventory group as one shard (in a worker process too: the values depend on (seed, name) alone)."""
+    with ShardWriter(path, [PlannedTensor(s.name, s.dtype, s.shape) for s in group],
+                     metadata={"format": "pt"}) as writer:
+        return write_group(writer, group, cfg, seed)
+
+
+def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = False, progress: bool = False,
+               workers: int = 1) -> Path:
     """Write ``config``'s native V4.1 checkpoint into ``dst``: one shard per inventory group, the index, the
     config as given, the tokenizer (seeded like the weights; a crafted one of the config's vocabulary and
-    compressed size where a BPE trained on synth's text cannot reach its vocabulary)."""
+    compressed size where a BPE trained on synth's text cannot reach its vocabulary). ``workers`` > 1 writes that
+    many shards at once in spawned processes, the same bytes: drawing MXFP4 experts runs on one core (about 30 s per
+    real-size 7.3 GB layer on a 2-core VM), so benchmarks (``bench/convert_v41.py``) write their layers side by
+    side."""
     dst = Path(dst)
     cfg = read_config(config, "synth config")
     if cfg.fp8_block[0] != cfg.fp8_block[1]:
@@ -281,14 +295,20 @@ def synthesize(dst: Path, config: dict, *, seed: int = 0, overwrite: bool = Fals
     empty_destination(dst, overwrite=overwrite)
     groups = native_groups(cfg)
     total = sum(spec.nbytes for group in groups for spec in group)
-    weight_map: dict[str, str] = {}
+    names = [shard_name(i + 1, len(groups)) for i in range(len(groups))]
+    weight_map = {s.name: name for name, group in zip(names, groups) for s in group}
     with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
-        for i, group in enumerate(groups):
-            name = shard_name(i + 1, len(groups))
-            with ShardWriter(dst / name, [PlannedTensor(s.name, s.dtype, s.shape) for s in group],
-                             metadata={"format": "pt"}) as writer:
-                bar.update(write_group(writer, group, cfg, seed))
-            weight_map.update({s.name: name for s in group})
+        if workers <= 1 or len(groups) == 1:
+            for name, group in zip(names, groups):
+                bar.update(_write_shard(dst / name, group, cfg, seed))
+        else:
+            workers = min(workers, len(groups))
+            with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
+                                     initargs=(max(1, (os.cpu_count() or 1) // workers),)) as pool:
+                largest_first = sorted(zip(names, groups), key=lambda ng: -sum(s.nbytes for s in ng[1]))
+                for done in as_completed([pool.submit(_write_shard, dst / name, group, cfg, seed)
+                                          for name, group in largest_first]):
+                    bar.update(done.result())
     atomic_write_json(dst / "config.json", config)
     atomic_write_json(dst / "tokenizer_config.json", TOKENIZER_CONFIG)
     atomic_write_json(dst / "tokenizer.json", json.loads(tokenizer.to_str()))
