@@ -31,8 +31,8 @@ SGLang stores (``fake_quant_compressed_kv``, after RoPE) and the indexer's keys 
 (``fake_quant_fp4``), each with a straight-through gradient; the window KV's FP8 cache is not emulated (its
 ``kv_norm`` output is used as is). The selections are discrete: the attention's loss reaches no indexer weight.
 
-Against the transformers PR branch (``models/deepseek_v41/modeling_deepseek_v41.py``, unmerged #48721, a secondary
-cross-check only): the same roles and names; where it differs from SGLang, SGLang is restated here.
+Not yet cross-checked against the transformers PR branch (``models/deepseek_v41/modeling_deepseek_v41.py``,
+unmerged #48721) or DeepSeek's own ``inference/model.py``; SGLang alone is restated here.
 """
 
 from __future__ import annotations
