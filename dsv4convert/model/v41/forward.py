@@ -24,6 +24,13 @@ Two ways to hold the weights: :class:`V41Model`, every parameter resident, train
 (:func:`load_block`: built on the meta device, decoded from whatever format stores it, freed after its turn),
 the Engram tables kept FP8 and gathered by row.
 
+The transformers PR-branch code (PR #48721, ``modeling_deepseek_v41.py``: ``DeepseekV41TextModel.forward``,
+``DeepseekV41DecoderLayer.forward``) agrees on the order: Engram first in its layer, keeping the pre-mix; each
+sublayer collapsed with the previous one's pre-mix (the first with a one-hot on stream 0, which is ``R[0]``);
+the end collapsed with the last FFN's pre-mix, then ``norm``. It differs in what it leaves out: no DSpark capture
+(its drafter is a follow-up), no image rows in the MoE routing (``token_mask`` None), and its ``lm_head`` output
+is cast to float32 where SGLang's default head keeps the model dtype.
+
 SGLang's full model does not run on a CPU (its attention is FlashMLA, its pools CUDA), so this assembly is
 checked by properties (``tests/test_model_v41_forward.py``); each piece is checked against SGLang in its own test.
 """
