@@ -61,7 +61,7 @@ from torch import nn
 
 from dsv4convert.errors import CheckpointError
 from dsv4convert.model.dspark_rules import Blocks, DraftOutput, confidence, embed_blocks, markov_draft
-from dsv4convert.model.v41.attention import Attention, rotate, sink_attention
+from dsv4convert.model.v41.attention import Attention, sink_attention
 from dsv4convert.model.v41.forward import V41Block
 from dsv4convert.model.v41.hyper import RMSNorm, collapse
 from dsv4convert.model.v41.weights import WeightSource, load
