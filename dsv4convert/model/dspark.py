@@ -48,6 +48,9 @@ What SGLang 0.5.23 computes (``python/sglang/srt/``; each rule names the file an
   ``SGLANG_RAGGED_VERIFY_MODE`` is ``static``. Its STS temperature is 1 unless calibrated.
 * **Greedy verification** accepts the drafts as a prefix while they equal the target's greedy tokens.
 
+The rules V4.1's drafter shares (target features, blocks, Markov drafting, confidence, acceptance) live in
+:mod:`dsv4convert.model.dspark_rules`, restated once for both releases.
+
 How it is computed here: transformers' ``DeepseekV4DecoderLayer`` is the math of every stage. Its attention
 reads its keys from ``past_key_values.update`` (sliding-window layers: ``kv = cache.update(kv, kv)``), so the
 one adapter is :class:`ContextKV`, a stand-in cache that puts each block's window of context KV (computed by
@@ -65,8 +68,7 @@ names every tensor the layout's ``mtp.*`` inventory has. No SGLang kernel runs h
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +94,21 @@ from dsv4convert.model.blocks import (
     hf_config,
     set_tensor,
 )
+# The release-independent rules; Acceptance, acceptance, anchor_grid and target_features are re-exported for V4's
+# callers (organism, calibrate, compare, tests), which import them from here as they import embed_blocks.
+from dsv4convert.model.dspark_rules import (
+    Acceptance,
+    Blocks,
+    DraftOutput,
+    acceptance,
+    anchor_grid,
+    confidence,
+    confidence_features,
+    embed_blocks,
+    markov_draft,
+    stream_mean,
+    target_features,
+)
 from dsv4convert.model.precision import at_layer_precision
 
 ROPE = "main"       # sliding-window layers' rope type in transformers (plain rope_theta, no YaRN)
@@ -104,18 +121,6 @@ def dspark_of(cfg: ModelConfig) -> DSparkConfig:
 
 
 # -- target features ------------------------------------------------------------------------------
-
-
-def stream_mean(streams: torch.Tensor) -> torch.Tensor:
-    """``[..., hc_mult, hidden] -> [..., hidden]``: SGLang's ``kernels/ops/layernorm/mhc.py::mhc_stream_mean``
-    (bitwise ``x.mean(dim=1)`` of its ``[tokens, hc, hidden]``)."""
-    return streams.mean(dim=-2)
-
-
-def target_features(captured: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The drafter's input from the target layers' output streams ``[B, S, hc, H]`` (in ascending layer order):
-    each averaged over its streams, concatenated: ``[B, S, H * T]``."""
-    return torch.cat([stream_mean(s) for s in captured], dim=-1)
 
 
 class FeatureCapture:
@@ -152,86 +157,6 @@ class FeatureCapture:
 # -- the blocks -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Blocks:
-    """Draft blocks over a batch of sequences ``ids [B, S]``: block ``m`` anchors at position ``anchor[m]`` of
-    row ``seq[m]``; its rows are ``[ids[seq, anchor], noise, ...]`` at positions ``anchor .. anchor + gamma - 1``;
-    it attends to the context rows ``anchor - window .. anchor - 1`` (``context``; ``context_valid`` False
-    before position 0) and to every row of its block (``block_causal``: row ``j`` to rows ``0..j`` only, not
-    what SGLang runs; the cross-check against transformers' causal layer uses it)."""
-
-    seq: torch.Tensor              # [M]
-    anchor: torch.Tensor           # [M]
-    input_ids: torch.Tensor        # [M, G]
-    positions: torch.Tensor        # [M, G]
-    context: torch.Tensor          # [M, W] context positions, clamped to >= 0
-    context_valid: torch.Tensor    # [M, W]
-    block_causal: bool = False
-
-    @classmethod
-    def make(cls, ids: torch.Tensor, anchors: torch.Tensor, *, block_size: int, noise_token_id: int,
-             window: int, block_causal: bool = False) -> "Blocks":
-        """``anchors``: ``[M, 2]`` (batch row, anchor position), each position in ``0 .. S - 1``."""
-        anchors = anchors.to(torch.int64).reshape(-1, 2)
-        seq, anchor = anchors[:, 0].to(ids.device), anchors[:, 1].to(ids.device)
-        if anchor.numel() and (int(anchor.min()) < 0 or int(anchor.max()) >= ids.shape[1]):
-            raise DSV4Error(f"anchor positions must lie in 0..{ids.shape[1] - 1}")
-        steps = torch.arange(block_size, device=ids.device)
-        input_ids = torch.full((seq.numel(), block_size), noise_token_id, dtype=torch.int64, device=ids.device)
-        input_ids[:, 0] = ids[seq, anchor]
-        context = anchor[:, None] - window + torch.arange(window, device=ids.device)
-        return cls(seq, anchor, input_ids, anchor[:, None] + steps, context.clamp(min=0), context >= 0,
-                   block_causal)
-
-    def __len__(self) -> int:
-        return self.seq.numel()
-
-    @property
-    def block_size(self) -> int:
-        return self.input_ids.shape[1]
-
-    @property
-    def window(self) -> int:
-        return self.context.shape[1]
-
-    def select(self, rows: slice | torch.Tensor) -> "Blocks":
-        return Blocks(self.seq[rows], self.anchor[rows], self.input_ids[rows], self.positions[rows],
-                      self.context[rows], self.context_valid[rows], self.block_causal)
-
-    def chunks(self, chunk: int | None) -> Iterable[slice]:
-        step = self.seq.numel() if not chunk else chunk
-        return (slice(i, min(i + step, self.seq.numel())) for i in range(0, self.seq.numel(), max(1, step)))
-
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive attention mask ``[M, 1, G, W + G]`` (0 visible, the dtype's minimum hidden), keys ordered as
-        :class:`ContextKV` gives them: the context window, then the block."""
-        m, g = self.input_ids.shape
-        visible = torch.ones((m, g, self.window + g), dtype=torch.bool, device=self.seq.device)
-        visible[:, :, : self.window] = self.context_valid[:, None, :]
-        if self.block_causal:
-            visible[:, :, self.window:] = torch.ones(g, g, dtype=torch.bool, device=self.seq.device).tril()
-        out = torch.zeros(visible.shape, dtype=dtype, device=self.seq.device)
-        return out.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
-
-    def gather(self, per_position: torch.Tensor, offset: int = 0, fill: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-        """``per_position [B, S]`` at each block row's position ``+ offset``: ``([M, G], valid [M, G])``; rows past
-        the sequence get ``fill``. With ``offset=1`` on the ids: the tokens each row predicts (the labels); on the
-        target's top-1 with ``offset=0``: the greedy tokens verification compares the drafts with."""
-        where = self.positions + offset
-        valid = where < per_position.shape[1]
-        got = per_position[self.seq[:, None], where.clamp(max=per_position.shape[1] - 1)]
-        return got.masked_fill(~valid, fill), valid
-
-
-def anchor_grid(batch: int, seq_len: int, *, first: int = 0, last: int | None = None, stride: int = 1,
-                device: torch.device | str = "cpu") -> torch.Tensor:
-    """Every ``stride``-th anchor from ``first`` to ``last`` (default ``seq_len - 1``) in every row: ``[M, 2]``."""
-    last = seq_len - 1 if last is None else min(last, seq_len - 1)
-    positions = torch.arange(first, last + 1, stride, device=device)
-    rows = torch.arange(batch, device=device)
-    return torch.stack(torch.meshgrid(rows, positions, indexing="ij"), dim=-1).reshape(-1, 2)
-
-
 class ContextKV:
     """The stand-in cache a stage's transformers attention reads its keys from: the block's window of context
     KV ``[m, 1, W, D]`` in front of the block's own KV (K = V, one head), which is all ``update`` must return
@@ -265,13 +190,6 @@ def context_kv(layer: DeepseekV4DecoderLayer, main_x: torch.Tensor, rotary: Deep
     positions = torch.arange(main_x.shape[1], device=main_x.device)[None]
     cos, sin = rope_tables(rotary, positions, kv.dtype)
     return apply_rotary_pos_emb(kv, cos, sin)
-
-
-def embed_blocks(blocks: Blocks, embed: torch.Tensor, hc_mult: int) -> torch.Tensor:
-    """The first stage's input streams ``[M, G, hc, H]``: the target's embedding of ``[anchor, noise, ...]``,
-    repeated over the streams (``forward_embed``)."""
-    x = F.embedding(blocks.input_ids, embed)
-    return x.unsqueeze(2).expand(-1, -1, hc_mult, -1).contiguous()
 
 
 def run_stage(layer: DeepseekV4DecoderLayer, streams: torch.Tensor, kv: torch.Tensor, blocks: Blocks,
@@ -357,47 +275,27 @@ class DSparkHead(nn.Module):
 
     def draft(self, base_logits: torch.Tensor, anchor_tokens: torch.Tensor, *, keep_logits: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Greedy Markov drafting, sequential over the block (``draft_markov_block``): (draft tokens ``[M, G]``,
-        the token each row was conditioned on ``[M, G]`` (anchor, then the drafts), the step logits or None)."""
-        prev = anchor_tokens.to(torch.int64)
-        tokens, prevs, logits = [], [], []
-        for j in range(base_logits.shape[1]):
-            step = base_logits[:, j] + self.markov_bias(prev)
-            prevs.append(prev)
-            prev = step.argmax(-1)
-            tokens.append(prev)
-            if keep_logits:
-                logits.append(step)
-        return (torch.stack(tokens, 1), torch.stack(prevs, 1),
-                torch.stack(logits, 1) if keep_logits else None)
+        """Greedy Markov drafting (:func:`~dsv4convert.model.dspark_rules.markov_draft` with :meth:`markov_bias`):
+        (draft tokens ``[M, G]``, the token each row was conditioned on ``[M, G]`` (anchor, then the drafts), the
+        step logits or None)."""
+        return markov_draft(base_logits, anchor_tokens, self.markov_bias, keep_logits=keep_logits)
+
+    def prev_embedding(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """``markov_w1(prev)``, what the confidence head reads beside ``x_post_hc``; None without
+        ``confidence_head_with_markov``."""
+        return self.markov_w1(prev) if self.with_markov else None
 
     def confidence_features(self, x_post_hc: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """What the confidence head reads: ``[x_post_hc, markov_w1(prev)]`` (``x_post_hc`` alone without
-        ``confidence_head_with_markov``), in the head's dtype."""
-        features = x_post_hc
-        if self.with_markov:
-            features = torch.cat([x_post_hc, self.markov_w1(prev).to(x_post_hc.dtype)], dim=-1)
-        return features.to(self.confidence.weight.dtype)
+        """What the confidence head reads (:func:`~dsv4convert.model.dspark_rules.confidence_features`)."""
+        return confidence_features(x_post_hc, self.prev_embedding(prev), self.confidence.weight.dtype)
 
     def confidence_of(self, x_post_hc: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``sigmoid(raw)``, raw) per row (``DSparkConfidenceHead.predict``), ``prev`` as :meth:`draft` gives it."""
-        raw = self.confidence(self.confidence_features(x_post_hc, prev)).squeeze(-1)
-        return torch.sigmoid(raw.float()), raw
+        """(``sigmoid(raw)``, raw) per row (:func:`~dsv4convert.model.dspark_rules.confidence`), ``prev`` as
+        :meth:`draft` gives it."""
+        return confidence(self.confidence, x_post_hc, self.prev_embedding(prev))
 
 
 # -- the drafter ----------------------------------------------------------------------------------
-
-
-@dataclass
-class DraftOutput:
-    base_logits: torch.Tensor                 # [M, G, V] float32
-    x_post_hc: torch.Tensor                   # [M, G, H]
-    draft_tokens: torch.Tensor                # [M, G] the greedy Markov drafts
-    draft_prev: torch.Tensor                  # [M, G] what each row was conditioned on (anchor, drafts)
-    draft_logits: torch.Tensor | None         # [M, G, V] base + Markov(previous draft)
-    confidence: torch.Tensor                  # [M, G] sigmoid
-    confidence_raw: torch.Tensor
-    teacher_logits: torch.Tensor | None = None  # [M, G, V] base + Markov(previous true token)
 
 
 class DSparkDrafter(nn.Module):
@@ -518,37 +416,3 @@ def finish(head: DSparkHead, streams: torch.Tensor, blocks: Blocks, lm_head: tor
     confidence, raw = head.confidence_of(x_post_hc, prev)
     teacher = head.markov_logits(base, teacher_prev) if teacher_prev is not None else None
     return DraftOutput(base, x_post_hc, tokens, prev, logits, confidence, raw, teacher)
-
-
-# -- acceptance -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Acceptance:
-    """Greedy verification of drafts against the target's greedy tokens, per draft position ``j`` (0-based):
-    ``agreement[j]`` how often draft ``j`` equals the target's greedy token there, ``accepted[j]`` how often it
-    is accepted (it and every draft before it equal), ``expected_accept_length`` the mean accepted prefix
-    (drafts only: the bonus token is not counted), over ``blocks`` blocks whose every row is scored."""
-
-    agreement: list[float]
-    accepted: list[float]
-    expected_accept_length: float
-    blocks: int
-
-    def as_dict(self) -> dict:
-        return {"agreement": self.agreement, "accepted": self.accepted,
-                "expected_accept_length": self.expected_accept_length, "blocks": self.blocks}
-
-
-def acceptance(drafts: torch.Tensor, greedy: torch.Tensor, valid: torch.Tensor | None = None) -> Acceptance:
-    """``drafts``, ``greedy`` ``[M, G]``; only blocks whose rows are all ``valid`` count."""
-    if valid is not None:
-        keep = valid.all(-1)
-        drafts, greedy = drafts[keep], greedy[keep]
-    if drafts.shape[0] == 0:
-        nan = float("nan")
-        return Acceptance([nan] * drafts.shape[1], [nan] * drafts.shape[1], nan, 0)
-    equal = (drafts == greedy).double()
-    accepted = equal.cumprod(-1)
-    return Acceptance(equal.mean(0).tolist(), accepted.mean(0).tolist(), float(accepted.sum(-1).mean()),
-                      int(drafts.shape[0]))

@@ -98,6 +98,20 @@ def rotate(x: torch.Tensor, table: torch.Tensor, rope_dim: int, *, inverse: bool
     return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
 
 
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Attention of ``q [B, T, H, D]`` over ``keys [B, S, D]`` (one head, key and value alike) where ``visible
+    [B, T, S]``, scaled by ``scale``, with ``exp(sink[h])`` added to each head's denominator; ``[B, T, H, D]`` in
+    ``compute_dtype`` (``flash_mla_sm120.py::_sm120_sparse_decode_fwd``)."""
+    dtype = compute_dtype(q.dtype)
+    keys = keys.to(dtype)
+    scores = torch.einsum("bthd,bsd->bths", q.to(dtype), keys)
+    scores = (scores * scale).masked_fill(~visible.unsqueeze(2), -torch.inf)
+    sinks = sink.to(dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bths,bsd->bthd", probs, keys)
+
+
 @dataclass
 class V41KVState:
     """What one forward's layers hand on, per sequence batch (``[B, ...]`` tensors, positions ``0 .. T - 1``):
@@ -213,23 +227,36 @@ class Attention(nn.Module):
         """This layer's rotations of positions ``0 .. length - 1`` (:func:`rope_table` with its base and scaling)."""
         return rope_table(length, self.rope_dim, self.rope_base, self.rope_scaling).to(device)
 
-    def forward(self, x: torch.Tensor, state: V41KVState) -> torch.Tensor:
-        batch, length = x.shape[0], x.shape[1]
-        table = self.rope(length, x.device)
+    def query(self, x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``q_norm(wq_a(x))``, the roped heads ``[..., heads, head_dim]``) (``_compute_q_b``: no per-head norm in
+        V4.1); ``table`` the rotations of ``x``'s rows."""
         q_latent = self.q_norm(self.wq_a(x))
-        q = rotate(self.wq_b(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), table, self.rope_dim)
-        kv = rotate(self.kv_norm(self.wkv(x)), table, self.rope_dim)
+        return q_latent, rotate(self.wq_b(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), table, self.rope_dim)
+
+    def key_value(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``rope(kv_norm(wkv(x)))``: the one KV head, key and value, of ``x``'s rows."""
+        return rotate(self.kv_norm(self.wkv(x)), table, self.rope_dim)
+
+    def output(self, o: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The attention's heads ``[..., heads, head_dim]`` to ``[..., hidden]``: RoPE rotated back, ``wo_a`` per group
+        of heads, ``wo_b``."""
+        o = rotate(o, table, self.rope_dim, inverse=True)
+        o = o.reshape(*o.shape[:-2], self.groups, -1)
+        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
+        return self.wo_b(torch.einsum("...gd,grd->...gr", o, wo_a).flatten(-2))
+
+    def forward(self, x: torch.Tensor, state: V41KVState) -> torch.Tensor:
+        length = x.shape[1]
+        table = self.rope(length, x.device)
+        q_latent, q = self.query(x, table)
+        kv = self.key_value(x, table)
 
         compressed = selection = None
         if self.ratio:
             self._sources(x, q_latent, table, state)
             compressed = state.compressed[self.kv_source]
             selection = state.selections[self.selection_source]
-        o = self._attend(q, kv, compressed, selection)
-        o = rotate(o, table, self.rope_dim, inverse=True)
-        o = o.reshape(batch, length, self.groups, -1)
-        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("btgd,grd->btgr", o, wo_a).flatten(-2))
+        return self.output(self._attend(q, kv, compressed, selection), table)
 
     def _sources(self, x: torch.Tensor, q_latent: torch.Tensor, table: torch.Tensor, state: V41KVState) -> None:
         """``forward_low_ratio_sources``: the compressor (a KV source), then the index top-k (an index source)."""
@@ -267,10 +294,8 @@ class Attention(nn.Module):
         """Sink-softmax attention of ``q [B, T, H, D]`` over the window of ``kv [B, T, D]`` and, given, the
         ``selection [B, T, k]`` of ``compressed [B, C, D]``; ``[B, T, H, D]`` in ``q``'s dtype
         (``_sm120_sparse_decode_fwd``)."""
-        dtype = compute_dtype(q.dtype)
         batch, length = q.shape[0], q.shape[1]
         positions = torch.arange(length, device=q.device)
-        sink = self.attn_sink.to(dtype).view(1, 1, -1, 1)
         out = []
         for start in range(0, length, QUERY_CHUNK):
             rows = positions[start:start + QUERY_CHUNK]
@@ -285,9 +310,5 @@ class Attention(nn.Module):
                 picked.scatter_(-1, chosen.masked_fill(chosen < 0, n), True)
                 keys = torch.cat([keys, compressed], dim=1)
                 mask = torch.cat([mask, picked[..., :n]], dim=-1)
-            keys = keys.to(dtype)
-            scores = torch.einsum("bthd,bsd->bths", q[:, start:start + len(rows)].to(dtype), keys)
-            scores = (scores * self.softmax_scale).masked_fill(~mask.unsqueeze(2), -torch.inf)
-            probs = torch.cat([scores, sink.expand(*scores.shape[:3], 1)], dim=-1).softmax(dim=-1)[..., :-1]
-            out.append(torch.einsum("bths,bsd->bthd", probs, keys))
+            out.append(sink_attention(q[:, start:start + len(rows)], keys, mask, self.attn_sink, self.softmax_scale))
         return torch.cat(out, dim=1).to(q.dtype)

@@ -81,7 +81,10 @@ class V41Block(nn.Module):
     ``ffn_norm``), and on an Engram layer ``engram`` (:class:`Engram`; ``fp8_table`` keeps its table FP8)."""
 
     def __init__(self, cfg: V41Config, layer_id: int, *, fp8_table: bool = False, fake_quant: bool = True,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, block: str | None = None,
+                 attention: type[Attention] = Attention):
+        """``block``: the checkpoint's name of the block (``layers.N`` by default; a DSpark stage passes its own,
+        which sets its experts), ``attention`` its attention's class."""
         super().__init__()
         m = cfg.math
         self.layer_id, self.hc_mult = layer_id, cfg.hc_mult
@@ -89,8 +92,8 @@ class V41Block(nn.Module):
         self.engram = Engram.from_config(cfg, layer_id, eps=m.rms_norm_eps, image_token_id=image_token(cfg),
                                          fp8_table=fp8_table, dtype=dtype) \
             if layer_id in cfg.engram_layer_ids else None
-        self.attn = Attention(cfg, layer_id, fake_quant=fake_quant, dtype=dtype)
-        n_experts, top_k = cfg.experts_in(f"layers.{layer_id}")
+        self.attn = attention(cfg, layer_id, fake_quant=fake_quant, dtype=dtype)
+        n_experts, top_k = cfg.experts_in(block or f"layers.{layer_id}")
         self.ffn = MoE(cfg.hidden_size, cfg.moe_intermediate_size, n_experts, top_k, cfg.n_shared_experts,
                        swiglu_limit=m.swiglu_limit, renormalize=m.norm_topk_prob,
                        routed_scaling_factor=m.routed_scaling_factor, dtype=dtype)
