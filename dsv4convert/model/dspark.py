@@ -254,7 +254,10 @@ class DSparkHead(nn.Module):
             set_tensor(head.hc_head, f"hc_{leaf}", source.tensor(f"{d.names.last}.hc_head_{leaf}"))
         set_tensor(head.norm, "weight", source.tensor(f"{d.names.norm}.weight"))
         set_tensor(head.markov_w1, "weight", source.linear(d.names.markov_embed))
-        # SGLang keeps markov_w2 in float32 (DSparkV4MarkovHead: SGLANG_DSPARK_OPT_MARKOV_W2_BF16 off).
+        # float32, as the organism's drafter was trained and measured. SGLang 0.5.23 serves markov_w2 in BF16
+        # (DSparkV4MarkovHead.__init__: SGLANG_DSPARK_OPT_MARKOV_W2_BF16 is EnvBool(True) in environ.py), which
+        # model/v41/dspark.py follows; moving V4 to it changes the shipped organism's measured acceptance
+        # (+0.004 per position on its held-out text), so it waits for that figure to be re-measured.
         set_tensor(head.markov_w2, "weight", source.linear(d.names.markov_head).float())
         set_tensor(head.confidence, "weight", source.linear(d.names.confidence).float())
         return head
