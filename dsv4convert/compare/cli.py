@@ -23,7 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "family and MoE runner, as `dsv4convert serve` would launch it) or weights only. Reports "
             "llama.cpp's KLD set (mean +- SE, percentiles), same top-1, delta-p, perplexity ratio, "
             "expected acceptance, the MTP draft's agreement, and per block the free-running and local "
-            "error. Writes compare.json, compare.md and PNGs; exits 1 above --fail-above-kld, 2 on bad input."
+            "error. Writes compare.json, compare.md and PNGs; exits 1 above --fail-above-kld, 2 on bad input. "
+            "DeepSeek-V4.1 checkpoints run through V4.1's own forward one layer at a time, with the part that moved "
+            "the output named (Engram, a KV source's compressor, the candidate-level or a fine indexer, attention, "
+            "experts); --recall there says which indexer level kept the needle (docs/compare.md)."
         ),
     )
     p.add_argument("--base", required=True, metavar="SRC", help="the checkpoint the variant was made from")
