@@ -28,6 +28,7 @@ from dsv4convert.compare.v41 import (
     Lockstep,
     substitute_levels,
     build_plan,
+    diagnose_levels,
     needle_kept,
     run_recall,
 )
@@ -175,3 +176,25 @@ def test_a_variant_the_engine_does_not_run_on_the_family_is_refused(tiny_v41, v4
                  "--gpu-family", "sm90", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "sm90" in err
+
+
+def _prompt(retrieved: dict, base_fine: dict, variant_fine: dict, base_cand=True, variant_cand=True) -> dict:
+    return {"retrieved": retrieved,
+            "kept": {"base": {"candidate": base_cand, "fine": base_fine},
+                     "variant": {"candidate": variant_cand, "fine": variant_fine}}}
+
+
+def test_the_level_that_lost_the_needle_is_named():
+    """diagnose_levels: by the selections (base kept, variant dropped), and with --ablate by the first row that
+    retrieves the needle again."""
+    one, both = list(ABLATIONS)
+    lost = {"base": True, "variant": False, one: False, both: False}
+    assert diagnose_levels([_prompt({**lost, "variant": True}, {4: True}, {4: True})], ablate=False)["kind"] == "none"
+    cand = diagnose_levels([_prompt({**lost, one: True}, {4: True, 5: True}, {4: True, 5: True}, variant_cand=False)],
+                           ablate=True)
+    assert cand["kind"] == "candidate" and cand["by_selection"] == {"candidate": 1} and cand["by_ablation"] == {
+        "candidate": 1}
+    fine = diagnose_levels([_prompt({**lost, both: True}, {4: True, 5: True}, {4: True, 5: False})], ablate=True)
+    assert fine["kind"] == "fine" and fine["layer"] == "layers.5" and fine["by_ablation"] == {"fine": 1}
+    after = diagnose_levels([_prompt(lost, {4: True}, {4: True})], ablate=False)
+    assert after["kind"] == "after_selection" and "after selection" in after["sentence"]

@@ -240,7 +240,7 @@ def estimate(plan: V41Plan) -> dict:
     else:
         seqs, longest = len(plan.grid.prompts), max(b.shape[1] for b in plan.grid.batches)
         tokens = sum(b.numel() for b in plan.grid.batches)
-        positions = sum(b.shape[0] for b in plan.grid.batches) * 8
+        positions = len(plan.grid.prompts) * max(len(a) for a in plan.grid.answers)
         passes = len(plan.tracks)
     flops = tokens * cfg.num_hidden_layers * passes * layer_flops_per_token(cfg, longest // 2) \
         + positions * 2.0 * 2 * cfg.vocab_size * cfg.hidden_size
@@ -304,11 +304,12 @@ def print_plan(plan: V41Plan) -> None:
         d = plan.data
         print(f"  recall: {d['prompts']} needle prompts, lengths {d['lengths']}, depths {d['depths']}, "
               f"{d['trials']} trial(s); candidate reach {d['candidate_reach']} tokens")
-        print(f"  tracks: {', '.join(plan.tracks)}")
+        print(f"  tracks: {'; '.join(plan.tracks)}")
     else:
         print(f"  data: {plan.data['sequences']} sequences x {plan.data['seq_len']} tokens from {plan.data['source']}")
-    print(f"  layers: {plan.cfg.num_hidden_layers}, each read once per checkpoint (one layer of each resident); "
-          "the variant's also on the base's input, and each of its parts on the base's part's input")
+    print(f"  layers: {plan.cfg.num_hidden_layers}, each read once per checkpoint (one layer of each resident)"
+          + ("" if plan.grid is not None else "; the variant's also on the base's input, and each of its parts on "
+             "the base's part's input"))
     for side in (plan.base, plan.variant):
         n = side.numerics
         serving = n["serving"] or {}
@@ -494,7 +495,6 @@ class Lockstep:
         self.free = defaultdict(HiddenError)        # layer -> variant free-running error
         self.local = defaultdict(HiddenError)
         self.comps: dict[str, ComponentError] = {}
-        self.observers: list[Callable[[int, int, ForwardState, dict[str, ForwardState]], None]] = []
         self.seconds = defaultdict(float)
 
     def run(self) -> None:
@@ -525,8 +525,6 @@ class Lockstep:
             run.layer(variant_block)
             if restore is not None:
                 restore()
-        for observe in self.observers:
-            observe(i, m, base_run, {t: self.runs[t][m] for t in self.variant_tracks})
         if capture is None:
             return
         capture.remove()
@@ -635,8 +633,8 @@ def side_record(side: Side) -> dict:
 
 
 # --ablate's rows: the variant with the base's choice of one level, then of both (module docstring).
-ABLATIONS = {"variant, base's candidate blocks": ("candidate",),
-             "variant, base's candidate blocks and fine selections": ("candidate", "fine")}
+ABLATIONS = {"variant with the base's candidate blocks": ("candidate",),
+             "variant with the base's candidate blocks and fine selections": ("candidate", "fine")}
 
 
 @dataclass
