@@ -198,3 +198,14 @@ def test_the_level_that_lost_the_needle_is_named():
     assert fine["kind"] == "fine" and fine["layer"] == "layers.5" and fine["by_ablation"] == {"fine": 1}
     after = diagnose_levels([_prompt(lost, {4: True}, {4: True})], ablate=False)
     assert after["kind"] == "after_selection" and "after selection" in after["sentence"]
+
+
+def test_the_served_fp4_round_trips_are_charged_to_the_indexers_and_compressors(tiny_v41, tmp_path):
+    """The base against itself, weights only against served: SGLang's FP4 round trips (indexer queries and keys,
+    stored compressed KV) are all that differ, and only the indexers and compressors carry local error."""
+    result = _compare(tiny_v41, tiny_v41, tmp_path / "report", "--base-numerics", "weights")
+    moved = {c["component"] for c in result["v41"]["components"] if c["relative_error"] > 0}
+    assert moved == {"layers.2.attn.compressor", "layers.4.attn.compressor", "layers.2.attn.indexer",
+                     "layers.4.attn.indexer", "layers.5.attn.indexer"}
+    assert result["v41"]["culprit"]["kind"] == "indexer"
+    assert result["base"]["numerics"]["indexer"] is None and result["variant"]["numerics"]["indexer"] == "fp4"

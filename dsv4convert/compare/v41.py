@@ -11,8 +11,8 @@ micro-batch goes through both, and they are freed before the next layer. Per lay
   whose weights differ, never to a later part that reads its output:
 
   - ``layers.N.engram``: the Engram layer's contribution to the streams (its table rows, ``wkv``, the gates);
-  - ``layers.S.attn.compressor``: a KV-source layer's compressed latents (``Compressor.latent``), named by the
-    SOURCE layer; the later layers that reuse its KV attend over the base's entries in their own components;
+  - ``layers.S.attn.compressor``: a KV-source layer's compressed entries as stored (``Compressor.latent``, RoPE,
+    the FP4 round trip where served: ``Attention.compressed_entries``), named by the SOURCE layer; the later layers that reuse its KV attend over the base's entries in their own components;
   - ``layers.N.attn.indexer``: an index-source layer's scores of every visible entry (queries from the base's
     query latent, keys from the base's compressor latent or the base's KV source's keys), its fine selection and,
     on ``candidate_source_layer_id``, the candidate blocks it publishes: the *candidate level* there, the *fine
@@ -380,8 +380,9 @@ def components(block: V41Block, seen: dict, inner: dict, kv_before: V41KVState,
         out[f"layers.{i}.engram"] = block.engram(*args) - args[0]
     attn = block.attn
     x = seen["attn"][0][0]
-    if attn.compressor is not None:
-        out[f"layers.{i}.attn.compressor"] = attn.compressor.latent(x)
+    if attn.compressor is not None:   # the entries as stored: pooled, normed, RoPE'd, FP4 round trip if served
+        out[f"layers.{i}.attn.compressor"] = attn.compressed_entries(attn.compressor.latent(x),
+                                                                     attn.rope(x.shape[1], x.device))
     if attn.indexer is not None and attn.indexer.is_index_source:
         if attn.indexer.owns_keys:
             keys = attn.index_keys(inner["latent"], attn.rope(x.shape[1], x.device))

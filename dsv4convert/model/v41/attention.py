@@ -235,8 +235,7 @@ class Attention(nn.Module):
         """``forward_low_ratio_sources``: the compressor (a KV source), then the index top-k (an index source)."""
         if self.compressor is not None:
             latent = self.compressor.latent(x)
-            kv = rotate(latent, self.entry_table(table, latent.shape[-2]), self.rope_dim)
-            state.compressed[self.layer_id] = fake_quant_compressed_kv(kv) if self.fake_quant else kv
+            state.compressed[self.layer_id] = self.compressed_entries(latent, table)
             if self.indexer is not None and self.indexer.owns_keys:
                 state.index_keys[self.layer_id] = self.index_keys(latent, table)
         if self.indexer is None or not self.indexer.is_index_source:
@@ -253,6 +252,12 @@ class Attention(nn.Module):
     def entry_table(self, table: torch.Tensor, entries: int) -> torch.Tensor:
         """The rotations of compressed entries ``0 .. entries - 1``, each at its first token's position."""
         return table[::self.ratio][:entries]
+
+    def compressed_entries(self, latent: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The compressed KV as stored from the compressor's pre-RoPE ``latent``: RoPE'd at each entry's first
+        token, then (``fake_quant``) SGLang's FP4 round trip."""
+        kv = rotate(latent, self.entry_table(table, latent.shape[-2]), self.rope_dim)
+        return fake_quant_compressed_kv(kv) if self.fake_quant else kv
 
     def index_keys(self, latent: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """This KV source's index keys from its compressor's pre-RoPE ``latent`` (:meth:`Indexer.keys`)."""
