@@ -204,12 +204,21 @@ def value_entries(input_ids: Sequence[int], span: tuple[int, int], answer: Seque
     tokens ``ratio*(w-1) .. ratio*w + ratio - 1``, :func:`needle_entries`): the value is visible to a query when
     each of these groups has a selected entry. Where the answer's tokens do not appear as such in the needle
     (a tokenizer that merges the number with its neighbours), one group: every entry of the needle."""
+    positions = value_positions(input_ids, span, answer)
+    if positions is not None:
+        return [(p // ratio, p // ratio + 1) for p in positions]
+    return [tuple(needle_entries(span, ratio))]
+
+
+def value_positions(input_ids: Sequence[int], span: tuple[int, int], answer: Sequence[int]) -> list[int] | None:
+    """The prompt positions of the answer's tokens inside the needle sentence, or None where they do not appear
+    as such (a tokenizer that merges the number with its neighbours)."""
     start, end = span
     sentence, answer = list(input_ids[start:end]), list(answer)
     for i in range(len(sentence) - len(answer) + 1):
         if answer and sentence[i:i + len(answer)] == answer:
-            return [(p // ratio, p // ratio + 1) for p in range(start + i, start + i + len(answer))]
-    return [tuple(needle_entries(span, ratio))]
+            return list(range(start + i, start + i + len(answer)))
+    return None
 
 
 def value_rank(picks: Sequence[int], groups: Sequence[Sequence[int]]) -> int | None:

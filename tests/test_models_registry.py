@@ -50,9 +50,14 @@ def test_a_v41_checkpoint_is_refused_by_what_does_not_handle_it_yet(tmp_path, ca
     src.mkdir()
     (src / "config.json").write_text(V41_CONFIG.read_text())
     save_file({"embed.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(src / "model.safetensors"))
-    assert main(["compare", "--base", str(src), "--variant", str(src), "--device", "cpu"]) == 2
+    assert main(["calibrate", "--src", str(src), "--output", str(tmp_path / "scales"), "--calibration-data",
+                 str(src / "config.json"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and "not yet" in err and "config.json" in err, err
+    # compare reads V4.1 checkpoints (tests/test_compare_v41.py): this one-tensor checkpoint fails its layout check.
+    assert main(["compare", "--base", str(src), "--variant", str(src), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and "embed.weight" in err, err
     # inspect reads V4.1 checkpoints (tests/test_v41_convert.py): this one-tensor checkpoint fails its layout check.
     assert main(["inspect", str(src)]) == 1
     assert "missing" in capsys.readouterr().out

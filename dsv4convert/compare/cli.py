@@ -23,7 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "family and MoE runner, as `dsv4convert serve` would launch it) or weights only. Reports "
             "llama.cpp's KLD set (mean +- SE, percentiles), same top-1, delta-p, perplexity ratio, "
             "expected acceptance, the MTP draft's agreement, and per block the free-running and local "
-            "error. Writes compare.json, compare.md and PNGs; exits 1 above --fail-above-kld, 2 on bad input."
+            "error. Writes compare.json, compare.md and PNGs; exits 1 above --fail-above-kld, 2 on bad input. "
+            "DeepSeek-V4.1 checkpoints run through V4.1's own forward one layer at a time, with the part that moved "
+            "the output named (Engram, a KV source's compressor, the candidate-level or a fine indexer, attention, "
+            "experts); --recall there says which indexer level kept the needle (docs/compare.md)."
         ),
     )
     p.add_argument("--base", required=True, metavar="SRC", help="the checkpoint the variant was made from")
@@ -195,9 +198,27 @@ def what_runs(plan) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dsv4convert.compare import v41
     from dsv4convert.distributed import run_as_rank
 
+    if v41.is_v41(args.base) or v41.is_v41(args.variant):   # by the release registry: V4.1's forward
+        return _compare_v41(args, v41.main)
     return run_as_rank(args, lambda world: _compare(args, world), launch=not args.dry_run)
+
+
+# What compare on V4.1 does not take yet: options of V4's engine (its query chunks, its MoE runner and FP4 indexer
+# switches, several ranks) and of V4's recall diagnosis.
+V41_REFUSED = {"gpus": "--gpus", "moe_runner_backend": "--moe-runner-backend", "fp4_indexer": "--fp4-indexer",
+               "local": "--local", "noise_floor": "--noise-floor"}
+
+
+def _compare_v41(args: argparse.Namespace, main) -> int:
+    given = [flag for key, flag in V41_REFUSED.items() if getattr(args, key, None)]
+    if given:
+        raise DSV4Error(f"{', '.join(given)}: not for DeepSeek-V4.1 checkpoints yet (compare runs them on one device "
+                        "through V4.1's forward; the FP4 indexer and compressed KV are always SGLang's there)")
+    return main(_options(args), dry_run=args.dry_run, report=args.report, fail_above_kld=args.fail_above_kld,
+                fail_on_lost_needle=args.fail_on_lost_needle)
 
 
 def _compare(args: argparse.Namespace, world) -> int:

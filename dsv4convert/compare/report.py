@@ -60,6 +60,8 @@ def render_markdown(result: dict) -> str:
         lines.append("")
     if result.get("dspark"):
         lines += dspark_lines(result["dspark"])
+    if result.get("v41"):
+        lines += v41_lines(result["v41"], (variant["numerics"].get("not_emulated") or []))
     lines += ["## Layers, by the error each adds on its own", "",
               "*local*: the variant's block fed the base's input; *free-running*: each side on its own streams "
               "(the drift a user gets). Relative error of the output streams, and cosine.", "",
@@ -111,6 +113,26 @@ def dspark_lines(d: dict) -> list[str]:
     for c in d["components"]:
         lines.append(f"| {c['component']} | {_num((c['local'] or {}).get('relative_error'))} | "
                      f"{_num((c['free_running'] or {}).get('relative_error'))} |")
+    return lines + [""]
+
+
+def v41_lines(v: dict, not_emulated: list[str]) -> list[str]:
+    """DeepSeek-V4.1's culprit section (compare/v41.py): the component named, then every component of the variant
+    on the base's same component's input, by local error."""
+    lines = ["## Culprit (DeepSeek-V4.1)", "", f"**{v['culprit']['sentence']}.**", "",
+             "Each component of the variant run on the exact input the base's same component received (an error is "
+             "charged to the part whose weights differ, never to the layers that read its output). The candidate "
+             f"level is the indexer of layers.{v['candidate_source_layer_id']}; every other index source's indexer is "
+             "the fine level; a compressor is named by its KV-source layer.", "",
+             "| component | kind | local rel. error | cosine | fine selection overlap | candidate block overlap |",
+             "|---|---|---|---|---|---|"]
+    for c in v["components"]:
+        kind = c["kind"] + (f" ({c['level']} level)" if c.get("level") else "")
+        lines.append(f"| {c['component']} | {kind} | {_num(c['relative_error'])} | {_num(c['cosine'], 6)} | "
+                     f"{_pct(c.get('selection_overlap'))} | {_pct(c.get('candidate_overlap'))} |")
+    lines += ["", f"Not compared: {v['not_compared']}."]
+    if not_emulated:
+        lines += ["", "Served numerics not emulated on DeepSeek-V4.1: " + "; ".join(not_emulated) + "."]
     return lines + [""]
 
 

@@ -260,34 +260,52 @@ class Attention(nn.Module):
 
     def _sources(self, x: torch.Tensor, q_latent: torch.Tensor, table: torch.Tensor, state: V41KVState) -> None:
         """``forward_low_ratio_sources``: the compressor (a KV source), then the index top-k (an index source)."""
-        length = x.shape[1]
         if self.compressor is not None:
             latent = self.compressor.latent(x)
-            entries = table[::self.ratio][:latent.shape[-2]]   # each entry at its first token's position
-            kv = rotate(latent, entries, self.rope_dim)
-            state.compressed[self.layer_id] = fake_quant_compressed_kv(kv) if self.fake_quant else kv
+            state.compressed[self.layer_id] = self.compressed_entries(latent, table)
             if self.indexer is not None and self.indexer.owns_keys:
-                state.index_keys[self.layer_id] = self.indexer.keys(
-                    latent, lambda k: rotate(k, entries, self.rope_dim))
+                state.index_keys[self.layer_id] = self.index_keys(latent, table)
         if self.indexer is None or not self.indexer.is_index_source:
             return
-        indexer = self.indexer
-        keys = state.index_keys[self.kv_source]
+        if self.indexer.uses_candidates and state.candidate_blocks is None:
+            raise CheckpointError(f"layer {self.layer_id} takes candidate blocks, but no candidate-source layer "
+                                  f"ran before it", tensor=f"layers.{self.layer_id}.attn.indexer")
+        _, picked, candidates = self.select(x, q_latent, state.index_keys[self.kv_source], table,
+                                            state.candidate_blocks)
+        if candidates is not None:
+            state.candidate_blocks = candidates
+        state.selections[self.layer_id] = picked
+
+    def entry_table(self, table: torch.Tensor, entries: int) -> torch.Tensor:
+        """The rotations of compressed entries ``0 .. entries - 1``, each at its first token's position."""
+        return table[::self.ratio][:entries]
+
+    def compressed_entries(self, latent: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The compressed KV as stored from the compressor's pre-RoPE ``latent``: RoPE'd at each entry's first
+        token, then (``fake_quant``) SGLang's FP4 round trip."""
+        kv = rotate(latent, self.entry_table(table, latent.shape[-2]), self.rope_dim)
+        return fake_quant_compressed_kv(kv) if self.fake_quant else kv
+
+    def index_keys(self, latent: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """This KV source's index keys from its compressor's pre-RoPE ``latent`` (:meth:`Indexer.keys`)."""
+        entries = self.entry_table(table, latent.shape[-2])
+        return self.indexer.keys(latent, lambda k: rotate(k, entries, self.rope_dim))
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+               candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """An index source's choice for ``x [B, T, hidden]``: its causal scores ``[B, T, C]`` of ``keys``, its fine
+        selection ``[B, T, k]`` (among ``candidates`` on a candidate consumer, else the full top-k) and, on the
+        candidate source, the candidate blocks it publishes (else None)."""
+        indexer, length = self.indexer, x.shape[1]
         queries = indexer.queries(q_latent, lambda q: rotate(q, table, self.rope_dim))
         lens = visible_entries(torch.arange(length, device=x.device), self.ratio).expand(x.shape[0], length)
         scores = causal_scores(indexer.scores(queries, keys, indexer.head_weights(x)), lens)
         if indexer.uses_candidates:
-            if state.candidate_blocks is None:
-                raise CheckpointError(f"layer {self.layer_id} takes candidate blocks, but no candidate-source layer "
-                                      f"ran before it", tensor=f"layers.{self.layer_id}.attn.indexer")
-            picked = topk_among_blocks(scores, lens, state.candidate_blocks, indexer.topk,
-                                       indexer.candidate_block_size)
-        else:
-            picked = full_topk(scores, lens, indexer.topk)
-            if indexer.is_candidate_source:
-                state.candidate_blocks = candidate_blocks(scores, lens, indexer.candidate_topk_blocks,
-                                                          indexer.candidate_block_size)
-        state.selections[self.layer_id] = picked
+            return scores, topk_among_blocks(scores, lens, candidates, indexer.topk, indexer.candidate_block_size), None
+        picked = full_topk(scores, lens, indexer.topk)
+        published = candidate_blocks(scores, lens, indexer.candidate_topk_blocks, indexer.candidate_block_size) \
+            if indexer.is_candidate_source else None
+        return scores, picked, published
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
                 selection: torch.Tensor | None) -> torch.Tensor:

@@ -141,9 +141,10 @@ def _layers_to_capture(cfg: V41Config, layers: Sequence[int] | None) -> tuple[in
     return cfg.dspark.target_layer_ids if cfg.dspark is not None else ()
 
 
-class _Forward:
+class ForwardState:
     """One forward's running state over the layers (``_forward_layers_hc_pre_from_prev``), shared by the resident
-    and the streaming model."""
+    and the streaming model: ``streams`` and ``pre`` (the lagged hyper-connection's), ``kv`` (:class:`V41KVState`),
+    the Engram ``hash_ids``, the DSpark ``captured`` features."""
 
     def __init__(self, cfg: V41Config, input_ids: torch.Tensor, embedded: torch.Tensor,
                  hasher: EngramHasher | None, capture: Sequence[int] | None):
@@ -191,7 +192,7 @@ class V41Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, capture: Sequence[int] | None = None) -> V41Output:
         """``capture``: the layers whose DSpark feature to keep (default: the drafter's target layers)."""
-        run = _Forward(self.cfg, input_ids, self.embed(input_ids), self.hasher, capture)
+        run = ForwardState(self.cfg, input_ids, self.embed(input_ids), self.hasher, capture)
         for block in self.layers:
             run.layer(block)
         return V41Output(self.head(run.hidden(self.norm)), run.kv, run.captured)
@@ -237,20 +238,36 @@ class V41Runner:
         return load_block(self.source, layer_id, fake_quant=self.fake_quant)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, capture: Sequence[int] | None = None) -> V41Output:
-        """As :meth:`V41Model.forward`, one layer resident at a time."""
+    def begin(self, input_ids: torch.Tensor, capture: Sequence[int] | None = None) -> ForwardState:
+        """A forward's state before layer 0 (the embedded ids broadcast to the streams, the Engram hash): the caller
+        runs the layers (``state.layer(self.load_block(i))``) and ends with :meth:`finish`; ``compare`` on V4.1
+        steps two checkpoints through the layers this way, in lockstep."""
         input_ids = input_ids.to(self.source.device)
         embedded = F.embedding(input_ids, self.source.tensor("embed.weight"))
-        run = _Forward(self.cfg, input_ids, embedded, self.hasher, capture)
-        del embedded
+        return ForwardState(self.cfg, input_ids, embedded, self.hasher, capture)
+
+    @torch.no_grad()
+    def final(self) -> tuple[RMSNorm, torch.Tensor]:
+        """The final ``norm`` and the ``head`` weight ``[vocab, hidden]``, on the device."""
+        norm = RMSNorm(self.cfg.hidden_size, self.cfg.math.rms_norm_eps, self.source.dtype).to(self.source.device)
+        norm.weight = nn.Parameter(self.source.tensor("norm.weight"), requires_grad=False)
+        return norm, self.source.linear("head", (self.cfg.vocab_size, self.cfg.hidden_size))
+
+    @torch.no_grad()
+    def finish(self, run: ForwardState) -> V41Output:
+        """The logits of a forward whose every layer has run (``norm`` and ``head`` on the collapsed streams)."""
+        norm, head = self.final()
+        return V41Output(F.linear(run.hidden(norm), head), run.kv, run.captured)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, capture: Sequence[int] | None = None) -> V41Output:
+        """As :meth:`V41Model.forward`, one layer resident at a time."""
+        run = self.begin(input_ids, capture)
         for i in range(self.cfg.num_hidden_layers):
             block = self.load_block(i)
             run.layer(block)
             del block   # freed before the next layer loads
-        norm = RMSNorm(self.cfg.hidden_size, self.cfg.math.rms_norm_eps, self.source.dtype).to(self.source.device)
-        norm.weight = nn.Parameter(self.source.tensor("norm.weight"), requires_grad=False)
-        head = self.source.linear("head", (self.cfg.vocab_size, self.cfg.hidden_size))
-        return V41Output(F.linear(run.hidden(norm), head), run.kv, run.captured)
+        return self.finish(run)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[B, T, vocab]`` logits of ``input_ids [B, T]``."""

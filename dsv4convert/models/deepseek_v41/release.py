@@ -1,7 +1,7 @@
 """DeepSeek-V4.1-Flash as a release: what :mod:`dsv4convert.models.registry` asks of it (:mod:`.config`,
 :mod:`.inventory`). What the tool does with it so far: plan it (``inspect --expected``), inspect, convert,
-validate, size and serve its checkpoints; ``compare``, ``calibrate`` and ``automix`` refuse them, saying so
-(:func:`not_yet`). What a converter and ``validate`` check of a checkpoint before using it:
+validate, size, serve and compare its checkpoints (``compare`` on V4.1 goes its own way, ``compare/v41.py``, before
+V4's reader); ``calibrate``, ``automix`` and ``tune`` refuse them, saying so (:func:`not_yet`). What a converter and ``validate`` check of a checkpoint before using it:
 its headers against the config (:func:`check_checkpoint`), its tokenizer against the Engram hasher's vocabulary
 (:func:`check_tokenizer`)."""
 
@@ -17,7 +17,8 @@ from dsv4convert.models.deepseek_v41.config import V41Config, is_v41
 from dsv4convert.models.deepseek_v41.config import read_config as _read
 
 NAME = "DeepSeek-V4.1-Flash"
-SERVED = frozenset({"serve", "convert", "validate", "inspect"})   # the commands that open a V4.1 checkpoint today
+# The commands that open a V4.1 checkpoint today.
+SERVED = frozenset({"serve", "convert", "validate", "inspect", "compare"})
 
 
 def not_yet(command: str) -> str | None:
@@ -25,8 +26,8 @@ def not_yet(command: str) -> str | None:
     if command in SERVED:
         return None
     return ("DeepSeek-V4.1-Flash checkpoints are inspected, converted (to-nvfp4, to-fp8, to-bf16, to-w4a16), "
-            "validated, sized (fit) and served, but not yet compared, calibrated or mixed by this version of "
-            "dsv4convert: those need V4.1's forward, which is being written")
+            "validated, sized (fit), served and compared, but not yet calibrated, mixed or tuned by this version of "
+            "dsv4convert")
 
 
 def matches(config: dict) -> bool:
