@@ -120,9 +120,9 @@ def _gpu_bytes(plan: PlannedV41, gpu: Gpu, opts, engine: str) -> tuple[bool, int
 
         server = launch(gpu, "server", opts.tp, "gpu", None, plan=plan, mtp=opts.mtp)
         choice = choose_placement(plan.config, plan.tensors, gpu, [server], context=opts.kv_tokens)
-        fits = choice.chosen is not None
-        fit = choice.fits[choice.chosen or "gpu"][0]
-        where = f"Engram tables {choice.chosen}" if fits else "no Engram placement fits"
+        fits = choice.placement is not None
+        fit = choice.fits[choice.placement or "gpu"][0]
+        where = f"Engram tables {choice.placement}" if fits else "no Engram placement fits"
     else:
         from dsv4convert.engines.vllm import memory_v41 as vllm_sizing
 
@@ -314,6 +314,19 @@ def _copy_release(src: Path, dst: Path) -> None:
             shutil.copytree(item, dst / item.name)
 
 
+def deliver(plan: V41AutomixPlan, variant: str, paths: dict[str, Path], dst: Path) -> None:
+    """The chosen layout at ``dst`` (empty or absent): a variant's ``convert/v41.py`` output moved there whole (its
+    model card, provenance and the release's bytes for everything the variant keeps), the release copied file by
+    file."""
+    if dst.exists():
+        dst.rmdir()                     # empty: checked by the caller
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if variant == NATIVE:
+        _copy_release(plan.ckpt.root, dst)
+    else:
+        shutil.move(str(paths[variant]), str(dst))
+
+
 def run(plan: V41AutomixPlan, dry_run: bool) -> int:
     """``dsv4convert automix`` on a V4.1 base (called by ``automix/cli.py``)."""
     opts = plan.opts
@@ -339,13 +352,7 @@ def run(plan: V41AutomixPlan, dry_run: bool) -> int:
               f"{', fewest bytes among equals' if sum(r.kld == chosen.kld for r in rows) > 1 else ''})")
         heldout_row = None
         if dst is not None:
-            if chosen.variant == NATIVE:
-                _copy_release(plan.ckpt.root, dst)
-            else:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                if dst.exists():
-                    dst.rmdir()                     # empty: checked by the caller
-                shutil.move(str(paths[chosen.variant]), str(dst))
+            deliver(plan, chosen.variant, paths, dst)
             heldout_row = _measure_one(plan, layout, dst, heldout)
             print(f"automix: {dst} on {heldout.numel()} held-out tokens: mean KLD {heldout_row.kld:.6f} ± "
                   f"{heldout_row.kld_se:.6f}, same top-1 {100 * heldout_row.same_top1:.2f}%")
