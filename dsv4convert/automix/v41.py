@@ -34,15 +34,21 @@ from dsv4convert.compare import DEFAULT_GPU_FAMILY
 from dsv4convert.compare import v41 as compare_v41
 from dsv4convert.compare.eta import device_words, duration
 from dsv4convert.compare.run import CompareOptions
+from dsv4convert.convert.recipe import load_recipe
+from dsv4convert.convert.v41 import convert_v41
 from dsv4convert.devices import resolve_device
 from dsv4convert.engines import SGLANG, SGLANG_LABEL, VLLM, engines_for
 from dsv4convert.engines.mixes_v41 import V41Option, no_mix_reason, v41_menu
 from dsv4convert.engines.outputs_v41 import NATIVE
+from dsv4convert.engines.sglang.memory_v41 import choose_placement
 from dsv4convert.engines.sglang.server import server_v41
+from dsv4convert.engines.vllm import memory_v41 as vllm_sizing
 from dsv4convert.errors import DSV4Error
 from dsv4convert.fit.source_v41 import PlannedV41, planned
+from dsv4convert.fit.v41 import launch
 from dsv4convert.fit.verdict import Gpu, gpu_of
 from dsv4convert.model.text import read_documents, tokenize
+from dsv4convert.models.deepseek_v4.layout import TensorSpec
 from dsv4convert.sizes import human_bytes
 
 COMPUTE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -104,8 +110,6 @@ class Measured:
 def _planned(ckpt: Checkpoint, variant: str) -> PlannedV41:
     plan = planned(ckpt.config, str(ckpt.root / "config.json"), variant)
     if variant == NATIVE:   # the release as it is stored: its own headers
-        from dsv4convert.models.deepseek_v4.layout import TensorSpec
-
         return PlannedV41(plan.config, [TensorSpec(e.name, e.dtype, tuple(e.shape)) for e in ckpt.tensors.values()],
                           raw=ckpt.config)
     return plan
@@ -115,17 +119,12 @@ def _gpu_bytes(plan: PlannedV41, gpu: Gpu, opts, engine: str) -> tuple[bool, int
     """Whether ``engine``'s server of ``--tp`` GPUs holds ``plan`` with ``--kv-tokens`` of KV (fit's own V4.1 sizing,
     the Engram placement serve would choose), its weights per GPU, and the line saying so."""
     if engine == SGLANG:
-        from dsv4convert.engines.sglang.memory_v41 import choose_placement
-        from dsv4convert.fit.v41 import launch
-
         server = launch(gpu, "server", opts.tp, "gpu", None, plan=plan, mtp=opts.mtp)
         choice = choose_placement(plan.config, plan.tensors, gpu, [server], context=opts.kv_tokens)
         fits = choice.placement is not None
         fit = choice.fits[choice.placement or "gpu"][0]
         where = f"Engram tables {choice.placement}" if fits else "no Engram placement fits"
     else:
-        from dsv4convert.engines.vllm import memory_v41 as vllm_sizing
-
         fits_all = [vllm_sizing.size_server(plan.config, plan.tensors, gpu, opts.tp, p, context=opts.kv_tokens,
                                             mtp=opts.mtp) for p in vllm_sizing.ENGRAM_PLACEMENTS]
         fit = next((f for f in fits_all if f.fits), fits_all[0])
@@ -277,9 +276,6 @@ def _measure_one(plan: V41AutomixPlan, layout: V41Layout, path: Path, ids: torch
 
 
 def _convert(plan: V41AutomixPlan, variant: str, dst: Path) -> None:
-    from dsv4convert.convert.recipe import load_recipe
-    from dsv4convert.convert.v41 import convert_v41
-
     convert_v41(plan.ckpt, dst=dst, recipe=load_recipe(variant), engine=plan.opts.engine, overwrite=False,
                 resume=False, workers=1, dry_run=False, progress=plan.opts.progress, refused=[])
 
