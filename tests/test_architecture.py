@@ -39,7 +39,7 @@ FEATURE = 5
 # the command lines (kernels/ loads Triton's launchers when a kernel first runs), the same inside the command
 # lines (what a command loads when it runs), and comparisons with a Format member outside formats/ and engines/.
 HIDDEN_IMPORTS = 2
-COMMAND_IMPORTS = 83
+COMMAND_IMPORTS = 84   # automix/cli.py: the V4.1 path (automix/v41.py)
 FORMAT_COMPARISONS = 15
 
 def _module(path: Path) -> str:

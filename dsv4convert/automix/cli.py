@@ -120,12 +120,14 @@ def _options(args: argparse.Namespace) -> automix.AutomixOptions:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dsv4convert.automix import choose, verify
+    from dsv4convert.automix import choose, v41, verify
     from dsv4convert.automix import plan as automix
 
     opts = _options(args)
     if opts.dst and Path(opts.dst).exists() and any(Path(opts.dst).iterdir()):
         raise DSV4Error("destination exists and is not empty", file=opts.dst)
+    if v41.is_v41_source(opts.src):     # uniform layouts only on V4.1 (engines/mixes_v41.py says why)
+        return v41.run(v41.build(opts), args.dry_run)
     plan = automix.build(opts)
     automix.print_plan(plan)
     windows = automix.windows(plan)
