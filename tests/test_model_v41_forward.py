@@ -225,3 +225,24 @@ def test_the_runner_holds_one_layer_at_a_time(runner):
     finally:
         del runner.load_block
     assert len(alive) == runner.cfg.num_hidden_layers
+
+
+def test_an_engram_table_is_read_by_the_rows_the_sequences_look_up(tiny_v41):
+    """The runner reads only the rows its begun sequences hash to (a release table is 101 GB), equal to the whole
+    table's lookup; a hash id whose row was not gathered is an error, never another row."""
+    runner = V41Runner(tiny_v41, "cpu", torch.float32)
+    ids = _ids(runner.cfg.vocab_size, length=12)
+    run = runner.begin(ids)
+    layer = runner.cfg.engram_layer_ids[0]
+    block = runner.load_block(layer)
+    table = block.engram.embed
+    hashed = run.hash_ids[..., block.engram.layer_hash_index, :]
+    assert torch.equal(table.row_ids, torch.unique(hashed))
+    assert 0 < table.weight.shape[0] == table.row_ids.numel() < table.num_embeddings
+    ckpt = Checkpoint.open(tiny_v41)
+    whole = dequantize_rows(ckpt.read(f"layers.{layer}.engram.embed.weight"),
+                            ckpt.read(f"layers.{layer}.engram.embed.scale").view(torch.float8_e8m0fnu))
+    assert torch.equal(table(hashed), whole[hashed])
+    missing = next(i for i in range(table.num_embeddings) if i not in set(table.row_ids.tolist()))
+    with pytest.raises(RuntimeError, match="outside the rows gathered"):
+        table(torch.tensor([missing]))

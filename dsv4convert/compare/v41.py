@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from dsv4convert import __version__
-from dsv4convert.checkpoint import Checkpoint, atomic_write_bytes, atomic_write_json
+from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, atomic_write_json
 from dsv4convert.compare.eta import device_words, duration, gemm_rate
 from dsv4convert.compare.metrics import HiddenError, OutputStats
 from dsv4convert.compare.recall import overlap
@@ -245,7 +245,8 @@ def estimate(plan: V41Plan) -> dict:
     flops = tokens * cfg.num_hidden_layers * passes * layer_flops_per_token(cfg, longest // 2) \
         + positions * 2.0 * 2 * cfg.vocab_size * cfg.hidden_size
     rate = gemm_rate(plan.device, plan.dtype, cfg.hidden_size)
-    layer = max(_decoded_layer_bytes(s.ckpt, item) for s in (plan.base, plan.variant))
+    lookups = tokens * cfg.engram_n_heads * (cfg.engram_max_ngram_size - 1)   # Engram rows a table gives at most
+    layer = max(_decoded_layer_bytes(s.ckpt, item, lookups) for s in (plan.base, plan.variant))
     rows = min(plan.options.batch_size, seqs)
     streams = rows * longest * cfg.hc_mult * cfg.hidden_size * item * 6
     entries = longest   # ratio 1 at most
@@ -256,22 +257,30 @@ def estimate(plan: V41Plan) -> dict:
     head = cfg.vocab_size * cfg.hidden_size * item + rows * longest * cfg.vocab_size * 8 * 2
     tracks = len(plan.tracks)
     host = tracks * seqs * longest * cfg.hc_mult * cfg.hidden_size * item
-    read = sum(e.nbytes for s in (plan.base, plan.variant) for e in s.ckpt.tensors.values())
+    read = sum(_gathered_bytes(e, lookups) if ".engram.embed." in e.name else e.nbytes
+               for s in (plan.base, plan.variant) for e in s.ckpt.tensors.values())
     return {"flops": flops, "gemm_rate": rate, "seconds": flops / rate, "passes_per_layer": passes,
             "peak_device_bytes": int(max(2 * layer + streams + kv + scores, head + streams)),
             "largest_layer_bytes": int(layer), "peak_host_bytes": int(host), "bytes_to_read": int(read)}
 
 
-def _decoded_layer_bytes(ckpt: Checkpoint, item: int) -> int:
+def _gathered_bytes(entry: TensorEntry, lookups: int) -> int:
+    """An Engram table's bytes that a forward of ``lookups`` hash ids reads: those rows at most
+    (``V41Runner.load_block`` gathers them; the release's tables are 101 GB)."""
+    rows = entry.shape[0] if entry.shape else 1
+    return min(rows, lookups) * (entry.nbytes // max(rows, 1))
+
+
+def _decoded_layer_bytes(ckpt: Checkpoint, item: int, lookups: int) -> int:
     """A layer's weights as built on the device: every linear decoded in the compute dtype (packed 4-bit codes two
-    to a byte), scales not kept, the Engram table as stored (FP8 rows and their scales)."""
+    to a byte), scales not kept, the Engram table's looked-up rows as stored (FP8 rows and their scales)."""
     sizes: dict[str, int] = defaultdict(int)
     for name, entry in ckpt.tensors.items():
         if not name.startswith("layers."):
             continue
         layer = ".".join(name.split(".")[:2])
         if ".engram.embed." in name:
-            sizes[layer] += entry.nbytes
+            sizes[layer] += _gathered_bytes(entry, lookups)
         elif name.endswith((".scale", "_scale", "_scale_2", ".input_scale", "weight_shape")):
             continue
         else:

@@ -222,7 +222,30 @@ class EngramEmbedding(nn.Module):
             table.weight = nn.Parameter(dequantize_rows(weight, scale).to(dtype))
         return table
 
+    row_ids: torch.Tensor | None = None    # the table's rows this instance holds, sorted (None: every row)
+
+    @classmethod
+    def gathered(cls, weight_rows: torch.Tensor, scale_rows: torch.Tensor, row_ids: torch.Tensor, num_embeddings: int,
+                 *, dtype: torch.dtype = torch.float32) -> EngramEmbedding:
+        """FP8 rows ``row_ids`` (sorted, unique) of a ``num_embeddings``-row table, read from the checkpoint
+        alone: a forward over the ids they came from looks them up as the whole table would, and never holds a
+        release table (101 GB, 384M rows) whole."""
+        table = cls.from_fp8(weight_rows, scale_rows, keep_fp8=True, dtype=dtype)
+        table.num_embeddings, table.row_ids = num_embeddings, row_ids
+        return table
+
+    def _local(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """``hash_ids`` as positions among :attr:`row_ids`; an id whose row was not gathered is an error, never
+        another row's value."""
+        local = torch.searchsorted(self.row_ids, hash_ids).clamp_max(self.row_ids.numel() - 1)
+        if not torch.equal(self.row_ids[local], hash_ids):
+            raise RuntimeError("an Engram hash id outside the rows gathered for this forward (gather the rows of "
+                               "every sequence before loading the layer)")
+        return local
+
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        if self.row_ids is not None:
+            hash_ids = self._local(hash_ids)
         if self.fp8:
             return dequantize_rows(_gather(self.weight, hash_ids), _gather(self.scale, hash_ids)).to(self.dtype)
         return F.embedding(hash_ids, self.weight)

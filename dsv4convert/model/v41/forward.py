@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4convert.checkpoint import Checkpoint
+from dsv4convert.checkpoint.reader import read_pieces
 from dsv4convert.errors import CheckpointError
 from dsv4convert.model.precision import compute_dtype
 from dsv4convert.model.v41.attention import Attention, V41KVState
@@ -198,17 +199,40 @@ class V41Model(nn.Module):
         return V41Output(self.head(run.hidden(self.norm)), run.kv, run.captured)
 
 
-def load_block(source: WeightSource, layer_id: int, *, fp8_table: bool = True, fake_quant: bool = True) -> V41Block:
+def read_table_rows(ckpt: Checkpoint, table: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``rows`` (sorted, unique) of an Engram table ``table`` (``layers.N.engram.embed``): its F8_E4M3
+    ``weight`` rows and F8_E8M0 ``scale`` rows read by position from the shard, nothing else of the table."""
+    out = []
+    for part, dtype in (("weight", torch.float8_e4m3fn), ("scale", torch.float8_e8m0fnu)):
+        entry = ckpt.entry(f"{table}.{part}")
+        if len(entry.shape) != 2 or (rows.numel() and int(rows[-1]) >= entry.shape[0]):
+            raise CheckpointError(f"an Engram hash id past the table's {entry.shape[0]} rows", file=entry.path,
+                                  tensor=entry.name)
+        row_bytes = entry.nbytes // entry.shape[0]
+        pieces = read_pieces(entry, [int(r) * row_bytes for r in rows.tolist()], row_bytes)
+        out.append(pieces.view(dtype))
+    return out[0], out[1]
+
+
+def load_block(source: WeightSource, layer_id: int, *, fp8_table: bool = True, fake_quant: bool = True,
+               table_rows: torch.Tensor | None = None) -> V41Block:
     """``layers.N`` with the checkpoint's weights on ``source.device``: built on the meta device, every linear
     decoded from its stored format (:func:`weights.load`), the Engram table (F8_E4M3 rows, F8_E8M0 per-32 row
-    scales, in the release and every conversion) kept FP8 (``fp8_table``) or dequantized whole."""
+    scales, in the release and every conversion) kept FP8 (``fp8_table``) or dequantized whole; with
+    ``table_rows`` (sorted unique hash ids) only those rows are read (:func:`read_table_rows`)."""
     with torch.device("meta"):
         block = V41Block(source.cfg, layer_id, fp8_table=fp8_table, fake_quant=fake_quant, dtype=source.dtype)
     prefix = f"layers.{layer_id}."
     if block.engram is not None:
         table = prefix + "engram.embed"
-        weight, scale = (source.ckpt.read(f"{table}.{p}").to(source.device) for p in ("weight", "scale"))
-        block.engram.embed = EngramEmbedding.from_fp8(weight, scale, keep_fp8=fp8_table, dtype=source.dtype)
+        if table_rows is not None:
+            weight, scale = read_table_rows(source.ckpt, table, table_rows.cpu())
+            block.engram.embed = EngramEmbedding.gathered(
+                weight.to(source.device), scale.to(source.device), table_rows.to(source.device),
+                block.engram.embed.num_embeddings, dtype=source.dtype)
+        else:
+            weight, scale = (source.ckpt.read(f"{table}.{p}").to(source.device) for p in ("weight", "scale"))
+            block.engram.embed = EngramEmbedding.from_fp8(weight, scale, keep_fp8=fp8_table, dtype=source.dtype)
     names = {prefix + name: name for name, _ in block.named_parameters() if not name.startswith("engram.embed.")}
     return load(block.eval(), source, names)
 
@@ -233,9 +257,16 @@ class V41Runner:
             token_map = compressed_token_map(Tokenizer.from_file(str(path)))[0]
         hasher = _hasher(self.cfg, token_map)
         self.hasher = hasher.to(self.source.device) if hasher is not None else None
+        self._table_rows: dict[int, torch.Tensor] = {}   # per Engram layer, the rows begun forwards look up
 
     def load_block(self, layer_id: int) -> V41Block:
-        return load_block(self.source, layer_id, fake_quant=self.fake_quant)
+        """``layers.N``, its Engram table (if any) holding only the rows that the sequences begun so far
+        (:meth:`begin`) look up: SGLang gathers a lookup's rows (``layers/engram.py::EngramEmbedding``), and a
+        release table is 101 GB, more than a GPU holds."""
+        rows = None
+        if layer_id in self.cfg.engram_layer_ids:
+            rows = self._table_rows.get(self.cfg.engram_layer_ids.index(layer_id), torch.empty(0, dtype=torch.long))
+        return load_block(self.source, layer_id, fake_quant=self.fake_quant, table_rows=rows)
 
     @torch.no_grad()
     def begin(self, input_ids: torch.Tensor, capture: Sequence[int] | None = None) -> ForwardState:
@@ -244,7 +275,13 @@ class V41Runner:
         steps two checkpoints through the layers this way, in lockstep."""
         input_ids = input_ids.to(self.source.device)
         embedded = F.embedding(input_ids, self.source.tensor("embed.weight"))
-        return ForwardState(self.cfg, input_ids, embedded, self.hasher, capture)
+        run = ForwardState(self.cfg, input_ids, embedded, self.hasher, capture)
+        if run.hash_ids is not None:
+            for index in range(len(self.cfg.engram_layer_ids)):
+                ids = run.hash_ids[..., index, :].reshape(-1).cpu()
+                seen = self._table_rows.get(index)
+                self._table_rows[index] = torch.unique(ids if seen is None else torch.cat([seen, ids]))
+        return run
 
     @torch.no_grad()
     def final(self) -> tuple[RMSNorm, torch.Tensor]:
