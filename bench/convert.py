@@ -104,6 +104,11 @@ def evict(root: Path) -> float | None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return resident_fraction(root)
+
+
+def resident_fraction(root: Path) -> float | None:
+    """The fraction of ``root``'s shards' bytes in the page cache (``fincore``; None: unknown)."""
     if shutil.which("fincore") is None:
         return None
     shards = [str(p) for p in _files(root) if p.suffix == ".safetensors"]
