@@ -30,12 +30,10 @@ beside the per-layer costs it rests on:
   layer 14 in the 2-layer run (warm: layer 0 ran first), an Engram layer, KV source, index source and candidate
   source at once, so an upper bound for the 37 other compressed layers.
 
-The Engram tables (2 per checkpoint, 101 GB each) are not scaled with the layers. Both figures count them as the
-rows a run gathers (``tokens x (max n-gram - 1) x heads`` rows per table at most, megabytes; the measured runs read
-a scaled table whole, already in t(N)). ``compare/v41.py`` today reads a table whole and copies it to the device
-(``model/v41/forward.py::load_block``: ``ckpt.read(...).to(device)``, then gathers rows there), so the report also
-gives the seconds of reading them whole at the layers' read rate, and the device memory an Engram layer then
-needs (both sides' tables at once) against the device's. The DSpark stages (3, 7.9 GB in the base) and the vision
+The Engram tables (2 per checkpoint, 101 GB each) are not scaled with the layers. ``compare/v41.py`` reads a table
+by the rows its sequences hash to (``model/v41/forward.py::V41Runner.load_block``: ``tokens x (max n-gram - 1) x
+heads`` rows per table at most, megabytes), as in the measured runs, so both figures count nothing more for them
+than t(N) holds. The DSpark stages (3, 7.9 GB in the base) and the vision
 tower are not compared by ``compare/v41.py`` yet: no cost is counted for them; the read time of both checkpoints
 counts every byte of both (the goal's measure) and, beside it, the bytes compare reads.
 
@@ -346,7 +344,7 @@ def kind_counts(roles: list[dict]) -> dict[str, int]:
     return {k: sum(r["kind"] == k for r in roles) for k in ("sliding", "compressed")}
 
 
-def extrapolate(counts: dict, rel: dict, shape: str, device_bytes: int | None = None) -> dict:
+def extrapolate(counts: dict, rel: dict, shape: str) -> dict:
     """The release's seconds for one shape from the runs at two layer counts (module docstring), each figure beside
     the per-layer costs it rests on, and its ratio to reading both checkpoints at cat's measured rate."""
     runs = sorted((c for c in counts.values() if shape in c.get("compare", {})), key=lambda c: c["layers"])
@@ -401,15 +399,10 @@ def extrapolate(counts: dict, rel: dict, shape: str, device_bytes: int | None = 
     read_to_go = read_per_byte * (rel_layers - both(hi, "layer"))
     by_kinds = hi["compare"][shape]["seconds"] + read_to_go + sum(kind_to_go[k] * forward[k]["seconds"]
                                                                  for k in kind_to_go)
-    # Engram tables: gathered by row (counted: nothing more) or read whole as compare/v41 does today
+    # Engram tables: gathered by row in the measured runs as on the release (counted: nothing more)
     tables_both = rel["base_bytes"]["engram_table"] + rel["variant_bytes"]["engram_table"]
-    whole_tables = read_per_byte * (tables_both - both(hi, "engram_table"))
     s, t = (int(x) for x in shape.split("x"))
-    tables = max(rel["engram_tables"], 1)
     gathered = min(max(rel["engram_rows"], default=0), s * t * rel["engram_rows_per_token"]) * rel["engram_row_bytes"]
-    peak = hi["compare"][shape]["result"]["peak_device_bytes"]
-    hi_table_per_side = hi["base_bytes"]["engram_table"]    # one scaled table per side in every source
-    device_need = None if peak is None else peak - 2 * hi_table_per_side + 2 * rel["base_bytes"]["engram_table"] / tables
     # reading both checkpoints at cat's measured rate (the highest count's, else the lowest's)
     reads = [c["stages"]["read"] for c in (hi, lo) if "read" in c["stages"]]
     rate = reads[0]["bytes"] / reads[0]["seconds"] if reads and reads[0]["seconds"] > 0 else None
@@ -421,15 +414,12 @@ def extrapolate(counts: dict, rel: dict, shape: str, device_bytes: int | None = 
         per_layer={"difference_wall_seconds": round(cost["used_seconds"], 3), "basis": cost["basis"],
                    "read_seconds_per_gb": round(read_per_byte * GB, 4),
                    "forward": {k: {**v, "seconds": round(v["seconds"], 3)} for k, v in forward.items()}},
-        seconds={"difference": round(difference, 1), "by_kind": round(by_kinds, 1),
-                 "by_kind_tables_read_whole": round(by_kinds + whole_tables, 1)},
+        seconds={"difference": round(difference, 1), "by_kind": round(by_kinds, 1)},
         by_kind_parts={"t_hi": hi["compare"][shape]["seconds"], "read_to_go": round(read_to_go, 1),
                        "forward_to_go": {k: round(kind_to_go[k] * forward[k]["seconds"], 1) for k in kind_to_go},
                        "layers_to_go": kind_to_go},
         engram={"tables_bytes_both": tables_both, "measured_table_bytes_both": both(hi, "engram_table"),
-                "gathered_bytes_per_table_at_most": gathered, "read_whole_seconds": round(whole_tables, 1),
-                "device_bytes_needed_reading_whole": None if device_need is None else int(device_need),
-                "device_total_bytes": device_bytes},
+                "gathered_bytes_per_table_at_most": gathered},
         read_both={"cat_gb_per_s": round(rate / GB, 3) if rate else None, "bytes": whole_both,
                    "seconds": round(read_all, 1) if read_all else None, "compared_bytes": compared_both,
                    "compared_seconds": round(compared_both / rate, 1) if rate else None},
@@ -517,11 +507,8 @@ def markdown(result: dict) -> str:
                   f"- difference (every layer at the added ratio-0 layer's wall: low): "
                   f"{x['seconds']['difference'] / 60:.1f} min",
                   f"- Engram tables ({en['tables_bytes_both'] / GB:.0f} GB in both): counted as gathered rows "
-                  f"(at most {_gb(en['gathered_bytes_per_table_at_most'])} GB per table for this shape); read whole, "
-                  f"as compare/v41 does today: +{en['read_whole_seconds'] / 60:.1f} min "
-                  f"({x['seconds']['by_kind_tables_read_whole'] / 60:.1f} min), and an Engram layer then needs "
-                  f"{_gib(en['device_bytes_needed_reading_whole'])} GiB on the device (both sides' tables) against "
-                  f"{_gib(en['device_total_bytes'])} GiB here",
+                  f"(at most {_gb(en['gathered_bytes_per_table_at_most'])} GB per table for this shape), as "
+                  "compare reads them",
                   f"- reading both checkpoints ({rb['bytes'] / GB:.0f} GB, every byte) at cat's "
                   f"{rb['cat_gb_per_s']} GB/s: {rb['seconds']} s; without the Engram tables and DSpark stages "
                   f"({rb['compared_bytes'] / GB:.0f} GB): {rb['compared_seconds']} s",
@@ -534,8 +521,7 @@ def markdown(result: dict) -> str:
 
 def save(result: dict, args: argparse.Namespace) -> None:
     """Both files, from what has run so far (after every stage: a stopped benchmark keeps what it measured)."""
-    result["extrapolation"] = {f"{s}x{t}": extrapolate(result["counts"], result["release"], f"{s}x{t}",
-                                                       result["machine"].get("gpu_memory_bytes"))
+    result["extrapolation"] = {f"{s}x{t}": extrapolate(result["counts"], result["release"], f"{s}x{t}")
                                for s, t in shapes_of(args.shapes)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"compare-v41-{args.name}"
