@@ -109,12 +109,24 @@ class V41KVState:
       the candidate level;
     * ``selections[i]``: index-source layer ``i``'s chosen compressed entries per query ``[B, T, k]`` (ascending,
       ``-1`` padded), the fine level.
+
+    Two switches for training (the organism, ``dsv4convert/organism/v41.py``), both off in every forward the
+    engines have: ``record`` keeps each index-source layer's scores (``index_scores[i]``, ``[B, T, C]`` after the
+    causal mask) computed from *detached* inputs (the indexer's own weights get the gradient of a loss on them, the
+    layers below do not; the values, and so the selection, are the same), and each compressed layer's attention
+    probabilities over its compressed entries (``attention[i]``, ``[B, T, heads, C]``, before the sink is dropped
+    from the denominator: the softmax row's share); ``dense`` selects every visible entry instead of the top-k (the
+    indexer's top-k lifted, as DeepSeek-V3.2's dense warm-up trains it), the candidate blocks still computed.
     """
 
     compressed: dict[int, torch.Tensor] = field(default_factory=dict)
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     candidate_blocks: torch.Tensor | None = None
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    record: bool = False
+    dense: bool = False
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Compressor(nn.Module):
@@ -225,7 +237,10 @@ class Attention(nn.Module):
             self._sources(x, q_latent, table, state)
             compressed = state.compressed[self.kv_source]
             selection = state.selections[self.selection_source]
-        o = self._attend(q, kv, compressed, selection)
+        kept: list[torch.Tensor] | None = [] if state.record and compressed is not None else None
+        o = self._attend(q, kv, compressed, selection, kept)
+        if kept is not None:
+            state.attention[self.layer_id] = torch.cat(kept, dim=1)
         o = rotate(o, table, self.rope_dim, inverse=True)
         o = o.reshape(batch, length, self.groups, -1)
         wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
@@ -234,6 +249,7 @@ class Attention(nn.Module):
     def _sources(self, x: torch.Tensor, q_latent: torch.Tensor, table: torch.Tensor, state: V41KVState) -> None:
         """``forward_low_ratio_sources``: the compressor (a KV source), then the index top-k (an index source)."""
         length = x.shape[1]
+        detach = (lambda t: t.detach()) if state.record else (lambda t: t)
         if self.compressor is not None:
             latent = self.compressor.latent(x)
             entries = table[::self.ratio][:latent.shape[-2]]   # each entry at its first token's position
@@ -241,14 +257,16 @@ class Attention(nn.Module):
             state.compressed[self.layer_id] = fake_quant_compressed_kv(kv) if self.fake_quant else kv
             if self.indexer is not None and self.indexer.owns_keys:
                 state.index_keys[self.layer_id] = self.indexer.keys(
-                    latent, lambda k: rotate(k, entries, self.rope_dim))
+                    detach(latent), lambda k: rotate(k, entries, self.rope_dim))
         if self.indexer is None or not self.indexer.is_index_source:
             return
         indexer = self.indexer
         keys = state.index_keys[self.kv_source]
-        queries = indexer.queries(q_latent, lambda q: rotate(q, table, self.rope_dim))
+        queries = indexer.queries(detach(q_latent), lambda q: rotate(q, table, self.rope_dim))
         lens = visible_entries(torch.arange(length, device=x.device), self.ratio).expand(x.shape[0], length)
-        scores = causal_scores(indexer.scores(queries, keys, indexer.head_weights(x)), lens)
+        scores = causal_scores(indexer.scores(queries, keys, indexer.head_weights(detach(x))), lens)
+        if state.record:
+            state.index_scores[self.layer_id] = scores
         if indexer.uses_candidates:
             if state.candidate_blocks is None:
                 raise CheckpointError(f"layer {self.layer_id} takes candidate blocks, but no candidate-source layer "
@@ -260,13 +278,17 @@ class Attention(nn.Module):
             if indexer.is_candidate_source:
                 state.candidate_blocks = candidate_blocks(scores, lens, indexer.candidate_topk_blocks,
                                                           indexer.candidate_block_size)
+        if state.dense:
+            columns = torch.arange(scores.shape[-1], device=x.device)
+            picked = columns.expand(*lens.shape, -1).masked_fill(columns >= lens.unsqueeze(-1), -1)
         state.selections[self.layer_id] = picked
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
-                selection: torch.Tensor | None) -> torch.Tensor:
+                selection: torch.Tensor | None, kept: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Sink-softmax attention of ``q [B, T, H, D]`` over the window of ``kv [B, T, D]`` and, given, the
         ``selection [B, T, k]`` of ``compressed [B, C, D]``; ``[B, T, H, D]`` in ``q``'s dtype
-        (``_sm120_sparse_decode_fwd``)."""
+        (``_sm120_sparse_decode_fwd``). ``kept``, given, receives each query chunk's probabilities over the
+        compressed entries (``[B, rows, H, C]``)."""
         dtype = compute_dtype(q.dtype)
         batch, length = q.shape[0], q.shape[1]
         positions = torch.arange(length, device=q.device)
@@ -289,5 +311,7 @@ class Attention(nn.Module):
             scores = torch.einsum("bthd,bsd->bths", q[:, start:start + len(rows)].to(dtype), keys)
             scores = (scores * self.softmax_scale).masked_fill(~mask.unsqueeze(2), -torch.inf)
             probs = torch.cat([scores, sink.expand(*scores.shape[:3], 1)], dim=-1).softmax(dim=-1)[..., :-1]
+            if kept is not None:
+                kept.append(probs[..., -compressed.shape[1]:])
             out.append(torch.einsum("bths,bsd->bthd", probs, keys))
         return torch.cat(out, dim=1).to(q.dtype)
