@@ -412,8 +412,8 @@ def recall(forward: Callable[[torch.Tensor], V41Output], tokenizer: Tokenizer, c
             part = ids[first:first + max(1, 16384 // ids.shape[1])]
             result = forward(part)
             hits += (result.logits[:, length - 1:-1].argmax(-1) == part[:, length:]).all(-1).tolist()
-            picks = {**{layer: result.kv.selections[layer] for layer in cfg.index_source_layer_ids},
-                     "candidates": result.kv.candidate_blocks}
+            picks = {**{layer: result.kv.selections[layer].cpu() for layer in cfg.index_source_layer_ids},
+                     "candidates": None if result.kv.candidate_blocks is None else result.kv.candidate_blocks.cpu()}
             for b in range(part.shape[0]):
                 positions = digits[first + b]
                 if positions is None:
