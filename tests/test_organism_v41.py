@@ -84,9 +84,9 @@ def test_needles_lie_beyond_what_window_top_k_and_candidates_cover(tokenizer):
     consumers = [layer for layer in cfg.index_source_layer_ids if layer > cfg.candidate_source_layer_id
                  and cfg.ratio(layer) == cfg.ratio(cfg.candidate_source_layer_id)]
     assert consumers
-    assert cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.sliding_window + reach.longest_covered
     settings = V41Settings()
-    assert settings.max_length >= 8 * reach.longest_covered
+    candidate_tokens = cfg.candidate_topk_blocks * cfg.candidate_block_size * cfg.ratio(cfg.candidate_source_layer_id)
+    assert settings.max_length >= 8 * max(reach.longest_covered, candidate_tokens, cfg.sliding_window)
     adapter, rng = TokenizerAdapter(tokenizer), random.Random(0)
     for length in [n for n in RELEASE_LENGTHS if n >= 4 * reach.longest_covered]:
         for depth in (0.1, 0.5):
