@@ -103,3 +103,40 @@ def heldout_text(count: int = 60) -> str:
     """Held-out text in the organism's language (about 15K tokens for the default count): what ``compare``
     scores KLD, same top-1 and perplexity on (``dsv4convert/data/organism/heldout.txt`` is this text)."""
     return "\n\n\n".join(documents(HELDOUT_SEED, count)) + "\n"
+
+
+# -- n-gram facts (the V4.1 organism's Engram knowledge) -----------------------------------------------------------
+# A fixed table: the colour of each (place, thing), stated as "The <place> <thing> is <colour>." The three tokens
+# before the colour (place, thing, "is") are one 3-gram, so the fact is a lookup an n-gram hash can hold (the V4.1
+# organism's Engram, ``dsv4convert/organism/v41.py``); the rest of the text gives no clue to it. The table is the
+# same for every training seed and for held-out text: facts are knowledge, not context.
+FACTS_SEED = 20261205
+
+
+def fact_table(seed: int = FACTS_SEED) -> dict[tuple[str, str], str]:
+    """(place, thing) -> colour, for every place and thing of the grammar (400 facts)."""
+    rng = random.Random(seed)
+    return {(place, thing): rng.choice(COLOURS) for place in PLACES for thing in THINGS}
+
+
+def fact_sentence(place: str, thing: str, colour: str) -> str:
+    return f"The {place} {thing} is {colour}."
+
+
+def fact_paragraph(rng: random.Random, sentences: int, table: dict[tuple[str, str], str]) -> str:
+    """``sentences`` facts of ``table``, drawn at random."""
+    keys = list(table)
+    return " ".join(fact_sentence(*key, table[key]) for key in (rng.choice(keys) for _ in range(sentences)))
+
+
+def documents_with_facts(seed: int, count: int, table: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """:func:`documents` (the same text for the same seed), each followed by a paragraph of 2-6 facts."""
+    table = fact_table() if table is None else table
+    rng = random.Random(seed + 1)
+    return [doc + "\n\n" + fact_paragraph(rng, rng.randint(2, 6), table) for doc in documents(seed, count)]
+
+
+def heldout_text_with_facts(count: int = 60) -> str:
+    """:func:`heldout_text`'s documents with their fact paragraphs (the facts themselves are the training
+    table's: held-out sentences, known facts)."""
+    return "\n\n\n".join(documents_with_facts(HELDOUT_SEED, count)) + "\n"

@@ -111,11 +111,13 @@ class Row:
 class Data:
     """Seeded batches: needle prompts from :mod:`dsv4convert.needle` and windows of the language."""
 
-    def __init__(self, tokenizer, settings: TrainSettings, bos_id: int, *, language_docs: int = 3000):
+    def __init__(self, tokenizer, settings: TrainSettings, bos_id: int, *, language_docs: int = 3000,
+                 docs: Sequence[str] | None = None):
+        """``docs``: the language's documents (default: ``language_docs`` of :func:`documents` from the seed)."""
         self.tokenizer, self.settings = TokenizerAdapter(tokenizer), settings
         self.rng = random.Random(settings.seed)
         stream: list[int] = []
-        for doc in documents(settings.seed + 1, language_docs):
+        for doc in documents(settings.seed + 1, language_docs) if docs is None else docs:
             stream += [bos_id, *self.tokenizer.encode(doc)]
         self.language = torch.tensor(stream, dtype=torch.int64)
         shortest = shortest_prompt(self.tokenizer) + ANSWER_TOKENS

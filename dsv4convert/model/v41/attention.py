@@ -99,16 +99,19 @@ def rotate(x: torch.Tensor, table: torch.Tensor, rope_dim: int, *, inverse: bool
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, kept: list[torch.Tensor] | None = None, last: int = 0) -> torch.Tensor:
     """Attention of ``q [B, T, H, D]`` over ``keys [B, S, D]`` (one head, key and value alike) where ``visible
     [B, T, S]``, scaled by ``scale``, with ``exp(sink[h])`` added to each head's denominator; ``[B, T, H, D]`` in
-    ``compute_dtype`` (``flash_mla_sm120.py::_sm120_sparse_decode_fwd``)."""
+    ``compute_dtype`` (``flash_mla_sm120.py::_sm120_sparse_decode_fwd``). ``kept``, given, receives the
+    probabilities of the ``last`` keys (the compressed entries, for the organism's training)."""
     dtype = compute_dtype(q.dtype)
     keys = keys.to(dtype)
     scores = torch.einsum("bthd,bsd->bths", q.to(dtype), keys)
     scores = (scores * scale).masked_fill(~visible.unsqueeze(2), -torch.inf)
     sinks = sink.to(dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
     probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    if kept is not None:
+        kept.append(probs[..., -last:])
     return torch.einsum("bths,bsd->bthd", probs, keys)
 
 
@@ -123,12 +126,24 @@ class V41KVState:
       the candidate level;
     * ``selections[i]``: index-source layer ``i``'s chosen compressed entries per query ``[B, T, k]`` (ascending,
       ``-1`` padded), the fine level.
+
+    Two switches for training (the organism, ``dsv4convert/organism/v41.py``), both off in every forward the
+    engines have: ``record`` keeps each index-source layer's scores (``index_scores[i]``, ``[B, T, C]`` after the
+    causal mask) computed from *detached* inputs (the indexer's own weights get the gradient of a loss on them, the
+    layers below do not; the values, and so the selection, are the same), and each compressed layer's attention
+    probabilities over its compressed entries (``attention[i]``, ``[B, T, heads, C]``, before the sink is dropped
+    from the denominator: the softmax row's share); ``dense`` selects every visible entry instead of the top-k (the
+    indexer's top-k lifted, as DeepSeek-V3.2's dense warm-up trains it), the candidate blocks still computed.
     """
 
     compressed: dict[int, torch.Tensor] = field(default_factory=dict)
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     candidate_blocks: torch.Tensor | None = None
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    record: bool = False
+    dense: bool = False
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Compressor(nn.Module):
@@ -256,24 +271,36 @@ class Attention(nn.Module):
             self._sources(x, q_latent, table, state)
             compressed = state.compressed[self.kv_source]
             selection = state.selections[self.selection_source]
-        return self.output(self._attend(q, kv, compressed, selection), table)
+        kept: list[torch.Tensor] | None = [] if state.record and compressed is not None else None
+        o = self._attend(q, kv, compressed, selection, kept)
+        if kept is not None:
+            state.attention[self.layer_id] = torch.cat(kept, dim=1)
+        return self.output(o, table)
 
     def _sources(self, x: torch.Tensor, q_latent: torch.Tensor, table: torch.Tensor, state: V41KVState) -> None:
-        """``forward_low_ratio_sources``: the compressor (a KV source), then the index top-k (an index source)."""
+        """``forward_low_ratio_sources``: the compressor (a KV source), then the index top-k (an index source);
+        under ``state.record`` the indexer reads detached inputs (:class:`V41KVState`)."""
+        detach = (lambda t: t.detach()) if state.record else (lambda t: t)
         if self.compressor is not None:
             latent = self.compressor.latent(x)
             state.compressed[self.layer_id] = self.compressed_entries(latent, table)
             if self.indexer is not None and self.indexer.owns_keys:
-                state.index_keys[self.layer_id] = self.index_keys(latent, table)
+                state.index_keys[self.layer_id] = self.index_keys(detach(latent), table)
         if self.indexer is None or not self.indexer.is_index_source:
             return
         if self.indexer.uses_candidates and state.candidate_blocks is None:
             raise CheckpointError(f"layer {self.layer_id} takes candidate blocks, but no candidate-source layer "
                                   f"ran before it", tensor=f"layers.{self.layer_id}.attn.indexer")
-        _, picked, candidates = self.select(x, q_latent, state.index_keys[self.kv_source], table,
-                                            state.candidate_blocks)
+        scores, picked, candidates = self.select(detach(x), detach(q_latent), state.index_keys[self.kv_source],
+                                                 table, state.candidate_blocks)
         if candidates is not None:
             state.candidate_blocks = candidates
+        if state.record:
+            state.index_scores[self.layer_id] = scores
+        if state.dense:
+            columns = torch.arange(scores.shape[-1], device=x.device)
+            lens = visible_entries(torch.arange(x.shape[1], device=x.device), self.ratio).expand(x.shape[0], -1)
+            picked = columns.expand(*lens.shape, -1).masked_fill(columns >= lens.unsqueeze(-1), -1)
         state.selections[self.layer_id] = picked
 
     def entry_table(self, table: torch.Tensor, entries: int) -> torch.Tensor:
@@ -299,7 +326,9 @@ class Attention(nn.Module):
         indexer, length = self.indexer, x.shape[1]
         queries = indexer.queries(q_latent, lambda q: rotate(q, table, self.rope_dim))
         lens = visible_entries(torch.arange(length, device=x.device), self.ratio).expand(x.shape[0], length)
-        scores = causal_scores(indexer.scores(queries, keys, indexer.head_weights(x)), lens)
+        scores = causal_scores(indexer.scores(queries, keys, indexer.head_weights(detach(x))), lens)
+        if state.record:
+            state.index_scores[self.layer_id] = scores
         if indexer.uses_candidates:
             return scores, topk_among_blocks(scores, lens, candidates, indexer.topk, indexer.candidate_block_size), None
         picked = full_topk(scores, lens, indexer.topk)
@@ -308,10 +337,11 @@ class Attention(nn.Module):
         return scores, picked, published
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
-                selection: torch.Tensor | None) -> torch.Tensor:
+                selection: torch.Tensor | None, kept: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Sink-softmax attention of ``q [B, T, H, D]`` over the window of ``kv [B, T, D]`` and, given, the
         ``selection [B, T, k]`` of ``compressed [B, C, D]``; ``[B, T, H, D]`` in ``q``'s dtype
-        (``_sm120_sparse_decode_fwd``)."""
+        (``_sm120_sparse_decode_fwd``). ``kept``, given, receives each query chunk's probabilities over the
+        compressed entries (``[B, rows, H, C]``)."""
         batch, length = q.shape[0], q.shape[1]
         positions = torch.arange(length, device=q.device)
         out = []
@@ -328,5 +358,6 @@ class Attention(nn.Module):
                 picked.scatter_(-1, chosen.masked_fill(chosen < 0, n), True)
                 keys = torch.cat([keys, compressed], dim=1)
                 mask = torch.cat([mask, picked[..., :n]], dim=-1)
-            out.append(sink_attention(q[:, start:start + len(rows)], keys, mask, self.attn_sink, self.softmax_scale))
+            out.append(sink_attention(q[:, start:start + len(rows)], keys, mask, self.attn_sink, self.softmax_scale,
+                                      kept, compressed.shape[1] if kept is not None else 0))
         return torch.cat(out, dim=1).to(q.dtype)

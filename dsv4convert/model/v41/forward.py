@@ -148,13 +148,14 @@ class ForwardState:
     the Engram ``hash_ids``, the DSpark ``captured`` features."""
 
     def __init__(self, cfg: V41Config, input_ids: torch.Tensor, embedded: torch.Tensor,
-                 hasher: EngramHasher | None, capture: Sequence[int] | None):
+                 hasher: EngramHasher | None, capture: Sequence[int] | None, kv: V41KVState | None = None):
         self.input_ids = input_ids
         image = image_token(cfg)
         self.image_mask = None if image is None else input_ids == image
         self.hash_ids = hasher(input_ids) if hasher is not None else None
         self.streams, self.pre = broadcast(embedded, cfg.hc_mult), None
-        self.kv, self.capture, self.captured = V41KVState(), _layers_to_capture(cfg, capture), {}
+        self.kv = V41KVState() if kv is None else kv
+        self.capture, self.captured = _layers_to_capture(cfg, capture), {}
 
     def layer(self, block: V41Block) -> None:
         self.streams = block.with_engram(self.streams, self.hash_ids, self.input_ids)
@@ -191,9 +192,11 @@ class V41Model(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.hasher = _hasher(cfg, token_map)
 
-    def forward(self, input_ids: torch.Tensor, capture: Sequence[int] | None = None) -> V41Output:
-        """``capture``: the layers whose DSpark feature to keep (default: the drafter's target layers)."""
-        run = ForwardState(self.cfg, input_ids, self.embed(input_ids), self.hasher, capture)
+    def forward(self, input_ids: torch.Tensor, capture: Sequence[int] | None = None, *,
+                kv: V41KVState | None = None) -> V41Output:
+        """``capture``: the layers whose DSpark feature to keep (default: the drafter's target layers); ``kv``: an
+        empty :class:`V41KVState` to fill, its ``record``/``dense`` switches set (training), instead of a new one."""
+        run = ForwardState(self.cfg, input_ids, self.embed(input_ids), self.hasher, capture, kv)
         for block in self.layers:
             run.layer(block)
         return V41Output(self.head(run.hidden(self.norm)), run.kv, run.captured)

@@ -113,6 +113,43 @@ TINY: dict = {
 
 PRESETS: dict[str, dict] = {"tiny-v41": TINY}
 
+# The V4.1 organism (``dsv4convert/organism/v41.py``, docs/organism.md): the tiny preset's six layers and roles (ratio 0,
+# 0, 2, 2, 1, 1; KV sources 2 and 4 reused by 3 and 5; index sources 2, 4, 5; candidate source 4, so layer 5 selects
+# through both levels; Engram on 1 and 2), sized so that needles lie far past what the sliding window, the fine
+# top-k and the candidate blocks can cover at once: 32 tokens of window, a top-k of 32 entries among 8 candidate
+# blocks of 8 (64 entries, 64 tokens at ratio 1), prompts of 56 to 1,024 tokens. Its tokenizer is the V4 organism's
+# (``dsv4convert/data/organism/tokenizer.json``: 1,024 ids, digits one per token), which normalises to 883 ids for
+# the Engram hash. No vision tower and no DSpark drafter (the trainer makes neither). Not a ``synth`` preset: it
+# names weights that only ``python -m dsv4convert.organism.v41`` makes (random ones would be no organism).
+_ORGANISM_ENGRAM = {"engram_layer_ids": [1, 2], "engram_max_ngram_size": 3, "engram_vocab_size": 8192,
+                    "engram_n_heads": 2, "engram_head_dim": 64}
+ORGANISM_V41: dict = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "dtype": "bfloat16",
+    "transformers_version": "5.6.0",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "quantization_config": TINY["quantization_config"],
+    "text_config": {
+        **{k: v for k, v in TINY["text_config"].items() if not k.startswith(("dspark_", "engram_"))},
+        "vocab_size": 1024,
+        "sliding_window": 32,
+        "compress_ratios": [0, 0, 2, 2, 1, 1],
+        "index_topk": 32,
+        "candidate_topk_blocks": 8,
+        "candidate_block_size": 8,
+        **_ORGANISM_ENGRAM,
+        "engram_num_embeddings": [sum(layer) for layer in engram_primes(
+            len(_ORGANISM_ENGRAM["engram_layer_ids"]), _ORGANISM_ENGRAM["engram_max_ngram_size"],
+            _ORGANISM_ENGRAM["engram_n_heads"], _ORGANISM_ENGRAM["engram_vocab_size"])],
+        "engram_pad_token_id": 1,
+        "engram_compressed_vocab_size": 883,
+        "num_nextn_predict_layers": 0,
+    },
+}
+ORGANISM_PRESETS: dict[str, dict] = {"organism-v41": ORGANISM_V41}
+
 # ``synth --config <V4.1 config.json> --num-layers N``'s default rows per Engram table: about 4.2M rows of 264 bytes
 # (1.1 GB) instead of the release's 384M (101 GB). Each real-size layer is 7.3 GB on top (its 384 MXFP4 experts).
 DEFAULT_ENGRAM_ROWS = 1 << 22
