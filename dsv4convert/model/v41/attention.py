@@ -326,9 +326,7 @@ class Attention(nn.Module):
         indexer, length = self.indexer, x.shape[1]
         queries = indexer.queries(q_latent, lambda q: rotate(q, table, self.rope_dim))
         lens = visible_entries(torch.arange(length, device=x.device), self.ratio).expand(x.shape[0], length)
-        scores = causal_scores(indexer.scores(queries, keys, indexer.head_weights(detach(x))), lens)
-        if state.record:
-            state.index_scores[self.layer_id] = scores
+        scores = causal_scores(indexer.scores(queries, keys, indexer.head_weights(x)), lens)
         if indexer.uses_candidates:
             return scores, topk_among_blocks(scores, lens, candidates, indexer.topk, indexer.candidate_block_size), None
         picked = full_topk(scores, lens, indexer.topk)
