@@ -237,7 +237,7 @@ class EngramEmbedding(nn.Module):
     def _local(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """``hash_ids`` as positions among :attr:`row_ids`; an id whose row was not gathered is an error, never
         another row's value."""
-        local = torch.searchsorted(self.row_ids, hash_ids).clamp_max(self.row_ids.numel() - 1)
+        local = torch.searchsorted(self.row_ids, hash_ids.contiguous()).clamp_max(self.row_ids.numel() - 1)
         if not torch.equal(self.row_ids[local], hash_ids):
             raise RuntimeError("an Engram hash id outside the rows gathered for this forward (gather the rows of "
                                "every sequence before loading the layer)")
