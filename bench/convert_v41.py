@@ -191,6 +191,16 @@ def _median_rate(rows: list[dict], kind: str) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def _layer_shard_difference(rows: list[dict], lo: int, hi: int) -> float | None:
+    """Seconds one more layer adds to the layer shards of one-worker runs' timelines (median at each count), or
+    None where a count has no timeline."""
+    at = {n: [r["timeline"]["layer"]["seconds"] for r in rows if r["layers"] == n and r.get("timeline")]
+          for n in (lo, hi)}
+    if hi <= lo or not at[lo] or not at[hi]:
+        return None
+    return (statistics.median(at[hi]) - statistics.median(at[lo])) / (hi - lo)
+
+
 def extrapolate(runs: list[dict], full: dict, cores: int | None = None) -> dict:
     """The release's seconds per command (module docstring): everything but the Engram tables from the per-layer
     cost (``layer_costs``, else the one-worker timeline's layer rate), plus the Engram tables to go at the table's
@@ -222,7 +232,8 @@ def extrapolate(runs: list[dict], full: dict, cores: int | None = None) -> dict:
                      f"without its Engram tables, less the L={lo} source's, over {layer_bytes / GB:.2f} GB per layer) "
                      f"x per-layer seconds + {engram_to_go / GB:.1f} GB of Engram tables to go x the table's seconds "
                      f"per byte in the command's own run (cp: its copy of the table's shard). Per-layer seconds: the "
-                     f"one-worker wall difference between L={lo} and L={costs['hi']}; more workers: the CPU-seconds "
+                     f"one-worker layer shards' time difference between L={lo} and L={costs['hi']} in the shard "
+                     f"timeline (cp: its wall difference); more workers: the CPU-seconds "
                      f"difference / min(workers, {costs['cores']} cores); a command run at one count only: its layer "
                      f"shards' seconds per byte in the one-worker timeline. The DSpark stages count as layer bytes. "
                      f"A converter reads a kept table twice (the NaN check, then the copy): the scaled table's second "
@@ -235,6 +246,12 @@ def extrapolate(runs: list[dict], full: dict, cores: int | None = None) -> dict:
         one_worker = [r for r in main if (r["variant"], r["workers"]) == (variant, 1)]
         layer_rate = _median_rate(one_worker, "layer")
         cost = dict(costs["per_layer"].get(name, {}))
+        shards = _layer_shard_difference(one_worker, lo, costs["hi"]) if workers == 1 and variant != CP else None
+        if cost and shards is not None:
+            # the layer shards' own time: the wall difference also holds the start-up's noise (one run's 16 s
+            # against the other's 9 s gave nvfp4 1.3 s per layer, below cp's 6.2, against 16 s in its timeline)
+            cost["used_seconds"] = shards
+            cost["basis"] = f"one-worker layer shards' difference between L={lo} and L={costs['hi']} (start-up excluded)"
         if not cost:
             lo_mine = [r["seconds"] for r in mine if r["layers"] == lo]
             if not lo_mine or layer_rate is None:
