@@ -490,7 +490,7 @@ def _no_edit(t):
 class Fault:
     variant: str
     edit: Callable[[dict[str, torch.Tensor]], None]
-    sglang: tuple[str, str] | None  # (tensor, outcome) of SGLang's load; None: every tensor lands as it should
+    sglang: tuple[str | tuple[str, ...], str] | None  # (tensor or tensors, outcome) of SGLang's load; None: all land
     hole: str | None                # the parameter SGLang leaves partly unwritten
     validate: tuple[str, ...]       # what `validate`'s integrity problems name, in order
     draft: bool = False             # load the MTP draft rather than the target
@@ -506,8 +506,11 @@ FAULTS = {
                                     ("layers.2.ffn.experts.5.w3.weight_scale_2",)),
     "BF16 expert weight in FP8": Fault("fp8", _bf16_weight, ("layers.1.ffn.experts.0.w2.weight", "wrong"), None,
                                        ("layers.1.ffn.experts.0.w2.weight",)),
+    # both halves write one w13_input_scale slot: the one that lands last wins, and SGLang's multi-thread shard
+    # loading decides which (seen both ways on a loaded 2-core machine), so the verdict names either half
     "differing w1/w3 input_scale": Fault("nvfp4", _differing_input_scales,
-                                         ("layers.3.ffn.experts.6.w1.input_scale", "wrong"), None,
+                                         (("layers.3.ffn.experts.6.w1.input_scale",
+                                           "layers.3.ffn.experts.6.w3.input_scale"), "wrong"), None,
                                          ("layers.3.ffn.experts.6.w3.input_scale",)),
     # SGLang keeps both weight_scale_2 columns; only its sm_90/sm_120 runners then use w1's for both.
     "differing w1/w3 weight_scale_2": Fault("nvfp4", _differing_scale_2, None, None,
