@@ -48,7 +48,7 @@ from dsv4convert.models.deepseek_v41.config import read_config
 from dsv4convert.models.deepseek_v41.inventory import stage_inventory
 from dsv4convert.models.deepseek_v41.presets import TINY
 
-pytest.importorskip("sglang_oracle")   # imports SGLang as its CPU oracle does (torchvision without ops)
+import sglang_oracle  # noqa: E402,F401  SGLang imported as its CPU oracle does (torchvision without ops): missing, this fails
 
 CFG = read_config(TINY)
 D = CFG.dspark
