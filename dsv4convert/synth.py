@@ -44,6 +44,8 @@ GENERATION_CONFIG_PATH = DATA_DIR / "deepseek-v4-flash-generation_config.json"
 ORGANISM_DIR = DATA_DIR / "organism"
 # What its DSpark drafter adds (`train-organism --drafter dspark`): the mtp.* tensors and dspark.json.
 ORGANISM_DSPARK_DIR = DATA_DIR / "organism-dspark"
+# The trained V4.1 organism in V4.1's release layout (docs/organism.md), written by `python -m dsv4convert.organism.v41`.
+ORGANISM_V41_DIR = DATA_DIR / "organism-v41"
 
 
 def reference_config() -> dict:

@@ -13,6 +13,7 @@ from dsv4convert.models.deepseek_v41.presets import DEFAULT_ENGRAM_ROWS
 from dsv4convert.models.deepseek_v41.presets import PRESETS as V41_PRESETS
 
 ORGANISM = "organism"
+ORGANISM_V41 = "organism-v41"
 DRAFTERS = ("mtp", "dspark", "none")
 
 
@@ -33,10 +34,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--dst", required=True, type=Path, help="output directory")
-    p.add_argument("--preset", choices=sorted([*PRESETS, *V41_PRESETS, ORGANISM]), default="tiny",
+    p.add_argument("--preset", choices=sorted([*PRESETS, *V41_PRESETS, ORGANISM, ORGANISM_V41]), default="tiny",
                    help="model size (default: tiny); tiny-v41: a tiny DeepSeek-V4.1-Flash (every tensor kind, its "
                         "tokenizer); organism: the shipped trained organism (7.6 MB on disk; "
-                        "10.1 MB with --drafter dspark)")
+                        "10.1 MB with --drafter dspark); organism-v41: the shipped trained V4.1 organism (15 MB, no "
+                        "drafter; docs/organism.md)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 or V4.1 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers (a V4.1 config: the first "
                    "N-1 and its first layer that holds every tensor kind, an Engram layer that is a KV and index "
@@ -61,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from dsv4convert.checkpoint import read_small_json
-    from dsv4convert.organism.export import write_organism
+    from dsv4convert.organism.export import write_organism, write_organism_v41
     from dsv4convert.models.deepseek_v41 import synth as v41_synth
     from dsv4convert.models.deepseek_v4.configs import ModelConfig, with_dspark, with_num_layers
     from dsv4convert.synth import preset_config, synthesize
@@ -81,6 +83,15 @@ def _run(args: argparse.Namespace) -> int:
         what = {"mtp": "its MTP block", "dspark": "its DSpark drafter, 0731's layout", "none": "no drafter"}
         print(f"wrote {dst} (the trained organism with {what[drafter or 'mtp']}, {size / 1e6:.1f} MB; "
               "docs/organism.md)")
+        return 0
+    if args.preset == ORGANISM_V41:
+        if (args.config or args.num_layers is not None or args.seed or args.engram_rows is not None
+                or args.workers != 1 or drafter not in (None, "none")):
+            raise DSV4Error("--preset organism-v41 is a trained checkpoint without a drafter: --config, "
+                            "--num-layers, --engram-rows, --seed, --workers and --drafter do not apply")
+        dst = write_organism_v41(args.dst, overwrite=args.overwrite)
+        size = sum(p.stat().st_size for p in dst.iterdir())
+        print(f"wrote {dst} (the trained DeepSeek-V4.1 organism, {size / 1e6:.1f} MB; docs/organism.md)")
         return 0
     if args.preset in V41_PRESETS:
         if (args.config or args.num_layers is not None or args.engram_rows is not None

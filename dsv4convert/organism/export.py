@@ -43,7 +43,7 @@ from dsv4convert.model.blocks import WeightSource
 from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state
 from dsv4convert.organism.tokenizer import TOKENIZER_CONFIG
-from dsv4convert.synth import GENERATION_CONFIG_PATH, ORGANISM_DIR, ORGANISM_DSPARK_DIR
+from dsv4convert.synth import GENERATION_CONFIG_PATH, ORGANISM_DIR, ORGANISM_DSPARK_DIR, ORGANISM_V41_DIR
 
 PROVENANCE_NAME = "organism.json"
 DSPARK_PROVENANCE_NAME = "dspark.json"
@@ -226,8 +226,23 @@ def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) 
     if drafter != "mtp":
         return write_with_drafter(dst, ORGANISM_DIR, ORGANISM_DSPARK_DIR if drafter == "dspark" else None,
                                   overwrite=overwrite)
+    return copy_shipped(files, dst, overwrite=overwrite)
+
+
+def copy_shipped(files: list[Path], dst: Path, *, overwrite: bool = False) -> Path:
+    """A shipped checkpoint's ``files`` copied to ``dst``, the index last, so that an interrupted copy never looks
+    complete (written read-write: the package's own files may be read-only)."""
     empty_destination(dst, overwrite=overwrite)
     for path in sorted(files, key=lambda p: p.name == INDEX_NAME):
         shutil.copyfile(path, dst / path.name)
         (dst / path.name).chmod(0o644)
     return dst
+
+
+def write_organism_v41(dst: Path, *, overwrite: bool = False) -> Path:
+    """The shipped V4.1 organism (``python -m dsv4convert.organism.v41``'s output, trained weights) at ``dst``."""
+    dst = Path(dst)
+    files = sorted(p for p in ORGANISM_V41_DIR.iterdir() if p.is_file()) if ORGANISM_V41_DIR.is_dir() else []
+    if not any(p.name == INDEX_NAME for p in files):
+        raise DSV4Error("the package has no V4.1 organism checkpoint (reinstall dsv4convert)", file=ORGANISM_V41_DIR)
+    return copy_shipped(files, dst, overwrite=overwrite)
