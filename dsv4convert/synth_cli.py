@@ -37,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted([*PRESETS, *V41_PRESETS, ORGANISM, ORGANISM_V41]), default="tiny",
                    help="model size (default: tiny); tiny-v41: a tiny DeepSeek-V4.1-Flash (every tensor kind, its "
                         "tokenizer); organism: the shipped trained organism (7.6 MB on disk; "
-                        "10.1 MB with --drafter dspark); organism-v41: the shipped trained V4.1 organism (15 MB, no "
-                        "drafter; with --drafter dspark its trained DSpark drafter in V4.1's layout; docs/organism.md)")
+                        "10.1 MB with --drafter dspark); organism-v41: the shipped trained V4.1 organism (15 MB; "
+                        "with --drafter dspark its trained DSpark drafter in V4.1's layout; docs/organism.md)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 or V4.1 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers (a V4.1 config: the first "
                    "N-1 and its first layer that holds every tensor kind, an Engram layer that is a KV and index "

@@ -165,3 +165,12 @@ def test_synth_without_the_drafters_data_names_its_directory(tmp_path, monkeypat
     assert str(missing) in err and "no DSpark drafter for the V4.1 organism" in err and not dst.exists()
     assert main(["synth", "--preset", "organism-v41", "--drafter", "mtp", "--dst", str(dst)]) == 2
     assert "--drafter mtp" in capsys.readouterr().err and not dst.exists()
+
+
+def test_drafter_none_is_the_shipped_organism_as_it_is(tmp_path):
+    dst = tmp_path / "bare"
+    assert main(["synth", "--preset", "organism-v41", "--drafter", "none", "--dst", str(dst)]) == 0
+    shipped = sorted(p.name for p in ORGANISM_V41_DIR.iterdir() if p.is_file())
+    assert sorted(p.name for p in dst.iterdir()) == shipped
+    assert all((dst / name).read_bytes() == (ORGANISM_V41_DIR / name).read_bytes() for name in shipped)
+    assert read_config(Checkpoint.open(dst).config).dspark is None
