@@ -46,6 +46,8 @@ ORGANISM_DIR = DATA_DIR / "organism"
 ORGANISM_DSPARK_DIR = DATA_DIR / "organism-dspark"
 # The trained V4.1 organism in V4.1's release layout (docs/organism.md), written by `python -m dsv4convert.organism.v41`.
 ORGANISM_V41_DIR = DATA_DIR / "organism-v41"
+# What the V4.1 organism's DSpark drafter adds (`python -m dsv4convert.organism.dspark_v41`): mtp.*, dspark.json.
+ORGANISM_V41_DSPARK_DIR = DATA_DIR / "organism-v41-dspark"
 
 
 def reference_config() -> dict:

@@ -37,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted([*PRESETS, *V41_PRESETS, ORGANISM, ORGANISM_V41]), default="tiny",
                    help="model size (default: tiny); tiny-v41: a tiny DeepSeek-V4.1-Flash (every tensor kind, its "
                         "tokenizer); organism: the shipped trained organism (7.6 MB on disk; "
-                        "10.1 MB with --drafter dspark); organism-v41: the shipped trained V4.1 organism (15 MB, no "
-                        "drafter; docs/organism.md)")
+                        "10.1 MB with --drafter dspark); organism-v41: the shipped trained V4.1 organism (15 MB; "
+                        "with --drafter dspark its trained DSpark drafter in V4.1's layout; docs/organism.md)")
     p.add_argument("--config", type=Path, help="a DeepSeek-V4 or V4.1 config.json to use instead of a preset")
     p.add_argument("--num-layers", type=int, help="keep only the first N backbone layers (a V4.1 config: the first "
                    "N-1 and its first layer that holds every tensor kind, an Engram layer that is a KV and index "
@@ -51,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, help="the draft model under mtp.*: mtp (the preview's MTP block), "
                    "dspark (V4-Flash-0731's DSpark drafter: three sliding-window stages, a Markov and a confidence "
                    "head) or none; default: what the preset or --config has. With --preset organism: mtp (default) "
-                   "its own MTP block, dspark its trained DSpark drafter (0731's layout), none neither")
+                   "its own MTP block, dspark its trained DSpark drafter (0731's layout), none neither; with --preset "
+                   "organism-v41: none (default) the backbone alone, dspark its trained DSpark drafter (V4.1's layout)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the drafter (same as --drafter none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, metavar="N",
@@ -86,12 +87,13 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.preset == ORGANISM_V41:
         if (args.config or args.num_layers is not None or args.seed or args.engram_rows is not None
-                or args.workers != 1 or drafter not in (None, "none")):
-            raise DSV4Error("--preset organism-v41 is a trained checkpoint without a drafter: --config, "
-                            "--num-layers, --engram-rows, --seed, --workers and --drafter do not apply")
-        dst = write_organism_v41(args.dst, overwrite=args.overwrite)
+                or args.workers != 1 or drafter == "mtp"):
+            raise DSV4Error("--preset organism-v41 is a trained checkpoint: --config, --num-layers, --engram-rows, "
+                            "--seed, --workers and --drafter mtp (V4.1's drafter is DSpark) do not apply")
+        dst = write_organism_v41(args.dst, drafter=drafter or "none", overwrite=args.overwrite)
         size = sum(p.stat().st_size for p in dst.iterdir())
-        print(f"wrote {dst} (the trained DeepSeek-V4.1 organism, {size / 1e6:.1f} MB; docs/organism.md)")
+        what = "with its DSpark drafter, V4.1's layout" if drafter == "dspark" else "no drafter"
+        print(f"wrote {dst} (the trained DeepSeek-V4.1 organism, {what}, {size / 1e6:.1f} MB; docs/organism.md)")
         return 0
     if args.preset in V41_PRESETS:
         if (args.config or args.num_layers is not None or args.engram_rows is not None

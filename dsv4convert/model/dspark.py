@@ -297,6 +297,11 @@ class DSparkHead(nn.Module):
         :meth:`draft` gives it."""
         return confidence(self.confidence, x_post_hc, self.prev_embedding(prev))
 
+    def probe_confidence(self, x_post_hc: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The raw confidence ``[M, G]`` on detached inputs: what training fits the head with, as a probe of the
+        drafter's state that never trades draft quality for calibration (``organism/dspark.py``)."""
+        return self.confidence(self.confidence_features(x_post_hc, prev).detach()).squeeze(-1)
+
 
 # -- the drafter ----------------------------------------------------------------------------------
 

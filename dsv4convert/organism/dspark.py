@@ -24,14 +24,21 @@ step on a fresh batch run through the frozen backbone (features at the target la
 Anchors are a seeded sample of every position with a full block after it (and at least one context row before
 it). Deterministic for a seed: a replay with the recorded step count writes the same bytes (on a CPU, and on the
 H200 the shipped drafter was trained on).
+
+The objective, the loop (:func:`train_on_target`) and the measurements (:func:`measure`) are release-independent:
+V4.1's drafter (``organism/dspark_v41.py``) trains by them too. What a release brings is a target (:class:`DraftTarget`:
+features, logits, the shared embedding and ``lm_head``; V4's is :class:`Target`) and a fresh drafter (V4's
+:class:`~dsv4convert.model.dspark.DSparkDrafter`, V4.1's :class:`~dsv4convert.model.v41.dspark.V41Drafter`: one API,
+``probe_confidence`` on their heads included).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +48,7 @@ from dsv4convert.models.deepseek_v4.configs import with_dspark, with_num_layers
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.model.dspark import Blocks, DSparkDrafter, FeatureCapture, acceptance, anchor_grid
 from dsv4convert.model.trainable import TrainableModel
+from dsv4convert.model.v41.dspark import V41Drafter
 from dsv4convert.needle import answer_ids, build_prompt, make_needle
 from dsv4convert.organism.train import (
     Data,
@@ -92,9 +100,12 @@ class DraftSettings:
     time_limit: float | None = None
 
 
+Drafter = DSparkDrafter | V41Drafter
+
+
 @dataclass
 class DraftResult:
-    drafter: DSparkDrafter
+    drafter: Drafter
     settings: DraftSettings
     steps_run: int
     seconds: float
@@ -102,8 +113,21 @@ class DraftResult:
     curve: list[dict] = field(default_factory=list)
 
 
+class DraftTarget(Protocol):
+    """A frozen target as the trainer and the measurements read it (one per release)."""
+
+    embed: torch.Tensor       # [V, H] the target's embedding and lm_head, which the drafter shares
+    lm_head: torch.Tensor
+
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features at the drafter's target layers ``[B, S, H * stages]``, logits ``[B, S, V]``), no gradient."""
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits alone ``[B, S, V]``, no gradient."""
+
+
 class Target:
-    """The frozen organism: features at the drafter's target layers and the logits, for a batch."""
+    """The frozen V4 organism: features at the drafter's target layers and the logits, for a batch."""
 
     def __init__(self, model: TrainableModel, config: dict):
         self.model = model.eval().requires_grad_(False)
@@ -118,6 +142,10 @@ class Target:
             logits = self.model(ids, mtp=False).logits
         return capture.features(), logits
 
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, mtp=False).logits
+
 
 def sample_anchors(ids: torch.Tensor, block_size: int, fraction: float, generator: torch.Generator) -> torch.Tensor:
     """A seeded ``fraction`` of the anchors ``1 .. S - 1 - block_size`` of every row (each with a context row
@@ -127,7 +155,7 @@ def sample_anchors(ids: torch.Tensor, block_size: int, fraction: float, generato
     return grid[keep].to(ids.device)
 
 
-def drafter_losses(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, anchors: torch.Tensor
+def drafter_losses(drafter: Drafter, target: DraftTarget, ids: torch.Tensor, anchors: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(distillation cross-entropy, confidence BCE, metrics) of one batch."""
     features, logits = target(ids)
@@ -139,8 +167,7 @@ def drafter_losses(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, an
     greedy = wanted.argmax(-1)
     out = drafter(features, blocks, target.embed, target.lm_head, teacher_prev=prev, keep_draft_logits=False)
     ce = -(wanted.softmax(-1) * out.teacher_logits.log_softmax(-1)).sum(-1).mean()
-    head = drafter.head
-    raw = head.confidence(head.confidence_features(out.x_post_hc, out.draft_prev).detach()).squeeze(-1).float()
+    raw = drafter.head.probe_confidence(out.x_post_hc, out.draft_prev).float()
     agree = (out.draft_tokens == greedy).float()
     bce = F.binary_cross_entropy_with_logits(raw, agree)
     metrics = {"ce": ce.detach(), "bce": bce.detach(),
@@ -169,28 +196,41 @@ def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
 
 def train_drafter(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings, *,
                   device: torch.device, log: Callable[[str], None] = print) -> DraftResult:
-    """Train the DSpark drafter of ``config`` on the frozen ``target_model``; returns it in eval mode. ``text``
+    """Train the DSpark drafter of ``config`` on the frozen V4 ``target_model``; returns it in eval mode. ``text``
     is held-out text (the curve's acceptance is measured on it).
 
     With ``settings.steps`` None the step count is chosen once, after ``PROBE_STEPS`` steps, to fill
     ``settings.time_budget``; the result's settings record it, and ``steps=N`` replays the run bit for bit (on
     a CPU, and on the H200 as measured: bench/results/organism-dspark-h200.md)."""
+    def new_drafter() -> DSparkDrafter:
+        drafter = DSparkDrafter(config, initializer_range=settings.initializer_range)
+        drafter.init_weights(target_model.backbone._init_weights)
+        return drafter
+
+    return train_on_target(Target(target_model.to(device), config), new_drafter, tokenizer, text, settings,
+                           bos_id=ModelConfig.from_dict(config).bos_token_id, device=device, log=log)
+
+
+def train_on_target(target: DraftTarget, new_drafter: Callable[[], Drafter], tokenizer, text: str,
+                    settings: DraftSettings, *, bos_id: int, device: torch.device, docs: Sequence[str] | None = None,
+                    log: Callable[[str], None] = print) -> DraftResult:
+    """Train the drafter ``new_drafter()`` makes (called once, after ``torch.manual_seed(settings.seed)``) on the
+    frozen ``target``, on the organism's data (``Data``: needles and the language, its ``docs`` if given); returns
+    it in eval mode. Any release's drafter: :func:`train_drafter` is V4's."""
     with deterministic_on_cpu(device):
-        return _train(target_model, config, tokenizer, text, settings, device, log)
+        return _train(target, new_drafter, tokenizer, text, settings, bos_id, docs, device, log)
 
 
-def _train(target_model: TrainableModel, config: dict, tokenizer, text: str, settings: DraftSettings,
-           device: torch.device, log: Callable[[str], None]) -> DraftResult:
+def _train(target: DraftTarget, new_drafter: Callable[[], Drafter], tokenizer, text: str, settings: DraftSettings,
+           bos_id: int, docs: Sequence[str] | None, device: torch.device, log: Callable[[str], None]) -> DraftResult:
     s = settings
     torch.manual_seed(s.seed)
-    target = Target(target_model.to(device), config)
-    drafter = DSparkDrafter(config, initializer_range=s.initializer_range)
-    drafter.init_weights(target_model.backbone._init_weights)
+    drafter = new_drafter()
     drafter.to(device).train()
     d = drafter.d
     data = Data(tokenizer, TrainSettings(seed=s.seed, tokens_per_step=s.tokens_per_step, min_length=s.min_length,
                                          max_length=s.max_length, needle_fraction=s.needle_fraction),
-                bos_id=ModelConfig.from_dict(config).bos_token_id)
+                bos_id=bos_id, docs=docs)
     generator = torch.Generator().manual_seed(s.seed + 17)
     optimizer = adamw(drafter, s.lr, s.weight_decay)
     held = heldout_sets(tokenizer, text, sequences=s.eval_sequences, seed=s.seed) if s.eval_sequences else {}
@@ -241,18 +281,18 @@ def heldout_sets(tokenizer, text: str, *, sequences: int, seed: int) -> dict[str
 
 
 @torch.no_grad()
-def greedy_continuation(target: Target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def greedy_continuation(target: DraftTarget, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """The target's own greedy continuation of ``prompts`` (full forwards, no cache): on such a sequence a
     draft checked against the target's top-1 is exactly what greedy verification accepts."""
     ids = prompts
     for _ in range(new_tokens):
-        logits = target.model(ids, mtp=False).logits[:, -1]
+        logits = target.logits(ids)[:, -1]
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
     return ids
 
 
 @torch.no_grad()
-def draft_acceptance(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, first: int = FIRST_ANCHOR, *,
+def draft_acceptance(drafter: Drafter, target: DraftTarget, ids: torch.Tensor, first: int = FIRST_ANCHOR, *,
                      chunk: int = 4096) -> dict:
     """Every block anchored at ``first .. S - block`` of ``ids`` (teacher-forced: each drafts from the
     sequence's own prefix): per draft position the agreement with the target's greedy token and the
@@ -283,7 +323,7 @@ class MeasureSettings:
     seed: int = 0
 
 
-def measure(drafter: DSparkDrafter, target: Target, tokenizer, text: str, m: MeasureSettings) -> dict:
+def measure(drafter: Drafter, target: DraftTarget, tokenizer, text: str, m: MeasureSettings) -> dict:
     """Per draft position on held-out text, on fresh needle prompts (both teacher-forced), and exactly on the
     target's own greedy continuations of held-out prompts."""
     device = drafter.head.norm.weight.device

@@ -13,7 +13,8 @@ a checkpoint that looks whole.
 :func:`write_drafter_release` writes only what the organism's DSpark drafter adds (its ``mtp.*`` tensors
 rounded like every block: FP8 linears, MXFP4 experts, the Markov and confidence heads BF16 as 0731 releases
 them; and ``dspark.json``); :func:`write_with_drafter` puts it in place of the organism's MTP block, 0731's
-layout, the backbone's stored bytes unchanged.
+layout, the backbone's stored bytes unchanged. :func:`write_v41_with_drafter` does the same for the V4.1 organism
+in V4.1's layout; both are :func:`assemble_with_drafter` with their release's config keys and plan.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,14 +37,28 @@ from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.models.deepseek_v4.configs import drafter_keys
-from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
+from dsv4convert.models.deepseek_v4.layout import (
+    DSPARK_KEY_PREFIX,
+    ModelConfig,
+    TensorSpec,
+    native_inventory,
+    without_drafter,
+)
+from dsv4convert.models.deepseek_v41.config import read_config as read_v41_config
+from dsv4convert.models.deepseek_v41.inventory import native_groups as v41_groups
 from dsv4convert.models.registry import fp8_block_of_config
 from dsv4convert.models.deepseek_v4.names import in_draft
 from dsv4convert.model.blocks import WeightSource
 from dsv4convert.model.dspark import DSparkDrafter
 from dsv4convert.model.trainable import TrainableModel, load_native_state
 from dsv4convert.organism.tokenizer import TOKENIZER_CONFIG
-from dsv4convert.synth import GENERATION_CONFIG_PATH, ORGANISM_DIR, ORGANISM_DSPARK_DIR, ORGANISM_V41_DIR
+from dsv4convert.synth import (
+    GENERATION_CONFIG_PATH,
+    ORGANISM_DIR,
+    ORGANISM_DSPARK_DIR,
+    ORGANISM_V41_DIR,
+    ORGANISM_V41_DSPARK_DIR,
+)
 
 PROVENANCE_NAME = "organism.json"
 DSPARK_PROVENANCE_NAME = "dspark.json"
@@ -134,10 +149,17 @@ def write_drafter_release(dst: Path, drafter: DSparkDrafter, config: dict, prove
     tensor as 0731 stores it: FP8 linears, MXFP4 experts, BF16 Markov and confidence heads) and ``dspark.json``
     (``config``: the keys it sets, :func:`drafter_keys`; the rest is ``provenance``)."""
     specs = drafter_specs(config)
+    return write_drafter_files(dst, release_tensors(drafter.native_state(), specs, fp8_block_of_config(config)), specs,
+                               drafter_keys(config), provenance, overwrite=overwrite)
+
+
+def write_drafter_files(dst: Path, tensors: Iterable[tuple[str, torch.Tensor]], specs: list[TensorSpec],
+                        keys: dict, provenance: dict, *, overwrite: bool = False) -> Path:
+    """A drafter's two files, any release: ``dspark.safetensors`` (``specs`` filled from ``tensors``, stored) and
+    ``dspark.json`` (``config``: the config keys the drafter sets, ``keys``; then ``provenance``)."""
     with staged(dst, overwrite=overwrite) as work:
-        write_shard(work / DSPARK_TENSORS_NAME, release_tensors(drafter.native_state(), specs, fp8_block_of_config(config)),
-                    specs)
-        atomic_write_json(work / DSPARK_PROVENANCE_NAME, {"config": drafter_keys(config), **provenance})
+        write_shard(work / DSPARK_TENSORS_NAME, tensors, specs)
+        atomic_write_json(work / DSPARK_PROVENANCE_NAME, {"config": keys, **provenance})
     return Path(dst)
 
 
@@ -146,20 +168,51 @@ def write_with_drafter(dst: Path, base: Path, drafter_dir: Path | None, *, overw
     :func:`write_drafter_release` wrote to ``drafter_dir`` (0731's layout: the backbone's stored bytes, the
     drafter under ``mtp.*``, the config with its keys, ``dspark.json`` beside the base's other files), or by
     nothing (``drafter_dir`` None: the config says ``num_nextn_predict_layers: 0``). One shard, index last."""
+    def merged(config: dict, keys: dict | None) -> dict:
+        return without_drafter(config) | (keys or {})
+
+    return assemble_with_drafter(dst, base, drafter_dir, merged,
+                                 lambda config: [native_inventory(ModelConfig.from_dict(config))], overwrite=overwrite)
+
+
+def write_v41_with_drafter(dst: Path, base: Path, drafter_dir: Path, *, overwrite: bool = False) -> Path:
+    """The release-format V4.1 organism ``base`` (no drafter) with the DSpark drafter ``drafter_dir`` holds
+    (``organism/dspark_v41.py`` wrote it) in V4.1's layout: the backbone's stored bytes, the stages under ``mtp.*``
+    as the release plans them (``models/deepseek_v41/inventory.py``: one shard per group, the stages' between the
+    head and the Engram tables), the ``text_config`` with the drafter's keys (``dspark.json``'s ``config``)."""
+    def merged(config: dict, keys: dict | None) -> dict:
+        text = {k: v for k, v in config["text_config"].items() if not k.startswith(DSPARK_KEY_PREFIX)}
+        return {**config, "text_config": text | keys["text_config"]}
+
+    return assemble_with_drafter(dst, base, drafter_dir, merged,
+                                 lambda config: v41_groups(read_v41_config(config, "config.json")),
+                                 overwrite=overwrite)
+
+
+def assemble_with_drafter(dst: Path, base: Path, drafter_dir: Path | None,
+                          merged: Callable[[dict, dict | None], dict], groups: Callable[[dict], list[list[TensorSpec]]],
+                          *, overwrite: bool = False) -> Path:
+    """Any release's organism ``base`` with the drafter in ``drafter_dir`` (or none) under ``mtp.*``: the config
+    ``merged(base config, dspark.json's config keys or None)``, one shard per group of ``groups(config)`` (the
+    release's plan), each backbone tensor copied as stored and each drafter tensor from ``dspark.safetensors``,
+    both checked against the plan; the base's other files and ``dspark.json`` beside them; the index last."""
     base = Path(base)
     source = Checkpoint.open(base)
-    config = without_drafter(source.config)
+    keys: dict | None = None
     drafter: dict[str, TensorEntry] = {}
     if drafter_dir is not None:
-        provenance = read_small_json(Path(drafter_dir) / DSPARK_PROVENANCE_NAME)
-        config.update(provenance["config"])
+        keys = read_small_json(Path(drafter_dir) / DSPARK_PROVENANCE_NAME)["config"]
         drafter = dict(read_header(Path(drafter_dir) / DSPARK_TENSORS_NAME).entries)
-    specs = native_inventory(ModelConfig.from_dict(config))
-    backbone = [s for s in specs if not in_draft(s.name)]
-    for spec in backbone:
-        _check_stored(source.entry(spec.name).dtype, source.entry(spec.name).shape, spec, base)
+    config = merged(source.config, keys)
+    plan = groups(config)
+    specs = [s for group in plan for s in group]
+    for spec in specs:
+        if not in_draft(spec.name):
+            _check_stored(source.entry(spec.name).dtype, source.entry(spec.name).shape, spec, base)
     drafter_file = Path(drafter_dir or base) / DSPARK_TENSORS_NAME
-    for spec in specs[len(backbone):]:
+    for spec in specs:
+        if not in_draft(spec.name):
+            continue
         if spec.name not in drafter:
             raise DSV4Error("the drafter's file lacks a tensor the layout needs", file=drafter_file, tensor=spec.name)
         _check_stored(drafter[spec.name].dtype, drafter[spec.name].shape, spec, drafter_file)
@@ -167,15 +220,17 @@ def write_with_drafter(dst: Path, base: Path, drafter_dir: Path | None, *, overw
     if extra:
         raise DSV4Error(f"the drafter's file holds {len(extra)} tensors the layout has no place for", file=drafter_file,
                         tensor=extra[0])
+    names = [shard_name(i + 1, len(plan)) for i in range(len(plan))]
     with staged(dst, overwrite=overwrite) as work:
-        name = shard_name(1, 1)
-        write_shard(work / name, ((s.name, read_tensor(drafter[s.name]) if s.name in drafter else source.read(s.name))
-                                  for s in specs), specs)
+        for name, group in zip(names, plan):
+            write_shard(work / name, ((s.name, read_tensor(drafter[s.name]) if s.name in drafter
+                                       else source.read(s.name)) for s in group), group)
         atomic_write_json(work / "config.json", config)
         copy_small_files([p for p in source.small_files() if p.name != "config.json"], work)
         if drafter_dir is not None:
             copy_small_files([Path(drafter_dir) / DSPARK_PROVENANCE_NAME], work)
-        write_index(work, {s.name: name for s in specs}, sum(s.nbytes for s in specs))
+        write_index(work, {s.name: name for name, group in zip(names, plan) for s in group},
+                    sum(s.nbytes for s in specs))
     return Path(dst)
 
 
@@ -239,10 +294,18 @@ def copy_shipped(files: list[Path], dst: Path, *, overwrite: bool = False) -> Pa
     return dst
 
 
-def write_organism_v41(dst: Path, *, overwrite: bool = False) -> Path:
-    """The shipped V4.1 organism (``python -m dsv4convert.organism.v41``'s output, trained weights) at ``dst``."""
+def write_organism_v41(dst: Path, *, drafter: str = "none", overwrite: bool = False) -> Path:
+    """The shipped V4.1 organism (``python -m dsv4convert.organism.v41``'s output, trained weights) at ``dst`` with
+    ``drafter``: ``none`` its own files copied; ``dspark`` V4.1's layout, its backbone's bytes with the shipped
+    DSpark drafter (``python -m dsv4convert.organism.dspark_v41``'s output) under ``mtp.*``."""
     dst = Path(dst)
     files = sorted(p for p in ORGANISM_V41_DIR.iterdir() if p.is_file()) if ORGANISM_V41_DIR.is_dir() else []
     if not any(p.name == INDEX_NAME for p in files):
         raise DSV4Error("the package has no V4.1 organism checkpoint (reinstall dsv4convert)", file=ORGANISM_V41_DIR)
+    if drafter == "dspark":
+        if not (ORGANISM_V41_DSPARK_DIR / DSPARK_TENSORS_NAME).is_file():
+            raise DSV4Error(f"the package has no DSpark drafter for the V4.1 organism ({DSPARK_TENSORS_NAME} missing: "
+                            "train it with python -m dsv4convert.organism.dspark_v41 and copy its organism-v41-dspark/ "
+                            "here)", file=ORGANISM_V41_DSPARK_DIR)
+        return write_v41_with_drafter(dst, ORGANISM_V41_DIR, ORGANISM_V41_DSPARK_DIR, overwrite=overwrite)
     return copy_shipped(files, dst, overwrite=overwrite)

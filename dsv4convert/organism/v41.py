@@ -533,10 +533,18 @@ def stored_group(state: dict[str, torch.Tensor], group: list[TensorSpec], cfg: V
 def as_stored(model: V41Model) -> V41Model:
     """A copy of ``model`` whose every weight is what the release format stores, decoded back to float32 (the
     model the written checkpoint describes; :class:`V41Runner` on it gives these logits)."""
-    cfg = model.cfg
     state = model.state_dict()
+    decoded = stored_values(state, native_groups(model.cfg), model.cfg)
+    copied = copy.deepcopy(model)
+    copied.load_state_dict({k: v.to(state[k].device) for k, v in decoded.items()})
+    return copied
+
+
+def stored_values(state: dict[str, torch.Tensor], groups: list[list[TensorSpec]], cfg: V41Config
+                  ) -> dict[str, torch.Tensor]:
+    """Every weight of ``groups`` (scales aside) as :func:`stored_group` stores it, decoded back to float32."""
     decoded = {}
-    for group in native_groups(cfg):
+    for group in groups:
         stored = dict(stored_group(state, group, cfg))
         for spec in group:
             if spec.name.endswith(".scale") and spec.name.removesuffix(".scale") + ".weight" in stored:
@@ -548,9 +556,7 @@ def as_stored(model: V41Model) -> V41Model:
             elif spec.dtype == "I8":
                 value = dequantize_mxfp4(value, stored[f"{module}.scale"])
             decoded[spec.name] = value.float()
-    copied = copy.deepcopy(model)
-    copied.load_state_dict({k: v.to(state[k].device) for k, v in decoded.items()})
-    return copied
+    return decoded
 
 
 def write_release(dst: Path, model: V41Model, config: dict, tokenizer: Tokenizer, provenance: dict, *,

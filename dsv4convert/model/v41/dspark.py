@@ -60,7 +60,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4convert.errors import CheckpointError
-from dsv4convert.model.dspark_rules import Blocks, DraftOutput, confidence, embed_blocks, markov_draft
+from dsv4convert.model.dspark_rules import (
+    Blocks,
+    DraftOutput,
+    confidence,
+    confidence_features,
+    embed_blocks,
+    markov_draft,
+)
 from dsv4convert.model.v41.attention import Attention, sink_attention
 from dsv4convert.model.v41.forward import V41Block
 from dsv4convert.model.v41.hyper import RMSNorm, collapse
@@ -203,6 +210,13 @@ class DSparkHead(nn.Module):
         """(``sigmoid(raw)``, raw) per row on ``[x_post_hc, markov_w1(prev)]``."""
         return confidence(self.confidence_head.proj, x_post_hc, self.markov_head.markov_w1(prev))
 
+    def probe_confidence(self, x_post_hc: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The raw confidence ``[M, G]`` on detached inputs (``x_post_hc``, ``markov_w1(prev)``): what training fits
+        the head with, as a probe of the drafter's state (``organism/dspark.py``)."""
+        proj = self.confidence_head.proj
+        features = confidence_features(x_post_hc, self.markov_head.markov_w1(prev), proj.weight.dtype)
+        return proj(features.detach()).squeeze(-1)
+
 
 # -- running the stages ---------------------------------------------------------------------------
 
@@ -307,6 +321,8 @@ class V41Drafter(nn.Module):
                  stages: Sequence[V41Stage] | None = None, head: DSparkHead | None = None):
         super().__init__()
         self.cfg, self.d = cfg, dspark_of(cfg)
+        # each block's context rows: SGLang's SWA_WINDOW (128, the release's sliding_window), here the config's
+        self.window = cfg.sliding_window
         self.entry = entry if entry is not None else DSparkEntry(cfg, dtype)
         self.stages = nn.ModuleList(stages if stages is not None else
                                     [V41Stage(cfg, s, dtype) for s in range(self.d.stages)])
