@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "error. Writes compare.json, compare.md and PNGs; exits 1 above --fail-above-kld, 2 on bad input. "
             "DeepSeek-V4.1 checkpoints run through V4.1's own forward one layer at a time, with the part that moved "
             "the output named (Engram, a KV source's compressor, the candidate-level or a fine indexer, attention, "
-            "experts); --recall there says which indexer level kept the needle (docs/compare.md)."
+            "experts) and their DSpark drafter's draft fidelity as for 0731; --recall there says which indexer level "
+            "kept the needle (docs/compare.md)."
         ),
     )
     p.add_argument("--base", required=True, metavar="SRC", help="the checkpoint the variant was made from")
