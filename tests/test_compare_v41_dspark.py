@@ -10,11 +10,15 @@ a tensor changed in one drafter component is named by that component, with every
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from dsv4convert.cli import main
 from dsv4convert.compare.dspark import CONFIDENCE_HEAD, DRAFT_HEAD, MARKOV_HEAD, TARGET_FEATURES
@@ -163,3 +167,22 @@ def test_the_drafter_runs_on_each_sides_own_captured_features(tiny_v41):
     for layer in (3, 4, 5):
         torch.testing.assert_close(engine.base_runs[0].captured[layer], captured[layer], rtol=0, atol=0)
     assert draft.capture() == {"base": (3, 4, 5), "variant": (3, 4, 5)}
+
+
+def test_a_drafter_tensor_missing_is_one_error_before_any_layer_unless_no_mtp(tiny_v41, tmp_path, capsys):
+    name = "mtp.1.attn.wkv.scale"
+    broken = tmp_path / "no-wkv-scale"
+    shutil.copytree(tiny_v41, broken)
+    index_path = broken / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = broken / index["weight_map"].pop(name)
+    with safe_open(shard, "pt") as f:
+        kept = {n: f.get_tensor(n) for n in f.keys() if n != name}
+        metadata = f.metadata()
+    save_file(kept, shard, metadata=metadata)
+    index_path.write_text(json.dumps(index))
+    argv = ["compare", "--base", str(tiny_v41), "--variant", str(broken), *TOKENS, "--dry-run"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and name in err and "missing" in err
+    assert main([*argv, "--no-mtp"]) == 0      # the text model alone is whole

@@ -153,25 +153,26 @@ def _side(label: str, path: str, kind: str, opts: CompareOptions, device: torch.
         raise DSV4Error(f"the {label} is not a DeepSeek-V4.1 checkpoint, the other side is: compare needs two "
                         "checkpoints of one model", file=ckpt.root / "config.json")
     variant = v41_variant_of(ckpt.config)
-    check_text_layout(ckpt, variant)
+    check_text_layout(ckpt, variant, drafter=opts.mtp and opts.recall is None)
     numerics = numerics_record(kind, opts.gpu_family, variant, str(ckpt.root))
     return Side(label, ckpt, V41Runner(ckpt, device, dtype, fake_quant=kind == "served"), variant, numerics)
 
 
 TEXT_MODEL = ("embed.", "layers.", "norm.", "head.")   # what the forward reads (no drafter, no vision tower)
+DRAFTER = ("mtp.",)                                     # what the DSpark pass reads besides
 
 
-def check_text_layout(ckpt: Checkpoint, variant: str) -> None:
-    """The text model's tensors against what a ``variant`` output stores (``engines/outputs_v41.py::
-    layout_problems``, the check ``inspect`` and ``validate`` run): the first problem is one error naming the file
-    and tensor, before any layer is read."""
+def check_text_layout(ckpt: Checkpoint, variant: str, *, drafter: bool = False) -> None:
+    """The text model's tensors (and the DSpark drafter's, with ``drafter``) against what a ``variant`` output
+    stores (``engines/outputs_v41.py::layout_problems``, the check ``inspect`` and ``validate`` run): the first
+    problem is one error naming the file and tensor, before any layer is read."""
     cfg = v41_release.read_config(ckpt.config, str(ckpt.root / "config.json"))
     qc = ckpt.config.get("quantization_config") or {}
     group = (((qc.get("config_groups") or {}).get("group_0") or {}).get("weights") or {}).get("group_size", 32)
     for line in layout_problems(ckpt.tensors.values(), cfg, variant, group):
         parts = line.split(": ")
         name = parts[0] if parts[1].startswith("missing") else parts[1]
-        if name.startswith(TEXT_MODEL):
+        if name.startswith(TEXT_MODEL + (DRAFTER if drafter else ())):
             raise DSV4Error(f"not a DeepSeek-V4.1 {variant} checkpoint compare can read: {line}", file=ckpt.root)
 
 
