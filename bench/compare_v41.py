@@ -33,9 +33,11 @@ beside the per-layer costs it rests on:
 The Engram tables (2 per checkpoint, 101 GB each) are not scaled with the layers. ``compare/v41.py`` reads a table
 by the rows its sequences hash to (``model/v41/forward.py::V41Runner.load_block``: ``tokens x (max n-gram - 1) x
 heads`` rows per table at most, megabytes), as in the measured runs, so both figures count nothing more for them
-than t(N) holds. The DSpark stages (3, 7.9 GB in the base) and the vision
-tower are not compared by ``compare/v41.py`` yet: no cost is counted for them; the read time of both checkpoints
-counts every byte of both (the goal's measure) and, beside it, the bytes compare reads.
+than t(N) holds. The DSpark stages (3, 7.9 GB in the base) are left out (``--drafter none``): the figure is
+compare's text model, ``--no-mtp``'s (``compare/v41.py`` compares the drafter otherwise, a pass of its own that
+``--dry-run``'s cost line counts and this benchmark does not time); the vision tower is not compared by
+``compare/v41.py``: no cost is counted for either; the read time of both checkpoints counts every byte of both (the
+goal's measure) and, beside it, the bytes compare reads.
 
     python bench/compare_v41.py --work "$PWD/.cmp-bench-work" --out-dir "$OUT" --deadline-s 480   # H200
     python bench/compare_v41.py --dry-run                                                            # the plan
@@ -159,7 +161,7 @@ def expected_seconds(count: dict, shapes: list[tuple[int, int]], workers: int, s
 def plan_lines(p: dict, rel: dict, expected: dict, free: int | None) -> list[str]:
     b, v = rel["base_bytes"], rel["variant_bytes"]
     lines = [f"Release (the target): {rel['layers']} layers ({rel['kinds']['sliding']} sliding-window, "
-             f"{rel['kinds']['compressed']} compressed) + {rel['dspark_stages']} DSpark stages (not compared) + "
+             f"{rel['kinds']['compressed']} compressed) + {rel['dspark_stages']} DSpark stages (left out: --no-mtp's figure) + "
              f"{rel['engram_tables']} Engram tables; base {b['total'] / GB:.1f} GB (layers {b['layer'] / GB:.1f}, "
              f"Engram tables {b['engram_table'] / GB:.1f}, DSpark {b['dspark'] / GB:.1f}, embedding/head/vision "
              f"{b['other'] / GB:.1f}), to-{VARIANT} {v['total'] / GB:.1f} GB (layers {v['layer'] / GB:.1f})", "",
@@ -430,7 +432,7 @@ def extrapolate(counts: dict, rel: dict, shape: str) -> dict:
                      f"the L={hi['layers']} run adds (release layer 0, ratio 0: a low figure); by kind: t(L="
                      f"{hi['layers']}) + the layer bytes to go x the read seconds per byte the L={hi['layers']} run "
                      f"adds + per layer to go its kind's forward (Engram tables: rows gathered, nothing more counted; "
-                     f"DSpark stages and vision tower: not compared, not counted)")
+                     f"DSpark stages (left out: --no-mtp's figure) and vision tower: not counted)")
     return out
 
 
@@ -457,7 +459,7 @@ def markdown(result: dict) -> str:
              f"- variant: `to-{VARIANT} --engine sglang` (exact: KLD 0 expected); compare `--gpu-family "
              f"{result['gpu_family']} --random-tokens --batch-size {result['batch_size']}`",
              f"- Engram tables scaled to --engram-rows {result['engram_rows']:,} (the release's: 384M rows, 101 GB "
-             "each); DSpark drafter left out (`--drafter none`): compare/v41 does not compare the DSpark stages yet",
+             "each); DSpark drafter left out (`--drafter none`): the text model's figure, compare --no-mtp's",
              "- page cache: " + ("posix_fadvise(DONTNEED) on both checkpoints before cat and each compare" if
                                  result["evict"] else "nothing dropped: both checkpoints were just written and fit "
                                  "in memory, so cat and compare read them from the page cache (resident fractions "

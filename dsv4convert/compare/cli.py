@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "error. Writes compare.json, compare.md and PNGs; exits 1 above --fail-above-kld, 2 on bad input. "
             "DeepSeek-V4.1 checkpoints run through V4.1's own forward one layer at a time, with the part that moved "
             "the output named (Engram, a KV source's compressor, the candidate-level or a fine indexer, attention, "
-            "experts); --recall there says which indexer level kept the needle (docs/compare.md)."
+            "experts) and their DSpark drafter's draft fidelity as for 0731; --recall there says which indexer level "
+            "kept the needle (docs/compare.md)."
         ),
     )
     p.add_argument("--base", required=True, metavar="SRC", help="the checkpoint the variant was made from")
@@ -170,23 +171,41 @@ def print_plan(plan, eta=None) -> None:
           f"estimated peak device memory {human_bytes(e['peak_device_bytes'])} (largest layer "
           f"{human_bytes(e['largest_layer_bytes'])}), host memory {human_bytes(e['peak_host_bytes'])}, "
           f"reads {human_bytes(e['bytes_to_read'])}")
-    draft = e.get("dspark")
-    if draft:
-        print(f"  DSpark drafter: {draft['blocks']} blocks of {draft['block_size']} drafts (anchored "
-              + ("at every position" if draft["stride"] == 1 else f"every {draft['stride']} positions") + "), "
-              f"{draft['stages']} stages per track ({draft['draft_rows']} draft rows each, the variant's "
-              f"again on the base's inputs); host memory {human_bytes(draft['host_bytes'])} for target features and "
-              f"draft streams, device {human_bytes(draft['device_bytes'])} for a stage and its heads")
-        base_ids = plan.base.side.inspection.config.dspark.target_layer_ids
-        variant_ids = plan.variant.side.inspection.config.dspark.target_layer_ids
-        if base_ids != variant_ids:
-            print(f"  DSpark target layers differ: base {list(base_ids)}, variant {list(variant_ids)} (each side "
-                  "drafts from its own; the report measures what it costs)")
-    elif plan.base.side.inspection.config.dspark is not None:
-        print("  DSpark drafter: not compared (--no-mtp)")
+    base_d, variant_d = plan.base.side.inspection.config.dspark, plan.variant.side.inspection.config.dspark
+    for line in dspark_plan_lines(e.get("dspark"), base_d, variant_d):
+        print(f"  {line}")
     if eta is not None:
         print(f"  {eta.line(what_runs(plan))}")
     print("dry run: nothing run")
+
+
+def dspark_plan_lines(draft: dict | None, base_d, variant_d) -> list[str]:
+    """The plan's DSpark lines, either release: ``draft`` is the estimate's ``dspark`` (``run.py::draft_estimate``,
+    None when not compared), ``base_d``/``variant_d`` each side's DSpark config (None without a drafter)."""
+    if not draft:
+        return ["DSpark drafter: not compared (--no-mtp)"] if base_d is not None else []
+    lines = [f"DSpark drafter: {draft['blocks']} blocks of {draft['block_size']} drafts (anchored "
+             + ("at every position" if draft["stride"] == 1 else f"every {draft['stride']} positions") + "), "
+             f"{draft['stages']} stages per track ({draft['draft_rows']} draft rows each, the variant's "
+             f"again on the base's inputs); host memory {human_bytes(draft['host_bytes'])} for target features and "
+             f"draft streams, device {human_bytes(draft['device_bytes'])} for a stage and its heads"]
+    if tuple(base_d.target_layer_ids) != tuple(variant_d.target_layer_ids):
+        lines.append(f"DSpark target layers differ: base {list(base_d.target_layer_ids)}, variant "
+                     f"{list(variant_d.target_layer_ids)} (each side drafts from its own; the report measures what "
+                     "it costs)")
+    return lines
+
+
+def dspark_result_lines(draft: dict | None) -> list[str]:
+    """What a run prints of ``compare.json``'s ``dspark`` (either release): agreement per draft position and the
+    expected accepted length per side, then the verdict."""
+    if not draft:
+        return []
+    length = draft["expected_accept_length"]
+    return [f"DSpark draft agreement per position ({side}): " + ", ".join(
+        f"{100 * p['agreement'][side]:.1f}%" for p in draft["positions"])
+        + f"; expected accepted length {length[side]:.3f}" for side in ("base", "variant")] + [
+        f"DSpark: {draft['verdict']['sentence']}"]
 
 
 def what_runs(plan) -> str:
@@ -258,14 +277,8 @@ def _compare(args: argparse.Namespace, world) -> int:
     for label, blocks in result["mtp_draft_agreement"].items():
         for block, value in blocks.items():
             print(f"  MTP {block} draft agreement ({label}): {100 * value:.2f}%")
-    draft = result.get("dspark")
-    if draft:
-        length = draft["expected_accept_length"]
-        for side in ("base", "variant"):
-            print(f"  DSpark draft agreement per position ({side}): " + ", ".join(
-                f"{100 * p['agreement'][side]:.1f}%" for p in draft["positions"])
-                + f"; expected accepted length {length[side]:.3f}")
-        print(f"  DSpark: {draft['verdict']['sentence']}")
+    for line in dspark_result_lines(result.get("dspark")):
+        print(f"  {line}")
     print(f"report: {out_dir / 'compare.md'}")
     if args.fail_above_kld is not None and o["kld"]["mean"] > args.fail_above_kld:
         print(f"compare: mean KLD {o['kld']['mean']:.6g} is above --fail-above-kld {args.fail_above_kld}")

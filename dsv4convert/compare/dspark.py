@@ -66,6 +66,7 @@ from dsv4convert.compare.metrics import HiddenError
 from dsv4convert.models.deepseek_v4.layout import ModelConfig
 from dsv4convert.models.deepseek_v4.names import draft_block, in_draft
 from dsv4convert.model.blocks import build_layer, vocab_projection
+from dsv4convert.model.dspark_rules import DraftOutput
 from dsv4convert.model.dspark import (
     Blocks,
     DSparkEntry,
@@ -167,10 +168,10 @@ class DraftPass:
                 result[u.index].local[track.label] = {}
                 result[u.index].free[track.label] = {}
                 if track.local:
-                    result[u.index].local[track.label][TARGET_FEATURES] = _error(
+                    result[u.index].local[track.label][TARGET_FEATURES] = error_of(
                         self.features(ref, u.index, self.ids[ref]),
                         self.features(ref, u.index, self.ids[track.label]))
-                result[u.index].free[track.label][TARGET_FEATURES] = _error(
+                result[u.index].free[track.label][TARGET_FEATURES] = error_of(
                     self.features(ref, u.index, self.ids[ref]), self.features(track.label, u.index,
                                                                               self.ids[track.label]))
         streams: dict[str, dict[int, torch.Tensor]] = {t.label: {} for t in e.tracks}
@@ -208,7 +209,7 @@ class DraftPass:
                                                                    chunk=max(1, (len(b) + 1) // 2)).cpu()
                                 bar.update()
                                 continue
-                            result[u.index].free[track.label][block] = _error(nxt[ref][u.index], out)
+                            result[u.index].free[track.label][block] = error_of(nxt[ref][u.index], out)
                             if track.local:
                                 given = main_x[ref][u.index].to(device)
                                 if s == 0:
@@ -216,7 +217,7 @@ class DraftPass:
                                 kv = context_kv(layer, given, rotary)
                                 mine = run_stage(layer, streams[ref][u.index], kv, b, rotary,
                                                  chunk=chunk).cpu()
-                                result[u.index].local[track.label][block] = _error(nxt[ref][u.index], mine)
+                                result[u.index].local[track.label][block] = error_of(nxt[ref][u.index], mine)
                             bar.update()
                     finally:
                         installed.remove()
@@ -240,39 +241,67 @@ class DraftPass:
         step = max(1, 4 * 1024 ** 2 // max(1, self.block_size * self.cfg.vocab_size))   # ~16 MB of logits a side
         for u in e.units_of[ref]:
             b = blocks[u.index]
-            parts: dict[str, list] = {}
+            parts: dict[str, list[torch.Tensor]] = {}
             for rows in b.chunks(step):
                 part = b.select(rows)
-                outs = {}
+                drafted = {}
                 for track in e.tracks:
                     head, lm_head = heads[id(track.side)]
-                    out = finish(head, streams[track.label][u.index][rows].to(device), part, lm_head)
                     greedy, _ = part.gather(top1[track.label][u.index].to(device), 0)
-                    outs[track.label] = (head, lm_head, out)
-                    parts.setdefault(f"agree:{track.label}", []).append((out.draft_tokens == greedy).cpu())
-                    parts.setdefault(f"survival:{track.label}", []).append(out.confidence.cumprod(-1).cpu())
-                base_head, base_lm_head, base = outs[ref]
-                base_logp = torch.log_softmax(base.draft_logits.double(), -1)
+                    on_base = None
+                    if track.label != ref and track.local:
+                        on_base, _ = head.base(streams[ref][u.index][rows].to(device), lm_head)
+                    drafted[track.label] = Drafted(head, finish(head, streams[track.label][u.index][rows].to(device),
+                                                                part, lm_head), greedy, on_base)
+                base_head, base_lm_head = heads[id(e.reference.side)]
                 again = finish(base_head, rounding[u.index][rows].to(device), part, base_lm_head)
-                parts.setdefault(f"kld:{ROUNDING}", []).append(_kld(base_logp, base_head, again, base.draft_prev))
-                for label, (head, lm_head, out) in outs.items():
-                    if label == ref:
-                        continue
-                    parts.setdefault(f"kld:{label}", []).append(_kld(base_logp, head, out, base.draft_prev))
-                    track = next(t for t in e.tracks if t.label == label)
-                    if not track.local:
-                        continue
-                    local = result[u.index].local[label]
-                    last = streams[ref][u.index][rows].to(device)
-                    logits, _ = head.base(last, lm_head)
-                    _add(local, DRAFT_HEAD, base.base_logits, logits)
-                    _add(local, MARKOV_HEAD, base_head.markov_bias(base.draft_prev), head.markov_bias(base.draft_prev))
-                    _, raw = head.confidence_of(base.x_post_hc, base.draft_prev)
-                    _add(local, CONFIDENCE_HEAD, base.confidence_raw.float(), raw.float())
-            unit = result[u.index]
-            for key, values in parts.items():
-                kind, label = key.split(":", 1)
-                getattr(unit, kind)[label] = torch.cat(values)
+                score_heads(parts, result[u.index].local, ref, drafted, again)
+            collect(result[u.index], parts)
+
+
+@dataclass
+class Drafted:
+    """One track's drafts of a chunk of blocks, as :func:`score_heads` reads them (either release's head: its
+    ``markov_bias``, ``markov_logits`` and ``confidence_of`` take the same arguments)."""
+
+    head: object                        # model/dspark.py's or model/v41/dspark.py's DSparkHead
+    out: DraftOutput
+    greedy: torch.Tensor                # [m, G] the track's own target's greedy token at each block row
+    on_base: torch.Tensor | None = None  # the local pass: its draft head's base logits on the base's last stage
+
+
+def score_heads(parts: dict[str, list[torch.Tensor]], local: dict[str, dict[str, HiddenError]], reference: str,
+                drafted: dict[str, Drafted], again: DraftOutput) -> None:
+    """The measures of one chunk of blocks, release-independent (module docstring): each track's agreement and
+    predicted survival, the KLD of each other track's draft distribution against the reference's (and of
+    ``again``, the reference re-drafted in other batches: the rounding floor), both conditioned on the
+    reference's previous drafts, and for each track with ``on_base`` the local error of its draft, Markov and
+    confidence heads. Appends to ``parts`` (``"kind:label"`` -> chunks, :func:`collect`) and ``local``."""
+    base = drafted[reference]
+    prev = base.out.draft_prev
+    for label, d in drafted.items():
+        parts.setdefault(f"agree:{label}", []).append((d.out.draft_tokens == d.greedy).cpu())
+        parts.setdefault(f"survival:{label}", []).append(d.out.confidence.cumprod(-1).cpu())
+    base_logp = torch.log_softmax(base.out.draft_logits.double(), -1)
+    parts.setdefault(f"kld:{ROUNDING}", []).append(_kld(base_logp, base.head, again, prev))
+    for label, d in drafted.items():
+        if label == reference:
+            continue
+        parts.setdefault(f"kld:{label}", []).append(_kld(base_logp, d.head, d.out, prev))
+        if d.on_base is None:
+            continue
+        errors = local[label]
+        _add(errors, DRAFT_HEAD, base.out.base_logits, d.on_base)
+        _add(errors, MARKOV_HEAD, base.head.markov_bias(prev), d.head.markov_bias(prev))
+        _, raw = d.head.confidence_of(base.out.x_post_hc, prev)
+        _add(errors, CONFIDENCE_HEAD, base.out.confidence_raw.float(), raw.float())
+
+
+def collect(unit: UnitDraft, parts: dict[str, list[torch.Tensor]]) -> None:
+    """A micro-batch's chunks (:func:`score_heads`) concatenated into its :class:`UnitDraft`."""
+    for key, values in parts.items():
+        kind, label = key.split(":", 1)
+        getattr(unit, kind)[label] = torch.cat(values)
 
 
 def _kld(base_logp: torch.Tensor, head: DSparkHead, out, prev: torch.Tensor) -> torch.Tensor:
@@ -281,7 +310,7 @@ def _kld(base_logp: torch.Tensor, head: DSparkHead, out, prev: torch.Tensor) -> 
     return (base_logp.exp() * (base_logp - other)).sum(-1).clamp_min(0.0).cpu()
 
 
-def _error(reference: torch.Tensor, other: torch.Tensor) -> HiddenError:
+def error_of(reference: torch.Tensor, other: torch.Tensor) -> HiddenError:
     error = HiddenError()
     error.add(reference, other)
     return error

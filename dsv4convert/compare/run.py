@@ -43,6 +43,7 @@ from dsv4convert.inspection import Inspection, inspect_checkpoint
 from dsv4convert.models.deepseek_v4.configs import DRAFTER_WIRING
 from dsv4convert.models.deepseek_v4.layout import ModelConfig, linear_shapes, native_inventory, try_classify
 from dsv4convert.models.deepseek_v4.names import in_draft
+from dsv4convert.models.deepseek_v41.config import V41Config
 from dsv4convert.model.blocks import COMPUTE_DTYPES, WeightSource
 from dsv4convert.model.text import load_tokenizer, read_documents, tokenize
 
@@ -286,8 +287,10 @@ def estimate_resources(cfg: ModelConfig, seq: int, track_tokens: int, dtype: tor
     return estimate
 
 
-def draft_estimate(cfg: ModelConfig, tokens: int, seq: int, item: int, anchors: int, stage_bytes: int) -> dict:
-    """What the DSpark pass adds (two tracks: base and variant): the anchors, the host memory of the target
+def draft_estimate(cfg: ModelConfig | V41Config, tokens: int, seq: int, item: int, anchors: int,
+                   stage_bytes: int) -> dict:
+    """What the DSpark pass adds (two tracks: base and variant; either release's config, both give ``dspark``,
+    ``hidden_size``, ``hc_mult`` and ``vocab_size``): the anchors, the host memory of the target
     features (each side's and the base's at the variant's layers), ``main_x`` and the draft streams (in, out, the
     local pass's), and the device memory of a stage with both heads and a chunk of draft logits."""
     d = cfg.dspark

@@ -28,6 +28,10 @@ micro-batch goes through both, and they are freed before the next layer. Per lay
 The output metrics are :mod:`.metrics`' (KLD set, same top-1, Δp, perplexity ratio, expected acceptance) over
 every position but the last of every sequence, the report :mod:`.report`'s with a V4.1 section.
 
+The DSpark drafter (both sides carry one, ``--no-mtp`` off): each side's target features are captured while the
+backbone streams through, then :class:`~.v41_dspark.V41DraftPass` drafts with each side's stages streamed one at a
+time and reports what 0731's comparison does (``compare.json``'s ``dspark``, :mod:`.dspark`'s measures and verdict).
+
 Served numerics (``--numerics served``, the default): what ``model/v41`` restates of SGLang 0.5.23's V4.1 paths,
 the FP4 round trips of the compressed KV (``fp4_fake_quant.py::fake_quant_compressed_kv``) and of the indexer's
 queries and keys (``fake_quant_fp4``), which SGLang runs on every GPU family; the launch is the one ``serve`` makes
@@ -57,11 +61,13 @@ import torch
 
 from dsv4convert import __version__
 from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, atomic_write_json
+from dsv4convert.compare.cli import dspark_plan_lines, dspark_result_lines
 from dsv4convert.compare.eta import device_words, duration, gemm_rate
 from dsv4convert.compare.metrics import HiddenError, OutputStats
 from dsv4convert.compare.recall import overlap
 from dsv4convert.compare.report import write_reports
-from dsv4convert.compare.run import CompareOptions, check_same_model, token_ids
+from dsv4convert.compare.run import CompareOptions, check_same_model, draft_estimate, token_ids
+from dsv4convert.compare.v41_dspark import V41DraftPass
 from dsv4convert.devices import resolve_device
 from dsv4convert.engines import SGLANG, SGLANG_LABEL
 from dsv4convert.engines.config import v41_variant_of
@@ -147,25 +153,26 @@ def _side(label: str, path: str, kind: str, opts: CompareOptions, device: torch.
         raise DSV4Error(f"the {label} is not a DeepSeek-V4.1 checkpoint, the other side is: compare needs two "
                         "checkpoints of one model", file=ckpt.root / "config.json")
     variant = v41_variant_of(ckpt.config)
-    check_text_layout(ckpt, variant)
+    check_text_layout(ckpt, variant, drafter=opts.mtp and opts.recall is None)
     numerics = numerics_record(kind, opts.gpu_family, variant, str(ckpt.root))
     return Side(label, ckpt, V41Runner(ckpt, device, dtype, fake_quant=kind == "served"), variant, numerics)
 
 
 TEXT_MODEL = ("embed.", "layers.", "norm.", "head.")   # what the forward reads (no drafter, no vision tower)
+DRAFTER = ("mtp.",)                                     # what the DSpark pass reads besides
 
 
-def check_text_layout(ckpt: Checkpoint, variant: str) -> None:
-    """The text model's tensors against what a ``variant`` output stores (``engines/outputs_v41.py::
-    layout_problems``, the check ``inspect`` and ``validate`` run): the first problem is one error naming the file
-    and tensor, before any layer is read."""
+def check_text_layout(ckpt: Checkpoint, variant: str, *, drafter: bool = False) -> None:
+    """The text model's tensors (and the DSpark drafter's, with ``drafter``) against what a ``variant`` output
+    stores (``engines/outputs_v41.py::layout_problems``, the check ``inspect`` and ``validate`` run): the first
+    problem is one error naming the file and tensor, before any layer is read."""
     cfg = v41_release.read_config(ckpt.config, str(ckpt.root / "config.json"))
     qc = ckpt.config.get("quantization_config") or {}
     group = (((qc.get("config_groups") or {}).get("group_0") or {}).get("weights") or {}).get("group_size", 32)
     for line in layout_problems(ckpt.tensors.values(), cfg, variant, group):
         parts = line.split(": ")
         name = parts[0] if parts[1].startswith("missing") else parts[1]
-        if name.startswith(TEXT_MODEL):
+        if name.startswith(TEXT_MODEL + (DRAFTER if drafter else ())):
             raise DSV4Error(f"not a DeepSeek-V4.1 {variant} checkpoint compare can read: {line}", file=ckpt.root)
 
 
@@ -211,8 +218,7 @@ def layer_flops_per_token(cfg: V41Config, context: int) -> float:
     the shared ones, the gate, attention over the window and the selected entries, the indexer's scores on
     index-source layers (about ``context / ratio`` entries), the Engram projection on Engram layers."""
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
-    linears = (h * cfg.q_lora_rank + cfg.q_lora_rank * cfg.num_attention_heads * cfg.head_dim + h * cfg.head_dim
-               + cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * h)
+    linears = attention_linears(cfg)
     moe = 3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + h * cfg.n_routed_experts
     attention = 2 * cfg.num_attention_heads * cfg.head_dim * (min(context, cfg.sliding_window) + min(context,
                                                                                                     cfg.index_topk))
@@ -221,6 +227,37 @@ def layer_flops_per_token(cfg: V41Config, context: int) -> float:
     hash_cols = cfg.engram_n_heads * (cfg.engram_max_ngram_size - 1)
     engram = len(cfg.engram_layer_ids) * (cfg.hc_mult + 1) * h * hash_cols * cfg.engram_head_dim / layers
     return 2.0 * (linears + moe + attention + indexer + engram)
+
+
+def attention_linears(cfg: V41Config) -> int:
+    """Multiply-adds of one token through an attention's projections (``wq_a``, ``wq_b``, ``wkv``, grouped
+    ``wo_a``, ``wo_b``): a layer's and a DSpark stage's alike."""
+    h = cfg.hidden_size
+    return (h * cfg.q_lora_rank + cfg.q_lora_rank * cfg.num_attention_heads * cfg.head_dim + h * cfg.head_dim
+            + cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * h)
+
+
+# Passes of each draft row through every stage and head: the base, the variant, the base again in other batches
+# (the rounding floor), the variant on the base's input (local).
+DRAFT_PASSES = 4
+
+
+def draft_flops(cfg: V41Config, draft: dict) -> float:
+    """FLOPs of the DSpark pass (:mod:`.v41_dspark`): every draft row through every stage (the attention's linears,
+    the drafter's ``num_experts_per_tok`` experts and the shared one, attention over the window and the block) and
+    through a head (the target's ``lm_head`` and the Markov head), :data:`DRAFT_PASSES` times."""
+    h, d = cfg.hidden_size, cfg.dspark
+    moe = 3 * h * cfg.moe_intermediate_size * (d.num_experts_per_tok + cfg.n_shared_experts) + h * d.n_routed_experts
+    attention = 2 * cfg.num_attention_heads * cfg.head_dim * (cfg.sliding_window + d.block_size)
+    stage = 2.0 * (attention_linears(cfg) + moe + attention)
+    head = 2.0 * cfg.vocab_size * (h + d.markov_rank)
+    return DRAFT_PASSES * draft["draft_rows"] * (d.stages * stage + head)
+
+
+def drafting(plan: V41Plan) -> bool:
+    """Whether the comparison drafts: both sides carry a DSpark drafter, ``--no-mtp`` is off, not ``--recall``."""
+    return (plan.options.mtp and plan.grid is None and plan.base.runner.cfg.dspark is not None
+            and plan.variant.runner.cfg.dspark is not None)
 
 
 # Passes of each layer per token: the base, the variant, the variant on the base's input (local), and its parts
@@ -259,9 +296,17 @@ def estimate(plan: V41Plan) -> dict:
     host = tracks * seqs * longest * cfg.hc_mult * cfg.hidden_size * item
     read = sum(_gathered_bytes(e, lookups) if ".engram.embed." in e.name else e.nbytes
                for s in (plan.base, plan.variant) for e in s.ckpt.tensors.values())
-    return {"flops": flops, "gemm_rate": rate, "seconds": flops / rate, "passes_per_layer": passes,
-            "peak_device_bytes": int(max(2 * layer + streams + kv + scores, head + streams)),
-            "largest_layer_bytes": int(layer), "peak_host_bytes": int(host), "bytes_to_read": int(read)}
+    out = {"gemm_rate": rate, "passes_per_layer": passes, "largest_layer_bytes": int(layer),
+           "bytes_to_read": int(read)}
+    peak = max(2 * layer + streams + kv + scores, head + streams)
+    if drafting(plan):
+        stage = max(_decoded_layer_bytes(s.ckpt, item, 0, prefix="mtp.") for s in (plan.base, plan.variant))
+        draft = draft_estimate(cfg, tokens, longest, item, plan.options.draft_anchors, 2 * stage)
+        flops += draft_flops(cfg, draft)
+        peak, host = max(peak, draft["device_bytes"]), host + draft["host_bytes"]
+        out["dspark"] = draft
+    return {**out, "flops": flops, "seconds": flops / rate, "peak_device_bytes": int(peak),
+            "peak_host_bytes": int(host)}
 
 
 def _gathered_bytes(entry: TensorEntry, lookups: int) -> int:
@@ -271,12 +316,13 @@ def _gathered_bytes(entry: TensorEntry, lookups: int) -> int:
     return min(rows, lookups) * (entry.nbytes // max(rows, 1))
 
 
-def _decoded_layer_bytes(ckpt: Checkpoint, item: int, lookups: int) -> int:
-    """A layer's weights as built on the device: every linear decoded in the compute dtype (packed 4-bit codes two
-    to a byte), scales not kept, the Engram table's looked-up rows as stored (FP8 rows and their scales)."""
+def _decoded_layer_bytes(ckpt: Checkpoint, item: int, lookups: int, prefix: str = "layers.") -> int:
+    """A layer's weights as built on the device (``prefix`` ``mtp.``: a DSpark stage's): every linear decoded in the
+    compute dtype (packed 4-bit codes two to a byte), scales not kept, the Engram table's looked-up rows as stored
+    (FP8 rows and their scales)."""
     sizes: dict[str, int] = defaultdict(int)
     for name, entry in ckpt.tensors.items():
-        if not name.startswith("layers."):
+        if not name.startswith(prefix):
             continue
         layer = ".".join(name.split(".")[:2])
         if ".engram.embed." in name:
@@ -316,6 +362,8 @@ def print_plan(plan: V41Plan) -> None:
         print(f"  tracks: {'; '.join(plan.tracks)}")
     else:
         print(f"  data: {plan.data['sequences']} sequences x {plan.data['seq_len']} tokens from {plan.data['source']}")
+        for line in dspark_plan_lines(e.get("dspark"), plan.base.runner.cfg.dspark, plan.variant.runner.cfg.dspark):
+            print(f"  {line}")
     print(f"  layers: {plan.cfg.num_hidden_layers}, each read once per checkpoint (one layer of each resident)"
           + ("" if plan.grid is not None else "; the variant's also on the base's input, and each of its parts on "
              "the base's part's input"))
@@ -497,11 +545,15 @@ class Lockstep:
     micro-batch through both (the base first, its parts' inputs captured), then freed."""
 
     def __init__(self, plan: V41Plan, batches: list[torch.Tensor], variant_tracks: dict[str, Hook | None],
-                 measure: bool):
+                 measure: bool, capture: dict[str, tuple[int, ...]] | None = None):
+        """``capture``: the layers whose DSpark feature each side's runs keep (``base``, ``variant``: the
+        drafter's :meth:`~.v41_dspark.V41DraftPass.capture`); none without it."""
         self.plan, self.batches, self.measure = plan, batches, measure
         self.variant_tracks = variant_tracks
-        self.base_runs = [plan.base.runner.begin(b) for b in batches]
-        self.runs = {t: [plan.variant.runner.begin(b) for b in batches] for t in variant_tracks}
+        capture = capture or {}
+        self.base_runs = [plan.base.runner.begin(b, capture.get("base", ())) for b in batches]
+        self.runs = {t: [plan.variant.runner.begin(b, capture.get("variant", ())) for b in batches]
+                     for t in variant_tracks}
         self.free = defaultdict(HiddenError)        # layer -> variant free-running error
         self.local = defaultdict(HiddenError)
         self.comps: dict[str, ComponentError] = {}
@@ -570,12 +622,12 @@ def _collapsed(run: ForwardState) -> torch.Tensor:
 HEAD_POSITIONS = 1024   # positions per head evaluation (logits in float64 over the vocabulary in the metrics)
 
 
-def _progress(plan: V41Plan, total: int):
+def _progress(plan: V41Plan, total: int, desc: str = "layers", unit: str = "layer"):
     if not plan.options.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="layers", unit="layer", file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
 
 
 def micro_batches(ids: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -588,8 +640,16 @@ def run(plan: V41Plan) -> dict:
         return run_recall(plan)
     t0 = time.perf_counter()
     batches = micro_batches(plan.ids.to(plan.device), plan.options.batch_size)
-    engine = Lockstep(plan, batches, {"variant": None}, measure=True)
+    o = plan.options
+    draft = None
+    if drafting(plan):
+        draft = V41DraftPass(plan.base.runner.source, plan.variant.runner.source, batches,
+                             anchors=o.draft_anchors, chunk=o.chunk,
+                             progress=lambda total: _progress(plan, total, "DSpark drafter", "step"))
+    engine = Lockstep(plan, batches, {"variant": None}, measure=True,
+                      capture=draft.capture() if draft is not None else None)
     head_error = ComponentError()
+    top1: dict[str, list[torch.Tensor]] = {"base": [], "variant": []}   # each side's greedy token, every position
     with torch.no_grad():
         engine.run()
         base_head, variant_head = engine.heads()
@@ -597,12 +657,23 @@ def run(plan: V41Plan) -> dict:
         t1 = time.perf_counter()
         for b, ids in enumerate(batches):
             base_run, variant_run = engine.base_runs[b], engine.runs["variant"][b]
-            for start in range(0, ids.shape[1] - 1, HEAD_POSITIONS):
-                rows = slice(start, min(start + HEAD_POSITIONS, ids.shape[1] - 1))
-                reference = base_head(base_run, rows)
-                stats.add(reference, variant_head(variant_run, rows), ids[:, rows.start + 1:rows.stop + 1])
-                head_error.add(reference, variant_head(base_run, rows))
+            greedy: dict[str, list[torch.Tensor]] = {"base": [], "variant": []}
+            for start in range(0, ids.shape[1], HEAD_POSITIONS):
+                rows = slice(start, min(start + HEAD_POSITIONS, ids.shape[1]))
+                reference, other = base_head(base_run, rows), variant_head(variant_run, rows)
+                greedy["base"].append(reference.argmax(-1).cpu())
+                greedy["variant"].append(other.argmax(-1).cpu())
+                scored = min(rows.stop, ids.shape[1] - 1) - start    # positions with a next token
+                if scored > 0:
+                    stats.add(reference[:, :scored], other[:, :scored], ids[:, start + 1:start + 1 + scored])
+                    head_error.add(reference[:, :scored], variant_head(base_run, rows)[:, :scored])
+            for label, parts in greedy.items():
+                top1[label].append(torch.cat(parts, dim=1))
         engine.seconds["metrics"] += time.perf_counter() - t1
+        dspark = None
+        if draft is not None:
+            dspark = draft.summary(draft.run(engine.base_runs, engine.runs["variant"], top1))
+            engine.seconds["dspark"] = draft.seconds
     cfg = plan.cfg
     blocks = [{"block": f"layers.{i}", "free_running": engine.free[i].result(), "local": engine.local[i].result()}
               for i in range(cfg.num_hidden_layers)]
@@ -611,23 +682,22 @@ def run(plan: V41Plan) -> dict:
     culprit = name_culprit(cfg, comps, blocks)
     ranked = [{**describe_component(cfg, n), **e} for n, e in sorted(comps.items(),
                                                                        key=lambda kv: -kv[1]["relative_error"])]
-    o = plan.options
     return {
         "tool": f"dsv4convert {__version__}",
         "release": v41_release.NAME,
         "base": side_record(plan.base), "variant": side_record(plan.variant), "data": plan.data,
         "settings": {"device": str(plan.device), "dtype": str(plan.dtype).replace("torch.", ""),
-                     "batch_size": o.batch_size, "mtp": False},
+                     "batch_size": o.batch_size, "mtp": draft is not None},
         "output": stats.summary(),
         "mtp_draft_agreement": {},
-        "dspark": None,
+        "dspark": dspark,
         "blocks": blocks,
         "v41": {"culprit": culprit, "components": ranked,
                 "candidate_source_layer_id": cfg.candidate_source_layer_id,
                 "kv_source_layer_ids": list(cfg.kv_source_layer_ids),
                 "index_source_layer_ids": list(cfg.index_source_layer_ids),
                 "engram_layer_ids": list(cfg.engram_layer_ids),
-                "not_compared": "the DSpark drafter (its V4.1 stages are not in model/v41 yet), the vision tower"},
+                "not_compared": "the vision tower"},
         "seconds": {**{k: round(v, 3) for k, v in engine.seconds.items()}, "wall": round(time.perf_counter() - t0, 3)},
         "peak_device_bytes": torch.cuda.max_memory_allocated(plan.device) if plan.device.type == "cuda" else None,
         "estimate": plan.estimate,
@@ -906,6 +976,8 @@ def main(opts: CompareOptions, *, dry_run: bool, report: Path | None, fail_above
           f"nats, same top-1 {100 * o['same_top1']:.2f}%, perplexity ratio {o['perplexity']['ratio']:.4f}, "
           f"expected acceptance {100 * o['expected_acceptance']:.2f}% ({o['positions']} positions)")
     print(f"  culprit: {result['v41']['culprit']['sentence']}")
+    for line in dspark_result_lines(result["dspark"]):
+        print(f"  {line}")
     print(f"report: {out_dir / 'compare.md'}")
     if fail_above_kld is not None and o["kld"]["mean"] > fail_above_kld:
         print(f"compare: mean KLD {o['kld']['mean']:.6g} is above --fail-above-kld {fail_above_kld}")
