@@ -61,11 +61,10 @@ import torch
 
 from dsv4convert import __version__
 from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, atomic_write_json
-from dsv4convert.compare.cli import dspark_plan_lines, dspark_result_lines
 from dsv4convert.compare.eta import device_words, duration, gemm_rate
 from dsv4convert.compare.metrics import HiddenError, OutputStats
 from dsv4convert.compare.recall import overlap
-from dsv4convert.compare.report import write_reports
+from dsv4convert.compare.report import dspark_plan_lines, dspark_result_lines, write_reports
 from dsv4convert.compare.run import CompareOptions, check_same_model, draft_estimate, token_ids
 from dsv4convert.compare.v41_dspark import V41DraftPass
 from dsv4convert.devices import resolve_device
@@ -77,6 +76,7 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.model.text import load_tokenizer
 from dsv4convert.model.v41.attention import V41KVState
 from dsv4convert.model.v41.forward import ForwardState, V41Block, V41Runner
+from dsv4convert.models.deepseek_v4.names import DRAFT_PREFIX
 from dsv4convert.models.deepseek_v41 import release as v41_release
 from dsv4convert.models.deepseek_v41.config import V41Config
 from dsv4convert.models.registry import release_of
@@ -159,7 +159,7 @@ def _side(label: str, path: str, kind: str, opts: CompareOptions, device: torch.
 
 
 TEXT_MODEL = ("embed.", "layers.", "norm.", "head.")   # what the forward reads (no drafter, no vision tower)
-DRAFTER = ("mtp.",)                                     # what the DSpark pass reads besides
+DRAFTER = (DRAFT_PREFIX,)                               # what the DSpark pass reads besides
 
 
 def check_text_layout(ckpt: Checkpoint, variant: str, *, drafter: bool = False) -> None:
@@ -300,7 +300,7 @@ def estimate(plan: V41Plan) -> dict:
            "bytes_to_read": int(read)}
     peak = max(2 * layer + streams + kv + scores, head + streams)
     if drafting(plan):
-        stage = max(_decoded_layer_bytes(s.ckpt, item, 0, prefix="mtp.") for s in (plan.base, plan.variant))
+        stage = max(_decoded_layer_bytes(s.ckpt, item, 0, prefix=DRAFT_PREFIX) for s in (plan.base, plan.variant))
         draft = draft_estimate(cfg, tokens, longest, item, plan.options.draft_anchors, 2 * stage)
         flops += draft_flops(cfg, draft)
         peak, host = max(peak, draft["device_bytes"]), host + draft["host_bytes"]
