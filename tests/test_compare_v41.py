@@ -29,6 +29,7 @@ from dsv4convert.compare.v41 import (
     substitute_levels,
     build_plan,
     diagnose_levels,
+    answer_queries,
     needle_kept,
     run_recall,
 )
@@ -115,7 +116,8 @@ def test_an_injected_fault_is_named(fault, tiny_v41, tmp_path):
 
 def test_recall_reads_each_level_from_the_kv_state(tiny_v41, tmp_path):
     """The per-level readout of a needle prompt is the candidate blocks and fine selections a plain forward leaves
-    in V41KVState at the first answer query; --ablate's rows carry the base's candidate blocks (and selections)."""
+    in V41KVState at each answer query for the value token it writes; --ablate's rows carry the base's candidate
+    blocks (and selections)."""
     broken = _with_tensor_changed(tiny_v41, tmp_path / "broken", ["layers.4.attn.indexer.weights_proj.weight"],
                                   _redrawn("layers.4.attn.indexer.weights_proj.weight"))
     opts = CompareOptions(base=str(tiny_v41), variant=str(broken), device="cpu", progress=False,
@@ -125,25 +127,33 @@ def test_recall_reads_each_level_from_the_kv_state(tiny_v41, tmp_path):
     result = run_recall(plan)
     prompt = plan.grid.prompts[0]
     ids = plan.grid.batches[0]
-    query, positions = len(prompt.input_ids) - 1, plan.grid.positions[0]
-    assert prompt.needle_span[0] <= positions[0] < positions[-1] < prompt.needle_span[1]
+    first, positions = len(prompt.input_ids) - 1, plan.grid.positions[0]
+    assert plan.grid.aligned[0] and prompt.needle_span[0] <= positions[0] < positions[-1] < prompt.needle_span[1]
+    queries = [first + j for j in range(len(positions))]     # answer query j writes value token j
+    assert answer_queries(plan.grid, 0) == queries
     for side, label in ((tiny_v41, "base"), (broken, "variant")):
         kv = V41Runner(side, "cpu", torch.float32).forward(ids, capture=()).kv
-        blocks = set(kv.candidate_blocks[0, query].tolist())
-        hits = {s: [p // (2 if s == 2 else 1) in set(kv.selections[s][0, query].tolist()) for p in positions]
-                for s in (2, 4, 5)}
+        cand = [p // 8 in set(kv.candidate_blocks[0, q].tolist()) for q, p in zip(queries, positions)]
+        hits = {s: [p // (2 if s == 2 else 1) in set(kv.selections[s][0, q].tolist())
+                    for q, p in zip(queries, positions)] for s in (2, 4, 5)}
         kept = result["prompts"][0]["kept"][label]
-        assert kept["candidate_fraction"] == sum(p // 8 in blocks for p in positions) / len(positions)
+        assert kept["candidate_fraction"] == sum(cand) / len(cand)
         assert kept["fine_fraction"] == {s: sum(h) / len(h) for s, h in hits.items()}, (label, kept)
         assert kept["fine"] == {s: all(h) for s, h in hits.items()}
-        assert kept == needle_kept(plan.cfg, kv, 0, query, positions)
-    # the readout itself, on selections that hold the value's entries or lack one of them
-    kv = V41KVState(candidate_blocks=torch.tensor([[[positions[0] // 8, positions[-1] // 8]]]).expand(1, 300, 2),
-                    selections={4: torch.tensor(positions).view(1, 1, -1).expand(1, 300, -1),
-                                5: torch.tensor(positions[1:]).view(1, 1, -1).expand(1, 300, -1)})
-    read = needle_kept(plan.cfg, kv, 0, query, positions)
+        assert kept == needle_kept(plan.cfg, kv, 0, queries, positions)
+    # the readout itself: each query needs only its own token's entry; one query whose selection lacks it is a miss
+    S, n = ids.shape[1], len(positions)
+    own = torch.zeros(1, S, 1, dtype=torch.int64)
+    for q, p in zip(queries, positions):
+        own[0, q, 0] = p
+    wrong = own.clone()
+    wrong[0, queries[-1], 0] = positions[0]          # the last query holds the first token's entry, not its own
+    kv = V41KVState(candidate_blocks=own // 8, selections={4: own, 5: wrong})
+    read = needle_kept(plan.cfg, kv, 0, queries, positions)
     assert read["candidate"] and read["fine"] == {4: True, 5: False}
-    assert read["fine_fraction"][5] == (len(positions) - 1) / len(positions)
+    assert read["fine_fraction"][5] == (n - 1) / n
+    # the whole value at the first query alone, as a tokenizer that merges digits is read
+    assert not needle_kept(plan.cfg, kv, 0, [first] * n, positions)["fine"][4]
     rows = list(ABLATIONS)
     kept = result["prompts"][0]["kept"]
     assert kept[rows[0]]["candidate_fraction"] == kept["base"]["candidate_fraction"]

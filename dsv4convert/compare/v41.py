@@ -724,6 +724,7 @@ class RecallGrid:
     where: list[tuple[int, int]]              # prompt -> (batch, row)
     answers: list[list[int]]                  # prompt -> answer token ids
     positions: list[list[int]]                # prompt -> the prompt positions holding the needle's value
+    aligned: list[bool]                       # prompt -> positions[j] is the value token answer token j writes
     reach: int                                # tokens the candidate level reaches (blocks x block size x ratio)
     thresholds: dict[int, int]                # index-source layer -> first prompt length whose answer query leaves
                                               # one of its entries out
@@ -759,43 +760,54 @@ def build_grid(tokenizer, cfg: V41Config, opts: CompareOptions) -> RecallGrid:
     except ValueError as exc:
         raise DSV4Error(f"needle grid: {exc}") from None
     rows: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
-    answers, positions = [], []
+    answers, positions, aligned = [], [], []
     for i, p in enumerate(prompts):
         answer = answer_ids(tokenizer, p.needle)
         answers.append(answer)
         found = value_positions(p.input_ids, p.needle_span, answer)
         positions.append(found if found is not None else list(range(*p.needle_span)))
+        aligned.append(found is not None)
         rows[len(p.input_ids) + len(answer)].append((i, p.input_ids + answer))
     batches, where = [], [(0, 0)] * len(prompts)
     for total in sorted(rows):
         for row, (i, _) in enumerate(rows[total]):
             where[i] = (len(batches), row)
         batches.append(torch.tensor([ids for _, ids in rows[total]], dtype=torch.int64))
-    return RecallGrid(prompts, batches, where, answers, positions, candidate_reach(cfg), fine_thresholds(cfg))
+    return RecallGrid(prompts, batches, where, answers, positions, aligned, candidate_reach(cfg),
+                      fine_thresholds(cfg))
 
 
-def needle_kept(cfg: V41Config, kv: V41KVState, row: int, query: int, positions: list[int]) -> dict:
-    """Whether the needle's value is kept for the query at ``query`` of batch row ``row``, per level, from a
-    forward's :class:`V41KVState`: ``candidate`` (every value token's entry, at the candidate source's ratio, lies
-    in a kept block: ``candidate_blocks``), ``fine`` per index-source layer (every value token's entry, at that
-    layer's ratio, is in its ``selections``), with the fraction of the value's tokens each keeps, and ``in_window`` (every value token within the sliding window,
-    which needs no selection)."""
-    out: dict = {"in_window": all(query - p < cfg.sliding_window for p in positions)}
+def needle_kept(cfg: V41Config, kv: V41KVState, row: int, queries: list[int], positions: list[int]) -> dict:
+    """Whether the needle's value is kept, per level, from a forward's :class:`V41KVState` for batch row ``row``:
+    the answer query ``queries[j]`` needs the entry of the value token at ``positions[j]`` (the query that writes
+    digit ``j`` reads it: what SGLang's selection must hand that query). ``candidate``: every such entry, at the
+    candidate source's ratio, lies in a block kept for its query (``candidate_blocks``); ``fine`` per index-source
+    layer: every such entry, at that layer's ratio, is in its query's ``selections``; with the fraction each keeps,
+    and ``in_window`` (every value token within its query's sliding window, which needs no selection)."""
+    out: dict = {"in_window": all(q - p < cfg.sliding_window for q, p in zip(queries, positions))}
     c = cfg.candidate_source_layer_id
     if kv.candidate_blocks is not None:
         ratio, size = max(cfg.ratio(c), 1), cfg.candidate_block_size
-        blocks = set(kv.candidate_blocks[row, query].tolist())
-        hits = [(p // ratio) // size in blocks for p in positions]
+        hits = [(p // ratio) // size in set(kv.candidate_blocks[row, q].tolist()) for q, p in zip(queries, positions)]
         out["candidate"], out["candidate_fraction"] = all(hits), sum(hits) / len(hits)
         out["candidate_blocks"] = sorted({(p // ratio) // size for p in positions})
     fine, fractions = {}, {}
     for s, picks in sorted(kv.selections.items()):
         ratio = max(cfg.ratio(s), 1)
-        chosen = set(picks[row, query].tolist())
-        hits = [p // ratio in chosen for p in positions]
+        hits = [p // ratio in set(picks[row, q].tolist()) for q, p in zip(queries, positions)]
         fine[s], fractions[s] = all(hits), sum(hits) / len(hits)
     out["fine"], out["fine_fraction"] = fine, fractions
     return out
+
+
+def answer_queries(grid: "RecallGrid", i: int) -> list[int]:
+    """The query that needs each of prompt ``i``'s value positions: answer query ``j`` (at ``L - 1 + j``) writes
+    value token ``j``; where the value was not found token for token (``positions`` is the whole needle sentence),
+    the first answer query needs all of it."""
+    first = len(grid.prompts[i].input_ids) - 1
+    if grid.aligned[i]:
+        return [first + j for j in range(len(grid.positions[i]))]
+    return [first] * len(grid.positions[i])
 
 
 def substitute_levels(levels: tuple[str, ...]) -> Hook:
@@ -823,7 +835,7 @@ def substitute_levels(levels: tuple[str, ...]) -> Hook:
 
 
 def run_recall(plan: V41Plan) -> dict:
-    """``--recall``: retrieval per track, and per prompt what each level kept for the first answer query."""
+    """``--recall``: retrieval per track, and per prompt what each level kept for the answer queries."""
     t0 = time.perf_counter()
     grid, cfg = plan.grid, plan.cfg
     tracks: dict[str, Hook | None] = {"variant": None}
@@ -844,7 +856,7 @@ def run_recall(plan: V41Plan) -> dict:
                     (t, engine.runs[t], variant_head) for t in tracks]:
                 predicted = head(runs[b], rows)[row].argmax(-1).tolist()
                 entry["retrieved"][label] = predicted == answer
-                entry["kept"][label] = needle_kept(cfg, runs[b].kv, row, length - 1, grid.positions[i])
+                entry["kept"][label] = needle_kept(cfg, runs[b].kv, row, answer_queries(grid, i), grid.positions[i])
             prompts.append(entry)
     summary = summarize_recall(cfg, prompts, ["base", *tracks])
     summary["diagnosis"] = diagnose_levels(prompts, ablate=plan.options.recall.ablate)

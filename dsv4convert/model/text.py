@@ -10,6 +10,7 @@ apart (calibration's held-out error report).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -59,11 +60,18 @@ def load_tokenizer(checkpoint_dir: Path):
     if not any((Path(checkpoint_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise DSV4Error(f"no tokenizer in the checkpoint (none of {', '.join(TOKENIZER_FILES)}); copy the "
                         "base model's tokenizer files beside its weights", file=checkpoint_dir)
+    # DeepSeek-V4.1's config.json names a model_type no transformers release knows (deepseek_v41); the tokenizer
+    # does not depend on it, so transformers' "model of type ... to instantiate a model of type ``" warning is noise.
+    config_log = logging.getLogger("transformers.configuration_utils")
+    level = config_log.level
+    config_log.setLevel(logging.ERROR)
     try:
         return AutoTokenizer.from_pretrained(checkpoint_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
         detail = " ".join(str(exc).split())   # transformers' messages span lines; errors here are one line
         raise DSV4Error(f"cannot load the checkpoint's tokenizer ({detail})", file=checkpoint_dir) from None
+    finally:
+        config_log.setLevel(level)
 
 
 def tokenize(checkpoint_dir: Path, docs: list[str]) -> torch.Tensor:
