@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 from test_compare_v41 import _permuted_rows, _redrawn, _with_tensor_changed
 
 from dsv4convert.cli import main
@@ -158,3 +160,27 @@ def test_a_broken_drafter_stage_costs_acceptance_and_is_named(organism, tmp_path
     draft = result["dspark"]
     assert draft["verdict"]["component"] == "mtp.1", draft["verdict"]
     assert draft["expected_accept_length"]["variant"] < draft["expected_accept_length"]["base"] - 0.1
+
+
+def test_automix_on_the_organism_ranks_int4_below_the_lossless_layouts(organism, tmp_path):
+    """On trained weights INT4's cost is real: W4A16 measures above the lossless layouts' floor (the served FP4
+    round trips every layout shares), and the release, least KLD and fewest bytes among equals, is delivered with
+    its Engram tables byte for byte."""
+    text = ["--text", str(ORGANISM_V41_DIR / "heldout.txt"), "--tokens", "1024", "--select-tokens", "1024",
+            "--verify-tokens", "1024", "--seq-len", "512", "--no-progress"]
+    dst = tmp_path / "mix"
+    assert main(["automix", "--src", str(organism), "--dst", str(dst), "--size", "40M", *text]) == 0
+    record = json.loads((tmp_path / "mix-automix" / "automix.json").read_text())
+    kld = {r["variant"]: r["kld"] for r in record["measured"]}
+    assert set(kld) == {"native", "fp8", "bf16", "w4a16"}
+    assert kld["fp8"] == kld["bf16"] == kld["native"]
+    assert kld["w4a16"] > 10 * kld["native"] and kld["w4a16"] > 1e-5
+    assert record["chosen"] == "native"
+    engram = [f"layers.{i}.engram.embed.{k}" for i in (1, 2) for k in ("weight", "scale")]
+    for name in engram:
+        tensors = []
+        for path in (organism, dst):
+            shard = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+            with safe_open(path / shard, "pt") as f:
+                tensors.append(f.get_tensor(name))
+        assert torch.equal(tensors[0].view(torch.uint8), tensors[1].view(torch.uint8)), name
