@@ -71,7 +71,7 @@ from dsv4convert.models.deepseek_v41.config import V41Config, read_config
 from dsv4convert.models.deepseek_v41.inventory import native_groups, role_of
 from dsv4convert.models.deepseek_v41.presets import ORGANISM_V41
 from dsv4convert.models.deepseek_v41.tokenizer import compressed_token_map
-from dsv4convert.needle import DEFAULT_DEPTHS, answer_ids, build_prompt, make_needle
+from dsv4convert.needle import DEFAULT_DEPTHS, answer_ids, build_prompt, make_needle, value_positions
 from dsv4convert.organism.export import staged, write_shard
 from dsv4convert.organism.language import (
     COLOURS,
@@ -228,16 +228,6 @@ class RunnerWithoutEngram(V41Runner):
 # -- data and losses --------------------------------------------------------------------------------------------
 
 
-def _value_positions(ids: Sequence[int], span: tuple[int, int], answer: Sequence[int]) -> list[int] | None:
-    """Where each answer token stands in the needle sentence, or None where it does not appear as such."""
-    start, end = span
-    sentence = list(ids[start:end])
-    for i in range(len(sentence) - len(answer) + 1):
-        if sentence[i:i + len(answer)] == list(answer):
-            return [start + i + j for j in range(len(answer))]
-    return None
-
-
 @dataclass
 class RetrievalQueries:
     """Answer queries whose needle has left the sliding window: per compressed ratio, the entries each may see
@@ -261,7 +251,7 @@ class RetrievalQueries:
                 continue
             start, end = row.needle_span
             answer = ids[b, row.answer_start:row.answer_start + ANSWER_TOKENS].tolist()
-            positions = _value_positions(ids[b].tolist(), row.needle_span, answer)
+            positions = value_positions(ids[b].tolist(), row.needle_span, answer)
             if positions is None:
                 continue
             for j, position in enumerate(positions):
@@ -405,7 +395,7 @@ def recall(forward: Callable[[torch.Tensor], V41Output], tokenizer: Tokenizer, c
                 prompt = build_prompt(adapter, length, depth, needle)
                 answer = answer_ids(adapter, needle)
                 prompts.append((depth, prompt.input_ids + answer))
-                digits.append(_value_positions(prompt.input_ids, prompt.needle_span, answer))
+                digits.append(value_positions(prompt.input_ids, prompt.needle_span, answer))
         ids = torch.tensor([p for _, p in prompts], dtype=torch.int64, device=device)
         hits, selected = [], {}
         for first in range(0, ids.shape[0], max(1, 16384 // ids.shape[1])):
