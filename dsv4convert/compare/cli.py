@@ -8,7 +8,7 @@ from pathlib import Path
 from dsv4convert.compare import DEFAULT_ANCHORS, DEFAULT_GPU_FAMILY
 from dsv4convert.engines import GPU_FAMILIES, family_label
 from dsv4convert.errors import DSV4Error
-from dsv4convert.compare.report import dspark_plan_lines, dspark_result_lines
+from dsv4convert.compare.dspark_lines import dspark_plan_lines, dspark_result_lines
 from dsv4convert.sizes import human_bytes
 
 

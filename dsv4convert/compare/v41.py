@@ -64,7 +64,8 @@ from dsv4convert.checkpoint import Checkpoint, TensorEntry, atomic_write_bytes, 
 from dsv4convert.compare.eta import device_words, duration, gemm_rate
 from dsv4convert.compare.metrics import HiddenError, OutputStats
 from dsv4convert.compare.recall import overlap
-from dsv4convert.compare.report import dspark_plan_lines, dspark_result_lines, write_reports
+from dsv4convert.compare.dspark_lines import dspark_plan_lines, dspark_result_lines
+from dsv4convert.compare.report import write_reports
 from dsv4convert.compare.run import CompareOptions, check_same_model, draft_estimate, token_ids
 from dsv4convert.compare.v41_dspark import V41DraftPass
 from dsv4convert.devices import resolve_device

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 from dsv4convert import __version__
 from dsv4convert.errors import DSV4Error
 from dsv4convert.needle import DEFAULT_DEPTHS, parse_lengths
+from dsv4convert.organism.provenance import source_commit
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +151,8 @@ def _run_facts(args: argparse.Namespace, device: torch.device, seed: int) -> dic
     import torch
     import transformers
 
-    return {"command": "dsv4convert " + " ".join(args.argv), "commit": _commit(), "tool": f"dsv4convert {__version__}",
+    return {"command": "dsv4convert " + " ".join(args.argv), "commit": source_commit(),
+            "tool": f"dsv4convert {__version__}",
             "seed": seed,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "host": f"{platform.machine()}, {os.cpu_count()} CPU cores", "torch": torch.__version__,
@@ -239,14 +240,3 @@ def _lengths(text: str) -> list[int]:
         return parse_lengths(text)
     except ValueError as exc:
         raise DSV4Error(f"--release-lengths: {exc}") from None
-
-
-def _commit() -> str:
-    if os.environ.get("DSV4_COMMIT"):
-        return os.environ["DSV4_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"

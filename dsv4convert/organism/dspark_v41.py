@@ -55,7 +55,7 @@ from dsv4convert.models.deepseek_v4.layout import TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config, read_config
 from dsv4convert.models.deepseek_v41.inventory import stage_inventory
 from dsv4convert.models.deepseek_v41.tokenizer import compressed_token_map
-from dsv4convert.organism.cli import TINY_DRAFTER, TINY_MEASURE, _commit
+from dsv4convert.organism.cli import TINY_DRAFTER, TINY_MEASURE
 from dsv4convert.organism.dspark import (
     BLOCK_SIZE,
     MARKOV_RANK,
@@ -75,6 +75,7 @@ from dsv4convert.organism.export import (
     write_v41_with_drafter,
 )
 from dsv4convert.organism.language import documents_with_facts
+from dsv4convert.organism.provenance import source_commit
 from dsv4convert.organism.v41 import HELDOUT_NAME, PROVENANCE_NAME, stored_group
 from dsv4convert.synth import ORGANISM_V41_DIR
 
@@ -250,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "what": "the DSpark drafter of the V4.1 organism, trained on the frozen shipped organism "
                 "(dsv4convert/organism/dspark_v41.py, docs/organism.md)",
         "command": "python -m dsv4convert.organism.dspark_v41 " + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": _commit(), "dsv4convert": __version__, "torch": torch.__version__,
+        "commit": source_commit(), "dsv4convert": __version__, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "seed": args.seed,
         "base": {"organism": "dsv4convert/data/organism-v41",

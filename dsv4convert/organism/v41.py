@@ -44,7 +44,6 @@ import dataclasses
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +59,7 @@ from torch import nn
 from dsv4convert import __version__
 from dsv4convert.checkpoint import atomic_write_json, write_index
 from dsv4convert.checkpoint.writer import shard_name
+from dsv4convert.devices import resolve_device
 from dsv4convert.errors import DSV4Error
 from dsv4convert.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from dsv4convert.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -80,6 +80,7 @@ from dsv4convert.organism.language import (
     documents_with_facts,
     heldout_text_with_facts,
 )
+from dsv4convert.organism.provenance import source_commit
 from dsv4convert.organism.tokenizer import TOKENIZER_CONFIG
 from dsv4convert.organism.train import (
     ANSWER_TOKENS,
@@ -595,20 +596,6 @@ def measure_release(path: Path, model: V41Model, tokenizer: Tokenizer, device: t
 # -- command line -----------------------------------------------------------------------------------------------
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip() or "unknown"
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv4convert.organism.v41", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path,
@@ -623,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--release-trials", type=int, default=RELEASE_TRIALS,
                    help=f"needles per length and depth measured on the written checkpoint (default {RELEASE_TRIALS})")
     args = p.parse_args(argv)
-    device = _device(args.device)
+    device = resolve_device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = (out / "train.log").open("w", encoding="utf-8")
@@ -645,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     provenance = {
         "what": "the V4.1 organism (dsv4convert/organism/v41.py, docs/organism.md)",
         "command": "python -m dsv4convert.organism.v41 " + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": _commit(), "dsv4convert": __version__, "torch": torch.__version__,
+        "commit": source_commit(), "dsv4convert": __version__, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "seed": args.seed, "steps": result.steps_run, "training_seconds": round(result.seconds, 1),
         "hit_time_limit": result.hit_time_limit,
