@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 from test_compare_v41 import _permuted_rows, _redrawn, _with_tensor_changed
 
 from dsv4convert.cli import main
+from dsv4convert.organism.dspark import draft_acceptance, heldout_rows
+from dsv4convert.organism.dspark_v41 import load_assembled
 from dsv4convert.synth import ORGANISM_V41_DIR, ORGANISM_V41_DSPARK_DIR
 
 TEXT = ["--text", str(ORGANISM_V41_DIR / "heldout.txt"), "--tokens", "1024", "--seq-len", "512", "--no-progress"]
@@ -184,3 +187,21 @@ def test_automix_on_the_organism_ranks_int4_below_the_lossless_layouts(organism,
             with safe_open(path / shard, "pt") as f:
                 tensors.append(f.get_tensor(name))
         assert torch.equal(tensors[0].view(torch.uint8), tensors[1].view(torch.uint8)), name
+
+
+def test_the_shipped_drafters_acceptance_is_what_the_cpu_recomputes(organism):
+    """The drafter's acceptance on the held-out rows its provenance names, recomputed here from the assembled checkpoint
+    read back, is what ``dspark.json`` says (measured on an H100: float32 there and here differ only in rounding,
+    which may flip a near-tie or two)."""
+    provenance = json.loads((ORGANISM_V41_DSPARK_DIR / "dspark.json").read_text())
+    target, drafter = load_assembled(organism, torch.device("cpu"))
+    tokenizer = Tokenizer.from_file(str(organism / "tokenizer.json"))
+    rows = heldout_rows(tokenizer, (organism / "heldout.txt").read_text(encoding="utf-8"),
+                        provenance["measured_on"]["heldout_sequences"])
+    got = draft_acceptance(drafter, target, rows)
+    want = provenance["acceptance"]["heldout"]
+    assert got["blocks"] == want["blocks"] > 1000
+    assert got["agreement"] == pytest.approx(want["agreement"], abs=2e-3)
+    assert got["accepted"] == pytest.approx(want["accepted"], abs=2e-3)
+    assert got["expected_accept_length"] == pytest.approx(want["expected_accept_length"], abs=1e-2)
+    assert want["accepted"][0] > 0.5
