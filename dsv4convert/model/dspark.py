@@ -97,6 +97,8 @@ from dsv4convert.model.blocks import (
 # The release-independent rules; Acceptance, acceptance, anchor_grid and target_features are re-exported for V4's
 # callers (organism, calibrate, compare, tests), which import them from here as they import embed_blocks.
 from dsv4convert.model.dspark_rules import (
+    CONFIDENCE_DTYPE,
+    MARKOV_W2_DTYPE,
     Acceptance,
     Blocks,
     DraftOutput,
@@ -106,6 +108,7 @@ from dsv4convert.model.dspark_rules import (
     confidence_features,
     embed_blocks,
     markov_draft,
+    project_bias,
     stream_mean,
     target_features,
 )
@@ -254,12 +257,8 @@ class DSparkHead(nn.Module):
             set_tensor(head.hc_head, f"hc_{leaf}", source.tensor(f"{d.names.last}.hc_head_{leaf}"))
         set_tensor(head.norm, "weight", source.tensor(f"{d.names.norm}.weight"))
         set_tensor(head.markov_w1, "weight", source.linear(d.names.markov_embed))
-        # float32, as the organism's drafter was trained and measured. SGLang 0.5.23 serves markov_w2 in BF16
-        # (DSparkV4MarkovHead.__init__: SGLANG_DSPARK_OPT_MARKOV_W2_BF16 is EnvBool(True) in environ.py), which
-        # model/v41/dspark.py follows; moving V4 to it changes the shipped organism's measured acceptance
-        # (+0.004 per position on its held-out text), so it waits for that figure to be re-measured.
-        set_tensor(head.markov_w2, "weight", source.linear(d.names.markov_head).float())
-        set_tensor(head.confidence, "weight", source.linear(d.names.confidence).float())
+        set_tensor(head.markov_w2, "weight", source.linear(d.names.markov_head).to(MARKOV_W2_DTYPE))
+        set_tensor(head.confidence, "weight", source.linear(d.names.confidence).to(CONFIDENCE_DTYPE))
         return head
 
     def base(self, streams: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,8 +267,8 @@ class DSparkHead(nn.Module):
         return F.linear(self.norm(x_post_hc), lm_head).float(), x_post_hc
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
-        """``markov_w2(markov_w1(prev))`` in float32 (``DSparkV4MarkovHead.project_bias``)."""
-        return F.linear(self.markov_w1(prev).float(), self.markov_w2.weight.float())
+        """``markov_w2(markov_w1(prev))``, float32 (:func:`~dsv4convert.model.dspark_rules.project_bias`)."""
+        return project_bias(self.markov_w1(prev), self.markov_w2.weight)
 
     def markov_logits(self, base_logits: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Each row's Markov-corrected logits given the token before it (``prev [M, G]``: the anchor, then

@@ -13,6 +13,8 @@ lives here once:
   rows before ``p`` and every row of its block (``kernels/ops/speculative/dspark/dspark_attn_metadata.py::
   compute_dspark_window_gather``, ``build_dspark_swa_page_indices``); :func:`anchor_grid` lays anchors out;
 * **the first stage's input** (:func:`embed_blocks`) and what a drafter gives (:class:`DraftOutput`);
+* **the Markov head's precision** (:data:`MARKOV_W2_DTYPE`, :func:`project_bias`: ``models/deepseek_v4_dspark.py::
+  DSparkV4MarkovHead``, one class for both releases) and the confidence head's (:data:`CONFIDENCE_DTYPE`);
 * **greedy Markov drafting** (:func:`markov_draft`, ``dspark_draft.py::draft_markov_block``, ``_draft_step``);
 * **the confidence head** (:func:`confidence_features`, :func:`confidence`: ``models/dspark.py::DSparkConfidenceHead.predict``);
 * **greedy acceptance** (:func:`acceptance`).
@@ -30,6 +32,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4convert.errors import DSV4Error
+
+
+# ``DSparkV4MarkovHead.__init__``: ``markov_w2`` in BF16 (``SGLANG_DSPARK_OPT_MARKOV_W2_BF16``, EnvBool(True) in
+# ``environ.py``), whatever the checkpoint stores; ``DSparkConfidenceHead(dtype=torch.float32)``.
+MARKOV_W2_DTYPE = torch.bfloat16
+CONFIDENCE_DTYPE = torch.float32
+
+
+def project_bias(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The float32 Markov bias ``markov_w2(latent)`` as ``DSparkV4MarkovHead.project_bias`` computes it: the product in
+    BF16 when ``markov_w2`` is held in BF16 (as served), else in float32 (a drafter in training, with float32 master
+    weights)."""
+    if weight.dtype == torch.bfloat16:
+        return F.linear(latent.to(weight.dtype), weight).float()
+    return F.linear(latent.float(), weight.float())
 
 
 def stream_mean(streams: torch.Tensor) -> torch.Tensor:

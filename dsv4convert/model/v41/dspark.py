@@ -61,12 +61,15 @@ from torch import nn
 
 from dsv4convert.errors import CheckpointError
 from dsv4convert.model.dspark_rules import (
+    CONFIDENCE_DTYPE,
+    MARKOV_W2_DTYPE,
     Blocks,
     DraftOutput,
     confidence,
     confidence_features,
     embed_blocks,
     markov_draft,
+    project_bias,
 )
 from dsv4convert.model.v41.attention import Attention, sink_attention
 from dsv4convert.model.v41.forward import V41Block
@@ -75,8 +78,6 @@ from dsv4convert.model.v41.weights import WeightSource, load
 from dsv4convert.models.deepseek_v4.names import DSparkNames, draft_block
 from dsv4convert.models.deepseek_v41.config import DSparkV41Config, V41Config
 
-MARKOV_W2_DTYPE = torch.bfloat16      # DSparkV4MarkovHead: SGLANG_DSPARK_OPT_MARKOV_W2_BF16 (default True)
-CONFIDENCE_DTYPE = torch.float32      # models/dspark.py::DSparkConfidenceHead(dtype=torch.float32)
 
 
 def dspark_of(cfg: V41Config) -> DSparkV41Config:
@@ -155,9 +156,8 @@ class MarkovHead(nn.Module):
         self.markov_w2 = nn.Linear(rank, vocab, bias=False, dtype=MARKOV_W2_DTYPE)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
-        """The float32 bias ``markov_w2(markov_w1(prev))``, the product in ``markov_w2``'s BF16 (``project_bias``)."""
-        weight = self.markov_w2.weight
-        return F.linear(self.markov_w1(prev).to(weight.dtype), weight).float()
+        """The float32 bias ``markov_w2(markov_w1(prev))`` (:func:`~dsv4convert.model.dspark_rules.project_bias`)."""
+        return project_bias(self.markov_w1(prev), self.markov_w2.weight)
 
 
 class ConfidenceHead(nn.Module):
