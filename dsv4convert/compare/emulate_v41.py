@@ -80,7 +80,7 @@ def install_entry(entry: nn.Module, serving: V41Serving | None, source: WeightSo
         return installed
     name = DSparkNames(dspark_of(source.cfg).stages).entry_proj
     fmt, _ = source.stored_format(name, tuple(entry.main_proj.weight.shape))
-    scheme = serving.dense_scheme("main_proj", fmt)
+    scheme = serving.dense_scheme(name, fmt)
     if scheme is not None:
         installed.hook(entry.main_proj.register_forward_pre_hook(on_input(quantizer(scheme, source.fp8_block[1],
                                                                                      name))))
