@@ -34,11 +34,13 @@ time and reports what 0731's comparison does (``compare.json``'s ``dspark``, :mo
 
 Served numerics (``--numerics served``, the default): what ``model/v41`` restates of SGLang 0.5.23's V4.1 paths,
 the FP4 round trips of the compressed KV (``fp4_fake_quant.py::fake_quant_compressed_kv``) and of the indexer's
-queries and keys (``fake_quant_fp4``), which SGLang runs on every GPU family; the launch is the one ``serve`` makes
-(``engines/sglang/server.py::server_v41``: a variant SGLang refuses on the family is refused here). Not emulated:
-the per-token-group FP8 quantization of the 32 x 32 FP8 linears' activations, the routed experts' activation
-quantization (MXFP8 under ``flashinfer_mxfp4``, NVFP4 under ``flashinfer_trtllm_routed``), the sliding window's
-FP8 KV cache, and the GEMMs' accumulation order. ``--numerics weights``: no round trip at all.
+queries and keys (``fake_quant_fp4``), which SGLang runs on every GPU family, and each side's activation
+quantization (:mod:`.emulate_v41`, rules in ``engines/sglang/numerics.py::V41Serving``: the FP8 32x32 linears' 1 x 32
+token groups, the routed experts' MXFP8 / NVFP4 / FP8 per stored format and family), put on every block a side
+loads (:meth:`Side.block`) and so on in the free-running, local and component passes alike; the launch is the one
+``serve`` makes (``engines/sglang/server.py::server_v41``: a variant SGLang refuses on the family is refused here).
+Not emulated (:data:`NOT_EMULATED`): the sliding window's FP8 KV cache and the GEMMs' accumulation order.
+``--numerics weights``: no round trip, no activation quantization.
 
 ``--recall`` (:func:`run_recall`): needle prompts from :mod:`dsv4convert.needle`, teacher-forced, and for the query
 that writes the first answer token, whether the needle's value is kept by the candidate level (every value
