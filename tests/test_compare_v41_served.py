@@ -17,11 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.cli import main
 from dsv4convert.compare import emulate_v41
 from dsv4convert.compare.run import CompareOptions
-from dsv4convert.compare.v41 import NOT_EMULATED, build_plan
+from dsv4convert.compare.v41 import NOT_EMULATED, build_plan, serving_of
+from dsv4convert.engines.sglang.numerics import V41_UNQUANTIZED
 from dsv4convert.formats.activations import fp8_token_groups, mxfp8_activations, nvfp4_activations, round_e4m3
+from dsv4convert.model.v41.weights import WeightSource
 
 from test_compare_v41 import TOKENS
 
@@ -93,6 +96,41 @@ def test_w4a16_quantizes_float32_token_groups(v41_outputs):
     for path in ("attn.wq_a", "ffn.shared_experts.w2"):
         assert torch.equal(taken[path], fp8_token_groups(raw[path], 32, scale_format="float32", name=path)), path
     assert all(torch.equal(taken[p], raw[p]) for p in raw if p.startswith("ffn.experts."))
+
+
+def test_fp8_experts_take_float32_token_groups_of_32(v41_outputs):
+    """FP8 experts in 32x32 blocks: ``Fp8MoEMethod``'s Triton runner (auto without all-to-all:
+    ``Fp8MoEMethod.is_deepgemm_moe_runner_backend_enabled`` false), whose ``invoke_fused_moe_kernel`` quantizes both
+    GEMMs' inputs with ``sglang_per_token_group_quant_fp8(A, block_k)``: float32 scales, ``block_k`` 32."""
+    raw, taken, _ = _inputs(v41_outputs["fp8"], "sm100")
+    experts = [p for p in raw if p.startswith("ffn.experts.")]
+    assert experts
+    for path in experts:
+        assert torch.equal(taken[path], fp8_token_groups(raw[path], 32, scale_format="float32")), path
+
+
+@pytest.mark.parametrize("variant, family, dense, experts, stages", [
+    ("native", "sm90", "ue8m0", None, None), ("native", "sm100", "mxfp8", "mxfp8", "mxfp8"),
+    ("native", "sm120", "ue8m0", "mxfp8", "mxfp8"), ("fp8", "sm120", "ue8m0", "fp8", "fp8"),
+    ("nvfp4", "sm100", "mxfp8", "nvfp4", "mxfp8"), ("w4a16", "sm90", "float32", None, None),
+    ("bf16", "sm100", None, None, None)])
+def test_the_v41_rules_per_variant_and_family(variant, family, dense, experts, stages, tiny_v41, v41_outputs):
+    """``V41Serving`` per variant and family (docs/served-numerics.md, "DeepSeek-V4.1"): the dense FP8 linears'
+    scheme, the backbone's experts' and the DSpark stages' (the NVFP4 hybrid keeps its stages MXFP4:
+    ``HybridFp8NvFp4Config.get_quant_method``, ``Mxfp4FlashinferTrtllmMoEMethod``); ``wo_a`` never FP8."""
+    ckpt = Checkpoint.open(tiny_v41 if variant == "native" else v41_outputs[variant])
+    serving = serving_of("served", family, variant, ckpt)
+    source = WeightSource(ckpt, "cpu", torch.float32)
+    shape = tuple(ckpt.entry("layers.0.attn.wq_a.weight").shape)
+    fmt, _ = source.stored_format("layers.0.attn.wq_a", shape)
+    assert serving.dense_scheme("attn.wq_a", fmt) == dense
+    assert all(serving.dense_scheme(s, fmt) is None for s in V41_UNQUANTIZED) and serving.wo_a() is None
+    expert = {}
+    for block in ("layers.0", "mtp.0"):
+        module = f"{block}.ffn.experts.0.w2"
+        fmt, _ = source.stored_format(module, (source.cfg.hidden_size, source.cfg.moe_intermediate_size))
+        expert[block] = serving.expert_scheme(fmt, is_mtp=block == "mtp.0")
+    assert (expert["layers.0"], expert["mtp.0"]) == (experts, stages)
 
 
 def test_nvfp4_experts_take_w4a4_with_the_layers_largest_input_scale(v41_outputs):
