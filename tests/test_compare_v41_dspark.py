@@ -31,10 +31,11 @@ COMPONENTS = [TARGET_FEATURES, "mtp.0", "mtp.1", "mtp.2", DRAFT_HEAD, MARKOV_HEA
 BLOCKS = 2 * 43     # two sequences of 48 tokens, anchors 1 .. 48 - 5
 
 
-def dspark_of(base: Path, variant: Path) -> dict:
+def dspark_of(base: Path, variant: Path, numerics: str = "served", gpu_family: str | None = None) -> dict:
     """compare's DSpark section on 2 x 48 random tokens, in process (served numerics, the default)."""
     opts = CompareOptions(base=str(base), variant=str(variant), random_tokens=True, tokens=96, seq_len=48,
-                          device="cpu", progress=False)
+                          device="cpu", progress=False, numerics=numerics,
+                          **({"gpu_family": gpu_family} if gpu_family else {}))
     return run(build_plan(opts))["dspark"]
 
 
@@ -66,7 +67,10 @@ def faulty(tiny_v41, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("variant", ["itself", "fp8", "bf16"])
 def test_itself_and_lossless_conversions_read_the_same_drafts(variant, tiny_v41, v41_outputs):
-    section = dspark_of(tiny_v41, tiny_v41 if variant == "itself" else v41_outputs[variant])
+    """The release against itself under served numerics; the lossless conversions weights only (served, their
+    activations are quantized otherwise: :func:`test_served_activations_reach_the_stages`)."""
+    section = dspark_of(tiny_v41, tiny_v41 if variant == "itself" else v41_outputs[variant],
+                        numerics="served" if variant == "itself" else "weights")
     assert section["anchors"] == {"blocks": BLOCKS, "stride": 1, "first": 1} and section["block_size"] == 5
     assert section["target_layer_ids"] == {"base": [3, 4, 5], "variant": [3, 4, 5]}
     for p in section["positions"]:
@@ -79,6 +83,18 @@ def test_itself_and_lossless_conversions_read_the_same_drafts(variant, tiny_v41,
     assert set(local_errors(section).values()) == {0.0}
     assert section["moved"] == [] and section["verdict"]["component"] is None
     assert "within the noise floor at every position" in section["verdict"]["sentence"]
+
+
+def test_served_activations_reach_the_stages(tiny_v41, v41_outputs):
+    """The FP8 conversion's stages hold the release's expert weights exactly (lossless), but SGLang quantizes their
+    activations otherwise: per-token-group FP8 for ``Fp8MoEMethod``'s Triton runner
+    (``kernels/ops/moe/fused_moe_triton_kernels.py::invoke_fused_moe_kernel``) where the release's MXFP4 experts take
+    MXFP8 under ``flashinfer_mxfp4`` on sm100. Every stage carries local error on the base's inputs under served
+    numerics, none weights only."""
+    served = local_errors(dspark_of(tiny_v41, v41_outputs["fp8"], gpu_family="sm100"))
+    assert all(served[f"mtp.{s}"] > 0 for s in range(3)), served
+    weights = local_errors(dspark_of(tiny_v41, v41_outputs["fp8"], numerics="weights"))
+    assert all(weights[f"mtp.{s}"] == 0 for s in range(3)), weights
 
 
 def test_a_changed_stage_is_named_and_its_error_reaches_the_next_stage_free_running(tiny_v41, faulty):
@@ -156,13 +172,13 @@ def test_the_drafter_runs_on_each_sides_own_captured_features(tiny_v41):
     from dsv4convert.model.v41.forward import V41Runner
 
     plan = build_plan(CompareOptions(base=str(tiny_v41), variant=str(tiny_v41), random_tokens=True, tokens=96,
-                                     seq_len=48, device="cpu", progress=False))
+                                     seq_len=48, device="cpu", progress=False, numerics="weights"))
     ids = plan.ids
     draft = V41DraftPass(plan.base.runner.source, plan.variant.runner.source, [ids], anchors=4096, chunk=2048)
     engine = Lockstep(plan, [ids], {"variant": None}, measure=False, capture=draft.capture())
     with torch.no_grad():
         engine.run()
-        captured = V41Runner(tiny_v41, "cpu", torch.float32).forward(ids).captured
+        captured = V41Runner(tiny_v41, "cpu", torch.float32, fake_quant=False).forward(ids).captured
     assert sorted(engine.base_runs[0].captured) == [3, 4, 5]
     for layer in (3, 4, 5):
         torch.testing.assert_close(engine.base_runs[0].captured[layer], captured[layer], rtol=0, atol=0)

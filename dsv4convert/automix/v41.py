@@ -257,7 +257,8 @@ def print_plan(plan: V41AutomixPlan, out=None) -> None:
     if VLLM in engines_for(opts.engine):
         print(f"  note: the layouts are measured under {SGLANG_LABEL}'s numerics (compare emulates SGLang only)",
               file=out)
-    numerics = ("SGLang's served numerics (FP4 compressed KV and indexer)" if plan.numerics == "served" else
+    numerics = ("SGLang's served numerics (activation quantization, FP4 compressed KV and indexer)"
+                if plan.numerics == "served" else
                 "weights only (SGLang does not run every layout on this family, so none gets its served numerics)")
     print(f"  measured: {', '.join(layout.label for layout in plan.fitting)}, each whole against the base's weights "
           f"through compare/v41.py, under {numerics}, on {opts.tokens // opts.seq_len} x {opts.seq_len} tokens on "

@@ -63,7 +63,7 @@ class Installed:
             self._undo.pop()()
 
 
-def _on_input(quantize: Callable[[torch.Tensor], torch.Tensor]):
+def on_input(quantize: Callable[[torch.Tensor], torch.Tensor]):
     def pre_hook(module: nn.Module, args: tuple):
         return (quantize(args[0]), *args[1:])
     return pre_hook
@@ -79,8 +79,11 @@ def _token_groups(scale_format: str, source: WeightSource, name: str) -> Callabl
     """A W8A8 block linear's input quantization: one scale per token and per weight block's columns
     (SGLang 0.5.23 ``layers/quantization/fp8_utils.py::cutlass_w8a8_block_fp8_linear_with_fallback``:
     ``per_token_group_quant_fp8(input_2d, block_size[1])``)."""
-    group = source.fp8_block[1]
+    return token_groups(scale_format, source.fp8_block[1], name)
 
+
+def token_groups(scale_format: str, group: int, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Per-token-group FP8 of a linear's input in 1 x ``group`` slices, refusing a width the kernel refuses."""
     def quantize(x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] % group:
             raise DSV4Error(f"{name}: input width {x.shape[-1]} is not a multiple of {group}; SGLang's W8A8 "
@@ -121,7 +124,7 @@ def install_dspark_entry(entry: nn.Module, numerics: Numerics, source: WeightSou
     if numerics.serving is None or not numerics.activations or source.format_of(name) is not Format.FP8:
         return
     quantize = _token_groups(numerics.serving.dense_scale_format(), source, name)
-    installed.hook(entry.main_proj.register_forward_pre_hook(_on_input(quantize)))
+    installed.hook(entry.main_proj.register_forward_pre_hook(on_input(quantize)))
 
 
 def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installed: Installed,
@@ -136,7 +139,7 @@ def _dense(layer: nn.Module, block: str, serving, source: WeightSource, installe
             if scale_format is None:
                 continue        # dequantized to BF16 at load: a BF16 GEMM
         target = layer.get_submodule(path.rsplit(".", 1)[0])
-        installed.hook(target.register_forward_pre_hook(_on_input(_token_groups(scale_format, source, f"{block}.{suffix}"))))
+        installed.hook(target.register_forward_pre_hook(on_input(_token_groups(scale_format, source, f"{block}.{suffix}"))))
     if entry is not None:
         fmts = {source.format_of(f"{block}.{p}") for p in ("e_proj", "h_proj")}
         if fmts == {Format.FP8}:
@@ -162,7 +165,7 @@ def _experts(layer: nn.Module, block: str, serving, source: WeightSource, instal
         fc2 = lambda x: nvfp4_activations(x, w2, name=f"{name} (w2 input)")  # noqa: E731
     else:
         raise DSV4Error(f"{name}: no emulation for expert activations {scheme!r}")
-    installed.hook(experts.register_forward_pre_hook(_on_input(fc1)))
+    installed.hook(experts.register_forward_pre_hook(on_input(fc1)))
     gate = experts._apply_gate
     installed.wrap(experts, "_apply_gate", lambda gate_up: fc2(gate(gate_up)))
 

@@ -34,11 +34,13 @@ time and reports what 0731's comparison does (``compare.json``'s ``dspark``, :mo
 
 Served numerics (``--numerics served``, the default): what ``model/v41`` restates of SGLang 0.5.23's V4.1 paths,
 the FP4 round trips of the compressed KV (``fp4_fake_quant.py::fake_quant_compressed_kv``) and of the indexer's
-queries and keys (``fake_quant_fp4``), which SGLang runs on every GPU family; the launch is the one ``serve`` makes
-(``engines/sglang/server.py::server_v41``: a variant SGLang refuses on the family is refused here). Not emulated:
-the per-token-group FP8 quantization of the 32 x 32 FP8 linears' activations, the routed experts' activation
-quantization (MXFP8 under ``flashinfer_mxfp4``, NVFP4 under ``flashinfer_trtllm_routed``), the sliding window's
-FP8 KV cache, and the GEMMs' accumulation order. ``--numerics weights``: no round trip at all.
+queries and keys (``fake_quant_fp4``), which SGLang runs on every GPU family, and each side's activation
+quantization (:mod:`.emulate_v41`, rules in ``engines/sglang/numerics.py::V41Serving``: the FP8 32x32 linears' 1 x 32
+token groups, the routed experts' MXFP8 / NVFP4 / FP8 per stored format and family), put on every block a side
+loads (:meth:`Side.block`) and so on in the free-running, local and component passes alike; the launch is the one
+``serve`` makes (``engines/sglang/server.py::server_v41``: a variant SGLang refuses on the family is refused here).
+Not emulated (:data:`NOT_EMULATED`): the sliding window's FP8 KV cache and the GEMMs' accumulation order.
+``--numerics weights``: no round trip, no activation quantization.
 
 ``--recall`` (:func:`run_recall`): needle prompts from :mod:`dsv4convert.needle`, teacher-forced, and for the query
 that writes the first answer token, whether the needle's value is kept by the candidate level (every value
@@ -67,11 +69,13 @@ from dsv4convert.compare.recall import overlap
 from dsv4convert.compare.dspark_lines import dspark_plan_lines, dspark_result_lines
 from dsv4convert.compare.report import write_reports
 from dsv4convert.compare.run import CompareOptions, check_same_model, draft_estimate, token_ids
+from dsv4convert.compare import emulate_v41
 from dsv4convert.compare.v41_dspark import V41DraftPass
 from dsv4convert.devices import resolve_device
 from dsv4convert.engines import SGLANG, SGLANG_LABEL
 from dsv4convert.engines.config import v41_variant_of
 from dsv4convert.engines.outputs_v41 import layout_problems
+from dsv4convert.engines.sglang.numerics import V41Serving
 from dsv4convert.engines.sglang.server import server_v41
 from dsv4convert.errors import DSV4Error
 from dsv4convert.model.text import load_tokenizer
@@ -85,9 +89,7 @@ from dsv4convert.needle import answer_ids, recall_grid, shortest_prompt, value_p
 from dsv4convert.sizes import human_bytes
 
 COMPUTE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-NOT_EMULATED = ("activation quantization of the FP8 32x32 linears (per-token-group FP8)",
-                "the routed experts' activation quantization (MXFP8 under flashinfer_mxfp4, NVFP4 under "
-                "flashinfer_trtllm_routed)", "the sliding window's FP8 KV cache",
+NOT_EMULATED = ("the sliding window's FP8 KV cache",
                 "the GEMMs' accumulation order and BF16 intermediates inside fused kernels")
 
 
@@ -107,6 +109,13 @@ class Side:
     runner: V41Runner
     variant: str          # engines/config.py::v41_variant_of
     numerics: dict
+    serving: V41Serving | None = None   # served numerics: the activation quantization put on each block
+
+    def block(self, layer_id: int) -> V41Block:
+        """``layers.N`` with this side's served activation quantization on (:mod:`.emulate_v41`)."""
+        block = self.runner.load_block(layer_id)
+        emulate_v41.install(block, f"layers.{layer_id}", self.serving, self.runner.source)
+        return block
 
 
 @dataclass
@@ -124,28 +133,32 @@ class V41Plan:
     tracks: list[str] = field(default_factory=list)
 
 
-def numerics_record(kind: str, family: str, variant: str, model: str) -> dict:
-    """A side's numerics, in the shape ``compare.json`` has for V4 (``label``, ``activations``, ``kv_cache``,
-    ``indexer``, ``serving``), plus what is not emulated. ``served``: the launch ``serve`` makes
-    (``server_v41``), refused where SGLang does not run ``variant`` on ``family``."""
+def serving_of(kind: str, family: str, variant: str, ckpt: Checkpoint) -> V41Serving | None:
+    """The SGLang launch whose numerics a side computes with (``served``: the one ``serve`` makes, ``server_v41``,
+    refused where SGLang does not run ``variant`` on ``family``), or None (``weights``)."""
     if kind not in ("served", "weights"):
         raise DSV4Error(f"--numerics must be one of served, weights, got {kind!r}")
-    serving = None
-    if kind == "served":
-        try:
-            server = server_v41(model, family, variant=variant)
-        except Exception as exc:     # EngineError: SGLang does not run this variant on this family
-            raise DSV4Error(f"--gpu-family {family}: {exc}") from None
-        serving = {"engine": SGLANG, "gpu_family": family, "variant_rules": variant,
-                   "moe_runner_backend": server.moe_runner_backend or "SGLang's default for V4.1",
-                   "fp8_gemm_backend": "not emulated", "kv_cache_dtype": "FP4 compressed entries (emulated); "
-                   "window FP8 (not emulated)", "dense_fp8_activation_scales": "not emulated",
-                   "wo_a": "bf16 (_dequant_fp8_wo_a_streaming)", "env": dict(server.env)}
-    served = kind == "served"
-    return {"label": "weights + FP4 compressed KV + FP4 indexer" if served else "weights only",
-            "activations": False, "kv_cache": "fp4 compressed" if served else False,
-            "indexer": "fp4" if served else None, "serving": serving,
-            "not_emulated": list(NOT_EMULATED) if served else []}
+    if kind == "weights":
+        return None
+    try:
+        server = server_v41(str(ckpt.root), family, variant=variant)
+    except Exception as exc:     # EngineError: SGLang does not run this variant on this family
+        raise DSV4Error(f"--gpu-family {family}: {exc}") from None
+    return V41Serving.of(server, ckpt.config.get("quantization_config") or {})
+
+
+def numerics_record(serving: V41Serving | None) -> dict:
+    """A side's numerics, in the shape ``compare.json`` has for V4 (``label``, ``activations``, ``kv_cache``,
+    ``indexer``, ``serving``), plus what is not emulated."""
+    if serving is None:
+        return {"label": "weights only", "activations": False, "kv_cache": False, "indexer": None, "serving": None,
+                "not_emulated": []}
+    record = {**serving.describe(), "moe_runner_backend": "SGLang's default for V4.1 (auto)",
+              "kv_cache_dtype": "FP4 compressed entries (emulated); window FP8 (not emulated)",
+              "dense_fp8_activation_scales": f"{serving.dense_scale_format()} per 1x32 token group",
+              "wo_a": "bf16 (_dequant_fp8_wo_a_streaming)"}
+    return {"label": "weights + activations + FP4 compressed KV + FP4 indexer", "activations": True,
+            "kv_cache": "fp4 compressed", "indexer": "fp4", "serving": record, "not_emulated": list(NOT_EMULATED)}
 
 
 def _side(label: str, path: str, kind: str, opts: CompareOptions, device: torch.device, dtype: torch.dtype) -> Side:
@@ -155,8 +168,9 @@ def _side(label: str, path: str, kind: str, opts: CompareOptions, device: torch.
                         "checkpoints of one model", file=ckpt.root / "config.json")
     variant = v41_variant_of(ckpt.config)
     check_text_layout(ckpt, variant, drafter=opts.mtp and opts.recall is None)
-    numerics = numerics_record(kind, opts.gpu_family, variant, str(ckpt.root))
-    return Side(label, ckpt, V41Runner(ckpt, device, dtype, fake_quant=kind == "served"), variant, numerics)
+    serving = serving_of(kind, opts.gpu_family, variant, ckpt)
+    return Side(label, ckpt, V41Runner(ckpt, device, dtype, fake_quant=kind == "served"), variant,
+                numerics_record(serving), serving)
 
 
 TEXT_MODEL = ("embed.", "layers.", "norm.", "head.")   # what the forward reads (no drafter, no vision tower)
@@ -565,8 +579,8 @@ class Lockstep:
         bar = _progress(self.plan, cfg.num_hidden_layers)
         for i in range(cfg.num_hidden_layers):
             t0 = time.perf_counter()
-            base_block = self.plan.base.runner.load_block(i)
-            variant_block = self.plan.variant.runner.load_block(i)
+            base_block = self.plan.base.block(i)
+            variant_block = self.plan.variant.block(i)
             self.seconds["read"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             for m, base_run in enumerate(self.base_runs):
@@ -646,6 +660,7 @@ def run(plan: V41Plan) -> dict:
     if drafting(plan):
         draft = V41DraftPass(plan.base.runner.source, plan.variant.runner.source, batches,
                              anchors=o.draft_anchors, chunk=o.chunk,
+                             servings={"base": plan.base.serving, "variant": plan.variant.serving},
                              progress=lambda total: _progress(plan, total, "DSpark drafter", "step"))
     engine = Lockstep(plan, batches, {"variant": None}, measure=True,
                       capture=draft.capture() if draft is not None else None)

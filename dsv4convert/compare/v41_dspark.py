@@ -15,8 +15,10 @@ The measures, noise floors, localization and verdict are :mod:`.dspark`'s, one i
 * **Heads**: no ``hc_head``; the draft head is the last ``pre``'s collapse, ``norm`` and the target's ``lm_head``.
 
 Served numerics: a stage has compress ratio 0, so no compressor or indexer, where compare's V4.1 FP4 round trips
-live; ``served`` and ``weights`` draft alike. The FP8 KV cache SGLang stores the context and block KV in is not
-emulated (as the backbone's window).
+live; each side's activation quantization is put on its stages and its entry's ``main_proj`` (:mod:`.emulate_v41`:
+the FP8 linears' 1 x 32 token groups, the experts' scheme for their stored format, e.g. MXFP8 for the NVFP4
+hybrid's MXFP4 stages on sm100). The FP8 KV cache SGLang stores the context and block KV in is not emulated (as
+the backbone's window).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4convert.compare import emulate_v41
 from dsv4convert.compare.dspark import (
     TARGET_FEATURES,
     Drafted,
@@ -52,6 +55,7 @@ from dsv4convert.model.v41.dspark import (
     shared_vocab,
 )
 from dsv4convert.model.v41.forward import ForwardState
+from dsv4convert.engines.sglang.numerics import V41Serving
 from dsv4convert.model.v41.weights import WeightSource
 from dsv4convert.models.deepseek_v4.names import draft_block
 
@@ -67,8 +71,11 @@ class V41DraftPass:
     ``compare.json``'s ``dspark``."""
 
     def __init__(self, base: WeightSource, variant: WeightSource, batches: list[torch.Tensor], *, anchors: int,
-                 chunk: int, progress: Callable[[int], object] | None = None):
+                 chunk: int, progress: Callable[[int], object] | None = None,
+                 servings: dict[str, V41Serving | None] | None = None):
+        """``servings``: each side's served numerics (``base``, ``variant``), None for weights only."""
         self.sources = {BASE: base, VARIANT: variant}
+        self.servings = servings or {}
         self.d = dspark_of(base.cfg)
         self.block_size, self.stages = self.d.block_size, self.d.stages
         self.ids = {label: tuple(sorted(dspark_of(s.cfg).target_layer_ids)) for label, s in self.sources.items()}
@@ -106,8 +113,12 @@ class V41DraftPass:
         rounding: list[State] = []
         for s in range(self.stages):
             stage = {label: load_stage(src, s) for label, src in self.sources.items()}
+            for label, src in self.sources.items():
+                emulate_v41.install(stage[label], draft_block(s), self.servings.get(label), src)
             if s == 0:
                 entries = {label: load_entry(src) for label, src in self.sources.items()}
+                for label, src in self.sources.items():
+                    emulate_v41.install_entry(entries[label], self.servings.get(label), src)
                 for label, src in self.sources.items():
                     embed = src.tensor("embed.weight")
                     main_x[label] = [entries[label](f.to(device)) for f in feats[label]]

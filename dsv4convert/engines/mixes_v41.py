@@ -28,10 +28,10 @@ Two questions, answered separately:
    * There is nothing to trade from the release. Every per-layer alternative those configs take for a layer's
      routed experts (BF16, FP8 in 32x32 blocks, NVFP4 with the codes kept) is at least the release's MXFP4 bytes
      and equal to it in weights; INT4 (W4A16) is lossy *and* larger (BF16 group scales, the DSpark experts BF16).
-     The linears are the release's FP8 32x32 or BF16 (larger, equal in weights). What a BF16 layer would change
-     at serving, its activations not quantized to MXFP8/NVFP4, is what ``compare/v41.py`` does not emulate
-     (``compare/v41.py::NOT_EMULATED``), so no measurement automix can make would rank a mix above the release at
-     fewer bytes. Under a budget below the release, nothing the engines load is smaller.
+     The linears are the release's FP8 32x32 or BF16 (larger, equal in weights). What a BF16 or FP8 layer changes
+     at serving, its activations quantized otherwise or not at all, ``compare/v41.py`` measures for the uniform
+     layouts (``compare/emulate_v41.py``), so automix ranks those by it; a per-layer mix of them falls under the
+     first reason (unwritten, unloaded). Under a budget below the release, nothing the engines load is smaller.
 """
 
 from __future__ import annotations
@@ -61,9 +61,8 @@ NO_MIX = ("no per-layer mix is offered on DeepSeek-V4.1: {per_layer} take per-la
           "_shipped_variant writes the shipped uniform variants only (no mixed V4.1 checkpoint is written, none has "
           "been loaded by an engine's real loader), and every per-layer alternative to the release's MXFP4 experts "
           "those configs take is no smaller and, in weights, no closer to the release (BF16, FP8, NVFP4 exact; INT4 "
-          "lossy and larger), while what a BF16 layer changes at serving (no MXFP8/NVFP4 activation quantization) "
-          "is not emulated by compare/v41.py (NOT_EMULATED): automix measures the uniform layouts and returns the "
-          "least-KLD one within the budget")
+          "lossy and larger); what each layout's activation quantization changes at serving compare/v41.py "
+          "measures for the uniform layouts: automix measures them and returns the least-KLD one within the budget")
 
 
 # The release's quantization_config (FP8 32x32 linears with E8M0 scales, MXFP4 experts) where no source is given.

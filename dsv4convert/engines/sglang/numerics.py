@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsv4convert.engines import SGLANG, gpu_family_major
+from dsv4convert.engines import SGLANG, EngineError, gpu_family_major
 from dsv4convert.engines.sglang.server import Server
 from dsv4convert.formats import Format
 
@@ -91,3 +91,56 @@ class Serving:
                 "kv_cache_dtype": self.kv_cache_dtype, "fp4_indexer": self.fp4_indexer,
                 "dense_fp8_activation_scales": self.dense_scale_format(), "wo_a": self.wo_a() or "bf16",
                 "server_args": list(self.server_args), "env": dict(self.env)}
+
+
+# DeepSeek-V4.1's dense linears SGLang 0.5.23 builds without its quant config, whatever the checkpoint stores
+# (``layers/attention/dsv4/dsv41_sparse.py``: ``DeepseekV41Compressor`` plain ``nn.Linear``, ``DeepseekV41Indexer``
+# ``weights_proj`` with ``quant_config=None`` and ``wk`` a BF16 ``nn.Linear``; the router ``MoEGate``), and ``wo_a``,
+# which ``models/deepseek_v4.py::wo_a_fp8_gemm_enabled`` runs as an FP8 GEMM only for 128 x 128 blocks: V4.1's
+# 32 x 32 ``wo_a`` is dequantized to BF16 at load on every family.
+V41_UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",
+                             "attn.indexer.wk", "ffn.gate", "attn.wo_a"})
+
+
+@dataclass(frozen=True)
+class V41Serving(Serving):
+    """An SGLang launch of DeepSeek-V4.1 (``server.py::server_v41``): V4's routed-expert rules
+    (:meth:`Serving.expert_scheme`: the same MoE methods and runners, ``flashinfer_mxfp4`` /
+    ``flashinfer_trtllm_routed`` / ``Fp8MoEMethod`` Triton in ``weight_block_size[1]`` = 32 groups), and V4.1's own
+    dense rules for its 32 x 32 FP8 linears (:meth:`dense_scheme`)."""
+
+    def dense_scale_format(self) -> str:
+        """The W8A8 dense linears' activation quantization, per 1 x 32 token group (the weight block's columns):
+
+        * ``"mxfp8"`` on sm100 for an Fp8Config ``scale_fmt: ue8m0`` checkpoint (native, fp8, nvfp4):
+          ``arg_groups/model_overrides/deepseek_v4.py::_deepseek_v4_overrides`` sets ``fp8_gemm_runner_backend``
+          ``flashinfer_cutedsl`` for V4.1, ``layers/quantization/fp8_utils.py::can_serve_block_fp8_as_mxfp8``
+          serves the 32-wide UE8M0 blocks as MXFP8 and ``flashinfer_mxfp8_blockscaled_linear`` quantizes the input
+          with ``flashinfer_mxfp8_quantize(.., alignment=32)`` (``formats.activations.mxfp8_activations``);
+        * ``"ue8m0"`` on sm90 and sm120 for such a checkpoint: ``Fp8LinearMethod.__init__`` binds
+          ``act_scale_ue8m0`` (``scale_fmt == "ue8m0"``); sm90 ``dispatch_w8a8_block_fp8_linear`` takes
+          ``deepgemm_w8a8_block_fp8_linear_with_fallback`` (native block-32 DeepGEMM:
+          ``sglang_per_token_group_quant_fp8(x, 32, scale_ue8m0=True)``), sm120 (``initialize_fp8_gemm_config``:
+          auto -> cutlass) falls to ``triton_w8a8_block_fp8_linear`` for a non-128 block, which quantizes the same
+          way with ``act_scale_ue8m0``;
+        * ``"float32"`` for W4A16's ``linear_fp8_config`` (``compressed_tensors.py::CompressedTensorsConfig.from_config``
+          does not forward ``scale_fmt``, so ``act_scale_ue8m0`` is false): DeepGEMM on sm90 with
+          ``scale_ue8m0=DEEPGEMM_SCALE_UE8M0`` (false there), ``triton_w8a8_block_fp8_linear``'s
+          ``per_token_group_quant_fp8`` on sm100 and sm120.
+        """
+        if self.fp8_gemm_backend != "auto":
+            raise EngineError(f"--fp8-gemm-backend {self.fp8_gemm_backend}: compare emulates the DeepSeek-V4.1 launch "
+                              "serve makes (SGLang's own choice) only")
+        if not self.ue8m0_checkpoint:
+            return "float32"
+        return "mxfp8" if self.major == 10 else "ue8m0"
+
+    def wo_a(self) -> str | None:
+        return None
+
+    def dense_scheme(self, suffix: str, fmt: Format | None) -> str | None:
+        """How a dense linear ``<block>.<suffix>`` stored as ``fmt`` quantizes its input: None (a BF16 GEMM: stored
+        BF16, built unquantized, or ``wo_a``) or :meth:`dense_scale_format`'s scheme for an FP8 one."""
+        if fmt is not Format.FP8 or suffix in V41_UNQUANTIZED:
+            return None
+        return self.dense_scale_format()

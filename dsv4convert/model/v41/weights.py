@@ -23,7 +23,7 @@ from torch import nn
 
 from dsv4convert.checkpoint import Checkpoint
 from dsv4convert.errors import CheckpointError
-from dsv4convert.formats import detect_format, spec
+from dsv4convert.formats import Format, detect_format, spec
 from dsv4convert.inspection import WEIGHT_PARAMS
 from dsv4convert.model.v41.hyper import HyperConnection
 from dsv4convert.model.v41.moe import MoE
@@ -103,8 +103,9 @@ class WeightSource:
         t = self.ckpt.read(name).to(self.device)
         return t.to(self.dtype) if t.is_floating_point() and t.dtype != torch.float32 else t
 
-    def linear(self, module: str, shape: tuple[int, int]) -> torch.Tensor:
-        """The weight ``[n, k]`` of linear ``module``, decoded on the device from its stored format."""
+    def stored_format(self, module: str, shape: tuple[int, int]) -> tuple[Format, dict]:
+        """The format (and its parameters) linear ``module`` of weight shape ``[n, k]`` is stored in, from its
+        headers (the registry's ``detect_format``)."""
         parts = self._parts.get(module)
         if not parts:
             raise CheckpointError("missing: the block needs this linear", file=self.ckpt.root, tensor=f"{module}.weight")
@@ -117,7 +118,12 @@ class WeightSource:
             raise CheckpointError(f"stored as {layout}: no format holds a [{n}, {k}] weight that way",
                                   file=entries["weight" if "weight" in entries else next(iter(entries))].path,
                                   tensor=f"{module}.weight")
-        fmt, params = found
+        return found
+
+    def linear(self, module: str, shape: tuple[int, int]) -> torch.Tensor:
+        """The weight ``[n, k]`` of linear ``module``, decoded on the device from its stored format."""
+        fmt, params = self.stored_format(module, shape)
+        parts = self._parts[module]
         tensors = {p: self.ckpt.read(name).to(self.device) for p, name in parts.items()}
         return spec(fmt).decode(tensors, f"{module}.weight", params).to(self.dtype)
 
