@@ -42,10 +42,10 @@ loads (:meth:`Side.block`) and so on in the free-running, local and component pa
 Not emulated (:data:`NOT_EMULATED`): the sliding window's FP8 KV cache and the GEMMs' accumulation order.
 ``--numerics weights``: no round trip, no activation quantization.
 
-``--recall`` (:func:`run_recall`): needle prompts from :mod:`dsv4convert.needle`, teacher-forced, and for the query
-that writes the first answer token, whether the needle's value is kept by the candidate level (every value
-token's entry in a kept block) and by each index-source layer's fine selection, read from each side's
-:class:`V41KVState`. ``--ablate`` re-runs the variant with the base's candidate blocks, then with the base's
+``--recall`` (:func:`run_recall`): needle prompts from :mod:`dsv4convert.needle`, teacher-forced, and for each answer
+query, whether the entry of the value token it writes is kept by the candidate level (in a block kept for that
+query) and by each index-source layer's fine selection, read from each side's :class:`V41KVState`
+(:func:`needle_kept`). ``--ablate`` re-runs the variant with the base's candidate blocks, then with the base's
 candidate blocks and fine selections: the first row that retrieves what the base does names the level that lost
 the needle.
 """
@@ -955,7 +955,7 @@ def recall_markdown(result: dict) -> str:
     for t, s in r["tracks"].items():
         fine = ", ".join(f"{k}: {_pct(v)}" for k, v in s["fine_kept"].items())
         lines.append(f"| {t} | {_pct(s['accuracy'])} | {_pct(s['candidate_kept'])} | {fine} |")
-    lines += ["", "Per prompt (the query that writes the first answer token):", "",
+    lines += ["", "Per prompt (each answer query and the value token it writes):", "",
               "| length | depth | track | retrieved | in window | candidate | fine |", "|---|---|---|---|---|---|---|"]
     for p in result["prompts"]:
         for t, k in p["kept"].items():

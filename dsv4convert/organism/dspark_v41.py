@@ -51,6 +51,7 @@ from dsv4convert.errors import DSV4Error
 from dsv4convert.model.v41.dspark import V41Drafter, features_of
 from dsv4convert.model.v41.forward import V41Model, load_block
 from dsv4convert.model.v41.weights import WeightSource, load
+from dsv4convert.models.deepseek_v4.configs import drafter_keys as v4_drafter_keys
 from dsv4convert.models.deepseek_v4.layout import TensorSpec
 from dsv4convert.models.deepseek_v41.config import V41Config, read_config
 from dsv4convert.models.deepseek_v41.inventory import stage_inventory
@@ -110,11 +111,9 @@ def dspark_v41_config(base_config: dict, tokenizer: Tokenizer) -> dict:
 
 
 def drafter_keys(config: dict) -> dict:
-    """The keys a DSpark drafter sets on the V4.1 organism's config, nested as the release's are."""
-    text = config["text_config"]
-    return {"text_config": {"num_nextn_predict_layers": text["num_nextn_predict_layers"],
-                            "compress_ratios": list(text["compress_ratios"]),
-                            **{k: v for k, v in text.items() if k.startswith("dspark_")}}}
+    """The keys a DSpark drafter sets on the V4.1 organism's config: V4's (``configs.drafter_keys``), nested in
+    ``text_config`` as the release's are."""
+    return {"text_config": v4_drafter_keys(config["text_config"])}
 
 
 # -- the target -------------------------------------------------------------------------------------------------

@@ -37,13 +37,7 @@ from dsv4convert.formats.fp8_block import quantize_fp8_block
 from dsv4convert.formats.mxfp4 import quantize_mxfp4
 from dsv4convert.inspection import inspect_checkpoint
 from dsv4convert.models.deepseek_v4.configs import drafter_keys
-from dsv4convert.models.deepseek_v4.layout import (
-    DSPARK_KEY_PREFIX,
-    ModelConfig,
-    TensorSpec,
-    native_inventory,
-    without_drafter,
-)
+from dsv4convert.models.deepseek_v4.layout import ModelConfig, TensorSpec, native_inventory, without_drafter
 from dsv4convert.models.deepseek_v41.config import read_config as read_v41_config
 from dsv4convert.models.deepseek_v41.inventory import native_groups as v41_groups
 from dsv4convert.models.registry import fp8_block_of_config
@@ -181,8 +175,7 @@ def write_v41_with_drafter(dst: Path, base: Path, drafter_dir: Path, *, overwrit
     as the release plans them (``models/deepseek_v41/inventory.py``: one shard per group, the stages' between the
     head and the Engram tables), the ``text_config`` with the drafter's keys (``dspark.json``'s ``config``)."""
     def merged(config: dict, keys: dict | None) -> dict:
-        text = {k: v for k, v in config["text_config"].items() if not k.startswith(DSPARK_KEY_PREFIX)}
-        return {**config, "text_config": text | keys["text_config"]}
+        return {**config, "text_config": without_drafter(config["text_config"]) | keys["text_config"]}
 
     return assemble_with_drafter(dst, base, drafter_dir, merged,
                                  lambda config: v41_groups(read_v41_config(config, "config.json")),
@@ -206,16 +199,14 @@ def assemble_with_drafter(dst: Path, base: Path, drafter_dir: Path | None,
     config = merged(source.config, keys)
     plan = groups(config)
     specs = [s for group in plan for s in group]
-    for spec in specs:
-        if not in_draft(spec.name):
-            _check_stored(source.entry(spec.name).dtype, source.entry(spec.name).shape, spec, base)
     drafter_file = Path(drafter_dir or base) / DSPARK_TENSORS_NAME
     for spec in specs:
         if not in_draft(spec.name):
-            continue
-        if spec.name not in drafter:
+            _check_stored(source.entry(spec.name).dtype, source.entry(spec.name).shape, spec, base)
+        elif spec.name not in drafter:
             raise DSV4Error("the drafter's file lacks a tensor the layout needs", file=drafter_file, tensor=spec.name)
-        _check_stored(drafter[spec.name].dtype, drafter[spec.name].shape, spec, drafter_file)
+        else:
+            _check_stored(drafter[spec.name].dtype, drafter[spec.name].shape, spec, drafter_file)
     extra = sorted(set(drafter) - {s.name for s in specs})
     if extra:
         raise DSV4Error(f"the drafter's file holds {len(extra)} tensors the layout has no place for", file=drafter_file,
@@ -272,9 +263,7 @@ def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) 
     files copied (the index last, so an interrupted copy never looks complete); ``dspark`` 0731's layout, its
     backbone's bytes with the shipped DSpark drafter under ``mtp.*``; ``none`` the backbone alone."""
     dst = Path(dst)
-    files = sorted(p for p in ORGANISM_DIR.iterdir() if p.is_file())
-    if not any(p.name == INDEX_NAME for p in files):
-        raise DSV4Error("the package has no organism checkpoint (reinstall dsv4convert)", file=ORGANISM_DIR)
+    files = shipped_files(ORGANISM_DIR, "organism")
     if drafter == "dspark" and not any(ORGANISM_DSPARK_DIR.glob("*.safetensors")):
         raise DSV4Error("the package has no DSpark drafter for the organism (reinstall dsv4convert)",
                         file=ORGANISM_DSPARK_DIR)
@@ -282,6 +271,14 @@ def write_organism(dst: Path, *, drafter: str = "mtp", overwrite: bool = False) 
         return write_with_drafter(dst, ORGANISM_DIR, ORGANISM_DSPARK_DIR if drafter == "dspark" else None,
                                   overwrite=overwrite)
     return copy_shipped(files, dst, overwrite=overwrite)
+
+
+def shipped_files(directory: Path, what: str) -> list[Path]:
+    """The files of a checkpoint the package ships in ``directory``; one error line where it is not whole."""
+    files = sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else []
+    if not any(p.name == INDEX_NAME for p in files):
+        raise DSV4Error(f"the package has no {what} checkpoint (reinstall dsv4convert)", file=directory)
+    return files
 
 
 def copy_shipped(files: list[Path], dst: Path, *, overwrite: bool = False) -> Path:
@@ -299,9 +296,7 @@ def write_organism_v41(dst: Path, *, drafter: str = "none", overwrite: bool = Fa
     ``drafter``: ``none`` its own files copied; ``dspark`` V4.1's layout, its backbone's bytes with the shipped
     DSpark drafter (``python -m dsv4convert.organism.dspark_v41``'s output) under ``mtp.*``."""
     dst = Path(dst)
-    files = sorted(p for p in ORGANISM_V41_DIR.iterdir() if p.is_file()) if ORGANISM_V41_DIR.is_dir() else []
-    if not any(p.name == INDEX_NAME for p in files):
-        raise DSV4Error("the package has no V4.1 organism checkpoint (reinstall dsv4convert)", file=ORGANISM_V41_DIR)
+    files = shipped_files(ORGANISM_V41_DIR, "V4.1 organism")
     if drafter == "dspark":
         if not (ORGANISM_V41_DSPARK_DIR / DSPARK_TENSORS_NAME).is_file():
             raise DSV4Error(f"the package has no DSpark drafter for the V4.1 organism ({DSPARK_TENSORS_NAME} missing: "
