@@ -18,7 +18,8 @@ forward hooks (and one instance-level wrapper of the experts' gate), each a pure
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ from dsv4convert.formats.activations import fp8_token_groups, mxfp8_activations,
 from dsv4convert.formats.kv_cache import indexer_fp4, indexer_fp8, kv_cache_fp8
 from dsv4convert.model.blocks import LINEAR_PATHS, MtpEntry, WeightSource
 from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
+
+Quantize = Callable[[torch.Tensor], torch.Tensor]
 
 # Dense linears SGLang builds with quant_config=None (docs/served-numerics.md): never W8A8.
 UNQUANTIZED = frozenset({"attn.compressor.wkv", "attn.compressor.wgate", "attn.indexer.weights_proj",
@@ -154,36 +157,50 @@ def _experts(layer: nn.Module, block: str, serving, source: WeightSource, instal
     if scheme is None:
         return
     experts = layer.mlp.experts
-    name = f"{block}.ffn.experts"
-    if scheme == "fp8":
-        fc1 = fc2 = _token_groups("float32", source, name)
-    elif scheme == "mxfp8":
-        fc1 = fc2 = lambda x: mxfp8_activations(x, name=name)  # noqa: E731
-    elif scheme == "nvfp4":
-        w13, w2 = _layer_input_scales(source, block, experts.num_experts)
-        fc1 = lambda x: nvfp4_activations(x, w13, name=f"{name} (w1/w3 input)")  # noqa: E731
-        fc2 = lambda x: nvfp4_activations(x, w2, name=f"{name} (w2 input)")  # noqa: E731
-    else:
-        raise DSV4Error(f"{name}: no emulation for expert activations {scheme!r}")
+    fc1, fc2 = expert_quantizers(scheme, source.fp8_block[1], f"{block}.ffn.experts",
+                                 lambda: layer_input_scales(source.stored_tensor, block, range(experts.num_experts),
+                                                            source.ckpt.root, source.device))
     installed.hook(experts.register_forward_pre_hook(on_input(fc1)))
     gate = experts._apply_gate
     installed.wrap(experts, "_apply_gate", lambda gate_up: fc2(gate(gate_up)))
 
 
-def _layer_input_scales(source: WeightSource, block: str, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The NVFP4 runners' global activation scales: the largest ``input_scale`` over the layer's experts,
-    for the expert input (w1 and w3) and for the down projection (w2)."""
+def expert_quantizers(scheme: str, group: int, name: str,
+                      input_scales: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[Quantize, Quantize]:
+    """The routed experts' activation quantization by ``Serving.expert_scheme``'s ``scheme``, either release: (the
+    experts' input, the down projection's input). ``fp8``: per-token-group FP8 in 1 x ``group`` slices, float32
+    scales (``Fp8MoEMethod``, Triton); ``mxfp8``; ``nvfp4``: W4A4 with the layer's largest ``input_scale`` for each
+    (``input_scales()``, read only then)."""
+    if scheme in ("fp8", "mxfp8"):
+        quantize = (token_groups("float32", group, name) if scheme == "fp8"
+                    else lambda x: mxfp8_activations(x, name=name))
+        return quantize, quantize
+    if scheme == "nvfp4":
+        w13, w2 = input_scales()
+        return (lambda x: nvfp4_activations(x, w13, name=f"{name} (w1/w3 input)"),
+                lambda x: nvfp4_activations(x, w2, name=f"{name} (w2 input)"))
+    raise DSV4Error(f"{name}: no emulation for expert activations {scheme!r}")
+
+
+def layer_input_scales(read: Callable[[str], torch.Tensor | None], block: str, experts: Iterable[int], root: Path,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NVFP4 runners' global activation scales: the largest ``input_scale`` over the layer's ``experts``, for the
+    expert input (w1 and w3) and for the down projection (w2) (``modelopt_quant.py::ModelOptNvFp4FusedMoEMethod.
+    process_weights_after_loading``: ``w13_input_scale.max()``, ``w2_input_scale.max()``). ``read`` gives a stored
+    tensor or None."""
+    experts = list(experts)
+
     def largest(projections: tuple[str, ...]) -> torch.Tensor:
         values = []
-        for e in range(n_experts):
+        for e in experts:
             for proj in projections:
                 name = f"{block}.ffn.experts.{e}.{proj}.input_scale"
-                value = source.stored_tensor(name)
+                value = read(name)
                 if value is None:
                     raise DSV4Error("NVFP4 expert without its input_scale: the W4A4 activations cannot be emulated",
-                                    file=source.ckpt.root, tensor=name)
+                                    file=root, tensor=name)
                 values.append(value.float().reshape(()))
-        return torch.stack(values).max().to(source.device)
+        return torch.stack(values).max().to(device)
     return largest(("w1", "w3")), largest(("w2",))
 
 

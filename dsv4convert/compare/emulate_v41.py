@@ -21,22 +21,24 @@ pass's components) computes with the served numerics. Which scheme applies to wh
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-
-import torch
 from torch import nn
 
-from dsv4convert.compare.emulate import Installed, on_input, token_groups
+from dsv4convert.compare.emulate import (
+    Installed,
+    Quantize,
+    expert_quantizers,
+    layer_input_scales,
+    on_input,
+    token_groups,
+)
 from dsv4convert.engines.sglang.numerics import V41Serving
-from dsv4convert.errors import DSV4Error
-from dsv4convert.formats.activations import mxfp8_activations, nvfp4_activations
+from dsv4convert.formats.activations import mxfp8_activations
 from dsv4convert.model.v41.weights import WeightSource
 from dsv4convert.model.v41.dspark import dspark_of
 from dsv4convert.models.deepseek_v4.names import DSparkNames, in_draft
 
 ROUTED = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])$")
 
-Quantize = Callable[[torch.Tensor], torch.Tensor]
 
 
 def quantizer(scheme: str, group: int, name: str) -> Quantize:
@@ -89,33 +91,11 @@ def install_entry(entry: nn.Module, serving: V41Serving | None, source: WeightSo
 
 def _experts(scheme: str, modules: list[tuple[int, str, nn.Linear]], block_name: str, source: WeightSource,
              group: int, installed: Installed) -> None:
-    name = f"{block_name}.ffn.experts"
-    if scheme == "fp8":          # Fp8MoEMethod, Triton: sglang_per_token_group_quant_fp8(A, block_k), float32 scales
-        fc1 = fc2 = token_groups("float32", group, name)
-    elif scheme == "mxfp8":
-        fc1 = fc2 = quantizer("mxfp8", group, name)
-    elif scheme == "nvfp4":
-        w13, w2 = (_largest_input_scale(source, block_name, modules, projections) for projections in
-                   (("w1", "w3"), ("w2",)))
-        fc1 = lambda x: nvfp4_activations(x, w13, name=f"{name} (w1/w3 input)")  # noqa: E731
-        fc2 = lambda x: nvfp4_activations(x, w2, name=f"{name} (w2 input)")  # noqa: E731
-    else:
-        raise DSV4Error(f"{name}: no emulation for expert activations {scheme!r}")
+    """One scheme's experts of a block: each expert's ``w1``/``w3`` input and ``w2`` input (:func:`.emulate.
+    expert_quantizers`, the NVFP4 scale over the experts the block holds)."""
+    fc1, fc2 = expert_quantizers(
+        scheme, group, f"{block_name}.ffn.experts",
+        lambda: layer_input_scales(lambda n: source.ckpt.read(n) if n in source.ckpt.tensors else None, block_name,
+                                   sorted({e for e, _, _ in modules}), source.ckpt.root, source.device))
     for _, proj, module in modules:
         installed.hook(module.register_forward_pre_hook(on_input(fc2 if proj == "w2" else fc1)))
-
-
-def _largest_input_scale(source: WeightSource, block_name: str, modules: list[tuple[int, str, nn.Linear]],
-                         projections: tuple[str, ...]) -> torch.Tensor:
-    """The NVFP4 runner's global activation scale: the largest ``input_scale`` over the layer's experts
-    (``modelopt_quant.py::ModelOptNvFp4FusedMoEMethod.process_weights_after_loading``: ``w13_input_scale.max()``,
-    ``w2_input_scale.max()``)."""
-    values = []
-    for e in sorted({e for e, _, _ in modules}):
-        for proj in projections:
-            tensor = f"{block_name}.ffn.experts.{e}.{proj}.input_scale"
-            if tensor not in source.ckpt.tensors:
-                raise DSV4Error("NVFP4 expert without its input_scale: the W4A4 activations cannot be emulated",
-                                file=source.ckpt.root, tensor=tensor)
-            values.append(source.ckpt.read(tensor).float().reshape(()))
-    return torch.stack(values).max().to(source.device)
